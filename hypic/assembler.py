@@ -1,0 +1,136 @@
+"""The combine pass (DESIGN §5): run only the recompute tokens through every layer, splicing
+cached segment interiors in between.
+
+One code path serves full prefill (a single run from position 0), segment prefill (a single run
+with an ``InteriorCapture``), the HYPIC combine pass (runs and splices) and decode (one-token runs).
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from .composition import compose_states, delta_rule_transition, naive_addition
+from .kernels.gated_delta import gated_delta_rule
+from .models import HybridModel
+from .models.attention import GatedAttention
+from .models.gated_deltanet import GatedDeltaNet, MixerOutput
+from .models.rope import RotaryEmbedding
+from .segments import Piece, Run, Splice
+from .state import AttentionLayerState, LinearLayerState, RequestState
+from .store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntry
+
+
+@dataclass
+class InteriorCapture:
+    """Collects a segment's interior [lo, hi) per layer while the segment is prefilled alone."""
+
+    lo: int
+    hi: int
+    layers: dict[int, InteriorLayer] = field(default_factory=dict)
+
+    def linear(self, index: int, result: MixerOutput, kernel: int) -> None:
+        """(T_I, S_I|0) from the interior's own recurrence inputs, and its trailing conv window."""
+        inputs = result.inputs.slice(self.lo, self.hi)
+        _, zero_start_state = gated_delta_rule(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+        transition = delta_rule_transition(inputs.k, inputs.g, inputs.beta)
+        padded = torch.cat([result.pre_conv.new_zeros(kernel - 1, result.pre_conv.shape[1]), result.pre_conv])
+        self.layers[index] = LinearInterior(transition, zero_start_state, padded[self.hi : self.hi + kernel - 1].clone())
+
+    def attention(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.layers[index] = AttentionInterior(keys[:, self.lo : self.hi].clone(), values[:, self.lo : self.hi].clone())
+
+
+@dataclass
+class CombineResult:
+    """Logits of the last recompute token ([vocab] fp32, or None) and the request's new state."""
+
+    logits: torch.Tensor | None
+    state: RequestState
+
+
+def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
+    runs = [torch.arange(p.start, p.start + p.length) for p in pieces if isinstance(p, Run)]
+    return torch.cat(runs).to(device)
+
+
+def _linear_layer(
+    mixer: GatedDeltaNet, h: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
+    index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None,
+) -> tuple[torch.Tensor, LinearLayerState]:
+    """Advance through runs; before each run compose the interiors spliced since the last one."""
+    state, conv, outputs, offset = init.recurrent, init.conv, [], 0
+    compose = naive_addition if naive else compose_states
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            cached = entries[piece.segment].layers[index]
+            assert isinstance(cached, LinearInterior)
+            state, conv = compose(state, [(cached.transition, cached.zero_start_state)]), cached.conv_tail
+            continue
+        result = mixer.run(h[offset : offset + piece.length], state, conv)
+        if capture is not None:
+            capture.linear(index, result, mixer.kernel)
+        state, conv, offset = result.state, result.conv_state, offset + piece.length
+        outputs.append(result.output)
+    return torch.cat(outputs), LinearLayerState(state, conv)
+
+
+def _attention_layer(
+    mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
+    entries: dict[int, SegmentEntry], index: int, init: AttentionLayerState, capture: InteriorCapture | None,
+) -> tuple[torch.Tensor, AttentionLayerState]:
+    """Recompute tokens attend causally over L's KV, re-rotated interiors and each other."""
+    proj = mixer.project(h, positions, rope)
+    keys, values, offset = [init.keys], [init.values], 0
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            entry = entries[piece.segment]
+            cached = entry.layers[index]
+            assert isinstance(cached, AttentionInterior)
+            keys.append(rope.rerotate(cached.keys, piece.start - entry.local_start))
+            values.append(cached.values)
+        else:
+            keys.append(proj.key[offset : offset + piece.length].transpose(0, 1))
+            values.append(proj.value[offset : offset + piece.length].transpose(0, 1))
+            offset += piece.length
+    all_keys, all_values = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+    if capture is not None:
+        capture.attention(index, all_keys, all_values)
+    attended = mixer.attend(proj.query, positions, all_keys, all_values)
+    return mixer.output(attended, proj.gate), AttentionLayerState(all_keys, all_values)
+
+
+def _check_pieces(pieces: list[Piece], start: int) -> int:
+    """Pieces must tile [start, end) in order and end with a run; returns end."""
+    position = start
+    for piece in pieces:
+        if piece.start != position or piece.length <= 0:
+            raise ValueError(f"pieces do not tile the request at position {position}: {piece}")
+        position += piece.length
+    if not pieces or not isinstance(pieces[-1], Run):
+        raise ValueError("the last piece must be a recompute run")
+    return position
+
+
+@torch.inference_mode()
+def combine(
+    model: HybridModel, token_ids: list[int], pieces: list[Piece], init: RequestState,
+    entries: dict[int, SegmentEntry] | None = None, *, naive: bool = False,
+    capture: InteriorCapture | None = None, need_logits: bool = True,
+) -> CombineResult:
+    """Run the recompute tokens of ``pieces`` (positions init.length..) through the model.
+    token_ids: all ids of the request so far (at least up to the last piece)."""
+    end = _check_pieces(pieces, init.length)
+    entries = entries or {}
+    positions = _run_positions(pieces, model.device)
+    x = model.embed_tokens(torch.tensor(token_ids, device=model.device)[positions])
+    layers = []
+    for index, layer in enumerate(model.layers):
+        h = layer.input_layernorm(x)
+        if layer.is_linear:
+            mixed, layer_state = _linear_layer(layer.mixer, h, pieces, entries, index, init.layers[index], naive, capture)
+        else:
+            mixed, layer_state = _attention_layer(layer.mixer, model.rope, h, positions, pieces, entries, index,
+                                                  init.layers[index], capture)
+        x = layer.feed_forward(x + mixed)
+        layers.append(layer_state)
+    logits = model.logits(x[-1:])[0] if need_logits else None
+    return CombineResult(logits, RequestState(layers, end, list(token_ids[:end])))

@@ -1,0 +1,75 @@
+"""Random checkpoints of the supported architectures, written by ``transformers`` in HF format
+(for tests, benchmarks and a placeholder default model; nothing is downloaded)."""
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+END_OF_TEXT = "<|endoftext|>"
+TINY_CONFIG: dict[str, Any] = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+MOE_CONFIG: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=32)
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """One token per byte (ids 0..255) plus ``<|endoftext|>`` (id 256): token counts are byte counts."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([END_OF_TEXT])
+    return tokenizer
+
+
+def reference_classes(model_type: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of ``transformers`` for a model type, on its PyTorch path."""
+    if not torch.cuda.is_available():
+        sys.modules.setdefault("fla", None)  # FLA's Triton kernels cannot run on CPU: force the fallback
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    classes = {
+        "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+        "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+        "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+        "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+    }
+    return classes[model_type]
+
+
+def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Zero-initialised norms would hide layout bugs, and the default decays (A up to 16) forget
+    everything within a few tokens: give norms noise and the linear layers long memory."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")):
+                param.add_(0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(1e-3, 3e-2, generator=generator).log())
+
+
+def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", seed: int = 0,
+                            **overrides: Any) -> Path:
+    """Save a seeded random model (config.json, model.safetensors) and a byte-level tokenizer."""
+    path = Path(path)
+    config_class, model_class = reference_classes(model_type)
+    fields = {**TINY_CONFIG, **overrides}
+    torch.manual_seed(seed)
+    if model_type == "qwen3_5":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=fields["hidden_size"])
+        config = config_class(text_config=fields, vision_config=vision)
+    else:
+        config = config_class(**fields)
+    config.eos_token_id = 256
+    model = model_class(config).eval()
+    _randomize(model, torch.Generator().manual_seed(seed))
+    model.save_pretrained(path)
+    byte_level_tokenizer().save(str(path / "tokenizer.json"))
+    return path

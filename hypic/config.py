@@ -1,0 +1,149 @@
+"""Typed model configuration parsed from an HF ``config.json`` (qwen3_next / qwen3_5 families)."""
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UnsupportedModel
+
+TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # multimodal wrappers: text_config inside
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of the full-attention layers."""
+
+    theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    rope_type: str = "default"
+    factor: float = 1.0  # position scaling of rope_type "linear"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the runtime needs to know about a hybrid checkpoint."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def linear_value_ratio(self) -> int:
+        """Value heads per key head in the linear layers (GQA of Gated DeltaNet)."""
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Qwen3-Next's rule: MoE unless listed as MLP-only or off the sparse step."""
+        if self.num_experts <= 0 or index in self.mlp_only_layers:
+            return False
+        return (index + 1) % self.decoder_sparse_step == 0
+
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Unwrap the multimodal Qwen3.5 wrapper to its language model's config."""
+    model_type = raw.get("model_type")
+    if model_type in WRAPPER_MODEL_TYPES:
+        text = dict(raw.get("text_config") or {})
+        text.setdefault("model_type", f"{model_type}_text")
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        text.setdefault("eos_token_id", raw.get("eos_token_id"))
+        return text
+    if model_type not in TEXT_MODEL_TYPES:
+        known = ", ".join(TEXT_MODEL_TYPES + WRAPPER_MODEL_TYPES)
+        raise UnsupportedModel(f"unknown model_type {model_type!r}: HYPIC runs {known}")
+    return raw
+
+
+def _rope_config(text: dict[str, Any]) -> RopeConfig:
+    params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear"):
+        raise UnsupportedModel(f"rope_type {rope_type!r} is not supported (default, linear)")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", text.get("rope_theta", 10000.0))),
+        partial_rotary_factor=float(params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+    )
+
+
+def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
+    layers = int(text["num_hidden_layers"])
+    types = text.get("layer_types")
+    if types is None:
+        interval = int(text.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise UnsupportedModel(f"layer_types {types!r} do not describe {layers} hybrid layers")
+    return tuple(types)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """Build a ``ModelConfig`` from a loaded ``config.json``; raises ``UnsupportedModel``."""
+    text = _text_config(raw)
+    try:
+        heads = int(text["num_attention_heads"])
+        return ModelConfig(
+            model_type=text["model_type"], vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+            num_hidden_layers=int(text["num_hidden_layers"]), layer_types=_layer_types(text),
+            num_attention_heads=heads, num_key_value_heads=int(text["num_key_value_heads"]),
+            head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // heads),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]), linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            intermediate_size=int(text.get("intermediate_size") or 0),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope=_rope_config(text),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            num_experts=int(text.get("num_experts") or 0), num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+            attention_bias=bool(text.get("attention_bias", False)), eos_token_ids=_eos_ids(text.get("eos_token_id")),
+            raw=raw,
+        )
+    except KeyError as missing:
+        raise UnsupportedModel(f"config.json lacks the field {missing.args[0]!r}") from None

@@ -1,0 +1,62 @@
+"""Gated full attention (Qwen3-Next / Qwen3.5): q/k RMSNorm, partial rotary, sigmoid output gate."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+QUERY_BLOCK = 1024  # bounds the score matrix of long prefills to [H, 1024, T]
+
+
+@dataclass
+class AttentionInputs:
+    """Per-token projections of one full-attention layer for N tokens."""
+
+    query: torch.Tensor  # [N, Hq, D], rotated
+    key: torch.Tensor  # [N, Hkv, D], rotated
+    value: torch.Tensor  # [N, Hkv, D]
+    gate: torch.Tensor  # [N, Hq * D]
+
+
+class GatedAttention(nn.Module):
+    """The full-attention token mixer; attention itself runs over caller-assembled KV."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, heads, kv_heads, dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim
+        self.q_proj = nn.Linear(hidden, heads * dim * 2, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=config.attention_bias)
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> AttentionInputs:
+        """x [N, hidden] at global positions [N] -> rotated q, k, v and the output gate."""
+        n = x.shape[0]
+        query, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = rope.apply(self.q_norm(query), positions)
+        key = rope.apply(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), positions)
+        value = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        return AttentionInputs(query, key, value, gate.reshape(n, -1))
+
+    def attend(self, query: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """query [N, Hq, D] at positions q_pos; keys/values [Hkv, T, D] at positions 0..T-1.
+        Each query sees keys at positions <= its own. Returns [N, Hq * D]."""
+        group = self.heads // self.kv_heads
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        key_pos = torch.arange(keys.shape[1], device=keys.device)
+        blocks = []
+        for lo in range(0, query.shape[0], QUERY_BLOCK):
+            q = query[lo : lo + QUERY_BLOCK].transpose(0, 1)
+            mask = key_pos[None, :] <= q_pos[lo : lo + QUERY_BLOCK, None]
+            blocks.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5))
+        return torch.cat(blocks, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+
+    def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended * torch.sigmoid(gate))

@@ -1,0 +1,61 @@
+"""The hybrid decoder stack; token mixing across positions is driven by the assembler."""
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import GatedAttention
+from .gated_deltanet import GatedDeltaNet
+from .mlp import MLP, SparseMoE
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: token mixer (linear or full attention), then MLP or MoE."""
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.is_linear = config.layer_types[index] == "linear_attention"
+        self.mixer: GatedDeltaNet | GatedAttention = GatedDeltaNet(config) if self.is_linear else GatedAttention(config)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                      config.shared_expert_intermediate_size, config.norm_topk_prob)
+            if config.is_moe_layer(index) else MLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual MLP half of the block; x [N, hidden]."""
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of a Qwen3-Next / Qwen3.5 text model."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, "cpu")
+
+    def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "HybridModel":
+        """Move weights; rotary frequencies stay fp32 on the same device."""
+        self.to(device=device, dtype=dtype)
+        self.rope = RotaryEmbedding(self.config.rope, self.config.head_dim, device)
+        return self
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in fp32."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype

@@ -1,0 +1,35 @@
+"""Rotary position embedding with partial rotary, and the re-rotation of cached keys."""
+import torch
+
+from ..config import RopeConfig
+
+
+class RotaryEmbedding:
+    """Rotates the first ``rotary_dim`` channels of each head; the rest pass through."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> None:
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device="cpu") / self.rotary_dim
+        self.inv_freq = (1.0 / rope.theta**exponents / rope.factor).to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] (may be negative: a re-rotation delta) -> cos, sin [N, rotary_dim] fp32."""
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D] rotated for positions [N] (``R(p) x``)."""
+        cos, sin = self.cos_sin(positions)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot.float() * cos[:, None] + rotated_half.float() * sin[:, None]
+        return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+    def rerotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Move cached keys [H, N, D] from their positions a to a + delta: ``K_b = R(b - a) K_a``."""
+        if delta == 0:
+            return keys
+        shift = torch.full((keys.shape[1],), delta, dtype=torch.long)
+        return self.apply(keys.transpose(0, 1), shift).transpose(0, 1)

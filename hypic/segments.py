@@ -1,0 +1,109 @@
+"""Request anatomy: split a prompt on the separator, tokenize each part, lay out recompute runs.
+
+``text = L SEP C1 SEP ... SEP Cn SEP Q``: L sits at position 0 and is cached in full; each C is a
+PIC segment whose interior (all but ``w`` tokens at each end) can be spliced from cache; Q and
+every seam are recomputed.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import InvalidRequest
+
+DEFAULT_SEPARATOR = "<<PIC_SEP>>"
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    """Token ids of each part of a request; ``segments`` are the PIC segments C1..Cn."""
+
+    leading: tuple[int, ...]
+    segments: tuple[tuple[int, ...], ...]
+    trailing: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The request's ids: the concatenation of its parts (what full recompute also sees)."""
+        ids = list(self.leading)
+        for segment in self.segments:
+            ids.extend(segment)
+        return ids + list(self.trailing)
+
+    @property
+    def segment_starts(self) -> list[int]:
+        """Global start position of each PIC segment."""
+        starts, position = [], len(self.leading)
+        for segment in self.segments:
+            starts.append(position)
+            position += len(segment)
+        return starts
+
+
+def split_prompt(text: str, encode: Callable[[str], list[int]], separator: str = DEFAULT_SEPARATOR) -> PromptParts:
+    """Split on ``separator`` and tokenize each part on its own. No separator: the whole text is Q.
+    Raises ``InvalidRequest`` for a prompt with no tokens or an empty segment between separators."""
+    if not isinstance(text, str):
+        raise InvalidRequest(f"prompt must be a string, got {type(text).__name__}")
+    if not separator:
+        raise InvalidRequest("the PIC separator must be a non-empty string")
+    encoded = [tuple(encode(piece)) for piece in text.split(separator)]
+    if not any(encoded):
+        raise InvalidRequest("the prompt has no tokens (empty, or separators only)")
+    if len(encoded) == 1:
+        return PromptParts((), (), encoded[0])
+    for index, segment in enumerate(encoded[1:-1]):
+        if not segment:
+            raise InvalidRequest(f"segment {index + 1} is empty: two separators with nothing between them")
+    return PromptParts(encoded[0], tuple(encoded[1:-1]), encoded[-1])
+
+
+@dataclass(frozen=True)
+class Run:
+    """Tokens recomputed in the combine pass: positions [start, start + length)."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Splice:
+    """The cached interior of PIC segment ``segment`` placed at global positions [start, start + length)."""
+
+    segment: int
+    start: int
+    length: int
+
+
+Piece = Run | Splice
+
+
+def has_interior(length: int, seam_width: int) -> bool:
+    """A segment is cacheable only if something is left between its two seams."""
+    return length > 2 * seam_width
+
+
+def _append_run(pieces: list[Piece], start: int, length: int) -> None:
+    """Append a run, merging it into a run that ends where it starts."""
+    if length <= 0:
+        return
+    if pieces and isinstance(pieces[-1], Run) and pieces[-1].start + pieces[-1].length == start:
+        pieces[-1] = Run(pieces[-1].start, pieces[-1].length + length)
+    else:
+        pieces.append(Run(start, length))
+
+
+def build_layout(parts: PromptParts, seam_width: int, spliced: set[int]) -> list[Piece]:
+    """Pieces after L, in position order. ``spliced``: indices of segments to splice from cache
+    (each must have an interior); every other segment is recomputed whole. The last token is
+    always recomputed, because its logits start the generation."""
+    pieces: list[Piece] = []
+    total = len(parts.token_ids)
+    for index, (segment, start) in enumerate(zip(parts.segments, parts.segment_starts)):
+        end = start + len(segment)
+        if index in spliced and not (seam_width == 0 and end == total):
+            _append_run(pieces, start, seam_width)
+            pieces.append(Splice(index, start + seam_width, len(segment) - 2 * seam_width))
+            _append_run(pieces, end - seam_width, seam_width)
+        else:
+            _append_run(pieces, start, len(segment))
+    _append_run(pieces, total - len(parts.trailing), len(parts.trailing))
+    return pieces

@@ -1,0 +1,1 @@
+"""Fast paths with their PyTorch references (installed as ``hypic.kernels``)."""

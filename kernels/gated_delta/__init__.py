@@ -1,0 +1,58 @@
+"""Gated delta rule: one interface, the fastest correct path for the device.
+
+CUDA with flash-linear-attention installed -> FLA's Triton kernels; anywhere else -> the
+PyTorch chunked form, or the token loop for very short runs (decode, seams).
+"""
+import functools
+
+import torch
+
+from .chunk import chunk_gated_delta_rule
+from .naive import naive_gated_delta_rule
+
+SHORT_RUN = 16  # below this the token loop beats the chunk form's padding on CPU
+
+
+@functools.cache
+def _fla_ops():
+    """FLA's kernels, or None when they cannot run (no package, or no GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk, fused_recurrent_gated_delta_rule as step
+    except ImportError:
+        return None
+    return chunk, step
+
+
+def _fla_gated_delta_rule(ops, q, k, v, g, beta, initial_state, scale):
+    chunk, step = ops
+    kernel = step if q.shape[0] < SHORT_RUN else chunk
+    out, state = kernel(
+        q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
+        initial_state=None if initial_state is None else initial_state[None].float(), output_final_state=True,
+    )
+    return out[0].float(), state[0].float()
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [T, H, K] (l2-normalised, expanded to value heads); v [T, H, V]; g, beta [T, H];
+    initial_state [H, K, V]. Returns o [T, H, V] fp32 and final state [H, K, V] fp32."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    ops = _fla_ops() if q.is_cuda else None
+    if ops is not None:
+        return _fla_gated_delta_rule(ops, q, k, v, g, beta, initial_state, scale)
+    if q.shape[0] < SHORT_RUN:
+        return naive_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
+
+
+__all__ = ["gated_delta_rule", "chunk_gated_delta_rule", "naive_gated_delta_rule"]

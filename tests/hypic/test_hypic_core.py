@@ -1,0 +1,123 @@
+"""HYPIC's cache operations vs full recompute: layer-0 exactness, seams, re-rotation, reuse."""
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hypic import DEFAULT_SEPARATOR as SEP, Engine
+from hypic.config import RopeConfig
+from hypic.models.rope import RotaryEmbedding
+from hypic.segments import Run, Splice, build_layout, split_prompt
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("abcdefghijklmnop ,.") for _ in range(n))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def engine(tiny_checkpoint: Path) -> Engine:
+    return Engine.from_pretrained(tiny_checkpoint, seam_width=8)
+
+
+def _request(seed: int, documents: int = 4) -> tuple[str, list[str], str]:
+    rng = random.Random(seed)
+    return _text(rng, 24), [_text(rng, rng.randint(40, 160)) for _ in range(documents)], _text(rng, 20)
+
+
+def test_layer0_composed_state_equals_full_recompute(engine: Engine) -> None:
+    """Dense family (Gated DeltaNet): composing cached (T_C, S_C|0) is exact at layer 0."""
+    for seed in range(3):
+        leading, docs, query = _request(seed)
+        prompt = leading + SEP + SEP.join(docs) + SEP + query
+        engine.warmup(docs)
+        hypic = engine.prefill(engine.parse(prompt), "hypic")
+        full = engine.prefill(engine.parse(prompt), "full")
+        assert hypic.stats.segments_hit == 4
+        first = engine.model.config.linear_layers()[0]
+        error = _rel(hypic.state.layers[first].recurrent, full.state.layers[first].recurrent)
+        assert error <= 1e-5, f"seed {seed}: layer-0 relative error {error:.2e}"
+        assert torch.allclose(hypic.state.layers[first].conv, full.state.layers[first].conv, atol=1e-6)
+
+
+def test_naive_addition_differs_measurably_hypic_does_not(engine: Engine) -> None:
+    leading, docs, query = _request(11)
+    prompt = leading + SEP + SEP.join(docs) + SEP + query
+    states = {mode: engine.prefill(engine.parse(prompt), mode).state for mode in ("full", "hypic", "naive")}
+    first = engine.model.config.linear_layers()[0]
+    errors = {mode: _rel(states[mode].layers[first].recurrent, states["full"].layers[first].recurrent)
+              for mode in ("hypic", "naive")}
+    print(f"layer-0 relative state error: hypic {errors['hypic']:.2e}, naive {errors['naive']:.3f}")
+    assert errors["hypic"] <= 1e-5 and errors["naive"] >= 0.05
+
+
+def test_no_interior_means_hypic_is_full_recompute(tiny_checkpoint: Path) -> None:
+    """All segments shorter than 2w+1: nothing is spliced and the output equals full recompute."""
+    engine = Engine.from_pretrained(tiny_checkpoint, seam_width=64)
+    leading, docs, query = _request(5)
+    prompt = leading + SEP + SEP.join(d[:100] for d in docs) + SEP + query
+    full = engine.generate(prompt, max_new_tokens=12, mode="full")
+    hypic = engine.generate(prompt, max_new_tokens=12, mode="hypic")
+    assert hypic.stats.segments_hit == hypic.stats.segments_missed == 0
+    assert hypic.output_ids == full.output_ids
+    a, b = engine.prefill(engine.parse(prompt), "full"), engine.prefill(engine.parse(prompt), "hypic")
+    assert (a.logits - b.logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("partial", [0.25, 1.0])
+def test_key_rerotation_equals_rotation_at_global_positions(partial: float) -> None:
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, partial_rotary_factor=partial), head_dim=32)
+    keys = torch.randn(3, 50, 32)  # [H, N, D] un-rotated
+    local = torch.arange(8, 58)
+    at_local = rope.apply(keys.transpose(0, 1), local).transpose(0, 1)
+    at_global = rope.apply(keys.transpose(0, 1), local + 1234).transpose(0, 1)
+    assert torch.allclose(rope.rerotate(at_local, 1234), at_global, atol=1e-4)
+    if partial < 1:
+        assert torch.equal(at_local[..., rope.rotary_dim :], keys[..., rope.rotary_dim :])
+
+
+def test_second_request_recomputes_only_seams_and_query(engine: Engine) -> None:
+    leading, docs, query = _request(21)
+    first = leading + SEP + SEP.join(docs) + SEP + query
+    engine.generate(first, max_new_tokens=1)
+    other_leading = "a different system prompt"
+    second = other_leading + SEP + SEP.join(reversed(docs)) + SEP + query
+    result = engine.generate(second, max_new_tokens=1)
+    w, lengths = engine.seam_width, [len(engine.tokenizer.encode(d)) for d in docs]
+    assert result.segments_hit == 4 and result.segments_missed == 0
+    assert result.stats.combine_tokens == 2 * w * 4 + len(engine.tokenizer.encode(query))
+    assert result.cached_tokens == sum(n - 2 * w for n in lengths)
+    assert result.recomputed_tokens == result.prompt_tokens - result.cached_tokens
+    assert result.recomputed_tokens == len(engine.tokenizer.encode(other_leading)) + result.stats.combine_tokens
+
+
+def test_leading_segment_reused_in_full(engine: Engine) -> None:
+    leading, docs, query = _request(31)
+    prompt = leading + SEP + docs[0] + SEP + query
+    engine.generate(prompt, max_new_tokens=1, mode="prefix")
+    again = engine.generate(prompt, max_new_tokens=4, mode="prefix")
+    full = engine.generate(prompt, max_new_tokens=4, mode="full")
+    assert again.cached_tokens == len(engine.tokenizer.encode(leading))
+    assert again.output_ids == full.output_ids
+
+
+def test_hypic_drift_above_layer0_is_bounded(engine: Engine) -> None:
+    """Deeper layers see isolated-prefill inputs (the paper's Table 4 effect): small, not zero."""
+    leading, docs, query = _request(41)
+    prompt = leading + SEP + SEP.join(docs) + SEP + query
+    hypic, full = engine.prefill(engine.parse(prompt), "hypic"), engine.prefill(engine.parse(prompt), "full")
+    deepest = engine.model.config.linear_layers()[-1]
+    drift = _rel(hypic.state.layers[deepest].recurrent, full.state.layers[deepest].recurrent)
+    print(f"deepest linear layer drift: {drift:.3%}")
+    assert 0 < drift < 0.5
+
+
+def test_layout_runs_and_splices() -> None:
+    parts = split_prompt("L" + SEP + "x" * 30 + SEP + "y" * 10 + SEP + "z" * 30 + SEP + "QQ", lambda s: list(s.encode()))
+    pieces = build_layout(parts, 4, spliced={0, 2})
+    assert pieces == [Run(1, 4), Splice(0, 5, 22), Run(27, 18), Splice(2, 45, 22), Run(67, 6)]
+    assert build_layout(parts, 0, spliced={0, 1, 2})[-1] == Run(71, 2)
