@@ -73,3 +73,15 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
     model.save_pretrained(path)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
     return path
+
+
+TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type, overrides): the test matrix
+    "qwen3_5_text-ratio2": ("qwen3_5_text", {}),
+    "qwen3_5_text-ratio1": ("qwen3_5_text", dict(linear_num_value_heads=2)),
+    "qwen3_5_text-full-rotary": ("qwen3_5_text", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                        "partial_rotary_factor": 1.0})),
+    "qwen3_next-moe": ("qwen3_next", dict(MOE_CONFIG)),
+    "qwen3_next-dense": ("qwen3_next", dict(num_experts=0)),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", dict(MOE_CONFIG)),
+    "qwen3_5-wrapper": ("qwen3_5", {}),
+}

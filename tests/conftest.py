@@ -1,21 +1,10 @@
 """Shared fixtures: tiny random checkpoints written by ``transformers`` (the oracle) per config."""
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
-from hypic.checkpoints import MOE_CONFIG, write_random_checkpoint
-
-CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3_5_text-ratio2": ("qwen3_5_text", {}),
-    "qwen3_5_text-ratio1": ("qwen3_5_text", dict(linear_num_value_heads=2)),
-    "qwen3_5_text-full-rotary": ("qwen3_5_text", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                                        "partial_rotary_factor": 1.0})),
-    "qwen3_next-moe": ("qwen3_next", dict(MOE_CONFIG)),
-    "qwen3_next-dense": ("qwen3_next", dict(num_experts=0)),
-    "qwen3_5_moe_text": ("qwen3_5_moe_text", dict(MOE_CONFIG)),
-    "qwen3_5-wrapper": ("qwen3_5", {}),
-}
+from hypic.checkpoints import TINY_VARIANTS, write_random_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +14,7 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
     def factory(name: str, seed: int = 0) -> Path:
         if (name, seed) not in made:
-            model_type, overrides = CONFIGS[name]
+            model_type, overrides = TINY_VARIANTS[name]
             path = tmp_path_factory.mktemp(f"{name}-{seed}")
             made[(name, seed)] = write_random_checkpoint(path, model_type, seed, **overrides)
         return made[(name, seed)]

@@ -1,0 +1,490 @@
+"""Train a small Qwen3.5-architecture hybrid model on the synthetic multi-document QA data.
+
+The model is transformers' ``Qwen3_5ForCausalLM``: gated DeltaNet (linear attention)
+layers and full-attention layers in a 3:1 pattern, partial rotary embeddings (0.25) and
+twice as many linear value heads as key heads, i.e. the structure HYPIC serves, at 5-20 M
+parameters.
+
+Each training sequence is one example, tokenized exactly as the engine tokenizes a
+request: every prompt part (instruction, each document, the question part) encoded on
+its own and concatenated, then `` answer`` and ``<|endoftext|>``. The loss is
+
+    loss = mean CE over all tokens + answer_weight * mean CE over the answer tokens
+
+(answer tokens include the closing eos). The first term teaches the language of the
+documents; the second keeps the rare answer tokens, about 0.3 % of a sequence, from being
+drowned out. ``--answer-weight 0`` gives plain language-model loss.
+
+On CPU transformers would pick flash-linear-attention's Triton kernels (which need a GPU)
+whenever the package is installed; ``qwen3_5_classes`` hides the package on CPU so that
+the PyTorch reference path is used. On CUDA the FLA kernels are used when installed.
+
+Command line: ``python -m hypic.data.train --data datasets/synthetic_qa --tokenizer
+PATH --out runs/tiny``; see ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from hypic.data.synthetic_qa import EOS_TOKEN, PAD_TOKEN, prompt_parts, read_jsonl
+from hypic.data.tokenizer import encode_parts, load_tokenizer, special_token_ids, tokenizer_path
+
+IGNORE_INDEX = -100
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the hybrid model (defaults: about 10 M parameters with vocab 4096)."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 8
+    full_attention_interval: int = 4  # every 4th layer is full attention: 3 linear : 1 full
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    linear_num_key_heads: int = 4  # value heads are twice as many (Qwen3.5 GQA layout)
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on; saved beside each checkpoint."""
+
+    data: Path
+    tokenizer: Path
+    out: Path
+    steps: int = 3000
+    batch_size: int = 8
+    seq_len: int = 2048
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    answer_weight: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    max_minutes: float | None = None
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    max_examples: int | None = None
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+
+@dataclass
+class TrainResult:
+    """What a run did: per-step losses, steps completed, where the model was saved."""
+
+    losses: list[float]
+    steps: int
+    out: Path
+    stopped_early: bool
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenized training sequence; tokens from ``answer_start`` on are the answer."""
+
+    ids: list[int]
+    answer_start: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cpu``/``cuda`` as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    return torch.device(name)
+
+
+def qwen3_5_classes(device: torch.device) -> tuple[type, type]:
+    """(Qwen3_5TextConfig, Qwen3_5ForCausalLM), importing so that CPU runs work.
+
+    Off CUDA, flash-linear-attention is hidden before transformers' modeling module is
+    first imported, because transformers binds FLA's GPU-only kernels at import time.
+    """
+    if device.type != "cuda":
+        sys.modules.setdefault("fla", None)
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig, Qwen3_5ForCausalLM
+
+
+def build_model(config: ModelConfig, eos_id: int, pad_id: int, device: torch.device) -> Any:
+    """A freshly initialised ``Qwen3_5ForCausalLM`` (seed torch first for reproducibility)."""
+    config_cls, model_cls = qwen3_5_classes(device)
+    hf_config = config_cls(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        full_attention_interval=config.full_attention_interval,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=2 * config.linear_num_key_heads,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        partial_rotary_factor=config.partial_rotary_factor,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
+                         "partial_rotary_factor": config.partial_rotary_factor},
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    return model_cls(hf_config).to(device)
+
+
+def load_model(model_dir: str | Path, device: str = "auto") -> tuple[torch.device, Any]:
+    """(device, model) for a saved checkpoint, in eval mode; works on CPU (see above)."""
+    torch_device = resolve_device(device)
+    _, model_cls = qwen3_5_classes(torch_device)
+    model = model_cls.from_pretrained(str(model_dir)).to(torch_device).eval()
+    return torch_device, model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def encode_example(tokenizer: Tokenizer, example: dict, eos_id: int) -> Encoded:
+    """Prompt parts encoded one by one (as the engine does), then `` answer`` and eos."""
+    prompt = encode_parts(tokenizer, prompt_parts(example))
+    answer = encode_parts(tokenizer, [" " + example["answer"]]) + [eos_id]
+    return Encoded(prompt + answer, len(prompt))
+
+
+def fit_to_length(tokenizer: Tokenizer, example: dict, eos_id: int,
+                  seq_len: int) -> Encoded | None:
+    """Encode ``example``, dropping distractor documents from the end until it fits.
+
+    Supporting documents are kept, so the shortened example stays answerable; None when
+    even the supporting documents alone do not fit.
+    """
+    docs = list(enumerate(example["documents"]))
+    keep = set(example["supporting_docs"])
+    while True:
+        trimmed = {**example, "documents": [d for _, d in docs]}
+        encoded = encode_example(tokenizer, trimmed, eos_id)
+        if len(encoded.ids) <= seq_len:
+            return encoded
+        drop = next((k for k in range(len(docs) - 1, -1, -1) if docs[k][0] not in keep), None)
+        if drop is None:
+            return None
+        del docs[drop]
+
+
+def load_training_set(config: TrainConfig, tokenizer: Tokenizer, eos_id: int) -> list[Encoded]:
+    """The train split, encoded and fitted to ``seq_len`` (unfittable examples skipped)."""
+    examples = read_jsonl(Path(config.data) / "train.jsonl")[: config.max_examples]
+    encoded = [fit_to_length(tokenizer, ex, eos_id, config.seq_len) for ex in examples]
+    kept = [e for e in encoded if e is not None]
+    if not kept:
+        raise ValueError(f"no training example fits in --seq-len {config.seq_len}")
+    return kept
+
+
+def batch_order(count: int, batch_size: int, seed: int) -> list[list[int]]:
+    """An epoch of batches: a seeded permutation cut into full batches."""
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    size = min(batch_size, count)
+    return [order[i:i + size] for i in range(0, count - size + 1, size)]
+
+
+def make_batch(items: Sequence[Encoded], pad_id: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, labels, answer_mask) for next-token prediction.
+
+    Right padding needs no attention mask: every layer is causal, so real tokens never
+    see the pads that follow them, and pads carry no loss.
+    """
+    width = max(len(item.ids) for item in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.long)
+    answer = torch.zeros((len(items), width), dtype=torch.bool)
+    for row, item in enumerate(items):
+        ids[row, : len(item.ids)] = torch.tensor(item.ids)
+        labels[row, : len(item.ids)] = torch.tensor(item.ids)
+        answer[row, item.answer_start: len(item.ids)] = True
+    return ids.to(device), labels.to(device), answer.to(device)
+
+
+def qa_loss(logits: torch.Tensor, labels: torch.Tensor, answer: torch.Tensor,
+            answer_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total, lm, answer) losses; position t predicts token t + 1."""
+    target, is_answer = labels[:, 1:], answer[:, 1:]
+    token_loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), target,
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+    valid = target != IGNORE_INDEX
+    lm = token_loss[valid].mean()
+    ans = token_loss[is_answer & valid].mean()
+    return lm + answer_weight * ans, lm, ans
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to ``min_ratio`` of the peak at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> tuple[Any, Any]:
+    """AdamW (no decay on norms and biases) with the warm-up + cosine schedule."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, config.warmup_steps, config.steps, config.min_lr_ratio))
+    return optimizer, schedule
+
+
+def save_checkpoint(model: Any, config: TrainConfig, directory: Path, step: int) -> Path:
+    """``save_pretrained`` + tokenizer.json (+ tokenizer_config.json) + training config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    source, target = tokenizer_path(config.tokenizer), directory / "tokenizer.json"
+    if not (target.exists() and target.samefile(source)):  # --out may hold the tokenizer
+        shutil.copyfile(source, target)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN,
+                        "pad_token": PAD_TOKEN, "model_max_length": config.seq_len,
+                        "clean_up_tokenization_spaces": False}
+    _write_json(directory / "tokenizer_config.json", tokenizer_config)
+    _write_json(directory / "training_config.json", {**_jsonable(config), "step": step})
+    return directory
+
+
+def _jsonable(config: TrainConfig) -> dict:
+    """The config as plain JSON values."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``data`` as indented JSON."""
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _prune_checkpoints(out: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` periodic checkpoints written by this script."""
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    for old in checkpoints[: max(0, len(checkpoints) - keep)]:
+        shutil.rmtree(old)
+
+
+class _Batches:
+    """Endless stream of batches, reshuffled each epoch from the run's seed."""
+
+    def __init__(self, data: list[Encoded], batch_size: int, seed: int) -> None:
+        self.data, self.batch_size, self.seed, self.epoch = data, batch_size, seed, 0
+        self.pending: list[list[int]] = []
+
+    def next(self) -> list[Encoded]:
+        """The next batch of encoded examples."""
+        if not self.pending:
+            self.pending = batch_order(len(self.data), self.batch_size, self.seed + self.epoch)
+            self.epoch += 1
+        return [self.data[i] for i in self.pending.pop(0)]
+
+
+def train_step(model: Any, batch: list[Encoded], pad_id: int, config: TrainConfig,
+               device: torch.device) -> tuple[float, float, float]:
+    """Forward + backward of one batch; returns (total, lm, answer) loss values."""
+    ids, labels, answer = make_batch(batch, pad_id, device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(input_ids=ids, use_cache=False).logits
+    total, lm, ans = qa_loss(logits, labels, answer, config.answer_weight)
+    total.backward()
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    return total.item(), lm.item(), ans.item()
+
+
+@dataclass
+class _Run:
+    """The live objects of one training run."""
+
+    config: TrainConfig
+    device: torch.device
+    model: Any
+    batches: _Batches
+    optimizer: Any
+    schedule: Any
+    pad_id: int
+    out: Path
+
+
+def _start_run(config: TrainConfig) -> _Run:
+    """Seed everything, load tokenizer and data, build model and optimizer."""
+    device = resolve_device(config.device)
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    tokenizer = load_tokenizer(config.tokenizer)
+    eos_id, pad_id = special_token_ids(tokenizer)
+    model_config = dataclasses.replace(config.model, vocab_size=tokenizer.get_vocab_size())
+    model = build_model(model_config, eos_id, pad_id, device)
+    batches = _Batches(load_training_set(config, tokenizer, eos_id), config.batch_size,
+                       config.seed)
+    optimizer, schedule = make_optimizer(model, config)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOG_FILE).write_text("", encoding="utf-8")  # a new run starts a new log
+    return _Run(config, device, model, batches, optimizer, schedule, pad_id, out)
+
+
+def _step(run: _Run, step: int, start: float) -> dict:
+    """One optimisation step; returns its log record."""
+    run.model.train()
+    total, lm, ans = train_step(run.model, run.batches.next(), run.pad_id, run.config, run.device)
+    lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used
+    run.optimizer.step()
+    run.schedule.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    record = {"step": step + 1, "loss": total, "lm_loss": lm, "answer_loss": ans,
+              "lr": lr, "seconds": round(time.monotonic() - start, 3)}
+    with open(run.out / LOG_FILE, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+    return record
+
+
+def _maybe_checkpoint(run: _Run, steps_done: int) -> None:
+    """Save a periodic checkpoint every ``save_every`` steps (not at the very end)."""
+    every = run.config.save_every
+    if every and steps_done % every == 0 and steps_done < run.config.steps:
+        save_checkpoint(run.model, run.config, run.out / f"checkpoint-{steps_done:06d}",
+                        steps_done)
+        _prune_checkpoints(run.out, run.config.keep_checkpoints)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run training as configured; saves periodic checkpoints and the final model."""
+    from tqdm import tqdm  # progress bar only; keeps module import light
+
+    run = _start_run(config)
+    bar = tqdm(range(config.steps), desc="train", disable=not config.progress, file=sys.stderr)
+    bar.write(f"model: {count_parameters(run.model) / 1e6:.2f} M parameters on {run.device}")
+    start, losses, stopped = time.monotonic(), [], False
+    for step in bar:
+        record = _step(run, step, start)
+        losses.append(record["loss"])
+        bar.set_postfix(loss=f"{record['loss']:.3f}", ans=f"{record['answer_loss']:.3f}",
+                        lr=f"{record['lr']:.2e}")
+        _maybe_checkpoint(run, step + 1)
+        if config.max_minutes is not None and time.monotonic() - start > 60 * config.max_minutes:
+            stopped = True
+            break
+    bar.close()
+    save_checkpoint(run.model, config, run.out, len(losses))
+    return TrainResult(losses, len(losses), run.out, stopped)
+
+
+_TRAIN_FLAGS = MappingProxyType({
+    "steps": "optimizer steps (the cosine schedule spans them)",
+    "batch_size": "sequences (examples) per step",
+    "seq_len": "longest sequence; longer examples lose distractor documents until they fit",
+    "lr": "peak learning rate of AdamW",
+    "min_lr_ratio": "final learning rate as a fraction of the peak",
+    "warmup_steps": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay (not applied to norms and biases)",
+    "grad_clip": "gradient norm clip (0 disables)",
+    "answer_weight": "extra weight of the answer tokens' mean loss (0: plain LM loss)",
+    "seed": "seed of initialisation and data order",
+    "save_every": "save a checkpoint-NNNNNN directory every N steps (0: only at the end)",
+    "keep_checkpoints": "how many periodic checkpoints to keep",
+})
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line options (model shape flags override ``ModelConfig`` defaults)."""
+    defaults = TrainConfig(Path(), Path(), Path())
+    parser = argparse.ArgumentParser(
+        prog="python -m hypic.data.train",
+        description="Train a small Qwen3.5-architecture hybrid model (3 linear-attention "
+                    "layers : 1 full-attention layer) on the synthetic QA train split. Saves "
+                    "save_pretrained checkpoints with tokenizer.json beside them; the final "
+                    "model goes to --out itself. Runs on CPU (slowly) or CUDA.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path("datasets/synthetic_qa"),
+                        help="dataset directory holding train.jsonl")
+    parser.add_argument("--tokenizer", type=Path, required=True,
+                        help="tokenizer.json or a directory holding it")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    for name, text in _TRAIN_FLAGS.items():
+        value = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+                            help=text)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="wall-clock budget; training stops and saves when it is spent")
+    parser.add_argument("--max-examples", type=int, default=None,
+                        help="use only the first N training examples")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch CPU threads; 1 is far faster on a busy 2-core machine")
+    _add_model_args(parser)
+    return parser.parse_args(argv)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for the model's shape (linear value heads are always 2 x key heads)."""
+    model = ModelConfig()
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int,
+                            default=getattr(model, name), help="model shape")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """A ``TrainConfig`` from parsed command-line options."""
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"model", "progress"}
+    values = vars(args)
+    model = ModelConfig(**{k: v for k, v in values.items() if k in model_fields})
+    return TrainConfig(**{k: v for k, v in values.items() if k in train_fields},
+                       progress=not args.no_progress, model=model)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the command line."""
+    args = _parse_args(argv)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    result = train(config_from_args(args))
+    note = " (stopped by --max-minutes)" if result.stopped_early else ""
+    print(f"trained {result.steps} steps{note}; final loss {result.losses[-1]:.4f}; "
+          f"model saved to {result.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
