@@ -7,8 +7,10 @@ HYPIC paper, section 6.3 ("Scalability of state composition"), Fig. 12:
 
 Every prompt is ``L <<PIC_SEP>> C1 <<PIC_SEP>> ... <<PIC_SEP>> Cn <<PIC_SEP>> Q`` with a 32-token
 leading instruction L and a 32-token question Q. For each shape the documents are cached first
-(``Engine.warmup``) and L is cached by one untimed ``hypic`` request, so that in ``hypic`` mode
-every document is a hit and only the seams (2w tokens per document) and Q are recomputed. Then the
+(``Engine.warmup``), so that in ``hypic`` mode every document is a hit and only L (32 tokens),
+the seams (2w tokens per document) and Q are recomputed. The private pool (prefix cache) is off:
+a repeated prompt would otherwise resume at its last document boundary, which measures prefix
+caching rather than composition. Then the
 time to first token (TTFT) of ``hypic`` and of ``full`` recompute on the same prompt is measured,
 each as the median of ``--repeats`` runs after one untimed warm-up run.
 
@@ -133,7 +135,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="bench_composition.py",
         description="HYPIC vs full recompute TTFT as context length and document count grow (paper Fig. 12): "
                     "(a) 4 documents x {1k,2k,4k} tokens, (b) {4,8,16} documents x 1k tokens. Documents are "
-                    "cached first, so hypic recomputes only the seams and the question.",
+                    "cached first, so hypic recomputes only L, the seams and the question.",
         epilog="Targets: speedup >= 10x at the longest (16k-token) prompt; hypic's cost per extra document "
                ">= 20x smaller than full recompute's. Exit code 0 unless --strict and a target fails.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -237,12 +239,12 @@ def timed_runs(engine: Engine, prompt: str, mode: str, repeats: int) -> list[Gen
 
 
 def measure_shape(engine: Engine, shape: Shape, repeats: int, seed: int) -> ShapeResult:
-    """Cache the shape's documents and L, then the median TTFT of hypic and of full recompute."""
+    """Cache the shape's documents, then the median TTFT of hypic and of full recompute."""
     documents = documents_for(engine, shape, seed)
     prompt = build_prompt(documents, engine.pic_separator)
     start = time.perf_counter()
     engine.warmup(documents)
-    check_all_hit(engine.generate(prompt, max_new_tokens=1, mode="hypic"), shape.num_docs)  # also caches L
+    check_all_hit(engine.generate(prompt, max_new_tokens=1, mode="hypic"), shape.num_docs)
     warmup_s = time.perf_counter() - start
     hypic_runs = timed_runs(engine, prompt, "hypic", repeats)
     for result in hypic_runs:
@@ -354,7 +356,7 @@ def _json_safe(value: Any) -> Any:
 
 def run_benchmark(args: argparse.Namespace, model_dir: Path, model_label: str) -> dict[str, Any]:
     """Load the engine, measure every shape, and assemble the results."""
-    engine = Engine.from_pretrained(model_dir, seam_width=args.seam_width)
+    engine = Engine.from_pretrained(model_dir, seam_width=args.seam_width, private_pool_bytes=0)
     shapes = build_shapes(args)
     results = []
     progress = tqdm(shapes, desc="shapes", unit="shape", disable=args.no_progress, file=sys.stderr)

@@ -1,10 +1,11 @@
 """HYPIC: position-independent caching for hybrid-attention LLMs."""
+from .default_model import default_model_path
 from .engine import Engine, GenerationResult, Prefill, PrefillStats
 from .errors import CheckpointError, HypicError, InvalidRequest, UnsupportedModel
 from .segments import DEFAULT_SEPARATOR
 
 __all__ = [
     "CheckpointError", "DEFAULT_SEPARATOR", "Engine", "GenerationResult", "HypicError", "InvalidRequest",
-    "Prefill", "PrefillStats", "UnsupportedModel",
+    "Prefill", "PrefillStats", "UnsupportedModel", "default_model_path",
 ]
 __version__ = "0.1.0"

@@ -41,10 +41,12 @@ class InteriorCapture:
 
 @dataclass
 class CombineResult:
-    """Logits of the last recompute token ([vocab] fp32, or None) and the request's new state."""
+    """Logits of the last recompute token ([vocab] fp32, or None), the request's new state, and the
+    linear layers' states at each requested snapshot position (position -> layer index -> state)."""
 
     logits: torch.Tensor | None
     state: RequestState
+    snapshots: dict[int, dict[int, LinearLayerState]] = field(default_factory=dict)
 
 
 def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
@@ -54,9 +56,10 @@ def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
 
 def _linear_layer(
     mixer: GatedDeltaNet, h: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
-    index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None,
+    index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None, snapshots: dict[int, dict],
 ) -> tuple[torch.Tensor, LinearLayerState]:
-    """Advance through runs; before each run compose the interiors spliced since the last one."""
+    """Advance through runs; before each run compose the interiors spliced since the last one.
+    Records the layer's state in ``snapshots[p]`` for every requested position p a piece ends at."""
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
     compose = naive_addition if naive else compose_states
     for piece in pieces:
@@ -64,12 +67,14 @@ def _linear_layer(
             cached = entries[piece.segment].layers[index]
             assert isinstance(cached, LinearInterior)
             state, conv = compose(state, [(cached.transition, cached.zero_start_state)]), cached.conv_tail
-            continue
-        result = mixer.run(h[offset : offset + piece.length], state, conv)
-        if capture is not None:
-            capture.linear(index, result, mixer.kernel)
-        state, conv, offset = result.state, result.conv_state, offset + piece.length
-        outputs.append(result.output)
+        else:
+            result = mixer.run(h[offset : offset + piece.length], state, conv)
+            if capture is not None:
+                capture.linear(index, result, mixer.kernel)
+            state, conv, offset = result.state, result.conv_state, offset + piece.length
+            outputs.append(result.output)
+        if piece.start + piece.length in snapshots:
+            snapshots[piece.start + piece.length][index] = LinearLayerState(state, conv)
     return torch.cat(outputs), LinearLayerState(state, conv)
 
 
@@ -114,11 +119,13 @@ def _check_pieces(pieces: list[Piece], start: int) -> int:
 def combine(
     model: HybridModel, token_ids: list[int], pieces: list[Piece], init: RequestState,
     entries: dict[int, SegmentEntry] | None = None, *, naive: bool = False,
-    capture: InteriorCapture | None = None, need_logits: bool = True,
+    capture: InteriorCapture | None = None, need_logits: bool = True, snapshot_at: list[int] | None = None,
 ) -> CombineResult:
     """Run the recompute tokens of ``pieces`` (positions init.length..) through the model.
-    token_ids: all ids of the request so far (at least up to the last piece)."""
+    token_ids: all ids of the request so far (at least up to the last piece). ``snapshot_at``:
+    positions (each the end of some piece, see ``split_runs``) where linear states are recorded."""
     end = _check_pieces(pieces, init.length)
+    snapshots: dict[int, dict] = {p: {} for p in snapshot_at or []}
     entries = entries or {}
     positions = _run_positions(pieces, model.device)
     x = model.embed_tokens(torch.tensor(token_ids, device=model.device)[positions])
@@ -126,11 +133,13 @@ def combine(
     for index, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)
         if layer.is_linear:
-            mixed, layer_state = _linear_layer(layer.mixer, h, pieces, entries, index, init.layers[index], naive, capture)
+            mixed, layer_state = _linear_layer(layer.mixer, h, pieces, entries, index, init.layers[index], naive, capture,
+                                               snapshots)
         else:
             mixed, layer_state = _attention_layer(layer.mixer, model.rope, h, positions, pieces, entries, index,
                                                   init.layers[index], capture)
         x = layer.feed_forward(x + mixed)
         layers.append(layer_state)
     logits = model.logits(x[-1:])[0] if need_logits else None
-    return CombineResult(logits, RequestState(layers, end, list(token_ids[:end])))
+    taken = {p: states for p, states in snapshots.items() if states}
+    return CombineResult(logits, RequestState(layers, end, list(token_ids[:end])), taken)

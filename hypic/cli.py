@@ -1,11 +1,14 @@
-"""``hypic`` command line: generate with position-independent caching from the shell."""
+"""``hypic`` command line: serve over HTTP, or generate from the shell, with position-independent caching."""
 import argparse
 import os
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import DEFAULT_SEPARATOR, Engine, HypicError
 from .engine import MODES
+from .errors import CheckpointError
 
 RANDOM_MODEL_SEED = 0
 
@@ -21,6 +24,56 @@ def random_model_path() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which checkpoint to load, and how to describe it to clients."""
+
+    path: Path
+    name: str
+    description: str
+    random_weights: bool
+
+
+def choose_model(model: str | None) -> ModelChoice:
+    """``--model`` if given; else the shipped default model; else (package built without it) the
+    deterministic random model, labelled as such."""
+    if model is not None:
+        return ModelChoice(Path(model), Path(model).name or "model", f"checkpoint at {model}", False)
+    try:
+        from .default_model import default_model_path
+
+        return ModelChoice(default_model_path(), "hypic-default", "HYPIC's own small Qwen3.5-architecture model "
+                           "trained on synthetic multi-document QA", False)
+    except CheckpointError:
+        return ModelChoice(random_model_path(), "hypic-random-qwen3_5", "RANDOM WEIGHTS: a deterministic random "
+                           "Qwen3.5-architecture model (it produces meaningless text; pass --model for a real one)", True)
+
+
+SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+    """'512M', '2G', '300000' -> bytes; 'none' -> None (unbounded)."""
+    if text.strip().lower() in ("none", "unlimited"):
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 300000, 512M, 2G, none)")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local HF checkpoint directory (default: the model shipped with hypic)")
+    parser.add_argument("--mode", choices=MODES, default="hypic",
+                        help="reuse strategy: hypic (segments + prefix cache), prefix (prefix cache only), "
+                             "naive (segments without transitions: the baseline), full (no reuse) (default: hypic)")
+    parser.add_argument("--seam-width", type=int, default=8, help="tokens recomputed at each segment end (default: 8)")
+    parser.add_argument("--pic-separator", default=DEFAULT_SEPARATOR, help=f"segment separator (default: {DEFAULT_SEPARATOR})")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hypic", description="Position-independent caching for hybrid-attention LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -28,21 +81,65 @@ def _parser() -> argparse.ArgumentParser:
                               description="Generate from PROMPT. Parts between separators are PIC segments: "
                                           f"'system {DEFAULT_SEPARATOR} doc1 {DEFAULT_SEPARATOR} doc2 {DEFAULT_SEPARATOR} question'.")
     gen.add_argument("prompt", nargs="+", help="one or more prompts, run in order on one engine (later ones reuse the cache)")
-    gen.add_argument("--model", help="local HF checkpoint directory (default: a small random Qwen3.5-architecture model)")
-    gen.add_argument("--mode", choices=MODES, default="hypic", help="reuse strategy (default: hypic)")
-    gen.add_argument("--seam-width", type=int, default=8, help="tokens recomputed at each segment end (default: 8)")
-    gen.add_argument("--pic-separator", default=DEFAULT_SEPARATOR, help=f"segment separator (default: {DEFAULT_SEPARATOR})")
+    _model_options(gen)
     gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default: 16)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
+    serve = commands.add_parser("serve", help="run the HTTP server (SGLang /generate and OpenAI-compatible APIs)",
+                                description="Serve a hybrid model over HTTP with position-independent caching. "
+                                            "Endpoints: /generate, /v1/completions, /v1/chat/completions, /v1/models, "
+                                            "/warmup, /health, /get_model_info, /get_server_info, /flush_cache, /metrics.")
+    _model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
+    serve.add_argument("--public-pool-size", type=parse_size, default=parse_size("2G"),
+                       help="byte budget of the public pool of cached documents, e.g. 512M, 2G, none (default: 2G)")
+    serve.add_argument("--private-pool-size", type=parse_size, default=parse_size("2G"),
+                       help="byte budget of the private pool (prefix cache of request states) (default: 2G)")
+    serve.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
+    serve.add_argument("--max-segments", type=int, default=256, help="most PIC segments in one prompt (default: 256)")
+    serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn log level (default: info)")
     return parser
 
 
+def _engine(args: argparse.Namespace, choice: ModelChoice, **pools: int | None) -> Engine:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return Engine.from_pretrained(choice.path, device=args.device, dtype=args.dtype, seam_width=args.seam_width,
+                                  pic_separator=args.pic_separator, **pools)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .server.app import ServerInfo, build_app
+    from .server.chat import load_chat_template
+    from .server.loop import EngineLoop
+
+    for name in ("max_running_requests", "max_segments"):
+        if getattr(args, name) < 1:
+            raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
+    choice = choose_model(args.model)
+    engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size)
+    template, from_model = load_chat_template(choice.path)
+    info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
+                      from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
+                      args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device, args.dtype)
+    loop = EngineLoop(engine, args.mode, args.max_running_requests)
+    loop.start()
+    print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
+          f"on http://{args.host}:{args.port}", flush=True)
+    try:
+        uvicorn.run(build_app(loop, info), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        loop.stop()
+
+
 def _generate(args: argparse.Namespace) -> None:
-    model = args.model or random_model_path()
-    engine = Engine.from_pretrained(model, device=args.device, dtype=args.dtype, seam_width=args.seam_width,
-                                    pic_separator=args.pic_separator)
+    engine = _engine(args, choose_model(args.model))
     for prompt in args.prompt:
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, mode=args.mode)
         print(f"{result.text!r}\n  mode={result.mode} prompt_tokens={result.prompt_tokens} cached={result.cached_tokens} "
@@ -53,7 +150,7 @@ def _generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        _generate(args)
+        _serve(args) if args.command == "serve" else _generate(args)
     except HypicError as err:
         print(f"hypic: error: {err}", file=sys.stderr)
         return 2

@@ -1,19 +1,24 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .assembler import combine
+from .decode import decode_batch
+from .default_model import default_model_path
 from .errors import InvalidRequest
 from .loader import load_model, model_fingerprint
 from .models import HybridModel
 from .sampling import SamplingParams, sample
-from .segment_prefill import prefill_interior, prefill_leading
-from .segments import DEFAULT_SEPARATOR, Piece, PromptParts, Run, build_layout, has_interior, split_prompt
-from .state import RequestState
-from .store import PrefixEntry, Role, SegmentEntry, SegmentStore, entry_key
+from .prefix_cache import PrefixCache
+from .segment_prefill import prefill_interior
+from .segments import (DEFAULT_SEPARATOR, Piece, PromptParts, Run, build_layout, document_boundaries, has_interior,
+                       split_prompt, split_runs)
+from .state import LinearLayerState, RequestState
+from .store import Role, SegmentEntry, SegmentStore, entry_key
 from .tokenizer import TextTokenizer
 
 MODES = ("hypic", "full", "prefix", "naive")
@@ -29,6 +34,7 @@ class PrefillStats:
     segments_hit: int = 0
     segments_missed: int = 0
     combine_tokens: int = 0  # tokens run in the combine pass (seams, Q, unspliced segments)
+    prefix_hit_tokens: int = 0  # leading tokens resumed from the private pool (prefix cache)
 
     @property
     def recomputed_tokens(self) -> int:
@@ -64,10 +70,12 @@ class GenerationResult:
 
 
 class Engine:
-    """A hybrid model with a segment store. Not thread-safe: one request at a time."""
+    """A hybrid model with a public pool (segments) and a private pool (prefix cache of request states).
+    Not thread-safe: the server drives it from one engine-loop thread."""
 
     def __init__(self, model: HybridModel, tokenizer: TextTokenizer, fingerprint: str, *,
-                 seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None) -> None:
+                 seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if not isinstance(seam_width, int) or seam_width < 0:
             raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
         if not pic_separator:
@@ -75,45 +83,42 @@ class Engine:
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
         self.seam_width, self.pic_separator = seam_width, pic_separator
         self.store = store if store is not None else SegmentStore()
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", seam_width: int = 8,
-                        pic_separator: str = DEFAULT_SEPARATOR) -> "Engine":
-        """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
+                        pic_separator: str = DEFAULT_SEPARATOR, public_pool_bytes: int | None = None,
+                        private_pool_bytes: int | None = None) -> "Engine":
+        """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
+        ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
+        Pool budgets in bytes; None means unbounded."""
         if dtype not in DTYPES:
             raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        path = Path(path)
+        path = default_model_path() if str(path) == "default" else Path(path)
         if not path.is_dir():
             raise InvalidRequest(f"model path {str(path)!r} is not a directory")
         model = load_model(path, device, DTYPES[dtype])
-        return cls(model, TextTokenizer.from_dir(path), model_fingerprint(path),
-                   seam_width=seam_width, pic_separator=pic_separator)
+        return cls(model, TextTokenizer.from_dir(path), model_fingerprint(path), seam_width=seam_width,
+                   pic_separator=pic_separator, store=SegmentStore(public_pool_bytes),
+                   prefix_cache=PrefixCache(private_pool_bytes))
 
     # ----- caching -------------------------------------------------------------------------
-    def _leading_state(self, leading: tuple[int, ...], stats: PrefillStats) -> RequestState:
-        """L's running state, from the store or prefilled now (position-dependent, cached in full)."""
-        if not leading:
-            return RequestState.empty(self.model.config, self.model.device, self.model.dtype)
-        key = entry_key(self.fingerprint, 0, Role.LEADING, leading)
-        entry = self.store.get(key, leading)
-        if isinstance(entry, PrefixEntry):
-            stats.cached_tokens += len(leading)
-            return entry.state
-        state = prefill_leading(self.model, leading)
-        self.store.put(PrefixEntry(key, leading, state))
-        return state
-
     def segment_entry(self, token_ids: tuple[int, ...], seam_width: int, role: Role = Role.SEGMENT) -> tuple[SegmentEntry, bool]:
         """The cached interior of a segment (prefilled alone on a miss); returns (entry, was_hit)."""
+        entry, key = self.lookup_segment(token_ids, seam_width, role)
+        return (entry, True) if entry is not None else (self.build_segment(key, token_ids, seam_width), False)
+
+    def lookup_segment(self, token_ids: tuple[int, ...], seam_width: int, role: Role) -> tuple[SegmentEntry | None, str]:
         key = entry_key(self.fingerprint, seam_width, role, token_ids)
-        entry = self.store.get(key, token_ids)
-        if isinstance(entry, SegmentEntry):
-            return entry, True
+        return self.store.get(key, token_ids), key
+
+    def build_segment(self, key: str, token_ids: tuple[int, ...], seam_width: int) -> SegmentEntry:
+        """Prefill a segment alone and offer its interior to the public pool (kept only if it fits)."""
         layers = prefill_interior(self.model, token_ids, seam_width)
         entry = SegmentEntry(key, token_ids, seam_width, seam_width, len(token_ids) - 2 * seam_width, layers)
         self.store.put(entry)
-        return entry, False
+        return entry
 
     def warmup(self, documents: list[str]) -> list[int]:
         """Cache each document as a PIC segment; returns each document's token count.
@@ -130,44 +135,92 @@ class Engine:
         return [len(ids) for ids in encoded]
 
     # ----- prefill -------------------------------------------------------------------------
-    def parse(self, prompt: str) -> PromptParts:
-        """Split and tokenize a prompt, checking it fits the model's positions."""
-        parts = split_prompt(prompt, self.tokenizer.encode, self.pic_separator)
+    def parse(self, prompt: str | list[int]) -> PromptParts:
+        """Split and tokenize a prompt, checking it fits the model's positions. A list of token ids
+        is taken as it is (no segments: every token is Q, though a prefix-cache hit still applies)."""
+        parts = self._parse_ids(prompt) if isinstance(prompt, list) else split_prompt(prompt, self.tokenizer.encode,
+                                                                                     self.pic_separator)
         limit = self.model.config.max_position_embeddings
         if len(parts.token_ids) > limit:
             raise InvalidRequest(f"the prompt has {len(parts.token_ids)} tokens, over the model's limit of {limit}")
         return parts
 
-    def _splice_entries(self, parts: PromptParts, seam_width: int, role: Role,
-                        stats: PrefillStats) -> dict[int, SegmentEntry]:
-        entries = {}
-        for index, segment in enumerate(parts.segments):
-            if has_interior(len(segment), seam_width):
-                entries[index], hit = self.segment_entry(segment, seam_width, role)
-                stats.segments_hit += hit
-                stats.segments_missed += not hit
-                stats.cached_tokens += entries[index].length if hit else 0
-        return entries
+    def _parse_ids(self, ids: list[int]) -> PromptParts:
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise InvalidRequest("input_ids is empty")
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"input_ids must be integers in [0, {vocab}), got {bad!r}")
+        return PromptParts((), (), tuple(ids))
 
-    def prefill(self, parts: PromptParts, mode: str = "hypic") -> Prefill:
-        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive)."""
+    def _namespace(self, mode: str) -> str:
+        """Private-pool tree of a mode: states assembled differently must not be mixed."""
+        return {"hypic": f"hypic:w={self.seam_width}", "naive": "naive", "prefix": "exact"}[mode]
+
+    def _resume_point(self, ids: list[int], mode: str, stats: PrefillStats) -> RequestState:
+        """The longest private-pool hit (never the whole prompt: the last token must be run)."""
+        empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+        if mode == "full":
+            return empty
+        hit = self.prefix_cache.match(self._namespace(mode), ids, len(ids) - 1, empty)
+        if hit is None:
+            return empty
+        stats.cached_tokens += hit.length
+        stats.prefix_hit_tokens = hit.length
+        return hit.state
+
+    def prefill_steps(self, parts: PromptParts, mode: str = "hypic") -> Generator[None, None, Prefill]:
+        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive), one heavy unit
+        (a cold segment's prefill, then the combine pass) per ``next()``; returns the ``Prefill``.
+        Public entries the request uses stay pinned until its combine pass is done."""
         if mode not in MODES:
             raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
         ids = parts.token_ids
         stats = PrefillStats(prompt_tokens=len(ids))
-        if mode == "full":
-            init, entries = RequestState.empty(self.model.config, self.model.device, self.model.dtype), {}
-            pieces: list[Piece] = [Run(0, len(ids))]
-        else:
-            init = self._leading_state(parts.leading, stats)
-            width = {"hypic": self.seam_width, "naive": 0, "prefix": None}[mode]
-            role = Role.NAIVE_SEGMENT if mode == "naive" else Role.SEGMENT
-            entries = {} if width is None else self._splice_entries(parts, width, role, stats)
-            pieces = build_layout(parts, width or 0, set(entries))
-        stats.combine_tokens = sum(p.length for p in pieces if isinstance(p, Run))
-        result = combine(self.model, ids, pieces, init, entries, naive=mode == "naive")
+        init = self._resume_point(ids, mode, stats)
+        width = {"hypic": self.seam_width, "naive": 0, "prefix": None, "full": None}[mode]
+        role = Role.NAIVE_SEGMENT if mode == "naive" else Role.SEGMENT
+        entries: dict[int, SegmentEntry] = {}
+        try:
+            for index, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts)):
+                if width is None or begin < init.length or not has_interior(len(segment), width):
+                    continue
+                entry, key = self.lookup_segment(segment, width, role)
+                entries[index] = entry if entry is not None else self.build_segment(key, segment, width)
+                self.store.pin(key)
+                stats.segments_hit += entry is not None
+                stats.segments_missed += entry is None
+                stats.cached_tokens += entries[index].length if entry is not None else 0
+                if entry is None:
+                    yield
+            boundaries = [p for p in document_boundaries(parts) if p > init.length] if mode != "full" else []
+            pieces = split_runs(build_layout(parts, width or 0, set(entries), init.length), boundaries)
+            stats.combine_tokens = sum(p.length for p in pieces if isinstance(p, Run))
+            result = combine(self.model, ids, pieces, init, entries, naive=mode == "naive", snapshot_at=boundaries)
+        finally:
+            for entry in entries.values():
+                self.store.unpin(entry.key)
+        if mode != "full":
+            self.prefix_cache.insert(self._namespace(mode), result.state, result.snapshots)
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats)
+
+    def prefill(self, parts: PromptParts, mode: str = "hypic") -> Prefill:
+        """Prefill a parsed request under ``mode`` in one go."""
+        steps = self.prefill_steps(parts, mode)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def remember(self, state: RequestState, mode: str) -> None:
+        """Keep a finished request's state in the private pool (multi-turn reuse of its whole text)."""
+        if mode == "full" or state.length == 0:
+            return
+        linear = {i: layer for i, layer in enumerate(state.layers) if isinstance(layer, LinearLayerState)}
+        self.prefix_cache.insert(self._namespace(mode), state, {state.length: linear})
 
     # ----- generation ----------------------------------------------------------------------
     def _finished(self, token: int, params: SamplingParams, produced: int, length: int) -> str | None:
@@ -179,12 +232,10 @@ class Engine:
 
     def decode_step(self, state: RequestState, token: int) -> tuple[torch.Tensor, RequestState]:
         """Append one token to a request's state; returns its logits [vocab] and the new state."""
-        ids = state.token_ids + [token]
-        result = combine(self.model, ids, [Run(state.length, 1)], state)
-        assert result.logits is not None
-        return result.logits, result.state
+        logits, states = decode_batch(self.model, [state], [token])
+        return logits[0], states[0]
 
-    def generate(self, prompt: str, *, max_new_tokens: int = 16, temperature: float = 0.0, mode: str = "hypic",
+    def generate(self, prompt: str | list[int], *, max_new_tokens: int = 16, temperature: float = 0.0, mode: str = "hypic",
                  top_p: float = 1.0, top_k: int = -1, stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                  seed: int | None = None) -> GenerationResult:
         """Prefill ``prompt`` (separators mark PIC segments) under ``mode`` and decode."""
@@ -204,6 +255,7 @@ class Engine:
                 reason = finished
                 break
             logits, state = self.decode_step(state, token)
+        self.remember(state, mode)
         stats = prefill.stats
         return GenerationResult(output, self.tokenizer.decode(output), stats.prompt_tokens, stats.cached_tokens,
                                 stats.recomputed_tokens, ttft, time.perf_counter() - start, reason, mode,

@@ -91,19 +91,40 @@ def _append_run(pieces: list[Piece], start: int, length: int) -> None:
         pieces.append(Run(start, length))
 
 
-def build_layout(parts: PromptParts, seam_width: int, spliced: set[int]) -> list[Piece]:
-    """Pieces after L, in position order. ``spliced``: indices of segments to splice from cache
-    (each must have an interior); every other segment is recomputed whole. The last token is
-    always recomputed, because its logits start the generation."""
+def build_layout(parts: PromptParts, seam_width: int, spliced: set[int], start: int = 0) -> list[Piece]:
+    """Pieces for positions [start, end) in position order; ``start`` is where the state the pass
+    continues from ends (L's end, or a private-pool hit). ``spliced``: indices of segments to splice
+    from cache (each must have an interior and begin at or after ``start``); every other segment is
+    recomputed from ``start`` on. The last token is always recomputed: its logits start generation."""
     pieces: list[Piece] = []
     total = len(parts.token_ids)
-    for index, (segment, start) in enumerate(zip(parts.segments, parts.segment_starts)):
-        end = start + len(segment)
+    _append_run(pieces, start, len(parts.leading) - start)
+    for index, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts)):
+        end = begin + len(segment)
         if index in spliced and not (seam_width == 0 and end == total):
-            _append_run(pieces, start, seam_width)
-            pieces.append(Splice(index, start + seam_width, len(segment) - 2 * seam_width))
+            _append_run(pieces, begin, seam_width)
+            pieces.append(Splice(index, begin + seam_width, len(segment) - 2 * seam_width))
             _append_run(pieces, end - seam_width, seam_width)
-        else:
-            _append_run(pieces, start, len(segment))
-    _append_run(pieces, total - len(parts.trailing), len(parts.trailing))
+        elif end > start:
+            _append_run(pieces, max(begin, start), end - max(begin, start))
+    trailing_start = total - len(parts.trailing)
+    _append_run(pieces, max(trailing_start, start), total - max(trailing_start, start))
     return pieces
+
+
+def document_boundaries(parts: PromptParts) -> list[int]:
+    """Positions where L and each PIC segment end (before the last token): the private pool's
+    snapshot points, so a later request sharing a document prefix resumes at a document edge."""
+    ends = [start + len(segment) for start, segment in zip(parts.segment_starts, parts.segments)]
+    total = len(parts.token_ids)
+    return sorted({p for p in [len(parts.leading), *ends] if 0 < p < total})
+
+
+def split_runs(pieces: list[Piece], positions: list[int]) -> list[Piece]:
+    """Cut runs at ``positions`` so that a piece ends at each of them (where a snapshot is taken)."""
+    out: list[Piece] = []
+    for piece in pieces:
+        cuts = [p for p in positions if piece.start < p < piece.start + piece.length] if isinstance(piece, Run) else []
+        edges = [piece.start, *cuts, piece.start + piece.length]
+        out.extend([Run(a, b - a) for a, b in zip(edges, edges[1:])] if cuts else [piece])
+    return out

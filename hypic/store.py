@@ -4,19 +4,19 @@ Key = hash(model fingerprint, seam width, role, token ids); the token ids are co
 hit so a hash collision can never splice the wrong document.
 """
 import hashlib
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 import torch
 
 from .composition import Transition
-from .state import RequestState
 
 
 class Role(str, Enum):
-    """Where a cached part sits in a request: L (position-dependent) or a PIC segment."""
+    """How a PIC segment's interior was cut: HYPIC's seams or the naive baseline's whole segment."""
 
-    LEADING = "leading"
     SEGMENT = "segment"
     NAIVE_SEGMENT = "naive_segment"  # the naive-addition baseline's whole-segment cache
 
@@ -59,22 +59,9 @@ class SegmentEntry:
     length: int
     layers: list[InteriorLayer]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(_tensor_bytes(layer) for layer in self.layers)
-
-
-@dataclass
-class PrefixEntry:
-    """A leading segment cached in full: the running state after it, valid only at position 0."""
-
-    key: str
-    token_ids: tuple[int, ...]
-    state: RequestState
-
-    @property
-    def nbytes(self) -> int:
-        return self.state.nbytes
 
 
 def entry_key(fingerprint: str, seam_width: int, role: Role, token_ids: tuple[int, ...]) -> str:
@@ -84,33 +71,76 @@ def entry_key(fingerprint: str, seam_width: int, role: Role, token_ids: tuple[in
     return digest.hexdigest()
 
 
-@dataclass
 class SegmentStore:
-    """In-memory public pool with hit/miss counters."""
+    """The public pool: LRU over whole entries under a byte budget; pinned entries are never evicted.
 
-    entries: dict[str, SegmentEntry | PrefixEntry] = field(default_factory=dict)
-    hits: int = 0
-    misses: int = 0
+    An entry that cannot fit (larger than the budget, or the room is held by pinned entries) is
+    not stored; the request that built it still uses it. Sizes are exact tensor bytes.
+    """
 
-    def get(self, key: str, token_ids: tuple[int, ...]) -> SegmentEntry | PrefixEntry | None:
-        """The entry for ``key`` if its token ids are exactly ``token_ids``."""
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.entries: OrderedDict[str, SegmentEntry] = OrderedDict()
+        self.pins: Counter[str] = Counter()
+        self.nbytes = 0
+        self.hits = self.misses = self.evictions = self.rejected = 0
+
+    def get(self, key: str, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        """The entry for ``key`` if its token ids are exactly ``token_ids``; marks it recently used."""
         entry = self.entries.get(key)
         if entry is None or entry.token_ids != token_ids:
             self.misses += 1
             return None
         self.hits += 1
+        self.entries.move_to_end(key)
         return entry
 
-    def put(self, entry: SegmentEntry | PrefixEntry) -> None:
-        """Insert a complete entry (entries are built fully before they are stored)."""
+    def put(self, entry: SegmentEntry) -> bool:
+        """Insert a complete entry, evicting least recently used unpinned ones; False if it does not fit."""
+        if entry.key in self.entries:
+            return True
+        size = entry.nbytes
+        if not self._make_room(size):
+            self.rejected += 1
+            return False
         self.entries[entry.key] = entry
+        self.nbytes += size
+        return True
 
-    def clear(self) -> None:
-        self.entries.clear()
+    def _make_room(self, size: int) -> bool:
+        if self.budget_bytes is None:
+            return True
+        unpinned = [key for key in self.entries if not self.pins[key]]  # oldest first
+        freeable = sum(self.entries[key].nbytes for key in unpinned)
+        if self.nbytes - freeable + size > self.budget_bytes:
+            return False
+        for key in unpinned:
+            if self.nbytes + size <= self.budget_bytes:
+                break
+            self._remove(key)
+            self.evictions += 1
+        return True
 
-    @property
-    def nbytes(self) -> int:
-        return sum(entry.nbytes for entry in self.entries.values())
+    def _remove(self, key: str) -> None:
+        self.nbytes -= self.entries.pop(key).nbytes
+
+    def pin(self, key: str) -> None:
+        """Mark an entry in use (a no-op count for keys not stored: the request holds its own copy)."""
+        self.pins[key] += 1
+
+    def unpin(self, key: str) -> None:
+        self.pins[key] -= 1
+        if self.pins[key] <= 0:
+            del self.pins[key]
+
+    def clear(self) -> int:
+        """Drop every unpinned entry; returns how many were dropped."""
+        dropped = [key for key in self.entries if not self.pins[key]]
+        for key in dropped:
+            self._remove(key)
+        return len(dropped)
 
     def __len__(self) -> int:
         return len(self.entries)

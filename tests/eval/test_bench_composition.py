@@ -45,8 +45,8 @@ def test_tiny_run_structure(bench: ModuleType, tmp_path: Path, capsys: pytest.Ca
         assert shape["speedup"] == pytest.approx(shape["full_ttft_ms"] / shape["hypic_ttft_ms"])
         assert shape["segments_hit"] == n
         assert shape["hypic_recomputed_tokens"] < shape["full_recomputed_tokens"] == shape["prompt_tokens"]
-        assert shape["hypic_recomputed_tokens"] == n * 2 * 8 + question  # seams (w = 8) and Q; L is cached
-        assert shape["hypic_cached_tokens"] == leading + n * (64 - 2 * 8)
+        assert shape["hypic_recomputed_tokens"] == leading + n * 2 * 8 + question  # L, seams (w = 8) and Q
+        assert shape["hypic_cached_tokens"] == n * (64 - 2 * 8)
         assert len(shape["full_samples_ms"]) == len(shape["hypic_samples_ms"]) == 1
 
     slopes = results["slopes"]

@@ -8,7 +8,7 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.config import RopeConfig
 from hypic.models.rope import RotaryEmbedding
-from hypic.segments import Run, Splice, build_layout, split_prompt
+from hypic.segments import Run, Splice, build_layout, document_boundaries, split_runs, split_prompt
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -89,19 +89,22 @@ def test_second_request_recomputes_only_seams_and_query(engine: Engine) -> None:
     result = engine.generate(second, max_new_tokens=1)
     w, lengths = engine.seam_width, [len(engine.tokenizer.encode(d)) for d in docs]
     assert result.segments_hit == 4 and result.segments_missed == 0
-    assert result.stats.combine_tokens == 2 * w * 4 + len(engine.tokenizer.encode(query))
+    new_leading = len(engine.tokenizer.encode(other_leading))
+    assert result.stats.combine_tokens == new_leading + 2 * w * 4 + len(engine.tokenizer.encode(query))
     assert result.cached_tokens == sum(n - 2 * w for n in lengths)
-    assert result.recomputed_tokens == result.prompt_tokens - result.cached_tokens
-    assert result.recomputed_tokens == len(engine.tokenizer.encode(other_leading)) + result.stats.combine_tokens
+    assert result.recomputed_tokens == result.prompt_tokens - result.cached_tokens == result.stats.combine_tokens
 
 
-def test_leading_segment_reused_in_full(engine: Engine) -> None:
+def test_prefix_mode_resumes_at_last_document_boundary(engine: Engine) -> None:
+    """The repeated prompt resumes from the private pool's snapshot at the end of the last
+    document (the request-end snapshot covers the whole prompt, but the last token must run)."""
     leading, docs, query = _request(31)
     prompt = leading + SEP + docs[0] + SEP + query
     engine.generate(prompt, max_new_tokens=1, mode="prefix")
     again = engine.generate(prompt, max_new_tokens=4, mode="prefix")
     full = engine.generate(prompt, max_new_tokens=4, mode="full")
-    assert again.cached_tokens == len(engine.tokenizer.encode(leading))
+    boundary = len(engine.tokenizer.encode(leading)) + len(engine.tokenizer.encode(docs[0]))
+    assert again.cached_tokens == again.stats.prefix_hit_tokens == boundary
     assert again.output_ids == full.output_ids
 
 
@@ -119,5 +122,10 @@ def test_hypic_drift_above_layer0_is_bounded(engine: Engine) -> None:
 def test_layout_runs_and_splices() -> None:
     parts = split_prompt("L" + SEP + "x" * 30 + SEP + "y" * 10 + SEP + "z" * 30 + SEP + "QQ", lambda s: list(s.encode()))
     pieces = build_layout(parts, 4, spliced={0, 2})
-    assert pieces == [Run(1, 4), Splice(0, 5, 22), Run(27, 18), Splice(2, 45, 22), Run(67, 6)]
+    assert pieces == [Run(0, 5), Splice(0, 5, 22), Run(27, 18), Splice(2, 45, 22), Run(67, 6)]
     assert build_layout(parts, 0, spliced={0, 1, 2})[-1] == Run(71, 2)
+    # resuming at 35 (inside segment 1, a private-pool hit): only what follows is laid out
+    assert build_layout(parts, 4, spliced={2}, start=35) == [Run(35, 10), Splice(2, 45, 22), Run(67, 6)]
+    assert document_boundaries(parts) == [1, 31, 41, 71]
+    assert split_runs(pieces, [1, 31, 41]) == [Run(0, 1), Run(1, 4), Splice(0, 5, 22), Run(27, 4), Run(31, 10),
+                                               Run(41, 4), Splice(2, 45, 22), Run(67, 6)]

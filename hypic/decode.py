@@ -1,0 +1,70 @@
+"""Batched decode: one new token for each of B requests in one pass through the model.
+
+Token-wise work (projections, norms, MLP/MoE, LM head) runs on the B tokens together; the
+recurrent step is batched over the requests' stacked states; only full attention, whose KV
+lengths differ, loops over requests.
+"""
+import torch
+import torch.nn.functional as F
+
+from .models import HybridModel
+from .models.attention import GatedAttention
+from .models.gated_deltanet import GatedDeltaNet
+from .models.rope import RotaryEmbedding
+from .state import AttentionLayerState, LinearLayerState, RequestState
+
+
+def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated delta rule step for B requests: state [B, H, K, V]; q, k [B, H, K]; v [B, H, V];
+    g, beta [B, H]. Returns o [B, H, V] and the new state (the naive kernel's formula, batched)."""
+    state = state * g.exp()[..., None, None]
+    recalled = torch.einsum("bhk,bhkv->bhv", k, state)
+    delta = (v - recalled) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q * k.shape[-1] ** -0.5, state), state
+
+
+def _linear_step(mixer: GatedDeltaNet, h: torch.Tensor, layers: list[LinearLayerState]) -> tuple[torch.Tensor, list[LinearLayerState]]:
+    pre_conv = mixer.in_proj_qkv(h)
+    window = torch.cat([torch.stack([s.conv for s in layers]).to(pre_conv.dtype), pre_conv[:, None]], dim=1)
+    post_conv = F.silu(torch.einsum("bkc,ck->bc", window, mixer.conv_weight))
+    inputs = mixer.recurrence_inputs(post_conv, h)
+    states = torch.stack([s.recurrent for s in layers])
+    o, states = delta_rule_step(states, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+    z = mixer.in_proj_z(h).view(h.shape[0], mixer.value_heads, mixer.value_dim)
+    out = mixer.out_proj(mixer.norm(o.to(h.dtype), z).reshape(h.shape[0], -1))
+    return out, [LinearLayerState(states[b], window[b, 1:]) for b in range(h.shape[0])]
+
+
+def _attention_step(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor,
+                    layers: list[AttentionLayerState]) -> tuple[torch.Tensor, list[AttentionLayerState]]:
+    proj = mixer.project(h, positions, rope)
+    attended, new_layers = [], []
+    for b, layer in enumerate(layers):
+        keys = torch.cat([layer.keys, proj.key[b : b + 1].transpose(0, 1)], dim=1)
+        values = torch.cat([layer.values, proj.value[b : b + 1].transpose(0, 1)], dim=1)
+        attended.append(mixer.attend(proj.query[b : b + 1], positions[b : b + 1], keys, values))
+        new_layers.append(AttentionLayerState(keys, values))
+    return mixer.output(torch.cat(attended), proj.gate), new_layers
+
+
+@torch.inference_mode()
+def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[int]) -> tuple[torch.Tensor, list[RequestState]]:
+    """Append ``tokens[b]`` to ``states[b]`` for every b; returns logits [B, vocab] fp32 and the new states."""
+    positions = torch.tensor([s.length for s in states], device=model.device)
+    x = model.embed_tokens(torch.tensor(tokens, device=model.device))
+    per_layer = []
+    for index, layer in enumerate(model.layers):
+        h = layer.input_layernorm(x)
+        old = [s.layers[index] for s in states]
+        if layer.is_linear:
+            mixed, new = _linear_step(layer.mixer, h, old)
+        else:
+            mixed, new = _attention_step(layer.mixer, model.rope, h, positions, old)
+        x = layer.feed_forward(x + mixed)
+        per_layer.append(new)
+    logits = model.logits(x)
+    new_states = [RequestState([layers[b] for layers in per_layer], s.length + 1, s.token_ids + [tokens[b]])
+                  for b, s in enumerate(states)]
+    return logits, new_states

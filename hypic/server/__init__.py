@@ -1,0 +1,1 @@
+"""The HTTP server: engine loop, API messages, FastAPI app."""

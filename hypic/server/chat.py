@@ -1,0 +1,40 @@
+"""Chat messages -> one prompt: the model's own chat template when it ships one, else ChatML.
+
+Separators inside message content pass through untouched, so a RAG chat turn still splits into
+L, PIC segments and Q after rendering.
+"""
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import InvalidRequest
+from .protocol import ChatMessage
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def load_chat_template(model_dir: str | Path) -> tuple[str, bool]:
+    """(template source, whether it came from the model's tokenizer_config.json)."""
+    config = Path(model_dir) / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, str) and template:
+            return template, True
+    return CHATML, False
+
+
+def chat_renderer(template: str) -> Callable[[list[ChatMessage]], str]:
+    """A function rendering messages with ``template`` (sandboxed Jinja, as transformers does)."""
+    compiled = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+    def render(messages: list[ChatMessage]) -> str:
+        try:
+            return compiled.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                   add_generation_prompt=True, bos_token="", eos_token="")
+        except Exception as err:  # a template may reject a message sequence (e.g. roles out of order)
+            raise InvalidRequest(f"the chat template rejected the messages: {err}") from err
+
+    return render

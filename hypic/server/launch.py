@@ -1,0 +1,89 @@
+"""Start ``hypic serve`` as a child process on a free port and wait until it is healthy
+(used by the tests and the load benchmark, which talk to a real server over HTTP)."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    """A port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A running server process, with small blocking helpers to call it."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
+                timeout: float = 300) -> tuple[int, Any]:
+        """(status, parsed JSON or text); HTTP errors are returned, not raised."""
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                status, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as err:
+            status, text = err.code, err.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+    def post(self, path: str, body: Any) -> Any:
+        status, payload = self.request("POST", path, body)
+        if status != 200:
+            raise RuntimeError(f"POST {path} -> {status}: {payload}")
+        return payload
+
+    def get(self, path: str) -> Any:
+        status, payload = self.request("GET", path)
+        if status != 200:
+            raise RuntimeError(f"GET {path} -> {status}: {payload}")
+        return payload
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def start_server(args: list[str], log: Path, threads: int | None = 1, timeout_s: float = 180) -> ServerProcess:
+    """``hypic serve ARGS --port <free>``; returns once /health answers 200."""
+    port = free_port()
+    command = [shutil.which("hypic") or sys.executable, *([] if shutil.which("hypic") else ["-m", "hypic.cli"]),
+               "serve", "--port", str(port), *args]
+    env = dict(os.environ)
+    if threads is not None:
+        command += ["--threads", str(threads)]
+        env["OMP_NUM_THREADS"] = str(threads)
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with status {process.returncode}:\n{log.read_text()}")
+        try:
+            if server.request("GET", "/health", timeout=2)[0] == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"the server did not become healthy in {timeout_s:.0f} s:\n{log.read_text()}")

@@ -1,0 +1,66 @@
+"""Counters of the engine loop, and their Prometheus text exposition."""
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..engine import PrefillStats
+from .protocol import Completion
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class LoopStats:
+    """Totals since start; updated only on the loop thread."""
+
+    requests_received: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    generated_tokens: int = 0
+    segments_hit: int = 0
+    segments_missed: int = 0
+    ttft_sum_s: float = 0.0
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+
+    def add_prefill(self, stats: PrefillStats) -> None:
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
+        self.recomputed_tokens += stats.recomputed_tokens
+        self.segments_hit += stats.segments_hit
+        self.segments_missed += stats.segments_missed
+
+    def add_finished(self, completion: Completion) -> None:
+        self.requests_finished += 1
+        self.ttft_sum_s += completion.ttft_s
+        for index, bound in enumerate(TTFT_BUCKETS):
+            self.ttft_buckets[index] += completion.ttft_s <= bound
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def prometheus_text(snapshot: dict[str, Any]) -> str:
+    """The loop's published snapshot in the Prometheus text format (metric prefix ``hypic_``)."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, value: float, help_text: str) -> None:
+        lines.extend([f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} {kind}", f"hypic_{name} {value}"])
+
+    for name in ("requests_received", "requests_finished", "requests_cancelled", "requests_failed", "prompt_tokens",
+                 "cached_tokens", "recomputed_tokens", "generated_tokens", "segments_hit", "segments_missed"):
+        metric(f"{name}_total", "counter", snapshot[name], name.replace("_", " "))
+    metric("waiting_requests", "gauge", snapshot["waiting_requests"], "requests waiting for prefill")
+    metric("running_requests", "gauge", snapshot["running_requests"], "requests decoding")
+    for pool in ("public_pool", "private_pool"):
+        metric(f"{pool}_bytes", "gauge", snapshot[pool]["bytes"], f"exact tensor bytes held by the {pool.replace('_', ' ')}")
+        metric(f"{pool}_evictions_total", "counter", snapshot[pool]["evictions"], f"{pool.replace('_', ' ')} evictions")
+    lines += ["# HELP hypic_time_to_first_token_seconds time to first token", "# TYPE hypic_time_to_first_token_seconds histogram"]
+    for bound, count in zip(TTFT_BUCKETS, snapshot["ttft_buckets"]):
+        lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="{bound}"}} {count}')
+    lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="+Inf"}} {snapshot["requests_finished"]}')
+    lines.append(f"hypic_time_to_first_token_seconds_sum {snapshot['ttft_sum_s']}")
+    lines.append(f"hypic_time_to_first_token_seconds_count {snapshot['requests_finished']}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,135 @@
+"""The public pool (LRU, byte budget, pins) and the private pool (radix tree of snapshots) against
+closed-form accounting and full recompute."""
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hypic import DEFAULT_SEPARATOR as SEP, Engine
+from hypic.assembler import combine
+from hypic.composition import Family, Transition
+from hypic.prefix_cache import PrefixCache
+from hypic.segments import Run
+from hypic.state import AttentionLayerState, LinearLayerState, RequestState
+from hypic.store import AttentionInterior, SegmentEntry, SegmentStore
+
+
+def _entry(key: str, floats: int) -> SegmentEntry:
+    values = torch.full((1, floats, 1), float("nan"))  # NaN-poisoned: the pool must never read it
+    return SegmentEntry(key, (len(key),), 0, 0, floats, [AttentionInterior(values, values.clone())])
+
+
+def test_public_pool_lru_budget_and_pins() -> None:
+    size = _entry("a", 10).nbytes  # 2 tensors x 10 floats x 4 bytes
+    assert size == 80
+    store = SegmentStore(budget_bytes=3 * size)
+    for key in "abc":
+        assert store.put(_entry(key, 10))
+    assert store.get("a", (1,)) is not None  # a becomes most recent: b is now the oldest
+    store.pin("b")
+    assert store.put(_entry("d", 10))
+    assert set(store.entries) == {"a", "b", "d"} and store.nbytes == 3 * size  # c evicted, b pinned
+    assert not store.put(_entry("huge", 40))  # larger than the budget: refused, nothing evicted
+    store.pin("a"), store.pin("d")
+    assert not store.put(_entry("e", 10))  # every byte pinned
+    assert store.nbytes == 3 * size and store.rejected == 2 and store.evictions == 1
+    store.unpin("a")
+    assert store.put(_entry("e", 10)) and "a" not in store.entries
+    assert store.clear() == 1 and set(store.entries) == {"b", "d"}  # pinned entries survive a flush
+    assert store.nbytes == sum(e.nbytes for e in store.entries.values())
+
+
+def test_public_pool_rejects_wrong_tokens_under_same_key() -> None:
+    store = SegmentStore()
+    store.put(_entry("k", 4))
+    assert store.get("k", (1,)) is not None and store.get("k", (2,)) is None
+
+
+def _random_state(length: int, seed: int) -> RequestState:
+    gen = torch.Generator().manual_seed(seed)
+    linear = LinearLayerState(torch.randn(2, 4, 4, generator=gen), torch.randn(3, 8, generator=gen))
+    attention = AttentionLayerState(torch.randn(1, length, 4, generator=gen), torch.randn(1, length, 4, generator=gen))
+    return RequestState([linear, attention], length, [random.Random(seed).randrange(5) for _ in range(length)])
+
+
+def _template() -> RequestState:
+    return RequestState([LinearLayerState(torch.zeros(2, 4, 4), torch.zeros(3, 8)),
+                         AttentionLayerState(torch.zeros(1, 0, 4), torch.zeros(1, 0, 4))])
+
+
+def test_radix_tree_hits_longest_snapshot_and_splits_edges() -> None:
+    cache = PrefixCache()
+    state = _random_state(20, 0)
+    snap = {5: {0: LinearLayerState(torch.ones(2, 4, 4), torch.ones(3, 8))},
+            20: {0: state.layers[0]}}
+    cache.insert("m", state, snap)
+    ids = state.token_ids
+    hit = cache.match("m", ids + [9], limit=20, template=_template())
+    assert hit is not None and hit.length == 20 and hit.state.token_ids == ids
+    assert torch.equal(hit.state.layers[1].keys, state.layers[1].keys)
+    assert cache.match("m", ids, limit=19, template=_template()).length == 5
+    assert cache.match("other", ids, limit=20, template=_template()) is None  # namespaces are separate
+    diverging = ids[:12] + [(ids[12] + 1) % 5] + ids[13:]
+    assert cache.match("m", diverging, limit=20, template=_template()).length == 5
+    # a second state sharing 12 tokens splits the edge; sizes stay exact (no shared storage)
+    other = _random_state(20, 1)
+    other.token_ids = diverging
+    cache.insert("m", other, {16: {0: other.layers[0]}})
+    hit = cache.match("m", diverging, limit=19, template=_template())
+    assert hit.length == 16
+    assert torch.equal(hit.state.layers[1].keys[:, :12], state.layers[1].keys[:, :12])  # shared prefix kept
+    assert torch.equal(hit.state.layers[1].keys[:, 12:], other.layers[1].keys[:, 12:16])
+    kv_bytes = (20 + 4) * 2 * 4 * 4  # 24 distinct tokens x (K, V) x 4 floats x 4 bytes
+    snapshot_bytes = 3 * (2 * 4 * 4 + 3 * 8) * 4  # 3 snapshots x (recurrent + conv) floats x 4 bytes
+    assert cache.nbytes == kv_bytes + snapshot_bytes
+
+
+def test_radix_tree_evicts_lru_leaves_within_budget() -> None:
+    cache = PrefixCache(budget_bytes=2000)
+    for seed in range(6):
+        state = _random_state(10, 100 + seed)
+        state.token_ids = [seed] + state.token_ids[1:]
+        cache.insert("m", state, {10: {0: state.layers[0]}})
+        assert cache.nbytes <= 2000
+    assert cache.evictions > 0 and len(cache) < 6
+    newest = [5] + _random_state(10, 105).token_ids[1:]
+    assert cache.match("m", newest + [0], limit=10, template=_template()).length == 10
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path) -> Engine:
+    return Engine.from_pretrained(tiny_checkpoint, seam_width=8)
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("abcdefghijklmnop ,.") for _ in range(n))
+
+
+def test_prefix_hit_state_equals_full_prefill(engine: Engine) -> None:
+    """prefix mode: a snapshot at a document boundary resumes exactly where full recompute is."""
+    rng = random.Random(5)
+    leading, docs, query = _text(rng, 20), [_text(rng, 60) for _ in range(3)], _text(rng, 12)
+    engine.prefill(engine.parse(leading + SEP + SEP.join(docs) + SEP + query), "prefix")
+    other = leading + SEP + docs[0] + SEP + docs[1] + SEP + _text(rng, 50) + SEP + query
+    parts = engine.parse(other)
+    resumed = engine.prefill(parts, "prefix")
+    assert resumed.stats.prefix_hit_tokens == len(parts.leading) + 120
+    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    full = combine(engine.model, parts.token_ids, [Run(0, len(parts.token_ids))], empty)
+    assert (resumed.logits - full.logits).abs().max().item() < 1e-4
+    for ours, ref in zip(resumed.state.layers, full.state.layers):
+        for a, b in zip(vars(ours).values(), vars(ref).values()):
+            assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_multi_turn_reuses_whole_first_turn(engine: Engine) -> None:
+    rng = random.Random(6)
+    first = _text(rng, 20) + SEP + _text(rng, 60) + SEP + _text(rng, 15)
+    turn1 = engine.generate(first, max_new_tokens=6, mode="hypic", ignore_eos=True)
+    # as token ids: a random model's bytes need not decode to text that re-encodes the same
+    second = engine.parse(first).token_ids + turn1.output_ids + engine.tokenizer.encode(_text(rng, 10))
+    turn2 = engine.generate(second, max_new_tokens=1, mode="hypic")
+    # the first turn's end state covers its prompt and all but the last generated token
+    assert turn2.stats.prefix_hit_tokens == turn1.prompt_tokens + len(turn1.output_ids) - 1
+    assert turn2.recomputed_tokens == turn2.prompt_tokens - turn2.cached_tokens

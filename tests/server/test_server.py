@@ -1,0 +1,200 @@
+"""The HTTP server end to end: a real process per configuration, driven over HTTP."""
+import json
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from hypic import DEFAULT_SEPARATOR as SEP
+from hypic.segments import split_prompt
+from hypic.tokenizer import TextTokenizer
+from hypic.server.launch import ServerProcess
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("abcdefghijklmnop ,.") for _ in range(n))
+
+
+def _docs(seed: int, count: int, length: int = 80) -> list[str]:
+    rng = random.Random(seed)
+    return [_text(rng, length + rng.randrange(40)) for _ in range(count)]
+
+
+def _prompt(leading: str, docs: list[str], question: str) -> str:
+    return SEP.join([leading, *docs, question])
+
+
+@pytest.fixture(scope="module")
+def hypic_server(launch) -> ServerProcess:
+    return launch("--seam-width", "4")
+
+
+def test_warmup_then_reordered_documents_are_cached(hypic_server: ServerProcess) -> None:
+    a, b, c = _docs(1, 3)
+    counts = hypic_server.post("/warmup", {"documents": [a, b]})["token_counts"]
+    assert counts == [len(a.encode()), len(b.encode())]  # byte-level tokenizer
+    hypic_server.post("/generate", {"text": SEP + c + SEP, "sampling_params": GREEDY})  # warm via separators
+    out = hypic_server.post("/generate", {"text": _prompt("another system prompt", [c, b, a], "which?"),
+                                          "sampling_params": GREEDY})
+    meta = out["meta_info"]
+    assert meta["segments_hit"] == 3 and meta["segments_missed"] == 0
+    assert meta["cached_tokens"] == sum(len(d.encode()) - 2 * 4 for d in (a, b, c)) > 0
+    assert meta["cached_tokens"] == meta["prompt_tokens"] - meta["recomputed_tokens"]
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 8
+
+
+def test_no_interior_hypic_equals_full_recompute(launch) -> None:
+    wide, full = launch("--seam-width", "1000"), launch("--mode", "full")
+    prompt = _prompt("sys", _docs(2, 4), "question?")
+    for server in (wide, full):
+        server.post("/generate", {"text": prompt, "sampling_params": GREEDY})  # the second run sees warm caches
+    first, second = (s.post("/generate", {"text": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 16}})
+                     for s in (wide, full))
+    assert first["output_ids"] == second["output_ids"]
+    assert second["meta_info"]["cached_tokens"] == 0 and second["meta_info"]["mode"] == "full"
+
+
+def test_openai_client_completions_and_chat(hypic_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=hypic_server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    prompt = _prompt("sys", _docs(3, 2), "q")
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop") and done.usage.prompt_tokens == len(prompt.replace(SEP, "").encode())
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+    pieces = [chunk.choices[0].text for chunk in streamed]
+    assert "".join(pieces) == done.choices[0].text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": _prompt("hi", _docs(4, 2), "q")}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the documents in the message were reused
+
+
+def test_generate_streams_server_sent_events(hypic_server: ServerProcess) -> None:
+    body = json.dumps({"text": "stream me", "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 5}}).encode()
+    request = urllib.request.Request(hypic_server.url + "/generate", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = [line.decode().strip() for line in response if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    final = json.loads(lines[-2][len("data: "):])
+    assert final["meta_info"]["completion_tokens"] == 5 and len(final["output_ids"]) == 5
+
+
+def test_multi_turn_reuses_private_state(hypic_server: ServerProcess, tiny_checkpoint: Path) -> None:
+    prompt = _prompt("chat", _docs(5, 2), "first question")
+    first = hypic_server.post("/generate", {"text": prompt, "sampling_params": {**GREEDY, "ignore_eos": True}})
+    ids = split_prompt(prompt, TextTokenizer.from_dir(tiny_checkpoint).encode).token_ids
+    turn = ids + first["output_ids"] + list(b" and then?")
+    second = hypic_server.post("/generate", {"input_ids": turn, "sampling_params": GREEDY})["meta_info"]
+    assert second["prefix_hit_tokens"] == len(ids) + len(first["output_ids"]) - 1
+    assert second["cached_tokens"] == second["prefix_hit_tokens"] == second["prompt_tokens"] - second["recomputed_tokens"]
+
+
+BAD_REQUESTS = [
+    ("POST", "/generate", b"{not json", "not valid JSON"),
+    ("POST", "/generate", b"", "empty"),
+    ("POST", "/generate", json.dumps({"sampling_params": {}}).encode(), "missing prompt"),
+    ("POST", "/generate", json.dumps({"text": "a", "input_ids": [1]}).encode(), "exactly one"),
+    ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -1}}).encode(), "max_new_tokens"),
+    ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"temperature": -0.5}}).encode(), "temperature"),
+    ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"top_p": 0}}).encode(), "top_p"),
+    ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"top_p": 1.5}}).encode(), "top_p"),
+    ("POST", "/generate", json.dumps({"text": "x" * 5000}).encode(), "over the model's limit"),
+    ("POST", "/generate", json.dumps({"text": SEP * 3}).encode(), "no tokens"),
+    ("POST", "/generate", json.dumps({"text": SEP.join(["d"] * 400)}).encode(), "segments, over the limit"),
+    ("POST", "/generate", json.dumps({"text": 5}).encode(), "'text' must be a string"),
+    ("POST", "/generate", json.dumps({"input_ids": [1, 10**9]}).encode(), "input_ids must be integers"),
+    ("POST", "/generate", json.dumps(["text"]).encode(), "JSON object"),
+    ("POST", "/v1/completions", json.dumps({"prompt": "a", "n": 2}).encode(), "'n'"),
+    ("POST", "/v1/completions", json.dumps({"prompt": "a", "model": "gpt-9"}).encode(), "unknown model"),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": []}).encode(), "messages"),
+    ("POST", "/warmup", json.dumps({"documents": "abc"}).encode(), "documents"),
+    ("POST", "/warmup", json.dumps({"documents": [""]}).encode(), "document 0 is empty"),
+    ("GET", "/no/such/endpoint", None, "unknown endpoint"),
+    ("GET", "/generate", None, "not allowed"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "raw", "message"), BAD_REQUESTS)
+def test_bad_input_gets_4xx_and_server_keeps_serving(hypic_server: ServerProcess, method: str, path: str,
+                                                      raw: bytes | None, message: str) -> None:
+    status, payload = hypic_server.request(method, path, raw=raw)
+    assert 400 <= status < 500, payload
+    assert message in payload["error"]["message"]
+    assert hypic_server.request("GET", "/health")[0] == 200
+
+
+def test_client_disconnect_cancels_the_request(hypic_server: ServerProcess) -> None:
+    before = hypic_server.get("/get_server_info")["requests_cancelled"]
+    body = json.dumps({"text": "long one", "stream": True,
+                       "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}}).encode()
+    response = urllib.request.urlopen(urllib.request.Request(hypic_server.url + "/generate", data=body, method="POST"))
+    response.readline()
+    response.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = hypic_server.get("/get_server_info")
+        if info["requests_cancelled"] > before and info["running_requests"] == 0:
+            break
+        time.sleep(0.2)
+    assert info["requests_cancelled"] > before and info["running_requests"] == 0
+
+
+def test_info_models_metrics_and_flush(hypic_server: ServerProcess) -> None:
+    info = hypic_server.get("/get_model_info")
+    assert info["model_type"] == "qwen3_5_text" and info["is_generation"]
+    assert hypic_server.get("/v1/models")["data"][0]["id"] == info["served_model_name"]
+    status, text = hypic_server.request("GET", "/metrics")
+    assert status == 200 and "hypic_cached_tokens_total" in text and "hypic_public_pool_bytes" in text
+    hypic_server.post("/warmup", {"documents": _docs(9, 1)})
+    assert hypic_server.get("/get_server_info")["public_pool"]["entries"] > 0
+    assert hypic_server.post("/flush_cache", {})["flushed"]
+    server_info = hypic_server.get("/get_server_info")
+    assert server_info["public_pool"]["bytes"] == server_info["private_pool"]["bytes"] == 0
+
+
+def test_concurrent_clients_under_eviction_budgets(launch, tiny_checkpoint: Path) -> None:
+    """32 clients, overlapping documents, pools too small for the working set: every response is
+    well-formed and equals the same request served alone by a server with unbounded pools."""
+    budget = 400_000  # a document entry of the tiny model is ~70-100 kB: eviction is certain
+    small = launch("--seam-width", "4", "--public-pool-size", str(budget), "--private-pool-size", str(budget))
+    reference = launch("--seam-width", "4", "--private-pool-size", "0")
+    pool, rng = _docs(11, 10), random.Random(12)
+    prompts = [_prompt(f"system {i % 3}", rng.sample(pool, rng.randint(2, 4)), f"question {i}") for i in range(32)]
+    samples, stop = [], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            info = small.get("/get_server_info")
+            samples.append((info["public_pool"]["bytes"], info["private_pool"]["bytes"]))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    body = lambda p: {"text": p, "sampling_params": GREEDY, "return_logprob": True}  # noqa: E731
+    with ThreadPoolExecutor(32) as executor:
+        results = list(executor.map(lambda p: small.post("/generate", body(p)), prompts))
+    stop.set()
+    watcher.join()
+    expected = [reference.post("/generate", body(p)) for p in prompts]
+    info = small.get("/get_server_info")
+    assert info["requests_finished"] >= 32 and info["requests_failed"] == 0
+    assert info["public_pool"]["evictions"] + info["public_pool"]["rejected"] > 0
+    assert samples and all(public <= budget and private <= budget for public, private in samples)
+    for got, want in zip(results, expected):
+        assert len(got["output_ids"]) == got["meta_info"]["completion_tokens"] == 8
+        assert got["meta_info"]["cached_tokens"] == got["meta_info"]["prompt_tokens"] - got["meta_info"]["recomputed_tokens"]
+        got_lp = [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]
+        want_lp = [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]]
+        assert got_lp[0] == pytest.approx(want_lp[0], abs=1e-3)  # the prefill's first token, from the pools
+        assert got["output_ids"] == want["output_ids"]
