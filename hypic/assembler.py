@@ -4,7 +4,9 @@ cached segment interiors in between.
 One code path serves full prefill (a single run from position 0), segment prefill (a single run
 with an ``InteriorCapture``), the HYPIC combine pass (runs and splices) and decode (one-token runs).
 """
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -14,7 +16,7 @@ from .models import HybridModel
 from .models.attention import GatedAttention
 from .models.gated_deltanet import GatedDeltaNet, MixerOutput
 from .models.rope import RotaryEmbedding
-from .segments import Piece, Run, Splice
+from .segments import Piece, Run, Splice, chunk_pieces
 from .state import AttentionLayerState, LinearLayerState, RequestState
 from .store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntry
 
@@ -27,16 +29,30 @@ class InteriorCapture:
     hi: int
     layers: dict[int, InteriorLayer] = field(default_factory=dict)
 
-    def linear(self, index: int, result: MixerOutput, kernel: int) -> None:
-        """(T_I, S_I|0) from the interior's own recurrence inputs, and its trailing conv window."""
-        inputs = result.inputs.slice(self.lo, self.hi)
-        _, zero_start_state = gated_delta_rule(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-        transition = delta_rule_transition(inputs.k, inputs.g, inputs.beta)
-        padded = torch.cat([result.pre_conv.new_zeros(kernel - 1, result.pre_conv.shape[1]), result.pre_conv])
-        self.layers[index] = LinearInterior(transition, zero_start_state, padded[self.hi : self.hi + kernel - 1].clone())
+    def linear(self, index: int, result: MixerOutput, conv_before: torch.Tensor, start: int, kernel: int) -> None:
+        """Fold the interior tokens of one run (positions from ``start``) into (T_I, S_I|0): a run
+        split into chunks composes exactly. The run reaching ``hi`` also yields the conv tail."""
+        end = start + result.output.shape[0]
+        lo, hi = max(self.lo, start), min(self.hi, end)
+        if lo < hi:
+            part = result.inputs.slice(lo - start, hi - start)
+            _, zero_start_state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta)
+            transition = delta_rule_transition(part.k, part.g, part.beta)
+            earlier = self.layers.get(index)
+            if isinstance(earlier, LinearInterior):
+                zero_start_state = compose_states(earlier.zero_start_state, [(transition, zero_start_state)])
+                transition = earlier.transition.then(transition)
+            self.layers[index] = LinearInterior(transition, zero_start_state, conv_before.new_zeros(0))
+        if start < self.hi <= end:  # window row j holds the pre-conv input of token start - (k-1) + j
+            window = torch.cat([conv_before.to(result.pre_conv.dtype), result.pre_conv])
+            layer = self.layers[index]
+            assert isinstance(layer, LinearInterior)
+            layer.conv_tail = window[self.hi - start : self.hi - start + kernel - 1].clone()
 
     def attention(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.layers[index] = AttentionInterior(keys[:, self.lo : self.hi].clone(), values[:, self.lo : self.hi].clone())
+        """Keep the interior's K and V once the keys (all positions so far) reach ``hi``."""
+        if keys.shape[1] >= self.hi and index not in self.layers:
+            self.layers[index] = AttentionInterior(keys[:, self.lo : self.hi].clone(), values[:, self.lo : self.hi].clone())
 
 
 @dataclass
@@ -70,7 +86,7 @@ def _linear_layer(
         else:
             result = mixer.run(h[offset : offset + piece.length], state, conv)
             if capture is not None:
-                capture.linear(index, result, mixer.kernel)
+                capture.linear(index, result, conv, piece.start, mixer.kernel)
             state, conv, offset = result.state, result.conv_state, offset + piece.length
             outputs.append(result.output)
         if piece.start + piece.length in snapshots:
@@ -143,3 +159,35 @@ def combine(
     logits = model.logits(x[-1:])[0] if need_logits else None
     taken = {p: states for p, states in snapshots.items() if states}
     return CombineResult(logits, RequestState(layers, end, list(token_ids[:end])), taken)
+
+
+def combine_chunked(
+    model: HybridModel, token_ids: list[int], pieces: list[Piece], init: RequestState,
+    entries: dict[int, SegmentEntry] | None = None, *, chunk_tokens: int, naive: bool = False,
+    capture: InteriorCapture | None = None, need_logits: bool = True, snapshot_at: list[int] | None = None,
+) -> Generator[None, None, CombineResult]:
+    """``combine`` in chunks of at most ``chunk_tokens`` recompute tokens, yielding between chunks
+    so that a serving loop can decode other requests meanwhile; returns the same ``CombineResult``."""
+    groups = chunk_pieces(pieces, chunk_tokens)
+    state, snapshots, logits = init, {}, None
+    for number, group in enumerate(groups):
+        if number:
+            yield
+        last = number == len(groups) - 1
+        result = combine(model, token_ids, group, state, entries, naive=naive, capture=capture,
+                         need_logits=need_logits and last, snapshot_at=snapshot_at)
+        state, logits = result.state, result.logits
+        snapshots.update(result.snapshots)
+    return CombineResult(logits, state, snapshots)
+
+
+Result = TypeVar("Result")
+
+
+def drain(steps: Generator[None, None, Result]) -> Result:
+    """Run a stepwise computation (see ``combine_chunked``) to the end; returns its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--private-pool-size", type=parse_size, default=parse_size("2G"),
                        help="byte budget of the private pool (prefix cache of request states) (default: 2G)")
     serve.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
+    serve.add_argument("--chunked-prefill-size", type=int, default=1024,
+                       help="most prefill tokens run between two decode steps, so long prompts do not stall "
+                            "running requests (default: 1024)")
     serve.add_argument("--max-segments", type=int, default=256, help="most PIC segments in one prompt (default: 256)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -103,13 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine(args: argparse.Namespace, choice: ModelChoice, **pools: int | None) -> Engine:
+def _engine(args: argparse.Namespace, choice: ModelChoice, **options: int | None) -> Engine:
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     return Engine.from_pretrained(choice.path, device=args.device, dtype=args.dtype, seam_width=args.seam_width,
-                                  pic_separator=args.pic_separator, **pools)
+                                  pic_separator=args.pic_separator, **options)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -119,11 +122,12 @@ def _serve(args: argparse.Namespace) -> None:
     from .server.chat import load_chat_template
     from .server.loop import EngineLoop
 
-    for name in ("max_running_requests", "max_segments"):
+    for name in ("max_running_requests", "max_segments", "chunked_prefill_size"):
         if getattr(args, name) < 1:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
     choice = choose_model(args.model)
-    engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size)
+    engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size,
+                     chunk_tokens=args.chunked_prefill_size)
     template, from_model = load_chat_template(choice.path)
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .assembler import combine
+from .assembler import combine_chunked, drain
 from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
@@ -14,7 +14,7 @@ from .loader import load_model, model_fingerprint
 from .models import HybridModel
 from .sampling import SamplingParams, sample
 from .prefix_cache import PrefixCache
-from .segment_prefill import prefill_interior
+from .segment_prefill import prefill_interior_steps
 from .segments import (DEFAULT_SEPARATOR, Piece, PromptParts, Run, build_layout, document_boundaries, has_interior,
                        split_prompt, split_runs)
 from .state import LinearLayerState, RequestState
@@ -75,9 +75,12 @@ class Engine:
 
     def __init__(self, model: HybridModel, tokenizer: TextTokenizer, fingerprint: str, *,
                  seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 2048) -> None:
         if not isinstance(seam_width, int) or seam_width < 0:
             raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise InvalidRequest(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+        self.chunk_tokens = chunk_tokens  # prefill work between two decode steps of a serving loop
         if not pic_separator:
             raise InvalidRequest("pic_separator must be a non-empty string")
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
@@ -89,7 +92,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", seam_width: int = 8,
                         pic_separator: str = DEFAULT_SEPARATOR, public_pool_bytes: int | None = None,
-                        private_pool_bytes: int | None = None) -> "Engine":
+                        private_pool_bytes: int | None = None, chunk_tokens: int = 2048) -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         Pool budgets in bytes; None means unbounded."""
@@ -101,21 +104,21 @@ class Engine:
         model = load_model(path, device, DTYPES[dtype])
         return cls(model, TextTokenizer.from_dir(path), model_fingerprint(path), seam_width=seam_width,
                    pic_separator=pic_separator, store=SegmentStore(public_pool_bytes),
-                   prefix_cache=PrefixCache(private_pool_bytes))
+                   prefix_cache=PrefixCache(private_pool_bytes), chunk_tokens=chunk_tokens)
 
     # ----- caching -------------------------------------------------------------------------
     def segment_entry(self, token_ids: tuple[int, ...], seam_width: int, role: Role = Role.SEGMENT) -> tuple[SegmentEntry, bool]:
         """The cached interior of a segment (prefilled alone on a miss); returns (entry, was_hit)."""
         entry, key = self.lookup_segment(token_ids, seam_width, role)
-        return (entry, True) if entry is not None else (self.build_segment(key, token_ids, seam_width), False)
+        return (entry, True) if entry is not None else (drain(self.build_segment(key, token_ids, seam_width)), False)
 
     def lookup_segment(self, token_ids: tuple[int, ...], seam_width: int, role: Role) -> tuple[SegmentEntry | None, str]:
         key = entry_key(self.fingerprint, seam_width, role, token_ids)
         return self.store.get(key, token_ids), key
 
-    def build_segment(self, key: str, token_ids: tuple[int, ...], seam_width: int) -> SegmentEntry:
-        """Prefill a segment alone and offer its interior to the public pool (kept only if it fits)."""
-        layers = prefill_interior(self.model, token_ids, seam_width)
+    def build_segment(self, key: str, token_ids: tuple[int, ...], seam_width: int) -> Generator[None, None, SegmentEntry]:
+        """Prefill a segment alone (in chunks) and offer its interior to the public pool (kept only if it fits)."""
+        layers = yield from prefill_interior_steps(self.model, token_ids, seam_width, self.chunk_tokens)
         entry = SegmentEntry(key, token_ids, seam_width, seam_width, len(token_ids) - 2 * seam_width, layers)
         self.store.put(entry)
         return entry
@@ -171,8 +174,9 @@ class Engine:
         return hit.state
 
     def prefill_steps(self, parts: PromptParts, mode: str = "hypic") -> Generator[None, None, Prefill]:
-        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive), one heavy unit
-        (a cold segment's prefill, then the combine pass) per ``next()``; returns the ``Prefill``.
+        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive), one unit of work per
+        ``next()`` (a chunk of at most ``chunk_tokens`` of a cold segment's prefill or of the combine
+        pass); returns the ``Prefill``.
         Public entries the request uses stay pinned until its combine pass is done."""
         if mode not in MODES:
             raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
@@ -182,13 +186,15 @@ class Engine:
         width = {"hypic": self.seam_width, "naive": 0, "prefix": None, "full": None}[mode]
         role = Role.NAIVE_SEGMENT if mode == "naive" else Role.SEGMENT
         entries: dict[int, SegmentEntry] = {}
+        pinned: list[str] = []
         try:
             for index, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts)):
                 if width is None or begin < init.length or not has_interior(len(segment), width):
                     continue
                 entry, key = self.lookup_segment(segment, width, role)
-                entries[index] = entry if entry is not None else self.build_segment(key, segment, width)
-                self.store.pin(key)
+                self.store.pin(key)  # before any yield: other requests' inserts must not evict it
+                pinned.append(key)
+                entries[index] = entry if entry is not None else (yield from self.build_segment(key, segment, width))
                 stats.segments_hit += entry is not None
                 stats.segments_missed += entry is None
                 stats.cached_tokens += entries[index].length if entry is not None else 0
@@ -197,10 +203,11 @@ class Engine:
             boundaries = [p for p in document_boundaries(parts) if p > init.length] if mode != "full" else []
             pieces = split_runs(build_layout(parts, width or 0, set(entries), init.length), boundaries)
             stats.combine_tokens = sum(p.length for p in pieces if isinstance(p, Run))
-            result = combine(self.model, ids, pieces, init, entries, naive=mode == "naive", snapshot_at=boundaries)
+            result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
+                                                naive=mode == "naive", snapshot_at=boundaries)
         finally:
-            for entry in entries.values():
-                self.store.unpin(entry.key)
+            for key in pinned:
+                self.store.unpin(key)
         if mode != "full":
             self.prefix_cache.insert(self._namespace(mode), result.state, result.snapshots)
         assert result.logits is not None
@@ -208,12 +215,7 @@ class Engine:
 
     def prefill(self, parts: PromptParts, mode: str = "hypic") -> Prefill:
         """Prefill a parsed request under ``mode`` in one go."""
-        steps = self.prefill_steps(parts, mode)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.prefill_steps(parts, mode))
 
     def remember(self, state: RequestState, mode: str) -> None:
         """Keep a finished request's state in the private pool (multi-turn reuse of its whole text)."""

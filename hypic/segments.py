@@ -128,3 +128,28 @@ def split_runs(pieces: list[Piece], positions: list[int]) -> list[Piece]:
         edges = [piece.start, *cuts, piece.start + piece.length]
         out.extend([Run(a, b - a) for a, b in zip(edges, edges[1:])] if cuts else [piece])
     return out
+
+
+def chunk_pieces(pieces: list[Piece], max_tokens: int) -> list[list[Piece]]:
+    """Consecutive groups of pieces with at most ``max_tokens`` recompute tokens each (runs are cut
+    where needed; splices cost nothing and join the next run's group, so every group ends in a run)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[Piece]] = []
+    current: list[Piece] = []
+    budget = max_tokens
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            current.append(piece)
+            continue
+        start, left = piece.start, piece.length
+        while left:
+            take = min(left, budget)
+            current.append(Run(start, take))
+            start, left, budget = start + take, left - take, budget - take
+            if budget == 0:
+                groups.append(current)
+                current, budget = [], max_tokens
+    if current:
+        groups.append(current)
+    return groups
