@@ -1,29 +1,17 @@
 """Smoke test of eval/bench_composition.py: a tiny model, 2-3 documents x 64 tokens, a few seconds."""
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "bench_composition.py"
-
-
-def _load_benchmark() -> ModuleType:
-    """Import the script by path (``eval/`` is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_composition", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from .conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return _load_benchmark()
+    return load_script("bench_composition")
 
 
 TINY_ARGS = ["--hidden-size", "64", "--layers", "4", "--repeats", "1", "--no-progress",
