@@ -198,3 +198,13 @@ def test_concurrent_clients_under_eviction_budgets(launch, tiny_checkpoint: Path
         want_lp = [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]]
         assert got_lp[0] == pytest.approx(want_lp[0], abs=1e-3)  # the prefill's first token, from the pools
         assert got["output_ids"] == want["output_ids"]
+
+
+def test_stop_string_cuts_the_text(hypic_server: ServerProcess) -> None:
+    body = {"text": _prompt("stop", _docs(13, 1), "q"), "sampling_params": {**GREEDY, "max_new_tokens": 12, "ignore_eos": True}}
+    free = hypic_server.post("/generate", body)
+    stop = free["text"][4:6]
+    cut = hypic_server.post("/generate", {**body, "sampling_params": {**body["sampling_params"], "stop": stop}})
+    assert cut["text"] == free["text"][: free["text"].index(stop)]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["output_ids"] == free["output_ids"][: len(cut["output_ids"])]
