@@ -75,7 +75,7 @@ def _linear_layer(
     index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None, snapshots: dict[int, dict],
 ) -> tuple[torch.Tensor, LinearLayerState]:
     """Advance through runs; before each run compose the interiors spliced since the last one.
-    Records the layer's state in ``snapshots[p]`` for every requested position p a piece ends at."""
+    Records the layer's state in ``snapshots[p]`` for every requested position p (inside or at the end of a piece)."""
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
     compose = naive_addition if naive else compose_states
     for piece in pieces:
@@ -84,7 +84,10 @@ def _linear_layer(
             assert isinstance(cached, LinearInterior)
             state, conv = compose(state, [(cached.transition, cached.zero_start_state)]), cached.conv_tail
         else:
-            result = mixer.run(h[offset : offset + piece.length], state, conv)
+            cuts = tuple(p - piece.start for p in sorted(snapshots) if piece.start < p < piece.start + piece.length)
+            result = mixer.run(h[offset : offset + piece.length], state, conv, cuts)
+            for cut, (cut_state, cut_conv) in zip(cuts, result.cut_states):
+                snapshots[piece.start + cut][index] = LinearLayerState(cut_state, cut_conv)
             if capture is not None:
                 capture.linear(index, result, conv, piece.start, mixer.kernel)
             state, conv, offset = result.state, result.conv_state, offset + piece.length
@@ -139,7 +142,7 @@ def combine(
 ) -> CombineResult:
     """Run the recompute tokens of ``pieces`` (positions init.length..) through the model.
     token_ids: all ids of the request so far (at least up to the last piece). ``snapshot_at``:
-    positions (each the end of some piece, see ``split_runs``) where linear states are recorded."""
+    positions where linear states are recorded (the private pool's snapshots)."""
     end = _check_pieces(pieces, init.length)
     snapshots: dict[int, dict] = {p: {} for p in snapshot_at or []}
     entries = entries or {}

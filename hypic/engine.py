@@ -16,7 +16,7 @@ from .sampling import SamplingParams, sample
 from .prefix_cache import PrefixCache
 from .segment_prefill import prefill_interior_steps
 from .segments import (DEFAULT_SEPARATOR, Piece, PromptParts, Run, build_layout, document_boundaries, has_interior,
-                       split_prompt, split_runs)
+                       split_prompt)
 from .state import LinearLayerState, RequestState
 from .store import Role, SegmentEntry, SegmentStore, entry_key
 from .tokenizer import TextTokenizer
@@ -200,8 +200,9 @@ class Engine:
                 stats.cached_tokens += entries[index].length if entry is not None else 0
                 if entry is None:
                     yield
-            boundaries = [p for p in document_boundaries(parts) if p > init.length] if mode != "full" else []
-            pieces = split_runs(build_layout(parts, width or 0, set(entries), init.length), boundaries)
+            keep = mode != "full" and self.prefix_cache.budget_bytes != 0
+            boundaries = [p for p in document_boundaries(parts) if p > init.length] if keep else []
+            pieces = build_layout(parts, width or 0, set(entries), init.length)
             stats.combine_tokens = sum(p.length for p in pieces if isinstance(p, Run))
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
                                                 naive=mode == "naive", snapshot_at=boundaries)

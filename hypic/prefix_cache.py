@@ -116,8 +116,9 @@ class PrefixCache:
         tick = next(self._clock)
         for position in positions:
             node = self._extend(node, state, position, tick)
-            if node.snapshot is None:
-                node.snapshot = snapshots[position]
+            if node.snapshot is None:  # clones: a view would keep a larger tensor alive, uncounted
+                node.snapshot = {i: LinearLayerState(s.recurrent.clone(), s.conv.clone())
+                                 for i, s in snapshots[position].items()}
                 self.nbytes += sum(_nbytes(s.recurrent, s.conv) for s in node.snapshot.values())
         self._evict()
 

@@ -120,16 +120,6 @@ def document_boundaries(parts: PromptParts) -> list[int]:
     return sorted({p for p in [len(parts.leading), *ends] if 0 < p < total})
 
 
-def split_runs(pieces: list[Piece], positions: list[int]) -> list[Piece]:
-    """Cut runs at ``positions`` so that a piece ends at each of them (where a snapshot is taken)."""
-    out: list[Piece] = []
-    for piece in pieces:
-        cuts = [p for p in positions if piece.start < p < piece.start + piece.length] if isinstance(piece, Run) else []
-        edges = [piece.start, *cuts, piece.start + piece.length]
-        out.extend([Run(a, b - a) for a, b in zip(edges, edges[1:])] if cuts else [piece])
-    return out
-
-
 def chunk_pieces(pieces: list[Piece], max_tokens: int) -> list[list[Piece]]:
     """Consecutive groups of pieces with at most ``max_tokens`` recompute tokens each (runs are cut
     where needed; splices cost nothing and join the next run's group, so every group ends in a run)."""

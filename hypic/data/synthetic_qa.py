@@ -230,6 +230,7 @@ class GeneratorConfig:
     multi_hop_fraction: float = 0.5
     min_doc_words: int = 80
     max_doc_words: int = 200
+    extra_questions: int = 0  # training aid: more valid questions about the same documents
 
 
 @dataclass
@@ -545,9 +546,27 @@ def _attempt(rng: random.Random, config: GeneratorConfig, kind: str) -> dict | N
         return None
     chosen = rng.choice(valid)
     support = [position[e] for e in chosen.support]
-    return {"kind": kind, "instruction": INSTRUCTION, "documents": documents,
-            "question": chosen.question, "answer": chosen.answer, "supporting_docs": support,
-            "_anchor": chosen.anchor, "_bridge": chosen.bridge}
+    draft = {"kind": kind, "instruction": INSTRUCTION, "documents": documents,
+             "question": chosen.question, "answer": chosen.answer, "supporting_docs": support,
+             "_anchor": chosen.anchor, "_bridge": chosen.bridge}
+    if config.extra_questions > 0:
+        draft["extra_questions"] = _extra_questions(world, documents, position, chosen,
+                                                    config.extra_questions)
+    return draft
+
+
+def _extra_questions(world: World, documents: list[str], position: dict[int, int],
+                     chosen: Candidate, count: int) -> list[dict]:
+    """Up to ``count`` other valid questions (either kind) about the same documents.
+
+    They are drawn from their own stream (seeded by the chosen question), so the rest of
+    the example is the same with or without them.
+    """
+    pool = [c for c in (*_single_hop(world), *_multi_hop(world))
+            if c.question != chosen.question and _valid(c, documents, position)]
+    picked = random.Random(f"extra|{chosen.question}").sample(pool, min(count, len(pool)))
+    return [{"kind": c.kind, "question": c.question, "answer": c.answer,
+             "supporting_docs": [position[e] for e in c.support]} for c in picked]
 
 
 def generate_example(config: GeneratorConfig, split: str, index: int) -> dict:
@@ -637,6 +656,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-docs", type=int, default=12, help="most documents per example")
     parser.add_argument("--multi-hop-fraction", type=float, default=0.5,
                         help="probability that an example is a two-document bridge question")
+    parser.add_argument("--extra-questions", type=int, default=0,
+                        help="add up to N more valid questions about the same documents to "
+                             "each example (field extra_questions; a training aid, 0: none)")
     return parser.parse_args(argv)
 
 
@@ -648,7 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 1 <= args.min_docs <= args.max_docs:
         raise SystemExit("need 1 <= --min-docs <= --max-docs")
     config = GeneratorConfig(seed=args.seed, min_docs=args.min_docs, max_docs=args.max_docs,
-                             multi_hop_fraction=args.multi_hop_fraction)
+                             multi_hop_fraction=args.multi_hop_fraction,
+                             extra_questions=args.extra_questions)
     args.out.mkdir(parents=True, exist_ok=True)
     for split, count in (("train", args.train), ("validation", args.validation),
                          ("test", args.test)):

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from hypic.data.synthetic_qa import EOS_TOKEN, PAD_TOKEN, prompt_parts, read_jsonl
+from hypic.data.synthetic_qa import (EOS_TOKEN, PAD_TOKEN, QUESTION_TEMPLATE, prompt_parts,
+                                     read_jsonl)
 from hypic.data.tokenizer import encode_parts, load_tokenizer, special_token_ids, tokenizer_path
 
 IGNORE_INDEX = -100
@@ -88,12 +89,14 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     answer_weight: float = 1.0
+    extra_questions: int = 0
     seed: int = 0
     device: str = "auto"
     max_minutes: float | None = None
     save_every: int = 500
     keep_checkpoints: int = 2
     max_examples: int | None = None
+    init_from: Path | None = None
     progress: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -110,10 +113,23 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class Encoded:
-    """One tokenized training sequence; tokens from ``answer_start`` on are the answer."""
+    """One tokenized training sequence; tokens from ``answer_start`` on are the answer.
+
+    With extra questions (``--extra-questions``) the sequence goes on after the answer's
+    eos with further ``question part, answer, eos``: then the first answer ends at
+    ``answer_end`` and ``extra_answers`` holds the (start, end) spans of the later answers.
+    """
 
     ids: list[int]
     answer_start: int
+    answer_end: int | None = None
+    extra_answers: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def answer_spans(self) -> list[tuple[int, int]]:
+        """(start, end) of every answer, each with its eos, in ``ids``."""
+        end = len(self.ids) if self.answer_end is None else self.answer_end
+        return [(self.answer_start, end), *self.extra_answers]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -169,30 +185,63 @@ def load_model(model_dir: str | Path, device: str = "auto") -> tuple[torch.devic
     return torch_device, model
 
 
+def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Copy the weights of a saved checkpoint into ``model`` (shapes must match).
+
+    Used to continue training in stages (e.g. short sequences first, then long ones);
+    the optimizer state and schedule start afresh.
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(directory) / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise ValueError(f"{directory}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
 
 
-def encode_example(tokenizer: Tokenizer, example: dict, eos_id: int) -> Encoded:
-    """Prompt parts encoded one by one (as the engine does), then `` answer`` and eos."""
+def encode_example(tokenizer: Tokenizer, example: dict, eos_id: int,
+                   extra_questions: int = 0) -> Encoded:
+    """Prompt parts encoded one by one (as the engine does), then `` answer`` and eos.
+
+    With ``extra_questions`` > 0, up to that many of the example's ``extra_questions``
+    follow, each as question part, `` answer`` and eos: more answer tokens per document
+    token processed.
+    """
     prompt = encode_parts(tokenizer, prompt_parts(example))
-    answer = encode_parts(tokenizer, [" " + example["answer"]]) + [eos_id]
-    return Encoded(prompt + answer, len(prompt))
+    ids = prompt + encode_parts(tokenizer, [" " + example["answer"]]) + [eos_id]
+    answer_end, spans = len(ids), []
+    for extra in example.get("extra_questions", [])[:extra_questions]:
+        ids += encode_parts(tokenizer, [QUESTION_TEMPLATE.format(question=extra["question"])])
+        start = len(ids)
+        ids += encode_parts(tokenizer, [" " + extra["answer"]]) + [eos_id]
+        spans.append((start, len(ids)))
+    return Encoded(ids, len(prompt), answer_end if spans else None, tuple(spans))
 
 
 def fit_to_length(tokenizer: Tokenizer, example: dict, eos_id: int,
-                  seq_len: int) -> Encoded | None:
+                  seq_len: int, extra_questions: int = 0) -> Encoded | None:
     """Encode ``example``, dropping distractor documents from the end until it fits.
 
     Supporting documents are kept, so the shortened example stays answerable; None when
-    even the supporting documents alone do not fit.
+    even the supporting documents alone do not fit. Extra questions whose supporting
+    documents were dropped are dropped too.
     """
     docs = list(enumerate(example["documents"]))
     keep = set(example["supporting_docs"])
     while True:
-        trimmed = {**example, "documents": [d for _, d in docs]}
-        encoded = encode_example(tokenizer, trimmed, eos_id)
+        kept = {k for k, _ in docs}
+        extras = [e for e in example.get("extra_questions", [])
+                  if set(e["supporting_docs"]) <= kept]
+        trimmed = {**example, "documents": [d for _, d in docs], "extra_questions": extras}
+        encoded = encode_example(tokenizer, trimmed, eos_id, extra_questions)
         if len(encoded.ids) <= seq_len:
             return encoded
         drop = next((k for k in range(len(docs) - 1, -1, -1) if docs[k][0] not in keep), None)
@@ -204,7 +253,8 @@ def fit_to_length(tokenizer: Tokenizer, example: dict, eos_id: int,
 def load_training_set(config: TrainConfig, tokenizer: Tokenizer, eos_id: int) -> list[Encoded]:
     """The train split, encoded and fitted to ``seq_len`` (unfittable examples skipped)."""
     examples = read_jsonl(Path(config.data) / "train.jsonl")[: config.max_examples]
-    encoded = [fit_to_length(tokenizer, ex, eos_id, config.seq_len) for ex in examples]
+    encoded = [fit_to_length(tokenizer, ex, eos_id, config.seq_len, config.extra_questions)
+               for ex in examples]
     kept = [e for e in encoded if e is not None]
     if not kept:
         raise ValueError(f"no training example fits in --seq-len {config.seq_len}")
@@ -233,7 +283,8 @@ def make_batch(items: Sequence[Encoded], pad_id: int,
     for row, item in enumerate(items):
         ids[row, : len(item.ids)] = torch.tensor(item.ids)
         labels[row, : len(item.ids)] = torch.tensor(item.ids)
-        answer[row, item.answer_start: len(item.ids)] = True
+        for start, end in item.answer_spans:
+            answer[row, start:end] = True
     return ids.to(device), labels.to(device), answer.to(device)
 
 
@@ -352,6 +403,8 @@ def _start_run(config: TrainConfig) -> _Run:
     eos_id, pad_id = special_token_ids(tokenizer)
     model_config = dataclasses.replace(config.model, vocab_size=tokenizer.get_vocab_size())
     model = build_model(model_config, eos_id, pad_id, device)
+    if config.init_from is not None:
+        load_weights(model, config.init_from)
     batches = _Batches(load_training_set(config, tokenizer, eos_id), config.batch_size,
                        config.seed)
     optimizer, schedule = make_optimizer(model, config)
@@ -417,6 +470,8 @@ _TRAIN_FLAGS = MappingProxyType({
     "weight_decay": "AdamW weight decay (not applied to norms and biases)",
     "grad_clip": "gradient norm clip (0 disables)",
     "answer_weight": "extra weight of the answer tokens' mean loss (0: plain LM loss)",
+    "extra_questions": "append up to N of an example's extra_questions (generated with "
+                       "--extra-questions) after its answer: more answers per token",
     "seed": "seed of initialisation and data order",
     "save_every": "save a checkpoint-NNNNNN directory every N steps (0: only at the end)",
     "keep_checkpoints": "how many periodic checkpoints to keep",
@@ -447,6 +502,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="wall-clock budget; training stops and saves when it is spent")
     parser.add_argument("--max-examples", type=int, default=None,
                         help="use only the first N training examples")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from the weights of this checkpoint directory "
+                             "(staged training: short sequences first, then longer ones)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch CPU threads; 1 is far faster on a busy 2-core machine")

@@ -33,6 +33,7 @@ class MixerOutput:
     conv_state: torch.Tensor  # [k-1, C] pre-conv inputs of the last k-1 tokens
     pre_conv: torch.Tensor  # [N, C]
     inputs: RecurrenceInputs
+    cut_states: list[tuple[torch.Tensor, torch.Tensor]]  # (state, conv window) after each requested cut
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -81,12 +82,22 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x)).float()
         return RecurrenceInputs(q, k, v.reshape(n, self.value_heads, self.value_dim).float(), g, beta)
 
-    def run(self, x: torch.Tensor, state: torch.Tensor, conv_state: torch.Tensor) -> MixerOutput:
-        """One run of N contiguous tokens x [N, hidden] continuing from (state, conv_state)."""
+    def run(self, x: torch.Tensor, state: torch.Tensor, conv_state: torch.Tensor, cuts: tuple[int, ...] = ()) -> MixerOutput:
+        """One run of N contiguous tokens x [N, hidden] continuing from (state, conv_state).
+        ``cuts``: offsets 0 < c < N after which the (state, conv window) is also returned; only the
+        recurrence is split there, the token-wise work runs once for the whole run."""
         pre_conv = self.in_proj_qkv(x)
         post_conv, new_conv_state = self.convolve(pre_conv, conv_state)
         inputs = self.recurrence_inputs(post_conv, x)
-        o, new_state = gated_delta_rule(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, state)
+        window = torch.cat([conv_state.to(pre_conv.dtype), pre_conv])  # row j: token j - (k-1)
+        outputs, cut_states, lo = [], [], 0
+        for hi in [*cuts, x.shape[0]]:
+            part = inputs.slice(lo, hi)
+            o, state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta, state)
+            outputs.append(o)
+            if hi < x.shape[0]:
+                cut_states.append((state, window[hi : hi + self.kernel - 1]))
+            lo = hi
         z = self.in_proj_z(x).view(x.shape[0], self.value_heads, self.value_dim)
-        out = self.out_proj(self.norm(o.to(x.dtype), z).reshape(x.shape[0], -1))
-        return MixerOutput(out, new_state, new_conv_state, pre_conv, inputs)
+        out = self.out_proj(self.norm(torch.cat(outputs).to(x.dtype), z).reshape(x.shape[0], -1))
+        return MixerOutput(out, state, new_conv_state, pre_conv, inputs, cut_states)

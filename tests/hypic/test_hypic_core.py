@@ -8,7 +8,7 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.config import RopeConfig
 from hypic.models.rope import RotaryEmbedding
-from hypic.segments import Run, Splice, build_layout, document_boundaries, split_runs, split_prompt
+from hypic.segments import Run, Splice, build_layout, document_boundaries, split_prompt
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -127,5 +127,3 @@ def test_layout_runs_and_splices() -> None:
     # resuming at 35 (inside segment 1, a private-pool hit): only what follows is laid out
     assert build_layout(parts, 4, spliced={2}, start=35) == [Run(35, 10), Splice(2, 45, 22), Run(67, 6)]
     assert document_boundaries(parts) == [1, 31, 41, 71]
-    assert split_runs(pieces, [1, 31, 41]) == [Run(0, 1), Run(1, 4), Splice(0, 5, 22), Run(27, 4), Run(31, 10),
-                                               Run(41, 4), Splice(2, 45, 22), Run(67, 6)]
