@@ -14,7 +14,7 @@ from .composition import compose_states, delta_rule_transition, naive_addition
 from .kernels.gated_delta import gated_delta_rule
 from .models import HybridModel
 from .models.attention import GatedAttention
-from .models.gated_deltanet import GatedDeltaNet, MixerOutput
+from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs
 from .models.rope import RotaryEmbedding
 from .segments import Piece, Run, Splice, chunk_pieces
 from .state import AttentionLayerState, LinearLayerState, RequestState
@@ -29,22 +29,22 @@ class InteriorCapture:
     hi: int
     layers: dict[int, InteriorLayer] = field(default_factory=dict)
 
-    def linear(self, index: int, result: MixerOutput, conv_before: torch.Tensor, start: int, kernel: int) -> None:
-        """Fold the interior tokens of one run (positions from ``start``) into (T_I, S_I|0): a run
-        split into chunks composes exactly. The run reaching ``hi`` also yields the conv tail."""
-        end = start + result.output.shape[0]
+    def linear(self, index: int, start: int, inputs: RecurrenceInputs, window: torch.Tensor, kernel: int) -> None:
+        """Fold the interior tokens of one run (positions from ``start``; its recurrence inputs and
+        conv window) into (T_I, S_I|0): a segment prefilled in chunks composes exactly. The run
+        reaching ``hi`` also yields the conv tail."""
+        end = start + inputs.q.shape[0]
         lo, hi = max(self.lo, start), min(self.hi, end)
         if lo < hi:
-            part = result.inputs.slice(lo - start, hi - start)
+            part = inputs.slice(lo - start, hi - start)
             _, zero_start_state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta)
             transition = delta_rule_transition(part.k, part.g, part.beta)
             earlier = self.layers.get(index)
             if isinstance(earlier, LinearInterior):
                 zero_start_state = compose_states(earlier.zero_start_state, [(transition, zero_start_state)])
                 transition = earlier.transition.then(transition)
-            self.layers[index] = LinearInterior(transition, zero_start_state, conv_before.new_zeros(0))
-        if start < self.hi <= end:  # window row j holds the pre-conv input of token start - (k-1) + j
-            window = torch.cat([conv_before.to(result.pre_conv.dtype), result.pre_conv])
+            self.layers[index] = LinearInterior(transition, zero_start_state, window.new_zeros(0))
+        if start < self.hi <= end:  # window row j holds the conv input of token start - (k-1) + j
             layer = self.layers[index]
             assert isinstance(layer, LinearInterior)
             layer.conv_tail = window[self.hi - start : self.hi - start + kernel - 1].clone()
@@ -70,31 +70,54 @@ def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
     return torch.cat(runs).to(device)
 
 
+def _conv_windows(mixer: GatedDeltaNet, pre_conv: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
+                  index: int, conv: torch.Tensor) -> list[torch.Tensor]:
+    """Each run's conv window: the k-1 inputs before it (the previous run's, or a spliced interior's
+    cached tail), then its own."""
+    windows, offset = [], 0
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            cached = entries[piece.segment].layers[index]
+            assert isinstance(cached, LinearInterior)
+            conv = cached.conv_tail
+        else:
+            windows.append(mixer.conv_window(conv, pre_conv[offset : offset + piece.length]))
+            conv, offset = windows[-1][-(mixer.kernel - 1) :], offset + piece.length
+    return windows
+
+
 def _linear_layer(
     mixer: GatedDeltaNet, h: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
     index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None, snapshots: dict[int, dict],
 ) -> tuple[torch.Tensor, LinearLayerState]:
-    """Advance through runs; before each run compose the interiors spliced since the last one.
-    Records the layer's state in ``snapshots[p]`` for every requested position p (inside or at the end of a piece)."""
+    """Token-wise work runs once over all runs (varlen); per run only the conv and the recurrence,
+    composing the interiors spliced since the previous run first. Records the layer's state in
+    ``snapshots[p]`` for every requested position p (inside or at the end of a piece)."""
+    proj = mixer.project(h)
+    windows = _conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
+    inputs = mixer.recurrence_inputs(torch.cat([mixer.convolve(w) for w in windows]), proj.g, proj.beta)
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
     compose = naive_addition if naive else compose_states
+    runs = iter(windows)
     for piece in pieces:
+        end = piece.start + piece.length
         if isinstance(piece, Splice):
             cached = entries[piece.segment].layers[index]
             assert isinstance(cached, LinearInterior)
             state, conv = compose(state, [(cached.transition, cached.zero_start_state)]), cached.conv_tail
         else:
-            cuts = tuple(p - piece.start for p in sorted(snapshots) if piece.start < p < piece.start + piece.length)
-            result = mixer.run(h[offset : offset + piece.length], state, conv, cuts)
-            for cut, (cut_state, cut_conv) in zip(cuts, result.cut_states):
-                snapshots[piece.start + cut][index] = LinearLayerState(cut_state, cut_conv)
+            window, run_inputs = next(runs), inputs.slice(offset, offset + piece.length)
+            cuts = tuple(p - piece.start for p in sorted(snapshots) if piece.start < p < end)
+            result = mixer.recur(run_inputs, state, cuts)
+            for cut, cut_state in zip(cuts, result.cut_states):
+                snapshots[piece.start + cut][index] = LinearLayerState(cut_state, window[cut : cut + mixer.kernel - 1])
             if capture is not None:
-                capture.linear(index, result, conv, piece.start, mixer.kernel)
-            state, conv, offset = result.state, result.conv_state, offset + piece.length
+                capture.linear(index, piece.start, run_inputs, window, mixer.kernel)
+            state, conv, offset = result.state, window[-(mixer.kernel - 1) :], offset + piece.length
             outputs.append(result.output)
-        if piece.start + piece.length in snapshots:
-            snapshots[piece.start + piece.length][index] = LinearLayerState(state, conv)
-    return torch.cat(outputs), LinearLayerState(state, conv)
+        if end in snapshots:
+            snapshots[end][index] = LinearLayerState(state, conv)
+    return mixer.output(torch.cat(outputs), proj.z, h.dtype), LinearLayerState(state, conv)
 
 
 def _attention_layer(

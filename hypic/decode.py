@@ -26,14 +26,13 @@ def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def _linear_step(mixer: GatedDeltaNet, h: torch.Tensor, layers: list[LinearLayerState]) -> tuple[torch.Tensor, list[LinearLayerState]]:
-    pre_conv = mixer.in_proj_qkv(h)
-    window = torch.cat([torch.stack([s.conv for s in layers]).to(pre_conv.dtype), pre_conv[:, None]], dim=1)
+    proj = mixer.project(h)
+    window = torch.cat([torch.stack([s.conv for s in layers]).to(proj.pre_conv.dtype), proj.pre_conv[:, None]], dim=1)
     post_conv = F.silu(torch.einsum("bkc,ck->bc", window, mixer.conv_weight))
-    inputs = mixer.recurrence_inputs(post_conv, h)
+    inputs = mixer.recurrence_inputs(post_conv, proj.g, proj.beta)
     states = torch.stack([s.recurrent for s in layers])
     o, states = delta_rule_step(states, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-    z = mixer.in_proj_z(h).view(h.shape[0], mixer.value_heads, mixer.value_dim)
-    out = mixer.out_proj(mixer.norm(o.to(h.dtype), z).reshape(h.shape[0], -1))
+    out = mixer.output(o, proj.z, h.dtype)
     return out, [LinearLayerState(states[b], window[b, 1:]) for b in range(h.shape[0])]
 
 

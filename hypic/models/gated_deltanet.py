@@ -25,15 +25,22 @@ class RecurrenceInputs:
 
 
 @dataclass
-class MixerOutput:
-    """Result of running a Gated DeltaNet layer over one run of tokens."""
+class TokenProjections:
+    """The token-wise inputs of a Gated DeltaNet layer for N tokens (no dependence between tokens)."""
 
-    output: torch.Tensor  # [N, hidden]
-    state: torch.Tensor  # [Hv, K, V] fp32, after the run
-    conv_state: torch.Tensor  # [k-1, C] pre-conv inputs of the last k-1 tokens
-    pre_conv: torch.Tensor  # [N, C]
-    inputs: RecurrenceInputs
-    cut_states: list[tuple[torch.Tensor, torch.Tensor]]  # (state, conv window) after each requested cut
+    pre_conv: torch.Tensor  # [N, C] conv inputs, channels [q | k | v]
+    z: torch.Tensor  # [N, Hv, V] output gate
+    g: torch.Tensor  # [N, Hv] log decay, fp32
+    beta: torch.Tensor  # [N, Hv] write strength, fp32
+
+
+@dataclass
+class RunRecurrence:
+    """The recurrence over one run: outputs, the state after it, and the states at requested cuts."""
+
+    output: torch.Tensor  # [n, Hv, V] fp32
+    state: torch.Tensor  # [Hv, K, V] fp32
+    cut_states: list[torch.Tensor]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -65,39 +72,41 @@ class GatedDeltaNet(nn.Module):
     def channels(self) -> int:
         return self.conv_weight.shape[0]
 
-    def convolve(self, pre_conv: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal depthwise conv + SiLU. pre_conv [N, C]; conv_state [k-1, C] (the previous inputs).
-        Returns post-conv [N, C] and the new conv state."""
-        window = torch.cat([conv_state.to(pre_conv.dtype), pre_conv], dim=0)
-        out = F.conv1d(window.T[None], self.conv_weight[:, None, :], groups=self.channels)[0].T
-        return F.silu(out), window[-(self.kernel - 1) :]
+    def project(self, x: torch.Tensor) -> TokenProjections:
+        """Token-wise projections of x [N, hidden]; the same for any grouping of tokens into runs."""
+        n = x.shape[0]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return TokenProjections(self.in_proj_qkv(x), self.in_proj_z(x).view(n, self.value_heads, self.value_dim), g,
+                                torch.sigmoid(self.in_proj_b(x)).float())
 
-    def recurrence_inputs(self, post_conv: torch.Tensor, x: torch.Tensor) -> RecurrenceInputs:
-        """Split the conv output into q, k, v and compute the per-value-head gates from x."""
+    def conv_window(self, conv_state: torch.Tensor, pre_conv: torch.Tensor) -> torch.Tensor:
+        """[k-1 + n, C]: the previous k-1 conv inputs, then the run's; row j is token j - (k-1)."""
+        return torch.cat([conv_state.to(pre_conv.dtype), pre_conv])
+
+    def convolve(self, window: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over a conv window -> post-conv [n, C]."""
+        out = F.conv1d(window.T[None], self.conv_weight[:, None, :], groups=self.channels)[0].T
+        return F.silu(out)
+
+    def recurrence_inputs(self, post_conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> RecurrenceInputs:
+        """Split the conv output into q, k, v (normalised, expanded to the value heads)."""
         n, ratio = post_conv.shape[0], self.value_heads // self.key_heads
         q, k, v = post_conv.split([self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim], -1)
         q = l2_normalize(q.view(n, self.key_heads, self.key_dim)).repeat_interleave(ratio, 1)
         k = l2_normalize(k.view(n, self.key_heads, self.key_dim)).repeat_interleave(ratio, 1)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        beta = torch.sigmoid(self.in_proj_b(x)).float()
         return RecurrenceInputs(q, k, v.reshape(n, self.value_heads, self.value_dim).float(), g, beta)
 
-    def run(self, x: torch.Tensor, state: torch.Tensor, conv_state: torch.Tensor, cuts: tuple[int, ...] = ()) -> MixerOutput:
-        """One run of N contiguous tokens x [N, hidden] continuing from (state, conv_state).
-        ``cuts``: offsets 0 < c < N after which the (state, conv window) is also returned; only the
-        recurrence is split there, the token-wise work runs once for the whole run."""
-        pre_conv = self.in_proj_qkv(x)
-        post_conv, new_conv_state = self.convolve(pre_conv, conv_state)
-        inputs = self.recurrence_inputs(post_conv, x)
-        window = torch.cat([conv_state.to(pre_conv.dtype), pre_conv])  # row j: token j - (k-1)
+    def recur(self, inputs: RecurrenceInputs, state: torch.Tensor, cuts: tuple[int, ...] = ()) -> RunRecurrence:
+        """The gated delta rule over one run from ``state``; also the state after each offset in ``cuts``."""
         outputs, cut_states, lo = [], [], 0
-        for hi in [*cuts, x.shape[0]]:
+        for hi in [*cuts, inputs.q.shape[0]]:
             part = inputs.slice(lo, hi)
             o, state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta, state)
             outputs.append(o)
-            if hi < x.shape[0]:
-                cut_states.append((state, window[hi : hi + self.kernel - 1]))
+            cut_states.append(state)
             lo = hi
-        z = self.in_proj_z(x).view(x.shape[0], self.value_heads, self.value_dim)
-        out = self.out_proj(self.norm(torch.cat(outputs).to(x.dtype), z).reshape(x.shape[0], -1))
-        return MixerOutput(out, state, new_conv_state, pre_conv, inputs, cut_states)
+        return RunRecurrence(torch.cat(outputs), state, cut_states[:-1])
+
+    def output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gated norm and output projection: o, z [N, Hv, V] -> [N, hidden]."""
+        return self.out_proj(self.norm(o.to(dtype), z).reshape(o.shape[0], -1))
