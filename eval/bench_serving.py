@@ -3,7 +3,8 @@
 For each ``--modes`` entry a ``hypic serve --mode M`` process is started (one at a time, on the
 same machine and model), warmed with ``--warm-requests`` requests of the workload, then driven by
 an asyncio client with Poisson arrivals at increasing QPS (``--qps-start`` times ``--qps-factor``
-per level) until the median time to first token passes ``--target-ttft`` (or ``--max-qps``).
+per level, each level ``--duration`` seconds of arrivals) until the median time to first token
+passes ``--target-ttft`` (or ``--max-qps``).
 
 Workload: every request is ``L SEP D1 SEP ... SEP Dk SEP Q`` with k = ``--docs-per-request``
 documents drawn without replacement from a pool of ``--docs`` by a Zipf law (``--zipf``): popular
@@ -165,7 +166,7 @@ def bench_mode(mode: str, workload: Workload, args: argparse.Namespace, log_dir:
         qps, level = args.qps_start, 1
         with tqdm(desc=f"{mode}: QPS ladder", disable=not args.progress) as bar:
             while qps <= args.max_qps:
-                prompts = workload.prompts(args.requests, offset=level)
+                prompts = workload.prompts(max(args.min_requests, round(qps * args.duration)), offset=level)
                 result.levels.append(asyncio.run(run_level(server.url, prompts, qps, args.output_tokens, args.seed + level, mode)))
                 bar.set_postfix(qps=f"{qps:.2f}", p50=f"{result.levels[-1].ttft_p50_s:.2f}s")
                 bar.update()
@@ -187,7 +188,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--docs-per-request", type=int, default=4, help="documents per prompt (default: 4)")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of document popularity (default: 1.1)")
     parser.add_argument("--warm-requests", type=int, default=20, help="untimed requests before the ladder (default: 20)")
-    parser.add_argument("--requests", type=int, default=30, help="requests per QPS level (default: 30)")
+    parser.add_argument("--duration", type=float, default=15.0,
+                        help="seconds of arrivals per QPS level: a level sends max(--min-requests, QPS x duration) "
+                             "requests, so a saturated server builds a queue as it would in steady state (default: 15)")
+    parser.add_argument("--min-requests", type=int, default=10, help="fewest requests per QPS level (default: 10)")
     parser.add_argument("--qps-start", type=float, default=0.25, help="first QPS level (default: 0.25)")
     parser.add_argument("--qps-factor", type=float, default=1.5, help="QPS growth per level (default: 1.5)")
     parser.add_argument("--max-qps", type=float, default=64.0, help="stop the ladder above this QPS (default: 64)")

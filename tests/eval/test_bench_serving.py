@@ -37,7 +37,7 @@ def test_workload_is_deterministic_and_zipf_skewed(bench: ModuleType) -> None:
 
 def test_tiny_run_against_real_servers(bench: ModuleType, tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = bench.main(["--model", str(tiny_checkpoint), "--modes", "hypic", "full", "--docs", "6", "--doc-words", "12",
-                      "--warm-requests", "3", "--requests", "4", "--qps-start", "20", "--qps-factor", "2",
+                      "--warm-requests", "3", "--duration", "0.1", "--min-requests", "4", "--qps-start", "20", "--qps-factor", "2",
                       "--max-qps", "40", "--no-progress", "--json", str(tmp_path / "r.json")])
     modes = {m["mode"]: m for m in out["modes"]}
     assert set(modes) == {"hypic", "full"}
