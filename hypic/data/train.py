@@ -90,6 +90,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     answer_weight: float = 1.0
     extra_questions: int = 0
+    long_memory_init: bool = True
     seed: int = 0
     device: str = "auto"
     max_minutes: float | None = None
@@ -183,6 +184,24 @@ def load_model(model_dir: str | Path, device: str = "auto") -> tuple[torch.devic
     _, model_cls = qwen3_5_classes(torch_device)
     model = model_cls.from_pretrained(str(model_dir)).to(torch_device).eval()
     return torch_device, model
+
+
+def long_memory_init(model: torch.nn.Module, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
+    """Re-initialise every Gated DeltaNet layer's ``dt_bias`` as Mamba-2 / FLA do.
+
+    transformers initialises ``dt_bias`` to 1 (with A = exp(A_log) in 0.01..16), so the
+    per-token decay exp(-A softplus(a + dt_bias)) starts far below 1 and the recurrent state
+    forgets everything within a few tokens; the default model trained that way on CPU never
+    left that regime (its linear layers carry nothing across documents). Here
+    softplus(dt_bias) = dt, log-uniform in [dt_min, dt_max], so many heads start with long
+    memory. Draws from torch's global generator (seed it first).
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "dt_bias") and hasattr(module, "A_log"):
+                low, high = math.log(dt_min), math.log(dt_max)
+                dt = torch.exp(torch.rand(module.dt_bias.shape) * (high - low) + low).clamp_min(1e-4)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
 
 def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
@@ -403,6 +422,8 @@ def _start_run(config: TrainConfig) -> _Run:
     eos_id, pad_id = special_token_ids(tokenizer)
     model_config = dataclasses.replace(config.model, vocab_size=tokenizer.get_vocab_size())
     model = build_model(model_config, eos_id, pad_id, device)
+    if config.long_memory_init:
+        long_memory_init(model)
     if config.init_from is not None:
         load_weights(model, config.init_from)
     batches = _Batches(load_training_set(config, tokenizer, eos_id), config.batch_size,
@@ -502,6 +523,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="wall-clock budget; training stops and saves when it is spent")
     parser.add_argument("--max-examples", type=int, default=None,
                         help="use only the first N training examples")
+    parser.add_argument("--transformers-dt-init", dest="long_memory_init", action="store_false",
+                        help="keep transformers' dt_bias = 1 (short-memory linear layers; how "
+                             "the shipped default model was trained) instead of the Mamba-2 / "
+                             "FLA long-memory initialisation")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="start from the weights of this checkpoint directory "
                              "(staged training: short sequences first, then longer ones)")

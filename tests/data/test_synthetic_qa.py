@@ -158,3 +158,20 @@ def test_cli_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     for option in ("--out", "--train", "--validation", "--test", "--seed"):
         assert option in text
+
+
+def test_extra_questions_are_valid_and_leave_the_example_unchanged(qa_config) -> None:
+    from dataclasses import replace
+
+    with_extra = replace(qa_config, extra_questions=5)
+    for index in range(6):
+        plain = generate_example(qa_config, "train", index)
+        rich = generate_example(with_extra, "train", index)
+        extras = rich.pop("extra_questions")
+        assert rich == plain and 1 <= len(extras) <= 5
+        assert len({e["question"] for e in extras} | {plain["question"]}) == len(extras) + 1
+        for extra in extras:
+            assert not example_problems(extra["kind"], plain["documents"], extra["question"],
+                                        extra["answer"], extra["supporting_docs"])
+            holders = [i for i, doc in enumerate(plain["documents"]) if has_phrase(doc, extra["answer"])]
+            assert holders == [extra["supporting_docs"][-1]]

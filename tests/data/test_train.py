@@ -115,3 +115,39 @@ def test_transformers_backend_answers(micro_run, splits, one_torch_thread) -> No
     report: EvalReport = evaluate(splits["validation"][:2], answer_fn)
     assert report.overall.total == 2
     assert all(isinstance(p["prediction"], str) for p in report.predictions)
+
+
+def test_extra_questions_follow_the_answer_and_are_masked(splits, tokenizer_file: Path) -> None:
+    from dataclasses import replace
+
+    from hypic.data.synthetic_qa import GeneratorConfig, generate_example
+
+    tokenizer = load_tokenizer(tokenizer_file)
+    example = generate_example(replace(GeneratorConfig(), extra_questions=3), "train", 1)
+    plain = fit_to_length(tokenizer, example, 0, 10**6)
+    rich = fit_to_length(tokenizer, example, 0, 10**6, extra_questions=3)
+    assert rich.ids[: len(plain.ids)] == plain.ids and plain.answer_spans == [(plain.answer_start, len(plain.ids))]
+    spans = rich.answer_spans
+    assert len(spans) == 1 + len(example["extra_questions"]) and spans[0] == (plain.answer_start, len(plain.ids))
+    answers = [example["answer"]] + [e["answer"] for e in example["extra_questions"]]
+    assert [tokenizer.decode(rich.ids[s:e]).strip() for s, e in spans] == answers
+    assert all(rich.ids[e - 1] == 0 for _, e in spans)  # each answer ends with eos
+    _, _, mask = make_batch([rich], 1, torch.device("cpu"))
+    assert int(mask.sum()) == sum(e - s for s, e in spans)
+    short = fit_to_length(tokenizer, example, 0, 500, extra_questions=3)  # distractors dropped
+    assert short is not None and len(short.answer_spans) <= len(spans)
+
+
+def test_long_memory_init_gives_slow_decay(one_torch_thread) -> None:
+    from hypic.data.train import long_memory_init
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(num_hidden_layers=4), eos_id=0, pad_id=1, device=torch.device("cpu"))
+
+    def decays() -> torch.Tensor:  # per-token state decay of each linear head at a = 0
+        return torch.cat([torch.exp(-m.A_log.exp() * torch.nn.functional.softplus(m.dt_bias)).detach()
+                          for m in model.modules() if hasattr(m, "dt_bias")])
+
+    assert decays().median() < 0.01  # transformers' dt_bias = 1: forgotten within a few tokens
+    long_memory_init(model)
+    assert decays().median() > 0.5 and decays().max() > 0.99
