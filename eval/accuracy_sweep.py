@@ -54,10 +54,15 @@ class SweepConfig:
         return f"hypic w={self.seam_width}" if self.mode == "hypic" else self.mode
 
 
-def sweep_configs(widths: Sequence[int]) -> list[SweepConfig]:
-    """``full`` first (the reference), then ``hypic`` per width, ``prefix`` and ``naive``."""
-    return [SweepConfig("full"), *(SweepConfig("hypic", w) for w in widths),
-            SweepConfig("prefix"), SweepConfig("naive")]
+MODES = ("full", "hypic", "prefix", "naive")
+
+
+def sweep_configs(widths: Sequence[int], modes: Sequence[str] = MODES) -> list[SweepConfig]:
+    """``full`` first (the reference, always run), then ``hypic`` per width, ``prefix`` and
+    ``naive``, each only if it is in ``modes``."""
+    configs = [SweepConfig("full"), *(SweepConfig("hypic", w) for w in widths),
+               SweepConfig("prefix"), SweepConfig("naive")]
+    return [c for c in configs if c.mode == "full" or c.mode in modes]
 
 
 @dataclass
@@ -211,6 +216,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None,
                         help="use the first N single-hop and the first N multi-hop examples (default: all)")
     parser.add_argument("--widths", type=int, nargs="+", default=[0, 4, 8, 16], help="hypic seam widths w")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="configurations to run (full, the reference, always runs)")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu")
@@ -228,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     base = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     examples = select_examples(read_jsonl(args.data / f"{args.split}.jsonl"), args.limit)
     start = time.perf_counter()
-    summary = run_sweep(base, examples, sweep_configs(args.widths), args.max_new_tokens, not args.no_progress)
+    summary = run_sweep(base, examples, sweep_configs(args.widths, args.modes), args.max_new_tokens, not args.no_progress)
     summary.update(model=str(args.model), split=args.split, limit=args.limit, threads=args.threads,
                    wall_s=round(time.perf_counter() - start, 1))
     tables = format_tables(summary, list(base.model.config.linear_layers()))

@@ -590,12 +590,23 @@ def _finish(draft: dict, split: str, index: int) -> dict:
     return {"id": f"{split}-{index:06d}", "split": split, **draft}
 
 
-def generate_split(config: GeneratorConfig, split: str, count: int) -> Iterator[dict]:
-    """The first ``count`` examples of ``split``."""
+def generate_split(config: GeneratorConfig, split: str, count: int,
+                   workers: int = 1) -> Iterator[dict]:
+    """The first ``count`` examples of ``split``, in order.
+
+    With ``workers`` > 1 they are drawn in that many processes; every example has its own
+    seeded stream, so the output is the same as with one.
+    """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    for index in range(count):
-        yield generate_example(config, split, index)
+    if workers <= 1:
+        yield from (generate_example(config, split, index) for index in range(count))
+        return
+    import multiprocessing
+    from functools import partial
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap(partial(generate_example, config, split), range(count), chunksize=64)
 
 
 def prompt_parts(example: dict) -> list[str]:
@@ -659,6 +670,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--extra-questions", type=int, default=0,
                         help="add up to N more valid questions about the same documents to "
                              "each example (field extra_questions; a training aid, 0: none)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes drawing examples (the files are the same for any count)")
     return parser.parse_args(argv)
 
 
@@ -675,7 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for split, count in (("train", args.train), ("validation", args.validation),
                          ("test", args.test)):
-        examples = tqdm(generate_split(config, split, count), total=count, desc=split,
+        examples = tqdm(generate_split(config, split, count, args.workers), total=count, desc=split,
                         unit="ex", file=sys.stderr)
         write_split(args.out / f"{split}.jsonl", examples)
     print(f"wrote {args.train}/{args.validation}/{args.test} examples to {args.out}")

@@ -26,14 +26,16 @@ PATH --out runs/tiny``; see ``--help``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import random
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -43,12 +45,14 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from hypic.kernels.gated_delta.transformers_layout import training_gated_delta_rule
 from hypic.data.synthetic_qa import (EOS_TOKEN, PAD_TOKEN, QUESTION_TEMPLATE, prompt_parts,
                                      read_jsonl)
 from hypic.data.tokenizer import encode_parts, load_tokenizer, special_token_ids, tokenizer_path
 
 IGNORE_INDEX = -100
 LOG_FILE = "train_log.jsonl"
+EXTRA_KINDS = ("any", "single_hop", "multi_hop")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,14 @@ class TrainConfig:
     grad_clip: float = 1.0
     answer_weight: float = 1.0
     extra_questions: int = 0
+    extra_kind: str = "any"  # "single_hop": use only single-hop extra questions
+    copy_rows: int = 0  # extra rows per batch of a random token run repeated (induction drill)
+    copy_length: int = 96
+    schedule_minutes: float | None = None  # fit the step count to this much training time
+    eval_every: int = 0  # validation answer accuracy every N steps (0: only at the end)
+    eval_examples: int = 200
+    workers: int = 1  # processes encoding the training set
+    kernel: str = "auto"  # gated delta rule: "auto" (FLA on CUDA) or "torch" (ours everywhere)
     long_memory_init: bool = True
     seed: int = 0
     device: str = "auto"
@@ -153,6 +165,26 @@ def qwen3_5_classes(device: torch.device) -> tuple[type, type]:
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     return Qwen3_5TextConfig, Qwen3_5ForCausalLM
+
+
+@contextlib.contextmanager
+def training_kernels(device: torch.device, kernel: str = "auto") -> Iterator[None]:
+    """Inside: transformers' Qwen3.5 runs ``training_gated_delta_rule(device)``.
+
+    Same math as transformers' fallback (see the kernel tests), with a far cheaper backward
+    on CPU and FLA's kernel on CUDA. The module's own rule is restored on exit, so models
+    loaded elsewhere (the test oracle) stay pure transformers.
+    """
+    qwen3_5_classes(device)
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    original = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    rule = training_gated_delta_rule(device, use_fla=kernel == "auto")
+    modeling_qwen3_5.torch_chunk_gated_delta_rule = rule
+    try:
+        yield
+    finally:
+        modeling_qwen3_5.torch_chunk_gated_delta_rule = original
 
 
 def build_model(config: ModelConfig, eos_id: int, pad_id: int, device: torch.device) -> Any:
@@ -227,17 +259,21 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def encode_example(tokenizer: Tokenizer, example: dict, eos_id: int,
-                   extra_questions: int = 0) -> Encoded:
+                   extra_questions: int = 0, extra_kind: str = "any") -> Encoded:
     """Prompt parts encoded one by one (as the engine does), then `` answer`` and eos.
 
     With ``extra_questions`` > 0, up to that many of the example's ``extra_questions``
     follow, each as question part, `` answer`` and eos: more answer tokens per document
-    token processed.
+    token processed. ``extra_kind`` = ``single_hop`` skips the multi-hop ones.
     """
+    if extra_kind not in EXTRA_KINDS:
+        raise ValueError(f"extra_kind must be one of {EXTRA_KINDS}, got {extra_kind!r}")
     prompt = encode_parts(tokenizer, prompt_parts(example))
     ids = prompt + encode_parts(tokenizer, [" " + example["answer"]]) + [eos_id]
     answer_end, spans = len(ids), []
-    for extra in example.get("extra_questions", [])[:extra_questions]:
+    extras = [e for e in example.get("extra_questions", [])
+              if extra_kind == "any" or e["kind"] == extra_kind]
+    for extra in extras[:extra_questions]:
         ids += encode_parts(tokenizer, [QUESTION_TEMPLATE.format(question=extra["question"])])
         start = len(ids)
         ids += encode_parts(tokenizer, [" " + extra["answer"]]) + [eos_id]
@@ -245,8 +281,8 @@ def encode_example(tokenizer: Tokenizer, example: dict, eos_id: int,
     return Encoded(ids, len(prompt), answer_end if spans else None, tuple(spans))
 
 
-def fit_to_length(tokenizer: Tokenizer, example: dict, eos_id: int,
-                  seq_len: int, extra_questions: int = 0) -> Encoded | None:
+def fit_to_length(tokenizer: Tokenizer, example: dict, eos_id: int, seq_len: int,
+                  extra_questions: int = 0, extra_kind: str = "any") -> Encoded | None:
     """Encode ``example``, dropping distractor documents from the end until it fits.
 
     Supporting documents are kept, so the shortened example stays answerable; None when
@@ -260,7 +296,7 @@ def fit_to_length(tokenizer: Tokenizer, example: dict, eos_id: int,
         extras = [e for e in example.get("extra_questions", [])
                   if set(e["supporting_docs"]) <= kept]
         trimmed = {**example, "documents": [d for _, d in docs], "extra_questions": extras}
-        encoded = encode_example(tokenizer, trimmed, eos_id, extra_questions)
+        encoded = encode_example(tokenizer, trimmed, eos_id, extra_questions, extra_kind)
         if len(encoded.ids) <= seq_len:
             return encoded
         drop = next((k for k in range(len(docs) - 1, -1, -1) if docs[k][0] not in keep), None)
@@ -269,15 +305,44 @@ def fit_to_length(tokenizer: Tokenizer, example: dict, eos_id: int,
         del docs[drop]
 
 
+def encode_examples(examples: Sequence[dict], tokenizer: Tokenizer, eos_id: int, seq_len: int,
+                    extra_questions: int = 0, extra_kind: str = "any",
+                    workers: int = 1) -> list[Encoded | None]:
+    """``fit_to_length`` of every example, in order; ``workers`` > 1 encodes in processes."""
+    fit = functools.partial(fit_to_length, tokenizer, eos_id=eos_id, seq_len=seq_len,
+                            extra_questions=extra_questions, extra_kind=extra_kind)
+    if workers <= 1:
+        return [fit(example) for example in examples]
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return pool.map(fit, examples, chunksize=256)
+
+
 def load_training_set(config: TrainConfig, tokenizer: Tokenizer, eos_id: int) -> list[Encoded]:
     """The train split, encoded and fitted to ``seq_len`` (unfittable examples skipped)."""
     examples = read_jsonl(Path(config.data) / "train.jsonl")[: config.max_examples]
-    encoded = [fit_to_length(tokenizer, ex, eos_id, config.seq_len, config.extra_questions)
-               for ex in examples]
+    encoded = encode_examples(examples, tokenizer, eos_id, config.seq_len,
+                              config.extra_questions, config.extra_kind, config.workers)
     kept = [e for e in encoded if e is not None]
     if not kept:
         raise ValueError(f"no training example fits in --seq-len {config.seq_len}")
     return kept
+
+
+def load_validation_set(config: TrainConfig, tokenizer: Tokenizer,
+                        eos_id: int) -> list[tuple[str, Encoded]]:
+    """(kind, prompt + answer + eos) of the first ``eval_examples`` validation examples.
+
+    Empty when the split is missing or ``eval_examples`` is 0. Examples that do not fit in
+    ``seq_len`` lose distractors, as in training.
+    """
+    path = Path(config.data) / "validation.jsonl"
+    if config.eval_examples <= 0 or not path.exists():
+        return []
+    examples = read_jsonl(path)[: config.eval_examples]
+    encoded = encode_examples(examples, tokenizer, eos_id, config.seq_len)
+    return [(ex["kind"], e) for ex, e in zip(examples, encoded) if e is not None]
 
 
 def batch_order(count: int, batch_size: int, seed: int) -> list[list[int]]:
@@ -327,15 +392,33 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> tuple[Any, Any]:
-    """AdamW (no decay on norms and biases) with the warm-up + cosine schedule."""
+@dataclass
+class StepPlan:
+    """How many steps the run takes; ``schedule_minutes`` may revise it after a probe."""
+
+    total: int
+
+
+def fitted_steps(config: TrainConfig, done: int, elapsed_s: float, step_s: float) -> int:
+    """Steps that end the run after ``schedule_minutes`` at ``step_s`` seconds a step.
+
+    Capped by ``--steps`` and never below the steps already done plus one.
+    """
+    left = 60.0 * config.schedule_minutes - elapsed_s
+    return max(done + 1, min(config.steps, done + int(left / step_s)))
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig,
+                   plan: StepPlan) -> tuple[Any, Any]:
+    """AdamW (no decay on norms and biases) with the warm-up + cosine schedule over
+    ``plan.total`` steps (read at every step, so a revised plan bends the schedule)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
-        step, config.warmup_steps, config.steps, config.min_lr_ratio))
+        step, config.warmup_steps, plan.total, config.min_lr_ratio))
     return optimizer, schedule
 
 
@@ -371,19 +454,34 @@ def _prune_checkpoints(out: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
+def copy_drill(rng: random.Random, vocab: Sequence[int], length: int) -> Encoded:
+    """A random run of ``length`` token ids followed by the same run; the repeat is the answer.
+
+    Predicting the repeat needs a copy (induction) circuit, the mechanism that answering
+    from documents relies on; rows like this make a small model grow it early.
+    """
+    run = [rng.choice(vocab) for _ in range(length)]
+    return Encoded(run + run, length)
+
+
 class _Batches:
     """Endless stream of batches, reshuffled each epoch from the run's seed."""
 
-    def __init__(self, data: list[Encoded], batch_size: int, seed: int) -> None:
+    def __init__(self, data: list[Encoded], batch_size: int, seed: int,
+                 drill: tuple[int, int, Sequence[int]] = (0, 0, ())) -> None:
         self.data, self.batch_size, self.seed, self.epoch = data, batch_size, seed, 0
         self.pending: list[list[int]] = []
+        self.drill_rows, self.drill_length, self.vocab = drill
+        self.rng = random.Random(f"copy-drill|{seed}")
 
     def next(self) -> list[Encoded]:
-        """The next batch of encoded examples."""
+        """The next batch of encoded examples (plus the copy-drill rows, if any)."""
         if not self.pending:
             self.pending = batch_order(len(self.data), self.batch_size, self.seed + self.epoch)
             self.epoch += 1
-        return [self.data[i] for i in self.pending.pop(0)]
+        drills = [copy_drill(self.rng, self.vocab, self.drill_length)
+                  for _ in range(self.drill_rows)]
+        return [self.data[i] for i in self.pending.pop(0)] + drills
 
 
 def train_step(model: Any, batch: list[Encoded], pad_id: int, config: TrainConfig,
@@ -399,6 +497,37 @@ def train_step(model: Any, batch: list[Encoded], pad_id: int, config: TrainConfi
     return total.item(), lm.item(), ans.item()
 
 
+@torch.no_grad()
+def greedy_answer_matches(model: Any, items: Sequence[Encoded], pad_id: int,
+                          device: torch.device, batch_size: int = 16) -> list[bool]:
+    """Whether greedy decoding after each prompt gives exactly its answer tokens and eos.
+
+    One teacher-forced forward over prompt + answer + eos: greedy decoding reproduces the
+    answer iff the argmax at every answer position is the next answer token. A strict
+    form of exact match (a greedy answer that differs only in punctuation counts wrong).
+    """
+    matches = []
+    for first in range(0, len(items), batch_size):
+        ids, _, answer = make_batch(items[first:first + batch_size], pad_id, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=ids, use_cache=False).logits
+        hit = logits[:, :-1].argmax(-1) == ids[:, 1:]
+        matches += (hit | ~answer[:, 1:]).all(-1).tolist()
+    return matches
+
+
+def answer_accuracy(model: Any, validation: Sequence[tuple[str, Encoded]], pad_id: int,
+                    device: torch.device) -> dict[str, float]:
+    """``greedy_answer_matches`` as a fraction per question kind (``val_single_hop``, ...)."""
+    was_training = model.training
+    model.eval()
+    matches = greedy_answer_matches(model, [e for _, e in validation], pad_id, device)
+    model.train(was_training)
+    kinds = sorted({kind for kind, _ in validation})
+    return {f"val_{kind}": sum(m for (k, _), m in zip(validation, matches) if k == kind)
+            / sum(k == kind for k, _ in validation) for kind in kinds}
+
+
 @dataclass
 class _Run:
     """The live objects of one training run."""
@@ -411,6 +540,8 @@ class _Run:
     schedule: Any
     pad_id: int
     out: Path
+    plan: StepPlan
+    validation: list[tuple[str, Encoded]]
 
 
 def _start_run(config: TrainConfig) -> _Run:
@@ -426,13 +557,17 @@ def _start_run(config: TrainConfig) -> _Run:
         long_memory_init(model)
     if config.init_from is not None:
         load_weights(model, config.init_from)
+    vocab = [i for i in range(tokenizer.get_vocab_size()) if i not in (eos_id, pad_id)]
     batches = _Batches(load_training_set(config, tokenizer, eos_id), config.batch_size,
-                       config.seed)
-    optimizer, schedule = make_optimizer(model, config)
+                       config.seed, (config.copy_rows, config.copy_length, vocab))
+    plan = StepPlan(config.steps)
+    optimizer, schedule = make_optimizer(model, config, plan)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / LOG_FILE).write_text("", encoding="utf-8")  # a new run starts a new log
-    return _Run(config, device, model, batches, optimizer, schedule, pad_id, out)
+    validation = load_validation_set(config, tokenizer, eos_id)
+    return _Run(config, device, model, batches, optimizer, schedule, pad_id, out, plan,
+                validation)
 
 
 def _step(run: _Run, step: int, start: float) -> dict:
@@ -445,15 +580,43 @@ def _step(run: _Run, step: int, start: float) -> dict:
     run.optimizer.zero_grad(set_to_none=True)
     record = {"step": step + 1, "loss": total, "lm_loss": lm, "answer_loss": ans,
               "lr": lr, "seconds": round(time.monotonic() - start, 3)}
+    _log(run, record)
+    return record
+
+
+def _log(run: _Run, record: dict) -> None:
+    """Append one record to the run's JSONL log."""
     with open(run.out / LOG_FILE, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
-    return record
+
+
+def _evaluate(run: _Run, steps_done: int, bar: Any) -> None:
+    """Log (and print) the validation answer accuracy per kind."""
+    if not run.validation:
+        return
+    scores = answer_accuracy(run.model, run.validation, run.pad_id, run.device)
+    _log(run, {"step": steps_done, **scores})
+    bar.write(f"step {steps_done}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+
+
+PROBE_STEPS = (5, 25)  # steps timed to fit --schedule-minutes (after warm-up effects)
+
+
+def _maybe_refit(run: _Run, steps_done: int, start: float, probe_start: list[float]) -> None:
+    """At the probe's ends, time the steps and fit ``plan.total`` to ``schedule_minutes``."""
+    if run.config.schedule_minutes is None:
+        return
+    if steps_done == PROBE_STEPS[0]:
+        probe_start.append(time.monotonic())
+    elif steps_done == PROBE_STEPS[1] and probe_start:
+        step_s = (time.monotonic() - probe_start[0]) / (PROBE_STEPS[1] - PROBE_STEPS[0])
+        run.plan.total = fitted_steps(run.config, steps_done, time.monotonic() - start, step_s)
 
 
 def _maybe_checkpoint(run: _Run, steps_done: int) -> None:
     """Save a periodic checkpoint every ``save_every`` steps (not at the very end)."""
     every = run.config.save_every
-    if every and steps_done % every == 0 and steps_done < run.config.steps:
+    if every and steps_done % every == 0 and steps_done < run.plan.total:
         save_checkpoint(run.model, run.config, run.out / f"checkpoint-{steps_done:06d}",
                         steps_done)
         _prune_checkpoints(run.out, run.config.keep_checkpoints)
@@ -461,21 +624,35 @@ def _maybe_checkpoint(run: _Run, steps_done: int) -> None:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run training as configured; saves periodic checkpoints and the final model."""
+    device = resolve_device(config.device)
+    with training_kernels(device, config.kernel):
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> TrainResult:
+    """The training loop (under ``training_kernels``)."""
     from tqdm import tqdm  # progress bar only; keeps module import light
 
     run = _start_run(config)
-    bar = tqdm(range(config.steps), desc="train", disable=not config.progress, file=sys.stderr)
-    bar.write(f"model: {count_parameters(run.model) / 1e6:.2f} M parameters on {run.device}")
-    start, losses, stopped = time.monotonic(), [], False
-    for step in bar:
-        record = _step(run, step, start)
+    bar = tqdm(total=run.plan.total, desc="train", disable=not config.progress, file=sys.stderr)
+    bar.write(f"model: {count_parameters(run.model) / 1e6:.2f} M parameters on {run.device}; "
+              f"{len(run.batches.data)} training sequences")
+    start, losses, stopped, probe = time.monotonic(), [], False, []
+    while len(losses) < run.plan.total:
+        record = _step(run, len(losses), start)
         losses.append(record["loss"])
+        _maybe_refit(run, len(losses), start, probe)
+        bar.total = run.plan.total
+        bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", ans=f"{record['answer_loss']:.3f}",
                         lr=f"{record['lr']:.2e}")
-        _maybe_checkpoint(run, step + 1)
+        _maybe_checkpoint(run, len(losses))
+        if config.eval_every and len(losses) % config.eval_every == 0:
+            _evaluate(run, len(losses), bar)
         if config.max_minutes is not None and time.monotonic() - start > 60 * config.max_minutes:
             stopped = True
             break
+    _evaluate(run, len(losses), bar)
     bar.close()
     save_checkpoint(run.model, config, run.out, len(losses))
     return TrainResult(losses, len(losses), run.out, stopped)
@@ -493,6 +670,14 @@ _TRAIN_FLAGS = MappingProxyType({
     "answer_weight": "extra weight of the answer tokens' mean loss (0: plain LM loss)",
     "extra_questions": "append up to N of an example's extra_questions (generated with "
                        "--extra-questions) after its answer: more answers per token",
+    "extra_kind": "which extra questions to append: any, or only single_hop",
+    "copy_rows": "add N rows per batch of a random token run and its repeat (loss on the "
+                 "repeat counts as answer): drills the copy circuit answers need",
+    "copy_length": "length of the random run in a copy-drill row",
+    "eval_every": "every N steps, log the validation split's greedy answer accuracy per "
+                  "question kind (0: only at the end; validation.jsonl of --data)",
+    "eval_examples": "validation examples scored (0: none)",
+    "workers": "processes that encode the training set",
     "seed": "seed of initialisation and data order",
     "save_every": "save a checkpoint-NNNNNN directory every N steps (0: only at the end)",
     "keep_checkpoints": "how many periodic checkpoints to keep",
@@ -519,8 +704,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
                             help=text)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--kernel", choices=("auto", "torch"), default="auto",
+                        help="gated delta rule of the linear layers: auto = FLA's Triton kernel "
+                             "on CUDA when installed, else our chunked PyTorch form; torch = ours")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="wall-clock budget; training stops and saves when it is spent")
+    parser.add_argument("--schedule-minutes", type=float, default=None,
+                        help="fit the step count (at most --steps) so that the learning-rate "
+                             "schedule ends after this much training, timed over steps "
+                             f"{PROBE_STEPS[0]}-{PROBE_STEPS[1]}")
     parser.add_argument("--max-examples", type=int, default=None,
                         help="use only the first N training examples")
     parser.add_argument("--transformers-dt-init", dest="long_memory_init", action="store_false",

@@ -1,13 +1,15 @@
 """Gated delta rule: one interface, the fastest correct path for the device.
 
-CUDA with flash-linear-attention installed -> FLA's Triton kernels; anywhere else -> the
-PyTorch chunked form, or the token loop for very short runs (decode, seams).
+Runs of at least ``SHORT_RUN`` tokens: FLA's chunked Triton kernel on CUDA when installed,
+else the PyTorch chunked form. Shorter runs (decode, seams, snapshot cuts): the token loop
+on every device. FLA's fused-recurrent kernel is not used: on an H100 with FLA 0.6 / Triton
+3.6 it returned states off by 300x from a carried initial state (GPU test of issue 4).
 """
 import functools
 
 import torch
 
-from .chunk import chunk_gated_delta_rule
+from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first
 from .naive import naive_gated_delta_rule
 
 SHORT_RUN = 16  # below this the token loop beats the chunk form's padding on CPU
@@ -19,16 +21,14 @@ def _fla_ops():
     if not torch.cuda.is_available():
         return None
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk, fused_recurrent_gated_delta_rule as step
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
     except ImportError:
         return None
-    return chunk, step
+    return chunk
 
 
-def _fla_gated_delta_rule(ops, q, k, v, g, beta, initial_state, scale):
-    chunk, step = ops
-    kernel = step if q.shape[0] < SHORT_RUN else chunk
-    out, state = kernel(
+def _fla_gated_delta_rule(chunk, q, k, v, g, beta, initial_state, scale):
+    out, state = chunk(
         q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
         initial_state=None if initial_state is None else initial_state[None].float(), output_final_state=True,
     )
@@ -47,12 +47,13 @@ def gated_delta_rule(
     """q, k [T, H, K] (l2-normalised, expanded to value heads); v [T, H, V]; g, beta [T, H];
     initial_state [H, K, V]. Returns o [T, H, V] fp32 and final state [H, K, V] fp32."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    ops = _fla_ops() if q.is_cuda else None
-    if ops is not None:
-        return _fla_gated_delta_rule(ops, q, k, v, g, beta, initial_state, scale)
     if q.shape[0] < SHORT_RUN:
         return naive_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
+    chunk = _fla_ops() if q.is_cuda else None
+    if chunk is not None:
+        return _fla_gated_delta_rule(chunk, q, k, v, g, beta, initial_state, scale)
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
 
 
-__all__ = ["gated_delta_rule", "chunk_gated_delta_rule", "naive_gated_delta_rule"]
+__all__ = ["gated_delta_rule", "chunk_gated_delta_rule", "chunk_gated_delta_rule_heads_first",
+           "naive_gated_delta_rule"]

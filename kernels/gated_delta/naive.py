@@ -20,8 +20,9 @@ def naive_gated_delta_rule(
     steps, heads, dk = k.shape
     scale = dk**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    state = torch.zeros(heads, dk, v.shape[-1]) if initial_state is None else initial_state.float().clone()
-    out = torch.empty(steps, heads, v.shape[-1])
+    state = (torch.zeros(heads, dk, v.shape[-1], device=k.device) if initial_state is None
+             else initial_state.float().clone())
+    out = torch.empty(steps, heads, v.shape[-1], device=k.device)
     for t in range(steps):
         state = state * g[t].exp()[:, None, None]
         recalled = torch.einsum("hk,hkv->hv", k[t], state)

@@ -35,10 +35,10 @@ def all_examples(splits: dict[str, list[dict]]) -> list[dict]:
     return [ex for examples in splits.values() for ex in examples]
 
 
-def run_cli(out: Path, seed: int) -> dict[str, bytes]:
+def run_cli(out: Path, seed: int, workers: int = 1) -> dict[str, bytes]:
     """Run the command line into ``out`` and return the bytes of each file."""
     main(["--out", str(out), "--train", "12", "--validation", "3", "--test", "4",
-          "--seed", str(seed)])
+          "--seed", str(seed), "--workers", str(workers)])
     return {p.name: p.read_bytes() for p in sorted(out.glob("*.jsonl"))}
 
 
@@ -49,6 +49,10 @@ def test_same_seed_gives_identical_bytes(tmp_path: Path) -> None:
     assert sorted(first) == ["test.jsonl", "train.jsonl", "validation.jsonl"]
     assert first == second
     assert all(first[name] != other[name] for name in first)
+
+
+def test_worker_processes_give_the_same_bytes(tmp_path: Path) -> None:
+    assert run_cli(tmp_path / "two", seed=5, workers=2) == run_cli(tmp_path / "one", seed=5)
 
 
 def test_split_is_a_prefix_of_a_longer_split(qa_config: GeneratorConfig) -> None:

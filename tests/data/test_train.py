@@ -39,8 +39,11 @@ def test_run_saves_checkpoints_with_tokenizer(micro_run) -> None:
                      "tokenizer_config.json", "training_config.json"):
             assert (directory / name).is_file(), directory / name
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-000008"]  # keep 1
-    log = (out / "train_log.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in log] == list(range(1, config.steps + 1))
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, config.steps + 1))
+    final = [r for r in log if "loss" not in r]  # the validation accuracy after the last step
+    assert len(final) == 1 and final[0]["step"] == config.steps
+    assert {"val_single_hop", "val_multi_hop"} <= set(final[0])
 
 
 def test_saved_model_is_the_qwen3_5_hybrid(micro_run) -> None:
@@ -151,3 +154,124 @@ def test_long_memory_init_gives_slow_decay(one_torch_thread) -> None:
     assert decays().median() < 0.01  # transformers' dt_bias = 1: forgotten within a few tokens
     long_memory_init(model)
     assert decays().median() > 0.5 and decays().max() > 0.99
+
+
+def test_extra_kind_keeps_only_that_kind(tokenizer_file: Path) -> None:
+    from dataclasses import replace
+
+    from hypic.data.synthetic_qa import GeneratorConfig, generate_example
+
+    tokenizer = load_tokenizer(tokenizer_file)
+    example = generate_example(replace(GeneratorConfig(), extra_questions=12), "train", 2)
+    single = [e["answer"] for e in example["extra_questions"] if e["kind"] == "single_hop"]
+    assert 0 < len(single) < len(example["extra_questions"])  # the example mixes both kinds
+    encoded = fit_to_length(tokenizer, example, 0, 10**6, extra_questions=12, extra_kind="single_hop")
+    decoded = [tokenizer.decode(encoded.ids[s:e]).strip() for s, e in encoded.answer_spans[1:]]
+    assert decoded == single
+    with pytest.raises(ValueError, match="extra_kind"):
+        fit_to_length(tokenizer, example, 0, 10**6, extra_questions=12, extra_kind="single")
+
+
+def test_copy_drill_rows_repeat_a_random_run_and_join_the_batch() -> None:
+    import random
+
+    from hypic.data.train import _Batches, copy_drill
+
+    drill = copy_drill(random.Random(3), range(10, 60), 8)
+    assert drill.ids[:8] == drill.ids[8:] and drill.answer_spans == [(8, 16)]
+    assert all(10 <= i < 60 for i in drill.ids)
+    data = [Encoded([1, 2, 3, 4], 2)] * 6
+    batches = _Batches(data, 2, seed=0, drill=(3, 5, range(10, 60)))
+    batch = batches.next()
+    assert len(batch) == 5 and [len(b.ids) for b in batch[2:]] == [10, 10, 10]
+    again = _Batches(data, 2, seed=0, drill=(3, 5, range(10, 60))).next()
+    assert [b.ids for b in again] == [b.ids for b in batch]  # seeded: reproducible
+
+
+def test_plan_revision_bends_the_schedule(one_torch_thread) -> None:
+    from hypic.data.train import StepPlan, TrainConfig, fitted_steps, make_optimizer
+
+    config = TrainConfig(Path(), Path(), Path(), steps=1000, lr=1.0, warmup_steps=2,
+                         min_lr_ratio=0.1, schedule_minutes=1.0)
+    assert fitted_steps(config, done=20, elapsed_s=12.0, step_s=0.5) == 20 + 96  # 48 s left
+    assert fitted_steps(config, done=20, elapsed_s=12.0, step_s=0.01) == 1000  # capped by steps
+    assert fitted_steps(config, done=20, elapsed_s=70.0, step_s=0.5) == 21  # over time: stop
+    plan = StepPlan(1000)
+    optimizer, schedule = make_optimizer(torch.nn.Linear(2, 2), config, plan)
+    for _ in range(5):
+        optimizer.step()
+        schedule.step()
+    plan.total = 10
+    for _ in range(5):
+        optimizer.step()
+        schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_factor(10, 2, 10, 0.1)) == 0.1
+
+
+def test_greedy_answer_matches_agrees_with_generation(micro_run, splits, tokenizer_file: Path,
+                                                      one_torch_thread) -> None:
+    """The teacher-forced check says yes to the model's own greedy continuation, no to others."""
+    from hypic.data.tokenizer import encode_parts
+    from hypic.data.train import greedy_answer_matches, load_model
+    from hypic.data.synthetic_qa import prompt_parts
+
+    _, result = micro_run
+    _, model = load_model(result.out, "cpu")
+    tokenizer = load_tokenizer(tokenizer_file)
+    items, flipped = [], []
+    for example in splits["validation"][:3]:
+        prompt = encode_parts(tokenizer, prompt_parts(example))
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                             do_sample=False, eos_token_id=0, pad_token_id=1)
+        greedy = out[0, len(prompt):].tolist()  # ends early where it generates eos
+        items.append(Encoded(prompt + greedy, len(prompt)))
+        flipped.append(Encoded(prompt + greedy[:-1] + [(greedy[-1] + 1) % 4096], len(prompt)))
+    device = torch.device("cpu")
+    assert greedy_answer_matches(model, items, 1, device, batch_size=2) == [True] * 3
+    assert greedy_answer_matches(model, flipped, 1, device, batch_size=2) == [False] * 3
+
+
+def test_training_kernels_are_restored_on_exit() -> None:
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from hypic.data.train import training_kernels
+    from hypic.kernels.gated_delta.transformers_layout import transformers_chunk_gated_delta_rule
+
+    original = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    with training_kernels(torch.device("cpu")):
+        assert modeling_qwen3_5.torch_chunk_gated_delta_rule is transformers_chunk_gated_delta_rule
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule is original
+
+
+def test_encoding_in_worker_processes_gives_the_same_sequences(splits, tokenizer_file: Path) -> None:
+    from hypic.data.train import encode_examples
+
+    tokenizer = load_tokenizer(tokenizer_file)
+    examples = splits["train"][:12]
+    assert encode_examples(examples, tokenizer, 0, 700, workers=2) == \
+        encode_examples(examples, tokenizer, 0, 700)
+
+
+def test_export_casts_weights_and_both_runtimes_load_it(micro_run, splits, tmp_path: Path,
+                                                       one_torch_thread) -> None:
+    from safetensors.torch import load_file
+
+    from hypic import Engine
+    from hypic.checkpoints import reference_classes
+    from hypic.data.export import export_model
+    from hypic.data.synthetic_qa import build_prompt
+
+    _, result = micro_run
+    out = export_model(Path(result.out), tmp_path / "shipped", "bfloat16")
+    source, shipped = load_file(str(Path(result.out) / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(source) == set(shipped)
+    assert all(shipped[k].dtype == torch.bfloat16 and torch.equal(shipped[k], source[k].bfloat16()) for k in source)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / "training.json").read_text())["steps"] == result.steps
+    engine = Engine.from_pretrained(out)
+    reference = reference_classes("qwen3_5_text")[1].from_pretrained(out, dtype=torch.float32).eval()
+    parts = engine.parse(build_prompt({**splits["test"][0], "documents": splits["test"][0]["documents"][:2]}))
+    with torch.no_grad():
+        expected = reference(torch.tensor([parts.token_ids])).logits[0, -1].float()
+    assert (engine.prefill(parts, "full").logits - expected).abs().max().item() <= 1e-4

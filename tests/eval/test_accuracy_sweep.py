@@ -72,3 +72,10 @@ def test_state_drift_values(sweep: ModuleType) -> None:
     (rel, angle), (rel_same, angle_same) = sweep.state_drift([a, b], [b, b])
     assert rel == pytest.approx(math.sqrt(2)) and angle == pytest.approx(90.0)
     assert rel_same == 0.0 and angle_same == 0.0
+
+
+def test_modes_select_configurations_and_full_always_runs(sweep: ModuleType) -> None:
+    labels = lambda configs: [c.label for c in configs]  # noqa: E731
+    assert labels(sweep.sweep_configs([4, 8])) == ["full", "hypic w=4", "hypic w=8", "prefix", "naive"]
+    assert labels(sweep.sweep_configs([4, 8], ["naive"])) == ["full", "naive"]
+    assert labels(sweep.sweep_configs([4], ["full"])) == ["full"]

@@ -10,10 +10,10 @@ from hypic.checkpoints import reference_classes
 from hypic.data.evaluate import exact_match
 from hypic.data.synthetic_qa import GeneratorConfig, build_prompt, generate_example
 
-# A held-out test example (regenerated from its seed: test-000059, 9 documents, multi-hop, answer
-# "indigo") that the shipped model answers correctly under full recompute. It answers few: see
-# eval/results/accuracy_default_model.md for the whole split.
-TEST_INDEX = 59
+# A held-out test example (regenerated from its seed: test-000020, 11 documents, single-hop,
+# answer "pharmacist") that the shipped model answers correctly under full recompute. It answers
+# about half of the split: see eval/results/accuracy_default_model.md.
+TEST_INDEX = 20
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,8 @@ def test_shipped_directory_is_a_small_qwen3_5_checkpoint() -> None:
 
 
 def test_transformers_logits_match_our_runtime(engine: Engine, example: dict) -> None:
-    reference = reference_classes("qwen3_5_text")[1].from_pretrained(default_model_path()).eval()
+    # The weights ship in bfloat16; both runtimes compute in float32 here.
+    reference = reference_classes("qwen3_5_text")[1].from_pretrained(default_model_path(), dtype=torch.float32).eval()
     parameters = sum(p.numel() for p in reference.parameters())
     assert 5e6 <= parameters <= 20e6
     shorter = {**example, "documents": example["documents"][:3]}  # keeps the reference forward quick
