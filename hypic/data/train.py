@@ -542,6 +542,7 @@ class _Run:
     out: Path
     plan: StepPlan
     validation: list[tuple[str, Encoded]]
+    probe_start: float | None = None  # when the timed probe steps began
 
 
 def _start_run(config: TrainConfig) -> _Run:
@@ -576,6 +577,7 @@ def _step(run: _Run, step: int, start: float) -> dict:
     total, lm, ans = train_step(run.model, run.batches.next(), run.pad_id, run.config, run.device)
     lr = run.optimizer.param_groups[0]["lr"]  # the rate this step used
     run.optimizer.step()
+    _maybe_refit(run, step + 1, start)  # before the schedule computes the next step's rate
     run.schedule.step()
     run.optimizer.zero_grad(set_to_none=True)
     record = {"step": step + 1, "loss": total, "lm_loss": lm, "answer_loss": ans,
@@ -602,14 +604,14 @@ def _evaluate(run: _Run, steps_done: int, bar: Any) -> None:
 PROBE_STEPS = (5, 25)  # steps timed to fit --schedule-minutes (after warm-up effects)
 
 
-def _maybe_refit(run: _Run, steps_done: int, start: float, probe_start: list[float]) -> None:
+def _maybe_refit(run: _Run, steps_done: int, start: float) -> None:
     """At the probe's ends, time the steps and fit ``plan.total`` to ``schedule_minutes``."""
     if run.config.schedule_minutes is None:
         return
     if steps_done == PROBE_STEPS[0]:
-        probe_start.append(time.monotonic())
-    elif steps_done == PROBE_STEPS[1] and probe_start:
-        step_s = (time.monotonic() - probe_start[0]) / (PROBE_STEPS[1] - PROBE_STEPS[0])
+        run.probe_start = time.monotonic()
+    elif steps_done == PROBE_STEPS[1] and run.probe_start is not None:
+        step_s = (time.monotonic() - run.probe_start) / (PROBE_STEPS[1] - PROBE_STEPS[0])
         run.plan.total = fitted_steps(run.config, steps_done, time.monotonic() - start, step_s)
 
 
@@ -637,11 +639,10 @@ def _train(config: TrainConfig) -> TrainResult:
     bar = tqdm(total=run.plan.total, desc="train", disable=not config.progress, file=sys.stderr)
     bar.write(f"model: {count_parameters(run.model) / 1e6:.2f} M parameters on {run.device}; "
               f"{len(run.batches.data)} training sequences")
-    start, losses, stopped, probe = time.monotonic(), [], False, []
+    start, losses, stopped = time.monotonic(), [], False
     while len(losses) < run.plan.total:
         record = _step(run, len(losses), start)
         losses.append(record["loss"])
-        _maybe_refit(run, len(losses), start, probe)
         bar.total = run.plan.total
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", ans=f"{record['answer_loss']:.3f}",

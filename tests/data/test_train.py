@@ -275,3 +275,19 @@ def test_export_casts_weights_and_both_runtimes_load_it(micro_run, splits, tmp_p
     with torch.no_grad():
         expected = reference(torch.tensor([parts.token_ids])).logits[0, -1].float()
     assert (engine.prefill(parts, "full").logits - expected).abs().max().item() <= 1e-4
+
+
+def test_schedule_minutes_ends_the_run_and_its_schedule(micro_run, tmp_path: Path,
+                                                        one_torch_thread) -> None:
+    """A budget spent before the probe ends: the run stops right after it, at the schedule's end."""
+    from dataclasses import replace
+
+    from hypic.data.train import PROBE_STEPS, train
+
+    config, _ = micro_run
+    short = replace(config, out=tmp_path / "run", steps=40, schedule_minutes=1e-4, eval_examples=0,
+                    save_every=0, warmup_steps=2)
+    result = train(short)
+    assert result.steps == PROBE_STEPS[1] + 1 and not result.stopped_early
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["lr"] == pytest.approx(short.lr * lr_factor(PROBE_STEPS[1], 2, PROBE_STEPS[1] + 1, 0.1))
