@@ -6,6 +6,8 @@ per chunk (a third of a CPU training step); on CUDA, which of FLA's kernels it b
 depends on the transformers version. ``training_gated_delta_rule`` picks the rule a
 training run swaps in: FLA's Triton kernel on CUDA when installed, else our chunked form.
 """
+import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -74,12 +76,28 @@ def fla_transformers_chunk_gated_delta_rule(
                                   output_final_state=output_final_state)
 
 
+@functools.cache
+def fla_trains_here() -> bool:
+    """Whether FLA's kernel imports and runs a backward pass on this GPU.
+
+    FLA refuses its backward on Hopper with Triton 3.4-3.7.0 (wrong results there), which is
+    what the H100 image of issue 4 had; a tiny forward + backward finds out once.
+    """
+    try:
+        shape = dict(device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(1, 64, 1, 64, requires_grad=True, **shape)
+        out, _ = fla_transformers_chunk_gated_delta_rule(
+            q, q, torch.randn(1, 64, 1, 64, **shape), -torch.rand(1, 64, 1, device="cuda"),
+            torch.rand(1, 64, 1, **shape), use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
+    except (ImportError, RuntimeError) as error:
+        warnings.warn(f"FLA's gated delta rule cannot train here, using the PyTorch form: {error}")
+        return False
+    return True
+
+
 def training_gated_delta_rule(device: torch.device, use_fla: bool = True) -> TransformersRule:
-    """FLA's kernel on CUDA when it imports (and ``use_fla``); else our chunked PyTorch form."""
-    if device.type == "cuda" and use_fla:
-        try:
-            import fla.ops.gated_delta_rule  # noqa: F401
-            return fla_transformers_chunk_gated_delta_rule
-        except ImportError:
-            pass
+    """FLA's kernel on CUDA when it trains there (and ``use_fla``); else our chunked PyTorch form."""
+    if device.type == "cuda" and use_fla and fla_trains_here():
+        return fla_transformers_chunk_gated_delta_rule
     return transformers_chunk_gated_delta_rule

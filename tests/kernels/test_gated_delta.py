@@ -147,6 +147,10 @@ def test_transformers_layout_matches_transformers_fallback(steps: int) -> None:
 @pytest.mark.parametrize("steps", [7, 150])
 def test_fla_training_rule_matches_ours_on_gpu(steps: int) -> None:
     """The rule training swaps in on CUDA (FLA, with autograd) equals ours on CPU."""
+    from hypic.kernels.gated_delta.transformers_layout import fla_trains_here
+
+    if not fla_trains_here():  # e.g. Hopper with Triton < 3.7.1: FLA refuses its backward
+        pytest.skip("FLA's backward does not run on this GPU / Triton; training uses the PyTorch form")
     inputs, state = _layout_inputs(steps)
     ours = _run_with_grads(transformers_chunk_gated_delta_rule, inputs, state)
     fla = _run_with_grads(fla_transformers_chunk_gated_delta_rule, [x.cuda() for x in inputs], state.cuda())
