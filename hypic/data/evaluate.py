@@ -89,8 +89,8 @@ def evaluate(examples: Iterable[dict], answer_fn: AnswerFn,
 
 
 def transformers_answer_fn(model_dir: str | Path, device: str = "auto",
-                           max_new_tokens: int = 16,
-                           separator: str = DEFAULT_SEPARATOR) -> AnswerFn:
+                           max_new_tokens: int = 16, separator: str = DEFAULT_SEPARATOR,
+                           dtype: str = "float32") -> AnswerFn:
     """Greedy answers from transformers' model in ``model_dir`` (full recompute).
 
     The prompt's parts are encoded one by one and concatenated, as the engine does, so
@@ -101,7 +101,7 @@ def transformers_answer_fn(model_dir: str | Path, device: str = "auto",
     from hypic.data.tokenizer import encode_parts, load_tokenizer, special_token_ids
     from hypic.data.train import load_model
 
-    torch_device, model = load_model(model_dir, device)
+    torch_device, model = load_model(model_dir, device, getattr(torch, dtype))
     tokenizer = load_tokenizer(model_dir)
     eos_id, pad_id = special_token_ids(tokenizer)
 
@@ -131,6 +131,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="score only the first N")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="compute dtype, whatever the weights are stored in")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the summary and every prediction to this JSON file")
     return parser.parse_args(argv)
@@ -140,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the command line."""
     args = _parse_args(argv)
     examples = read_jsonl(args.data / f"{args.split}.jsonl")[: args.limit]
-    answer_fn = transformers_answer_fn(args.model, args.device, args.max_new_tokens)
+    answer_fn = transformers_answer_fn(args.model, args.device, args.max_new_tokens,
+                                       dtype=args.dtype)
     report = evaluate(examples, answer_fn, progress=True)
     print(json.dumps(report.summary(), indent=2))
     if args.out is not None:

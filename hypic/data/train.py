@@ -210,11 +210,16 @@ def build_model(config: ModelConfig, eos_id: int, pad_id: int, device: torch.dev
     return model_cls(hf_config).to(device)
 
 
-def load_model(model_dir: str | Path, device: str = "auto") -> tuple[torch.device, Any]:
-    """(device, model) for a saved checkpoint, in eval mode; works on CPU (see above)."""
+def load_model(model_dir: str | Path, device: str = "auto",
+               dtype: torch.dtype = torch.float32) -> tuple[torch.device, Any]:
+    """(device, model) for a saved checkpoint, in eval mode; works on CPU (see above).
+
+    Computes in ``dtype`` whatever the weights were stored in (transformers would otherwise
+    run the shipped bf16 weights in bf16).
+    """
     torch_device = resolve_device(device)
     _, model_cls = qwen3_5_classes(torch_device)
-    model = model_cls.from_pretrained(str(model_dir)).to(torch_device).eval()
+    model = model_cls.from_pretrained(str(model_dir), dtype=dtype).to(torch_device).eval()
     return torch_device, model
 
 

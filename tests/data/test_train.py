@@ -18,6 +18,7 @@ from hypic.data.train import (
     build_model,
     count_parameters,
     fit_to_length,
+    load_model,
     lr_factor,
     make_batch,
     qa_loss,
@@ -212,7 +213,7 @@ def test_greedy_answer_matches_agrees_with_generation(micro_run, splits, tokeniz
                                                       one_torch_thread) -> None:
     """The teacher-forced check says yes to the model's own greedy continuation, no to others."""
     from hypic.data.tokenizer import encode_parts
-    from hypic.data.train import greedy_answer_matches, load_model
+    from hypic.data.train import greedy_answer_matches
     from hypic.data.synthetic_qa import prompt_parts
 
     _, result = micro_run
@@ -275,6 +276,9 @@ def test_export_casts_weights_and_both_runtimes_load_it(micro_run, splits, tmp_p
     with torch.no_grad():
         expected = reference(torch.tensor([parts.token_ids])).logits[0, -1].float()
     assert (engine.prefill(parts, "full").logits - expected).abs().max().item() <= 1e-4
+    # the evaluation loader computes in float32 unless told otherwise, whatever is stored
+    assert {p.dtype for p in load_model(out, "cpu")[1].parameters()} == {torch.float32}
+    assert {p.dtype for p in load_model(out, "cpu", torch.bfloat16)[1].parameters()} == {torch.bfloat16}
 
 
 def test_schedule_minutes_ends_the_run_and_its_schedule(micro_run, tmp_path: Path,
