@@ -23,26 +23,28 @@ from .store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntr
 
 @dataclass
 class InteriorCapture:
-    """Collects a segment's interior [lo, hi) per layer while the segment is prefilled alone."""
+    """Collects a segment's interior [lo, hi) per layer while the segment is prefilled alone;
+    ``transitions``: whether linear layers also get T_C (the naive baseline stores S_C|0 only)."""
 
     lo: int
     hi: int
+    transitions: bool = True
     layers: dict[int, InteriorLayer] = field(default_factory=dict)
 
     def linear(self, index: int, start: int, inputs: RecurrenceInputs, window: torch.Tensor, kernel: int) -> None:
         """Fold the interior tokens of one run (positions from ``start``; its recurrence inputs and
-        conv window) into (T_I, S_I|0): a segment prefilled in chunks composes exactly. The run
-        reaching ``hi`` also yields the conv tail."""
+        conv window) into (T_I, S_I|0), continuing what earlier runs of a chunked prefill folded.
+        The run reaching ``hi`` also yields the conv tail."""
         end = start + inputs.q.shape[0]
         lo, hi = max(self.lo, start), min(self.hi, end)
         if lo < hi:
             part = inputs.slice(lo - start, hi - start)
-            _, zero_start_state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta)
-            transition = delta_rule_transition(part.k, part.g, part.beta)
             earlier = self.layers.get(index)
-            if isinstance(earlier, LinearInterior):
-                zero_start_state = compose_states(earlier.zero_start_state, [(transition, zero_start_state)])
-                transition = earlier.transition.then(transition)
+            assert earlier is None or isinstance(earlier, LinearInterior)
+            _, zero_start_state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta,
+                                                   earlier.zero_start_state if earlier else None)
+            transition = (delta_rule_transition(part.k, part.g, part.beta, earlier.transition if earlier else None)
+                          if self.transitions else None)
             self.layers[index] = LinearInterior(transition, zero_start_state, window.new_zeros(0))
         if start < self.hi <= end:  # window row j holds the conv input of token start - (k-1) + j
             layer = self.layers[index]

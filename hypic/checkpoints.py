@@ -1,10 +1,12 @@
 """Random checkpoints of the supported architectures, written by ``transformers`` in HF format
 (for tests, benchmarks and a placeholder default model; nothing is downloaded)."""
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 END_OF_TEXT = "<|endoftext|>"
@@ -75,13 +77,35 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
     return path
 
 
+LONG_MEMORY_DECAY = 0.01  # A of every linear head: state decays by about exp(-0.01 * softplus) per token
+LONG_MEMORY_OUTPUT_GAIN = 5.0  # token mixers' output projections scaled so their output rules the residual
+
+
+def make_long_memory(path: str | Path) -> Path:
+    """Rewrite a checkpoint in place so that what one document leaves in the linear states shapes the
+    logits: slow decay in every linear layer (A = 0.01) and token-mixer outputs that dominate the
+    residual stream. On such a model HYPIC's approximation above layer 0 is O(1) (greedy outputs of
+    HYPIC and full recompute differ), so a test can tell a right combine pass from full recompute."""
+    weights = Path(path) / "model.safetensors"
+    tensors = load_file(str(weights))
+    for name, tensor in tensors.items():
+        if name.endswith("A_log"):
+            tensors[name] = torch.full_like(tensor, math.log(LONG_MEMORY_DECAY))
+        elif name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight")):
+            tensors[name] = tensor * LONG_MEMORY_OUTPUT_GAIN
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return Path(path)
+
+
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type, overrides): the test matrix
     "qwen3_5_text-ratio2": ("qwen3_5_text", {}),
     "qwen3_5_text-ratio1": ("qwen3_5_text", dict(linear_num_value_heads=2)),
+    "qwen3_5_text-ratio3": ("qwen3_5_text", dict(linear_num_value_heads=6)),
     "qwen3_5_text-full-rotary": ("qwen3_5_text", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                                         "partial_rotary_factor": 1.0})),
     "qwen3_next-moe": ("qwen3_next", dict(MOE_CONFIG)),
     "qwen3_next-dense": ("qwen3_next", dict(num_experts=0)),
+    "qwen3_next-ratio3": ("qwen3_next", dict(num_experts=0, linear_num_value_heads=6)),
     "qwen3_5_moe_text": ("qwen3_5_moe_text", dict(MOE_CONFIG)),
     "qwen3_5-wrapper": ("qwen3_5", {}),
 }

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import DEFAULT_SEPARATOR, Engine, HypicError
-from .engine import MODES
 from .errors import CheckpointError
+from .modes import MODES
 
 RANDOM_MODEL_SEED = 0
 

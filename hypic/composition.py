@@ -57,13 +57,15 @@ def diagonal_transition(log_gate: torch.Tensor) -> Transition:
     return Transition(Family.DIAGONAL, log_gate.float().sum(0).exp())
 
 
-def delta_rule_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> Transition:
+def delta_rule_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          after: Transition | None = None) -> Transition:
     """Dense T_C = prod_t exp(g_t)(I - b_t k_t k_t^T) of the gated delta rule, from the same kernel:
-    start from the identity with the written values zeroed. k [T, H, K]; g, beta [T, H]."""
+    start from the identity with the written values zeroed. k [T, H, K]; g, beta [T, H].
+    ``after``: an earlier segment's transition T_E; then the result is T_C T_E (one pass, no matmul)."""
     steps, heads, dk = k.shape
-    identity = torch.eye(dk, device=k.device).expand(heads, dk, dk).contiguous()
+    start = torch.eye(dk, device=k.device).expand(heads, dk, dk).contiguous() if after is None else after.value
     zeros = torch.zeros(steps, heads, dk, device=k.device)
-    _, value = gated_delta_rule(k, k, zeros, g, beta, identity)
+    _, value = gated_delta_rule(k, k, zeros, g, beta, start)
     return Transition(Family.DENSE, value)
 
 

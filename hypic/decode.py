@@ -64,6 +64,6 @@ def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[in
         x = layer.feed_forward(x + mixed)
         per_layer.append(new)
     logits = model.logits(x)
-    new_states = [RequestState([layers[b] for layers in per_layer], s.length + 1, s.token_ids + [tokens[b]])
+    new_states = [RequestState([layers[b] for layers in per_layer], s.length + 1, s.token_ids + [tokens[b]], s.marks)
                   for b, s in enumerate(states)]
     return logits, new_states

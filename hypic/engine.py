@@ -13,15 +13,14 @@ from .errors import InvalidRequest
 from .loader import load_model, model_fingerprint
 from .models import HybridModel
 from .sampling import SamplingParams, sample
-from .prefix_cache import PrefixCache
+from .modes import ModePolicy, mode_policy
+from .prefix_cache import PrefixCache, cache_key
 from .segment_prefill import prefill_interior_steps
-from .segments import (DEFAULT_SEPARATOR, Piece, PromptParts, Run, build_layout, document_boundaries, has_interior,
-                       split_prompt)
+from .segments import (DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, layout_marks,
+                       spliceable, split_prompt)
 from .state import LinearLayerState, RequestState
-from .store import Role, SegmentEntry, SegmentStore, entry_key
+from .store import SegmentEntry, SegmentStore, entry_key
 from .tokenizer import TextTokenizer
-
-MODES = ("hypic", "full", "prefix", "naive")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -107,25 +106,44 @@ class Engine:
                    prefix_cache=PrefixCache(private_pool_bytes), chunk_tokens=chunk_tokens)
 
     # ----- caching -------------------------------------------------------------------------
-    def segment_entry(self, token_ids: tuple[int, ...], seam_width: int, role: Role = Role.SEGMENT) -> tuple[SegmentEntry, bool]:
-        """The cached interior of a segment (prefilled alone on a miss); returns (entry, was_hit)."""
-        entry, key = self.lookup_segment(token_ids, seam_width, role)
-        return (entry, True) if entry is not None else (drain(self.build_segment(key, token_ids, seam_width)), False)
+    def policy(self, mode: str) -> ModePolicy:
+        """What ``mode`` reuses and how, for this engine's seam width and model."""
+        return mode_policy(mode, self.seam_width, self.model.config.linear_conv_kernel_dim)
 
-    def lookup_segment(self, token_ids: tuple[int, ...], seam_width: int, role: Role) -> tuple[SegmentEntry | None, str]:
-        key = entry_key(self.fingerprint, seam_width, role, token_ids)
+    @property
+    def seams(self) -> Seams:
+        """HYPIC's cut of a PIC segment: max(w, k - 1) head tokens, w tail tokens recomputed."""
+        seams = self.policy("hypic").seams
+        assert seams is not None
+        return seams
+
+    def segment_entry(self, token_ids: tuple[int, ...], policy: ModePolicy) -> tuple[SegmentEntry, bool]:
+        """The cached interior of a segment (prefilled alone on a miss); returns (entry, was_hit)."""
+        entry, key = self.lookup_segment(token_ids, policy)
+        return (entry, True) if entry is not None else (drain(self.build_segment(key, token_ids, policy)), False)
+
+    def lookup_segment(self, token_ids: tuple[int, ...], policy: ModePolicy) -> tuple[SegmentEntry | None, str]:
+        assert policy.seams is not None
+        key = entry_key(self.fingerprint, policy.seams, policy.role, token_ids)
         return self.store.get(key, token_ids), key
 
-    def build_segment(self, key: str, token_ids: tuple[int, ...], seam_width: int) -> Generator[None, None, SegmentEntry]:
+    def build_segment(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Generator[None, None, SegmentEntry]:
         """Prefill a segment alone (in chunks) and offer its interior to the public pool (kept only if it fits)."""
-        layers = yield from prefill_interior_steps(self.model, token_ids, seam_width, self.chunk_tokens)
-        entry = SegmentEntry(key, token_ids, seam_width, seam_width, len(token_ids) - 2 * seam_width, layers)
+        assert policy.seams is not None
+        layers = yield from prefill_interior_steps(self.model, token_ids, policy.seams, self.chunk_tokens,
+                                                   policy.transitions)
+        lo, hi = policy.seams.interior(len(token_ids)) or (0, 0)
+        entry = SegmentEntry(key, token_ids, policy.seams, lo, hi - lo, layers)
         self.store.put(entry)
         return entry
 
-    def warmup(self, documents: list[str]) -> list[int]:
-        """Cache each document as a PIC segment; returns each document's token count.
-        Documents too short to have an interior (<= 2w tokens) are counted but not cached."""
+    def warmup(self, documents: list[str], mode: str = "hypic") -> list[int]:
+        """Cache each document as a PIC segment the way ``mode`` does (hypic or naive); returns each
+        document's token count. Documents too short to have an interior are counted but not cached."""
+        policy = self.policy(mode)
+        if not policy.caches_segments:
+            raise InvalidRequest(f"mode {mode!r} caches no segments, so there is nothing to warm up "
+                                 "(warm-up needs mode 'hypic' or 'naive')")
         if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
             raise InvalidRequest("documents must be a list of strings")
         encoded = [tuple(self.tokenizer.encode(d)) for d in documents]
@@ -133,8 +151,8 @@ class Engine:
             if not ids:
                 raise InvalidRequest(f"document {index} is empty")
         for ids in encoded:
-            if has_interior(len(ids), self.seam_width):
-                self.segment_entry(ids, self.seam_width)
+            if policy.seams is not None and policy.seams.interior(len(ids)) is not None:
+                self.segment_entry(ids, policy)
         return [len(ids) for ids in encoded]
 
     # ----- prefill -------------------------------------------------------------------------
@@ -157,60 +175,66 @@ class Engine:
             raise InvalidRequest(f"input_ids must be integers in [0, {vocab}), got {bad!r}")
         return PromptParts((), (), tuple(ids))
 
-    def _namespace(self, mode: str) -> str:
-        """Private-pool tree of a mode: states assembled differently must not be mixed."""
-        return {"hypic": f"hypic:w={self.seam_width}", "naive": "naive", "prefix": "exact"}[mode]
-
-    def _resume_point(self, ids: list[int], mode: str, stats: PrefillStats) -> RequestState:
+    def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats) -> RequestState:
         """The longest private-pool hit (never the whole prompt: the last token must be run)."""
         empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
-        if mode == "full":
+        if policy.namespace is None:
             return empty
-        hit = self.prefix_cache.match(self._namespace(mode), ids, len(ids) - 1, empty)
+        hit = self.prefix_cache.match(policy.namespace, key, len(key) - 1, empty)
         if hit is None:
             return empty
         stats.cached_tokens += hit.length
         stats.prefix_hit_tokens = hit.length
         return hit.state
 
+    def _segment_entries(self, parts: PromptParts, indices: list[int], policy: ModePolicy, stats: PrefillStats,
+                         pinned: list[str]) -> Generator[None, None, dict[int, SegmentEntry]]:
+        """The cached interior of each segment in ``indices``: a public-pool hit, or the segment
+        prefilled alone (yielding between chunks). Each is pinned, and its key added to ``pinned``,
+        before any yield: other requests' inserts must not evict it."""
+        entries: dict[int, SegmentEntry] = {}
+        for index in indices:
+            segment = parts.segments[index]
+            entry, key = self.lookup_segment(segment, policy)
+            self.store.pin(key)
+            pinned.append(key)
+            if entry is None:
+                entries[index] = yield from self.build_segment(key, segment, policy)
+                stats.segments_missed += 1
+                yield
+            else:
+                entries[index] = entry
+                stats.segments_hit += 1
+                stats.cached_tokens += entry.length
+        return entries
+
     def prefill_steps(self, parts: PromptParts, mode: str = "hypic") -> Generator[None, None, Prefill]:
         """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive), one unit of work per
         ``next()`` (a chunk of at most ``chunk_tokens`` of a cold segment's prefill or of the combine
         pass); returns the ``Prefill``.
         Public entries the request uses stay pinned until its combine pass is done."""
-        if mode not in MODES:
-            raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
+        policy = self.policy(mode)
         ids = parts.token_ids
         stats = PrefillStats(prompt_tokens=len(ids))
-        init = self._resume_point(ids, mode, stats)
-        width = {"hypic": self.seam_width, "naive": 0, "prefix": None, "full": None}[mode]
-        role = Role.NAIVE_SEGMENT if mode == "naive" else Role.SEGMENT
-        entries: dict[int, SegmentEntry] = {}
+        spliced = spliceable(parts, policy.seams) if policy.seams is not None else []
+        marks = layout_marks(parts, spliced)
+        init = self._resume_point(cache_key(ids, marks), policy, stats)
+        after_resume = [i for i in spliced if parts.segment_starts[i] >= init.length]
         pinned: list[str] = []
         try:
-            for index, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts)):
-                if width is None or begin < init.length or not has_interior(len(segment), width):
-                    continue
-                entry, key = self.lookup_segment(segment, width, role)
-                self.store.pin(key)  # before any yield: other requests' inserts must not evict it
-                pinned.append(key)
-                entries[index] = entry if entry is not None else (yield from self.build_segment(key, segment, width))
-                stats.segments_hit += entry is not None
-                stats.segments_missed += entry is None
-                stats.cached_tokens += entries[index].length if entry is not None else 0
-                if entry is None:
-                    yield
-            keep = mode != "full" and self.prefix_cache.budget_bytes != 0
+            entries = yield from self._segment_entries(parts, after_resume, policy, stats, pinned)
+            keep = policy.namespace is not None and self.prefix_cache.budget_bytes != 0
             boundaries = [p for p in document_boundaries(parts) if p > init.length] if keep else []
-            pieces = build_layout(parts, width or 0, set(entries), init.length)
+            pieces = build_layout(parts, policy.seams, set(entries), init.length)
             stats.combine_tokens = sum(p.length for p in pieces if isinstance(p, Run))
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
-                                                naive=mode == "naive", snapshot_at=boundaries)
+                                                naive=not policy.transitions, snapshot_at=boundaries)
         finally:
             for key in pinned:
                 self.store.unpin(key)
-        if mode != "full":
-            self.prefix_cache.insert(self._namespace(mode), result.state, result.snapshots)
+        result.state.marks = marks
+        if policy.namespace is not None:
+            self.prefix_cache.insert(policy.namespace, result.state, result.snapshots)
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats)
 
@@ -220,10 +244,11 @@ class Engine:
 
     def remember(self, state: RequestState, mode: str) -> None:
         """Keep a finished request's state in the private pool (multi-turn reuse of its whole text)."""
-        if mode == "full" or state.length == 0:
+        namespace = self.policy(mode).namespace
+        if namespace is None or state.length == 0:
             return
         linear = {i: layer for i, layer in enumerate(state.layers) if isinstance(layer, LinearLayerState)}
-        self.prefix_cache.insert(self._namespace(mode), state, {state.length: linear})
+        self.prefix_cache.insert(namespace, state, {state.length: linear})
 
     # ----- generation ----------------------------------------------------------------------
     def _finished(self, token: int, params: SamplingParams, produced: int, length: int) -> str | None:

@@ -4,14 +4,21 @@ Full-attention KV can be cut at any token, but a linear layer's state exists onl
 snapshotted (document boundaries, request ends). So each node stores the KV of its edge's tokens,
 and some nodes also carry a snapshot of every linear layer's state at their end; a hit is the
 longest matched prefix that ends at such a node. Trees are kept per namespace (the reuse mode),
-because a HYPIC-assembled state is an approximation that an exact mode must not reuse.
+because a HYPIC-assembled state is an approximation that an exact mode must not reuse. Within a
+namespace the key of a token is its id with its layout marks (``segments.PartMark``): a state
+assembled from spliced segments is resumed only by a request with the same segmentation up to
+the resume point, and never by a plain prompt of the same ids.
 """
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import count
 
 import torch
 
+from .segments import MARK_BITS
 from .state import AttentionLayerState, LayerState, LinearLayerState, RequestState
+
+MARK_MASK = (1 << MARK_BITS) - 1
 
 Snapshot = dict[int, LinearLayerState]  # linear layer index -> its state at a position
 
@@ -22,7 +29,8 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 @dataclass(eq=False)
 class RadixNode:
-    """Tokens ``edge`` after the parent's end; ``kv`` of those tokens per attention layer [Hkv, len, D]."""
+    """Tokens ``edge`` (their keys: ids with marks) after the parent's end; ``kv`` of those tokens per
+    attention layer [Hkv, len, D]."""
 
     edge: tuple[int, ...]
     parent: "RadixNode | None"
@@ -48,6 +56,11 @@ class PrefixHit:
     state: RequestState
 
 
+def cache_key(token_ids: list[int], marks: Mapping[int, int]) -> list[int]:
+    """The radix-tree key of a token sequence: each id with its layout marks in the low bits."""
+    return [token << MARK_BITS | marks.get(position, 0) for position, token in enumerate(token_ids)]
+
+
 def _common_length(a: tuple[int, ...], b: list[int], offset: int) -> int:
     n = 0
     limit = min(len(a), len(b) - offset)
@@ -69,24 +82,24 @@ class PrefixCache:
         self._clock = count(1)
 
     # ----- lookup -------------------------------------------------------------------------
-    def match(self, namespace: str, token_ids: list[int], limit: int, template: RequestState) -> PrefixHit | None:
-        """Longest snapshotted prefix of ``token_ids`` no longer than ``limit`` tokens.
+    def match(self, namespace: str, key: list[int], limit: int, template: RequestState) -> PrefixHit | None:
+        """Longest snapshotted prefix of ``key`` (see ``cache_key``) no longer than ``limit`` tokens.
         ``template``: an empty state giving the layer kinds (and the device) of the model."""
         node, best, offset = self.roots.get(namespace), None, 0
         while node is not None:
             if node.snapshot is not None and 0 < node.depth <= limit:
                 best = node
-            child = node.children.get(token_ids[offset]) if offset < len(token_ids) else None
-            if child is None or _common_length(child.edge, token_ids, offset) < len(child.edge):
+            child = node.children.get(key[offset]) if offset < len(key) else None
+            if child is None or _common_length(child.edge, key, offset) < len(child.edge):
                 break
             node, offset = child, offset + len(child.edge)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        return PrefixHit(best.depth, self._assemble(best, token_ids, template))
+        return PrefixHit(best.depth, self._assemble(best, key, template))
 
-    def _assemble(self, node: RadixNode, token_ids: list[int], template: RequestState) -> RequestState:
+    def _assemble(self, node: RadixNode, key: list[int], template: RequestState) -> RequestState:
         path, tick = [], next(self._clock)
         walk: RadixNode | None = node
         while walk is not None and walk.parent is not None:
@@ -103,45 +116,46 @@ class PrefixCache:
                 keys = torch.cat([empty.keys] + [n.kv[index][0] for n in path], dim=1)
                 values = torch.cat([empty.values] + [n.kv[index][1] for n in path], dim=1)
                 layers.append(AttentionLayerState(keys, values))
-        return RequestState(layers, node.depth, list(token_ids[: node.depth]))
+        prefix = key[: node.depth]
+        marks = {position: k & MARK_MASK for position, k in enumerate(prefix) if k & MARK_MASK}
+        return RequestState(layers, node.depth, [k >> MARK_BITS for k in prefix], marks)
 
     # ----- insertion ----------------------------------------------------------------------
     def insert(self, namespace: str, state: RequestState, snapshots: dict[int, Snapshot]) -> None:
-        """Add ``state``'s tokens up to its last snapshot position, with the snapshots
-        (position -> linear layer states) at their nodes. Existing nodes are kept as they are."""
+        """Add ``state``'s tokens (keyed with its marks) up to its last snapshot position, with the
+        snapshots (position -> linear layer states) at their nodes. Existing nodes are kept as they are."""
         positions = sorted(p for p in snapshots if 0 < p <= state.length)
         if not positions or self.budget_bytes == 0:
             return
         node = self.roots.setdefault(namespace, RadixNode((), None, {}, 0))
-        tick = next(self._clock)
+        key, tick = cache_key(state.token_ids, state.marks), next(self._clock)
         for position in positions:
-            node = self._extend(node, state, position, tick)
+            node = self._extend(node, state, key, position, tick)
             if node.snapshot is None:  # clones: a view would keep a larger tensor alive, uncounted
                 node.snapshot = {i: LinearLayerState(s.recurrent.clone(), s.conv.clone())
                                  for i, s in snapshots[position].items()}
                 self.nbytes += sum(_nbytes(s.recurrent, s.conv) for s in node.snapshot.values())
         self._evict()
 
-    def _extend(self, node: RadixNode, state: RequestState, end: int, tick: int) -> RadixNode:
+    def _extend(self, node: RadixNode, state: RequestState, key: list[int], end: int, tick: int) -> RadixNode:
         """Walk (splitting or creating nodes) from ``node`` down to a node ending exactly at ``end``."""
-        ids = state.token_ids
         while node.depth < end:
             node.last_used = tick
-            child = node.children.get(ids[node.depth])
+            child = node.children.get(key[node.depth])
             if child is None:
-                child = self._new_node(node, state, node.depth, end)
+                child = self._new_node(node, state, key, node.depth, end)
             else:
-                common = min(_common_length(child.edge, ids, node.depth), end - node.depth)
+                common = min(_common_length(child.edge, key, node.depth), end - node.depth)
                 if common < len(child.edge):
                     child = self._split(child, common)
             node = child
         node.last_used = tick
         return node
 
-    def _new_node(self, parent: RadixNode, state: RequestState, lo: int, hi: int) -> RadixNode:
+    def _new_node(self, parent: RadixNode, state: RequestState, key: list[int], lo: int, hi: int) -> RadixNode:
         kv = {i: (layer.keys[:, lo:hi].clone(), layer.values[:, lo:hi].clone())
               for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)}
-        node = RadixNode(tuple(state.token_ids[lo:hi]), parent, kv, hi)
+        node = RadixNode(tuple(key[lo:hi]), parent, kv, hi)
         parent.children[node.edge[0]] = node
         self.nbytes += node.nbytes
         return node

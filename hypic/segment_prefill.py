@@ -3,27 +3,31 @@ from collections.abc import Generator
 
 from .assembler import InteriorCapture, combine_chunked, drain
 from .models import HybridModel
-from .segments import Run
+from .segments import Run, Seams
 from .state import RequestState
 from .store import InteriorLayer
 
 UNCHUNKED = 1 << 62
 
 
-def prefill_interior_steps(model: HybridModel, token_ids: tuple[int, ...], seam_width: int,
-                           chunk_tokens: int = UNCHUNKED) -> Generator[None, None, list[InteriorLayer]]:
-    """Per layer: (T_I, S_I|0, conv tail) for linear layers, 0-based K and V for full layers, over
-    the interior [w, |C| - w). Requires |C| > 2w. Runs in chunks of ``chunk_tokens``, yielding between."""
-    length = len(token_ids)
-    if length <= 2 * seam_width:
-        raise ValueError(f"a segment of {length} tokens has no interior at seam width {seam_width}")
-    capture = InteriorCapture(seam_width, length - seam_width)
+def prefill_interior_steps(model: HybridModel, token_ids: tuple[int, ...], seams: Seams,
+                           chunk_tokens: int = UNCHUNKED, transitions: bool = True
+                           ) -> Generator[None, None, list[InteriorLayer]]:
+    """Per layer: (T_I, S_I|0, conv tail) for linear layers (no T_I unless ``transitions``), 0-based K
+    and V for full layers, over the interior of ``seams``. Runs in chunks of ``chunk_tokens``,
+    yielding between."""
+    interior = seams.interior(len(token_ids))
+    if interior is None:
+        raise ValueError(f"a segment of {len(token_ids)} tokens has no interior with {seams}")
+    capture = InteriorCapture(*interior, transitions=transitions)
     empty = RequestState.empty(model.config, model.device, model.dtype)
-    yield from combine_chunked(model, list(token_ids), [Run(0, length)], empty, chunk_tokens=chunk_tokens,
+    # the tail seam is recomputed at splice time: the prefill stops where the interior ends
+    yield from combine_chunked(model, list(token_ids), [Run(0, interior[1])], empty, chunk_tokens=chunk_tokens,
                                capture=capture, need_logits=False)
     return [capture.layers[i] for i in range(len(model.layers))]
 
 
-def prefill_interior(model: HybridModel, token_ids: tuple[int, ...], seam_width: int) -> list[InteriorLayer]:
+def prefill_interior(model: HybridModel, token_ids: tuple[int, ...], seams: Seams,
+                     transitions: bool = True) -> list[InteriorLayer]:
     """``prefill_interior_steps`` in one go."""
-    return drain(prefill_interior_steps(model, token_ids, seam_width))
+    return drain(prefill_interior_steps(model, token_ids, seams, transitions=transitions))

@@ -1,10 +1,12 @@
 """Request anatomy: split a prompt on the separator, tokenize each part, lay out recompute runs.
 
 ``text = L SEP C1 SEP ... SEP Cn SEP Q``: L sits at position 0 and is cached in full; each C is a
-PIC segment whose interior (all but ``w`` tokens at each end) can be spliced from cache; Q and
-every seam are recomputed.
+PIC segment whose interior (all but its seams: max(w, k-1) tokens at the head, w at the tail) can
+be spliced from cache; Q and every seam are recomputed.
 """
+from collections import defaultdict
 from dataclasses import dataclass
+from enum import IntFlag
 from typing import Callable
 
 from .errors import InvalidRequest
@@ -76,9 +78,65 @@ class Splice:
 Piece = Run | Splice
 
 
-def has_interior(length: int, seam_width: int) -> bool:
-    """A segment is cacheable only if something is left between its two seams."""
-    return length > 2 * seam_width
+@dataclass(frozen=True)
+class Seams:
+    """How a PIC segment is cut: ``head`` and ``tail`` tokens recomputed at splice time, the
+    interior between them cached."""
+
+    head: int
+    tail: int
+
+    @classmethod
+    def for_model(cls, seam_width: int, conv_kernel: int) -> "Seams":
+        """HYPIC's cut: w tokens at each end, and at least k - 1 at the head, whose conv windows
+        reach into the previous segment (paper §4.2), so that layer 0 composes exactly for any w."""
+        return cls(max(seam_width, conv_kernel - 1), seam_width)
+
+    def interior(self, length: int) -> tuple[int, int] | None:
+        """Segment-local [lo, hi) of the interior of a segment of ``length`` tokens, or None."""
+        lo, hi = self.head, length - self.tail
+        return (lo, hi) if lo < hi else None
+
+
+def spliceable(parts: PromptParts, seams: Seams) -> list[int]:
+    """Indices of the PIC segments whose interior is spliced: those that have one, unless it would
+    hold the prompt's last token (whose logits start generation, so it is always recomputed)."""
+    total = len(parts.token_ids)
+    found = []
+    for index, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts)):
+        interior = seams.interior(len(segment))
+        if interior is not None and begin + interior[1] < total:
+            found.append(index)
+    return found
+
+
+class PartMark(IntFlag):
+    """What a token is in its request's layout; the private pool keys PIC-assembled states on the
+    token ids *and* these marks, so a state is resumed only under the same segmentation."""
+
+    PART_END = 1  # last token of L or of a PIC segment
+    SEGMENT_START = 2  # first token of a PIC segment recomputed in full
+    SPLICED_START = 4  # first token of a PIC segment whose interior is spliced
+    QUERY_START = 8  # first token of Q
+
+
+MARK_BITS = 4
+
+
+def layout_marks(parts: PromptParts, spliced: list[int]) -> dict[int, int]:
+    """Position -> ``PartMark`` bits of a request whose segments ``spliced`` are spliced; empty when
+    none is (the request is then computed exactly, like a plain prompt)."""
+    if not spliced:
+        return {}
+    marks: defaultdict[int, int] = defaultdict(int)
+    if parts.leading:
+        marks[len(parts.leading) - 1] |= PartMark.PART_END
+    for index, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts)):
+        marks[begin] |= PartMark.SPLICED_START if index in spliced else PartMark.SEGMENT_START
+        marks[begin + len(segment) - 1] |= PartMark.PART_END
+    if parts.trailing:
+        marks[len(parts.token_ids) - len(parts.trailing)] |= PartMark.QUERY_START
+    return dict(marks)
 
 
 def _append_run(pieces: list[Piece], start: int, length: int) -> None:
@@ -91,20 +149,23 @@ def _append_run(pieces: list[Piece], start: int, length: int) -> None:
         pieces.append(Run(start, length))
 
 
-def build_layout(parts: PromptParts, seam_width: int, spliced: set[int], start: int = 0) -> list[Piece]:
+def build_layout(parts: PromptParts, seams: Seams | None, spliced: set[int], start: int = 0) -> list[Piece]:
     """Pieces for positions [start, end) in position order; ``start`` is where the state the pass
     continues from ends (L's end, or a private-pool hit). ``spliced``: indices of segments to splice
-    from cache (each must have an interior and begin at or after ``start``); every other segment is
-    recomputed from ``start`` on. The last token is always recomputed: its logits start generation."""
+    from cache (each ``spliceable`` and beginning at or after ``start``); every other segment is
+    recomputed from ``start`` on."""
     pieces: list[Piece] = []
     total = len(parts.token_ids)
     _append_run(pieces, start, len(parts.leading) - start)
     for index, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts)):
         end = begin + len(segment)
-        if index in spliced and not (seam_width == 0 and end == total):
-            _append_run(pieces, begin, seam_width)
-            pieces.append(Splice(index, begin + seam_width, len(segment) - 2 * seam_width))
-            _append_run(pieces, end - seam_width, seam_width)
+        if index in spliced:
+            interior = seams.interior(len(segment)) if seams is not None else None
+            if interior is None or begin < start or begin + interior[1] >= total:
+                raise ValueError(f"segment {index} cannot be spliced here")
+            _append_run(pieces, begin, interior[0])
+            pieces.append(Splice(index, begin + interior[0], interior[1] - interior[0]))
+            _append_run(pieces, begin + interior[1], end - begin - interior[1])
         elif end > start:
             _append_run(pieces, max(begin, start), end - max(begin, start))
     trailing_start = total - len(parts.trailing)

@@ -31,11 +31,13 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 @dataclass
 class RequestState:
-    """State of every layer after ``length`` tokens at positions 0..length-1."""
+    """State of every layer after ``length`` tokens at positions 0..length-1. ``marks``: the PIC
+    layout it was assembled under (position -> ``segments.PartMark`` bits; empty when exact)."""
 
     layers: list[LayerState]
     length: int = 0
     token_ids: list[int] = field(default_factory=list)
+    marks: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> "RequestState":

@@ -1,7 +1,7 @@
 """The public pool: per-segment cache entries shared by every request.
 
-Key = hash(model fingerprint, seam width, role, token ids); the token ids are compared on every
-hit so a hash collision can never splice the wrong document.
+Key = hash(model fingerprint, seams, role, token ids); the token ids are compared on every hit so
+a hash collision can never splice the wrong document.
 """
 import hashlib
 from collections import Counter, OrderedDict
@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 
 from .composition import Transition
+from .segments import Seams
 
 
 class Role(str, Enum):
@@ -23,9 +24,10 @@ class Role(str, Enum):
 
 @dataclass
 class LinearInterior:
-    """(T_C, S_C|0) over a segment's interior plus the interior's trailing conv window."""
+    """(T_C, S_C|0) over a segment's interior plus the interior's trailing conv window. The naive
+    baseline's entries hold no transition (None): it composes by addition."""
 
-    transition: Transition
+    transition: Transition | None
     zero_start_state: torch.Tensor  # [Hv, K, V] fp32
     conv_tail: torch.Tensor  # [k-1, C] pre-conv inputs of the interior's last k-1 tokens
 
@@ -44,7 +46,8 @@ InteriorLayer = LinearInterior | AttentionInterior
 def _tensor_bytes(layer: InteriorLayer) -> int:
     if isinstance(layer, LinearInterior):
         tensors = (layer.zero_start_state, layer.conv_tail)
-        return layer.transition.nbytes + sum(t.numel() * t.element_size() for t in tensors)
+        transition = layer.transition.nbytes if layer.transition is not None else 0
+        return transition + sum(t.numel() * t.element_size() for t in tensors)
     return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
 
 
@@ -54,7 +57,7 @@ class SegmentEntry:
 
     key: str
     token_ids: tuple[int, ...]
-    seam_width: int
+    seams: Seams
     local_start: int
     length: int
     layers: list[InteriorLayer]
@@ -64,9 +67,9 @@ class SegmentEntry:
         return sum(_tensor_bytes(layer) for layer in self.layers)
 
 
-def entry_key(fingerprint: str, seam_width: int, role: Role, token_ids: tuple[int, ...]) -> str:
+def entry_key(fingerprint: str, seams: Seams, role: Role, token_ids: tuple[int, ...]) -> str:
     """Content address of a cached part."""
-    digest = hashlib.sha256(f"{fingerprint}|{seam_width}|{role.value}|".encode())
+    digest = hashlib.sha256(f"{fingerprint}|{seams.head},{seams.tail}|{role.value}|".encode())
     digest.update(",".join(map(str, token_ids)).encode())
     return digest.hexdigest()
 

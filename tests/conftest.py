@@ -4,20 +4,23 @@ from typing import Callable
 
 import pytest
 
-from hypic.checkpoints import TINY_VARIANTS, write_random_checkpoint
+from hypic.checkpoints import TINY_VARIANTS, make_long_memory, write_random_checkpoint
+from hypic_reference.model import ReferenceModel
 
 
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``factory(name, seed=0)`` -> directory of the named tiny checkpoint (written once per session)."""
-    made: dict[tuple[str, int], Path] = {}
+    """``factory(name, seed=0, long_memory=False)`` -> directory of the named tiny checkpoint (written
+    once per session); ``long_memory``: its long-memory copy (``hypic.checkpoints.make_long_memory``)."""
+    made: dict[tuple[str, int, bool], Path] = {}
 
-    def factory(name: str, seed: int = 0) -> Path:
-        if (name, seed) not in made:
+    def factory(name: str, seed: int = 0, long_memory: bool = False) -> Path:
+        if (name, seed, long_memory) not in made:
             model_type, overrides = TINY_VARIANTS[name]
-            path = tmp_path_factory.mktemp(f"{name}-{seed}")
-            made[(name, seed)] = write_random_checkpoint(path, model_type, seed, **overrides)
-        return made[(name, seed)]
+            path = tmp_path_factory.mktemp(f"{name}-{seed}{'-long' if long_memory else ''}")
+            write_random_checkpoint(path, model_type, seed, **overrides)
+            made[(name, seed, long_memory)] = make_long_memory(path) if long_memory else path
+        return made[(name, seed, long_memory)]
 
     return factory
 
@@ -26,3 +29,16 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 def tiny_checkpoint(checkpoint_factory: Callable[..., Path]) -> Path:
     """The default tiny Qwen3.5 text checkpoint (value/key head ratio 2, partial rotary 0.25)."""
     return checkpoint_factory("qwen3_5_text-ratio2")
+
+
+@pytest.fixture(scope="session")
+def reference_factory() -> Callable[[Path], ReferenceModel]:
+    """``factory(path)`` -> the independent reference model of a checkpoint (loaded once per session)."""
+    loaded: dict[Path, ReferenceModel] = {}
+
+    def factory(path: Path) -> ReferenceModel:
+        if path not in loaded:
+            loaded[path] = ReferenceModel(path)
+        return loaded[path]
+
+    return factory

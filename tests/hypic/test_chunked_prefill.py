@@ -30,8 +30,8 @@ def engine(tiny_checkpoint: Path) -> Engine:
 @pytest.mark.parametrize("chunk", [1, 5, 16, 33])
 def test_chunked_interior_equals_one_pass(engine: Engine, chunk: int) -> None:
     ids = tuple(random.Random(chunk).randrange(256) for _ in range(41))
-    whole = prefill_interior(engine.model, ids, 4)
-    chunked = drain(prefill_interior_steps(engine.model, ids, 4, chunk))
+    whole = prefill_interior(engine.model, ids, engine.seams)
+    chunked = drain(prefill_interior_steps(engine.model, ids, engine.seams, chunk))
     for a, b in zip(whole, chunked):
         if isinstance(a, LinearInterior):
             assert isinstance(b, LinearInterior)

@@ -8,7 +8,7 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.config import RopeConfig
 from hypic.models.rope import RotaryEmbedding
-from hypic.segments import Run, Splice, build_layout, document_boundaries, split_prompt
+from hypic.segments import Run, Seams, Splice, build_layout, document_boundaries, spliceable, split_prompt
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -29,8 +29,11 @@ def _request(seed: int, documents: int = 4) -> tuple[str, list[str], str]:
     return _text(rng, 24), [_text(rng, rng.randint(40, 160)) for _ in range(documents)], _text(rng, 20)
 
 
-def test_layer0_composed_state_equals_full_recompute(engine: Engine) -> None:
-    """Dense family (Gated DeltaNet): composing cached (T_C, S_C|0) is exact at layer 0."""
+@pytest.mark.parametrize("seam_width", [0, 1, 2, 3, 8])
+def test_layer0_composed_state_equals_full_recompute(tiny_checkpoint: Path, seam_width: int) -> None:
+    """Dense family (Gated DeltaNet): composing cached (T_C, S_C|0) is exact at layer 0 for every w,
+    the conv warm-up included (the head seam is at least k - 1 tokens)."""
+    engine = Engine.from_pretrained(tiny_checkpoint, seam_width=seam_width)
     for seed in range(3):
         leading, docs, query = _request(seed)
         prompt = leading + SEP + SEP.join(docs) + SEP + query
@@ -121,9 +124,22 @@ def test_hypic_drift_above_layer0_is_bounded(engine: Engine) -> None:
 
 def test_layout_runs_and_splices() -> None:
     parts = split_prompt("L" + SEP + "x" * 30 + SEP + "y" * 10 + SEP + "z" * 30 + SEP + "QQ", lambda s: list(s.encode()))
-    pieces = build_layout(parts, 4, spliced={0, 2})
+    seams = Seams(4, 4)
+    assert spliceable(parts, seams) == [0, 1, 2] and spliceable(parts, Seams(5, 5)) == [0, 2]
+    pieces = build_layout(parts, seams, spliced={0, 2})
     assert pieces == [Run(0, 5), Splice(0, 5, 22), Run(27, 18), Splice(2, 45, 22), Run(67, 6)]
-    assert build_layout(parts, 0, spliced={0, 1, 2})[-1] == Run(71, 2)
+    assert build_layout(parts, Seams(3, 0), spliced={0, 1, 2})[-3:] == [Run(41, 3), Splice(2, 44, 27), Run(71, 2)]
     # resuming at 35 (inside segment 1, a private-pool hit): only what follows is laid out
-    assert build_layout(parts, 4, spliced={2}, start=35) == [Run(35, 10), Splice(2, 45, 22), Run(67, 6)]
+    assert build_layout(parts, seams, spliced={2}, start=35) == [Run(35, 10), Splice(2, 45, 22), Run(67, 6)]
     assert document_boundaries(parts) == [1, 31, 41, 71]
+    # the last token is never spliced: with no tail seam, a segment ending the prompt is recomputed
+    no_query = split_prompt("L" + SEP + "x" * 30 + SEP, lambda s: list(s.encode()))
+    assert spliceable(no_query, Seams(3, 0)) == [] and spliceable(no_query, Seams(3, 1)) == [0]
+    with pytest.raises(ValueError, match="cannot be spliced"):
+        build_layout(no_query, Seams(3, 0), spliced={0})
+
+
+def test_seams_exclude_the_conv_window_at_the_head() -> None:
+    assert Seams.for_model(0, 4) == Seams(3, 0) and Seams.for_model(2, 4) == Seams(3, 2)
+    assert Seams.for_model(8, 4) == Seams(8, 8) and Seams.for_model(0, 1) == Seams(0, 0)
+    assert Seams(3, 2).interior(6) == (3, 4) and Seams(3, 2).interior(5) is None

@@ -9,15 +9,15 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.assembler import combine
 from hypic.composition import Family, Transition
-from hypic.prefix_cache import PrefixCache
-from hypic.segments import Run
+from hypic.prefix_cache import PrefixCache, cache_key
+from hypic.segments import PromptParts, Run, Seams
 from hypic.state import AttentionLayerState, LinearLayerState, RequestState
 from hypic.store import AttentionInterior, SegmentEntry, SegmentStore
 
 
 def _entry(key: str, floats: int) -> SegmentEntry:
     values = torch.full((1, floats, 1), float("nan"))  # NaN-poisoned: the pool must never read it
-    return SegmentEntry(key, (len(key),), 0, 0, floats, [AttentionInterior(values, values.clone())])
+    return SegmentEntry(key, (len(key),), Seams(0, 0), 0, floats, [AttentionInterior(values, values.clone())])
 
 
 def test_public_pool_lru_budget_and_pins() -> None:
@@ -65,18 +65,18 @@ def test_radix_tree_hits_longest_snapshot_and_splits_edges() -> None:
             20: {0: state.layers[0]}}
     cache.insert("m", state, snap)
     ids = state.token_ids
-    hit = cache.match("m", ids + [9], limit=20, template=_template())
+    hit = cache.match("m", cache_key(ids + [9], {}), limit=20, template=_template())
     assert hit is not None and hit.length == 20 and hit.state.token_ids == ids
     assert torch.equal(hit.state.layers[1].keys, state.layers[1].keys)
-    assert cache.match("m", ids, limit=19, template=_template()).length == 5
-    assert cache.match("other", ids, limit=20, template=_template()) is None  # namespaces are separate
+    assert cache.match("m", cache_key(ids, {}), limit=19, template=_template()).length == 5
+    assert cache.match("other", cache_key(ids, {}), limit=20, template=_template()) is None  # namespaces are separate
     diverging = ids[:12] + [(ids[12] + 1) % 5] + ids[13:]
-    assert cache.match("m", diverging, limit=20, template=_template()).length == 5
+    assert cache.match("m", cache_key(diverging, {}), limit=20, template=_template()).length == 5
     # a second state sharing 12 tokens splits the edge; sizes stay exact (no shared storage)
     other = _random_state(20, 1)
     other.token_ids = diverging
     cache.insert("m", other, {16: {0: other.layers[0]}})
-    hit = cache.match("m", diverging, limit=19, template=_template())
+    hit = cache.match("m", cache_key(diverging, {}), limit=19, template=_template())
     assert hit.length == 16
     assert torch.equal(hit.state.layers[1].keys[:, :12], state.layers[1].keys[:, :12])  # shared prefix kept
     assert torch.equal(hit.state.layers[1].keys[:, 12:], other.layers[1].keys[:, 12:16])
@@ -94,7 +94,7 @@ def test_radix_tree_evicts_lru_leaves_within_budget() -> None:
         assert cache.nbytes <= 2000
     assert cache.evictions > 0 and len(cache) < 6
     newest = [5] + _random_state(10, 105).token_ids[1:]
-    assert cache.match("m", newest + [0], limit=10, template=_template()).length == 10
+    assert cache.match("m", cache_key(newest + [0], {}), limit=10, template=_template()).length == 10
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +127,30 @@ def test_multi_turn_reuses_whole_first_turn(engine: Engine) -> None:
     rng = random.Random(6)
     first = _text(rng, 20) + SEP + _text(rng, 60) + SEP + _text(rng, 15)
     turn1 = engine.generate(first, max_new_tokens=6, mode="hypic", ignore_eos=True)
-    # as token ids: a random model's bytes need not decode to text that re-encodes the same
-    second = engine.parse(first).token_ids + turn1.output_ids + engine.tokenizer.encode(_text(rng, 10))
-    turn2 = engine.generate(second, max_new_tokens=1, mode="hypic")
+    # the same segmentation, the reply and a new question appended to Q (as token ids: a random
+    # model's bytes need not decode to text that re-encodes the same)
+    parts = engine.parse(first)
+    second = PromptParts(parts.leading, parts.segments, parts.trailing + tuple(turn1.output_ids) + (65, 66, 67))
+    turn2 = engine.prefill(second, "hypic")
     # the first turn's end state covers its prompt and all but the last generated token
     assert turn2.stats.prefix_hit_tokens == turn1.prompt_tokens + len(turn1.output_ids) - 1
-    assert turn2.recomputed_tokens == turn2.prompt_tokens - turn2.cached_tokens
+
+
+def test_plain_prompt_never_resumes_from_a_pic_assembled_state(checkpoint_factory, reference_factory) -> None:
+    """A plain prompt equal to an earlier PIC prompt's concatenation gets full recompute's logits;
+    a third request with another segmentation of the same ids does not reuse the first's states
+    past the point where the segmentations part (the oracle: the reference model, long-memory copy)."""
+    path = checkpoint_factory("qwen3_5_text-ratio2", long_memory=True)
+    engine, oracle = Engine.from_pretrained(path, seam_width=8), reference_factory(path)
+    rng = random.Random(8)
+    leading, docs, query = _text(rng, 20), [_text(rng, 120), _text(rng, 90)], _text(rng, 15)
+    pic = engine.prefill(engine.parse(SEP.join([leading, *docs, query])), "hypic")
+    assert pic.stats.segments_missed == 2
+    plain = engine.prefill(engine.parse(leading + "".join(docs) + query), "hypic")
+    ids = engine.parse(leading + "".join(docs) + query).token_ids
+    full = oracle.run(oracle.empty_state(), ids)[0][-1]
+    assert (plain.logits - full).abs().max().item() <= 1e-4
+    assert plain.stats.prefix_hit_tokens == 0
+    merged = engine.prefill(engine.parse(SEP.join([leading, docs[0] + docs[1], query])), "hypic")
+    assert merged.stats.prefix_hit_tokens == len(leading)  # L's end: the last state both layouts share
+    assert merged.stats.segments_missed == 1

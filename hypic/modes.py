@@ -1,0 +1,44 @@
+"""Prefill modes as policy objects: what each reuses, and how.
+
+- ``hypic``: PIC segments cut by HYPIC's seams, cached with (T_C, S_C|0), composed by eq. 6;
+  request states kept in the private pool under the request's layout.
+- ``naive``: whole segments cached with S_C|0 only, added without transitions (the paper's
+  structurally wrong baseline).
+- ``prefix``: no segment caching; exact states reused by strict prefix (the usual prefix cache).
+- ``full``: no reuse at all.
+"""
+from dataclasses import dataclass
+
+from .errors import InvalidRequest
+from .segments import Seams
+from .store import Role
+
+MODES = ("hypic", "full", "prefix", "naive")
+
+
+@dataclass(frozen=True)
+class ModePolicy:
+    """How one prefill mode reuses work."""
+
+    name: str
+    seams: Seams | None  # how PIC segments are cut; None: segments are not cached
+    role: Role  # the kind of public-pool entry it builds and hits
+    transitions: bool  # entries carry T_C and compose by eq. 6; else S_C|0 only, composed by addition
+    namespace: str | None  # its private-pool tree; None: no private-pool reuse
+
+    @property
+    def caches_segments(self) -> bool:
+        return self.seams is not None
+
+
+def mode_policy(mode: str, seam_width: int, conv_kernel: int) -> ModePolicy:
+    """The policy of ``mode`` for an engine of seam width w on a model of conv width k."""
+    if mode == "hypic":
+        return ModePolicy(mode, Seams.for_model(seam_width, conv_kernel), Role.SEGMENT, True, f"hypic:w={seam_width}")
+    if mode == "naive":
+        return ModePolicy(mode, Seams(0, 0), Role.NAIVE_SEGMENT, False, "naive")
+    if mode == "prefix":
+        return ModePolicy(mode, None, Role.SEGMENT, True, "exact")
+    if mode == "full":
+        return ModePolicy(mode, None, Role.SEGMENT, True, None)
+    raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")

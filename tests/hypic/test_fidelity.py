@@ -1,0 +1,224 @@
+"""The combine pass end to end against the independent reference of HYPIC's semantics.
+
+The oracle is ``tests/reference``: its own token-loop forward (proven equal to ``transformers``)
+and the splice rule stated in one place. Every layout is also run on the long-memory copy of its
+model, where HYPIC's approximation above layer 0 is O(1), so that full recompute (or any
+other wrong combine pass) cannot pass for HYPIC. The first token's logits and every greedy
+decode step must agree to 1e-4, and the 16 greedy tokens must be identical.
+"""
+import random
+from collections.abc import Callable
+from itertools import product
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from hypic import DEFAULT_SEPARATOR as SEP, Engine
+from hypic.decode import decode_batch
+from hypic.engine import Prefill
+from hypic_reference import semantics as reference
+from hypic_reference.model import ReferenceModel
+
+TOLERANCE = 1e-4
+STEPS = 16
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.;:!?0123456789"
+MODELS = ["qwen3_5_text-ratio1", "qwen3_5_text-ratio2", "qwen3_5_text-ratio3", "qwen3_5_text-full-rotary",
+          "qwen3_next-moe", "qwen3_next-dense", "qwen3_next-ratio3", "qwen3_5_moe_text", "qwen3_5-wrapper"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One request: leading part, documents, query (texts; the byte-level tokenizer makes a
+    character one token)."""
+
+    leading: str
+    documents: tuple[str, ...]
+    query: str
+
+    @property
+    def text(self) -> str:
+        return SEP.join([self.leading, *self.documents, self.query])
+
+    def request(self, tokenizer: Tokenizer) -> reference.PicRequest:
+        ids = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False).ids)  # noqa: E731
+        return reference.PicRequest(ids(self.leading), tuple(ids(d) for d in self.documents), ids(self.query))
+
+
+def random_text(rng: random.Random, length: int) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(length))
+
+
+def layout(seed: int, lengths: list[int], leading: int = 20, query: int = 15) -> Layout:
+    rng = random.Random(seed)
+    return Layout(random_text(rng, leading), tuple(random_text(rng, n) for n in lengths), random_text(rng, query))
+
+
+@dataclass
+class Generation:
+    """Greedy tokens and the logits [vocab] each was chosen from (first token, then every decode step)."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+
+
+class Oracle:
+    """The reference's HYPIC generation for one checkpoint and seam width."""
+
+    def __init__(self, model: ReferenceModel, path: Path, seam_width: int) -> None:
+        self.model, self.seam_width = model, seam_width
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+
+    def generate(self, case: Layout, steps: int = STEPS) -> Generation:
+        logits, state = reference.prefill(self.model, case.request(self.tokenizer), self.seam_width,
+                                          self.model.config.conv_kernel)
+        return Generation(*reference.greedy(self.model, state, logits, steps))
+
+    def full(self, case: Layout) -> torch.Tensor:
+        """The plain forward's last logits (full recompute of the same ids)."""
+        return self.model.run(self.model.empty_state(), case.request(self.tokenizer).token_ids)[0][-1]
+
+
+def engine_generation(engine: Engine, prefill: Prefill, steps: int = STEPS) -> Generation:
+    """Greedy decode from a prefill, one request at a time."""
+    logits, state, tokens, seen = prefill.logits, prefill.state, [], []
+    for _ in range(steps):
+        seen.append(logits)
+        tokens.append(int(logits.argmax()))
+        logits, state = engine.decode_step(state, tokens[-1])
+    return Generation(tokens, seen)
+
+
+def assert_same_generation(ours: Generation, expected: Generation, label: str = "") -> None:
+    for step, (a, b) in enumerate(zip(ours.logits, expected.logits)):
+        error = (a - b).abs().max().item()
+        assert error <= TOLERANCE, f"{label} step {step}: max |logit difference| {error:.2e}"
+    assert ours.tokens == expected.tokens, label
+
+
+Setup = Callable[..., tuple[Engine, Oracle]]
+
+
+@pytest.fixture
+def setup(checkpoint_factory: Callable[..., Path], reference_factory: Callable[[Path], ReferenceModel]) -> Setup:
+    """``setup(model, long_memory, seam_width, **engine_options)`` -> (a fresh engine, its oracle)."""
+
+    def make(name: str, long_memory: bool, seam_width: int, **options) -> tuple[Engine, Oracle]:
+        path = checkpoint_factory(name, long_memory=long_memory)
+        engine = Engine.from_pretrained(path, seam_width=seam_width, **options)
+        return engine, Oracle(reference_factory(path), path, seam_width)
+
+    return make
+
+
+def _spliced(prefill: Prefill) -> int:
+    return prefill.stats.segments_hit + prefill.stats.segments_missed
+
+
+# ----- documents cold in the request vs warmed before -------------------------------------------
+@pytest.mark.parametrize("name, long_memory, seam_width", list(product(MODELS, [False, True], [3, 4, 8, 16])))
+def test_cold_and_warm_documents_match_reference(setup: Setup, name: str, long_memory: bool, seam_width: int) -> None:
+    case = layout(1, [70, 260, 41])
+    cold, oracle = setup(name, long_memory, seam_width)
+    warm, _ = setup(name, long_memory, seam_width)
+    warm.warmup(list(case.documents))
+    expected = oracle.generate(case)
+    cold_prefill, warm_prefill = cold.prefill(cold.parse(case.text)), warm.prefill(warm.parse(case.text))
+    assert cold_prefill.stats.segments_missed == 3 and warm_prefill.stats.segments_hit == 3
+    assert_same_generation(engine_generation(cold, cold_prefill), expected, "cold")
+    assert_same_generation(engine_generation(warm, warm_prefill), expected, "warm")
+
+
+@pytest.mark.parametrize("name, long_memory", list(product(MODELS, [False, True])))
+def test_reordered_documents_behind_another_leading_part(setup: Setup, name: str, long_memory: bool) -> None:
+    first = layout(2, [120, 60, 200])
+    second = Layout("another leading part", tuple(first.documents[i] for i in (2, 0, 1)), "and a new query?")
+    engine, oracle = setup(name, long_memory, 8)
+    engine.prefill(engine.parse(first.text))
+    prefill = engine.prefill(engine.parse(second.text))
+    assert prefill.stats.segments_hit == 3 and prefill.stats.prefix_hit_tokens == 0
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(second))
+
+
+@pytest.mark.parametrize("name, long_memory, seam_width", list(product(MODELS[:5], [False, True], [3, 8])))
+def test_short_document_without_interior_between_long_ones(setup: Setup, name: str, long_memory: bool,
+                                                           seam_width: int) -> None:
+    case = layout(3, [230, 2 * seam_width - 1, 180])
+    engine, oracle = setup(name, long_memory, seam_width)
+    prefill = engine.prefill(engine.parse(case.text))
+    assert _spliced(prefill) == 2
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6])
+def test_one_to_six_documents_of_20_to_400_tokens(setup: Setup, count: int) -> None:
+    rng = random.Random(count)
+    case = layout(10 + count, [rng.randint(20, 400) for _ in range(count)], leading=rng.randint(0, 30))
+    engine, oracle = setup(MODELS[count % len(MODELS)], count % 2 == 0, [3, 4, 8, 16][count % 4])
+    prefill = engine.prefill(engine.parse(case.text))
+    assert _spliced(prefill) == count
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))
+
+
+# ----- serving paths: chunked prefill, private-pool hits, batched decode -------------------------
+@pytest.mark.parametrize("chunk", [1, 9, 64])
+def test_chunked_prefill_matches_reference(setup: Setup, chunk: int) -> None:
+    case = layout(4, [90, 150], leading=12)
+    engine, oracle = setup("qwen3_5_text-ratio2", True, 4, chunk_tokens=chunk)
+    prefill = engine.prefill(engine.parse(case.text))
+    assert _spliced(prefill) == 2
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe"])
+def test_private_pool_hit_then_pic_segments(setup: Setup, name: str) -> None:
+    """The second request resumes at the end of the shared first document, then splices two more."""
+    first = layout(5, [150, 80])
+    rng = random.Random(55)
+    second = Layout(first.leading, (first.documents[0], random_text(rng, 120), random_text(rng, 64)), "next?")
+    engine, oracle = setup(name, True, 8)
+    engine.prefill(engine.parse(first.text))
+    prefill = engine.prefill(engine.parse(second.text))
+    assert prefill.stats.prefix_hit_tokens == len(first.leading) + len(first.documents[0])
+    assert prefill.stats.segments_missed == 2
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(second))
+
+
+def test_batched_decode_of_several_pic_requests(setup: Setup) -> None:
+    engine, oracle = setup("qwen3_5_text-ratio2", True, 8)
+    requests = [layout(6, [100, 40]), layout(7, [33, 180, 61]), layout(8, [250])]
+    expected = [oracle.generate(case) for case in requests]
+    prefills = [engine.prefill(engine.parse(case.text)) for case in requests]
+    states, logits = [p.state for p in prefills], [p.logits for p in prefills]
+    for step in range(STEPS):
+        tokens = []
+        for b, generation in enumerate(expected):
+            error = (logits[b] - generation.logits[step]).abs().max().item()
+            assert error <= TOLERANCE, f"request {b} step {step}: {error:.2e}"
+            tokens.append(int(logits[b].argmax()))
+            assert tokens[-1] == generation.tokens[step]
+        batch_logits, states = decode_batch(engine.model, states, tokens)
+        logits = list(batch_logits)
+
+
+# ----- the oracle can tell HYPIC from full recompute ---------------------------------------------
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe"])
+def test_long_memory_copy_makes_hypic_differ_from_full_recompute(setup: Setup, name: str) -> None:
+    """Guards the guard: on the long-memory copy the reference's HYPIC logits are far from full
+    recompute's, so a combine pass that silently recomputed everything would fail the tests above."""
+    case = layout(1, [70, 260, 41])
+    _, oracle = setup(name, True, 8)
+    hypic, full = oracle.generate(case, steps=1).logits[0], oracle.full(case)
+    assert (hypic - full).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("seam_width", [0, 1, 2])
+def test_seam_width_below_the_conv_window(setup: Setup, seam_width: int) -> None:
+    """w < k - 1: the head seam still covers the conv warm-up (max(w, k - 1) tokens)."""
+    case = layout(9, [80, 45, 120])
+    engine, oracle = setup("qwen3_5_text-ratio2", True, seam_width)
+    prefill = engine.prefill(engine.parse(case.text))
+    assert _spliced(prefill) == 3
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))

@@ -1,0 +1,74 @@
+"""Mode policies: what each mode caches (closed-form entry sizes) and how warm-up honours the mode."""
+import random
+from pathlib import Path
+
+import pytest
+
+from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
+from hypic import composition
+from hypic.config import ModelConfig
+from hypic.store import LinearInterior
+
+FP32 = 4
+
+
+def _text(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghijklmnop ,.") for _ in range(n))
+
+
+def _entry_bytes(config: ModelConfig, interior: int, with_transition: bool) -> int:
+    """Closed form of a public-pool entry of an fp32 model: per linear layer S_C|0 [Hv, K, V] (and
+    T_C [Hv, K, K] with transitions) plus the conv tail [k-1, C]; per attention layer K and V."""
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    channels = 2 * config.linear_num_key_heads * dk + hv * dv
+    linear = hv * dk * dv + (config.linear_conv_kernel_dim - 1) * channels + (hv * dk * dk if with_transition else 0)
+    attention = 2 * config.num_key_value_heads * interior * config.head_dim
+    return FP32 * (len(config.linear_layers()) * linear + len(config.attention_layers()) * attention)
+
+
+@pytest.fixture
+def engine(tiny_checkpoint: Path) -> Engine:
+    return Engine.from_pretrained(tiny_checkpoint, seam_width=8)
+
+
+def test_naive_entries_hold_no_transition(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paper's naive addition caches S_C|0 of the whole segment only: no T_C is computed or stored."""
+    def no_transition(*args: object, **kwargs: object) -> None:
+        raise AssertionError("naive mode computed a transition")
+
+    monkeypatch.setattr(composition, "delta_rule_transition", no_transition)
+    monkeypatch.setattr("hypic.assembler.delta_rule_transition", no_transition)
+    document = _text(1, 90)
+    assert engine.warmup([document], mode="naive") == [90]
+    (entry,) = engine.store.entries.values()
+    assert entry.local_start == 0 and entry.length == 90  # the whole segment, no seams
+    assert all(layer.transition is None for layer in entry.layers if isinstance(layer, LinearInterior))
+    assert entry.nbytes == engine.store.nbytes == _entry_bytes(engine.model.config, 90, with_transition=False)
+
+
+def test_hypic_entries_hold_transitions(engine: Engine) -> None:
+    engine.warmup([_text(2, 90)])
+    (entry,) = engine.store.entries.values()
+    assert (entry.local_start, entry.length) == (8, 90 - 16)
+    assert entry.nbytes == _entry_bytes(engine.model.config, 90 - 16, with_transition=True)
+
+
+@pytest.mark.parametrize("mode", ["hypic", "naive"])
+def test_warmed_documents_hit_in_the_same_mode(engine: Engine, mode: str) -> None:
+    docs = [_text(3, 70), _text(4, 50)]
+    engine.warmup(docs, mode=mode)
+    result = engine.generate(SEP.join(["lead", *docs, "query"]), max_new_tokens=1, mode=mode)
+    assert result.segments_hit == 2 and result.segments_missed == 0
+
+
+@pytest.mark.parametrize("mode", ["prefix", "full"])
+def test_warmup_refuses_modes_that_cache_no_segments(engine: Engine, mode: str) -> None:
+    with pytest.raises(InvalidRequest, match=f"mode '{mode}' caches no segments"):
+        engine.warmup([_text(5, 70)], mode=mode)
+    assert len(engine.store) == 0
+
+
+def test_unknown_mode_is_refused(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest, match="mode must be one of"):
+        engine.warmup([_text(6, 70)], mode="fast")

@@ -1,0 +1,93 @@
+"""The reference's own reading of an HF checkpoint directory: config fields and fp32 tensors.
+
+Written from the published Qwen3-Next / Qwen3.5 layouts, sharing no code with ``hypic.loader``
+or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+WRAPPERS = ("qwen3_5", "qwen3_5_moe")
+PREFIXES = ("model.language_model.", "model.")
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """The config fields the reference forward reads."""
+
+    model_type: str
+    layer_types: tuple[str, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    key_heads: int  # linear layers
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    eps: float
+    rope_theta: float
+    rotary_dim: int
+    rope_scale: float  # positions are divided by it ("linear" rope scaling)
+    experts: int
+    top_k: int
+    norm_topk: bool
+    sparse_step: int
+    mlp_only: tuple[int, ...]
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
+
+
+def _text_fields(raw: dict) -> dict:
+    return raw["text_config"] if raw["model_type"] in WRAPPERS else raw
+
+
+def read_config(path: Path) -> RefConfig:
+    """Parse ``config.json`` (the multimodal wrappers' ``text_config`` for those)."""
+    raw = _text_fields(json.loads((path / "config.json").read_text()))
+    rope = raw.get("rope_parameters") or {}
+    layers = raw["num_hidden_layers"]
+    interval = raw.get("full_attention_interval", 4)
+    types = raw.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                        for i in range(layers)]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    return RefConfig(
+        model_type=raw["model_type"], layer_types=tuple(types), heads=raw["num_attention_heads"],
+        kv_heads=raw["num_key_value_heads"], head_dim=head_dim, key_heads=raw["linear_num_key_heads"],
+        value_heads=raw["linear_num_value_heads"], key_dim=raw["linear_key_head_dim"],
+        value_dim=raw["linear_value_head_dim"], conv_kernel=raw["linear_conv_kernel_dim"], eps=raw["rms_norm_eps"],
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)), rotary_dim=int(head_dim * partial),
+        rope_scale=rope.get("factor", 1.0) if rope.get("rope_type") == "linear" else 1.0,
+        experts=raw.get("num_experts") or 0, top_k=raw.get("num_experts_per_tok") or 0,
+        norm_topk=raw.get("norm_topk_prob", True), sparse_step=raw.get("decoder_sparse_step") or 1,
+        mlp_only=tuple(raw.get("mlp_only_layers") or ()),
+    )
+
+
+def _short_name(key: str) -> str | None:
+    """Drop the text-model prefix; None for tensors the text model does not use (vision, MTP)."""
+    if key.startswith(("model.visual.", "visual.", "mtp.")):
+        return None
+    for prefix in PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every text-model tensor in fp32, keyed like ``layers.0.linear_attn.A_log``."""
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                name = _short_name(key)
+                if name is not None:
+                    tensors[name] = handle.get_tensor(key).float()
+    if "lm_head.weight" not in tensors:  # tied embeddings
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    return tensors

@@ -1,0 +1,226 @@
+"""A plain-PyTorch Qwen3.5 / Qwen3-Next forward with a token-loop recurrence: clarity over speed.
+
+``run`` feeds a run of new tokens through every layer, continuing a ``ReferenceState``: token-wise
+maps (projections, norms, MLP/MoE) act on the run's rows at once, the gated delta rule is a
+loop over tokens, attention is an explicit softmax over every key so far. ``absorb`` appends
+tokens whose per-layer inputs were computed elsewhere (nothing of them is recomputed): that is
+how the HYPIC reference splices cached segment interiors.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import RefConfig, read_config, read_tensors
+
+
+@dataclass
+class LinearInputs:
+    """What n tokens feed a Gated DeltaNet layer: pre-conv channels and recurrence inputs."""
+
+    pre_conv: torch.Tensor  # [n, C]
+    k: torch.Tensor  # [n, Hv, K] l2-normalised, key heads repeated to the value heads
+    v: torch.Tensor  # [n, Hv, V]
+    g: torch.Tensor  # [n, Hv] log decay
+    beta: torch.Tensor  # [n, Hv]
+
+    def rows(self, lo: int, hi: int) -> "LinearInputs":
+        return LinearInputs(*(x[lo:hi] for x in (self.pre_conv, self.k, self.v, self.g, self.beta)))
+
+
+@dataclass
+class AttentionInputs:
+    """What n tokens feed a full-attention layer: keys before RoPE and values."""
+
+    key: torch.Tensor  # [n, Hkv, D] after k_norm, not rotated
+    value: torch.Tensor  # [n, Hkv, D]
+
+    def rows(self, lo: int, hi: int) -> "AttentionInputs":
+        return AttentionInputs(self.key[lo:hi], self.value[lo:hi])
+
+
+LayerInputs = list[LinearInputs | AttentionInputs]  # one entry per layer
+
+
+@dataclass
+class LinearMemory:
+    state: torch.Tensor  # [Hv, K, V]
+    conv_tail: torch.Tensor  # [k-1, C] the last k-1 pre-conv inputs (zeros before the first token)
+
+
+@dataclass
+class AttentionMemory:
+    keys: torch.Tensor  # [T, Hkv, D] rotated at each token's position
+    values: torch.Tensor  # [T, Hkv, D]
+
+
+@dataclass
+class ReferenceState:
+    """Everything the model remembers after ``length`` tokens."""
+
+    layers: list[LinearMemory | AttentionMemory]
+    length: int = 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm of the decoder: x / rms(x) * (1 + w)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class ReferenceModel:
+    """Weights of a checkpoint directory and the forward over them, in fp32."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.config: RefConfig = read_config(Path(path))
+        self.w = read_tensors(Path(path))
+        c = self.config
+        self.inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim)
+
+    def empty_state(self) -> ReferenceState:
+        c = self.config
+        channels = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
+        return ReferenceState([
+            LinearMemory(torch.zeros(c.value_heads, c.key_dim, c.value_dim), torch.zeros(c.conv_kernel - 1, channels))
+            if kind == "linear_attention" else AttentionMemory(torch.zeros(0, c.kv_heads, c.head_dim),
+                                                                 torch.zeros(0, c.kv_heads, c.head_dim))
+            for kind in c.layer_types])
+
+    # ----- runs of tokens ------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, state: ReferenceState, tokens: list[int]) -> tuple[torch.Tensor, LayerInputs]:
+        """Feed ``tokens`` (at positions state.length, ...) through every layer, updating ``state``.
+        Returns logits [n, vocab] and the inputs the tokens fed each layer."""
+        positions = torch.arange(state.length, state.length + len(tokens))
+        x, fed = self.w["embed_tokens.weight"][tokens], []
+        for index, memory in enumerate(state.layers):
+            h = rms_norm(x, self.w[f"layers.{index}.input_layernorm.weight"], self.config.eps)
+            if isinstance(memory, LinearMemory):
+                mixed, inputs = self._linear(index, h, memory)
+            else:
+                mixed, inputs = self._attention(index, h, positions, memory)
+            fed.append(inputs)
+            x = x + mixed
+            post = rms_norm(x, self.w[f"layers.{index}.post_attention_layernorm.weight"], self.config.eps)
+            x = x + self._feed_forward(index, post)
+        state.length += len(tokens)
+        return rms_norm(x, self.w["norm.weight"], self.config.eps) @ self.w["lm_head.weight"].T, fed
+
+    @torch.inference_mode()
+    def absorb(self, state: ReferenceState, frozen: LayerInputs) -> None:
+        """Append tokens whose per-layer inputs are given: each layer only takes them into its
+        memory (the recurrence over their k, v, g, beta; keys rotated at their new positions)."""
+        n = frozen[0].value.shape[0] if isinstance(frozen[0], AttentionInputs) else frozen[0].k.shape[0]
+        positions = torch.arange(state.length, state.length + n)
+        for memory, inputs in zip(state.layers, frozen):
+            if isinstance(memory, LinearMemory):
+                assert isinstance(inputs, LinearInputs)
+                for t in range(n):
+                    self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
+                memory.conv_tail = torch.cat([memory.conv_tail, inputs.pre_conv])[n:]
+            else:
+                assert isinstance(inputs, AttentionInputs)
+                memory.keys = torch.cat([memory.keys, self._rotate(inputs.key, positions)])
+                memory.values = torch.cat([memory.values, inputs.value])
+        state.length += n
+
+    # ----- Gated DeltaNet ------------------------------------------------------------------
+    def _linear_projections(self, index: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(pre-conv [n, q | k | v], z [n, Hv, V], b [n, Hv], a [n, Hv]) in either checkpoint layout."""
+        c, p, n = self.config, f"layers.{index}.linear_attn.", h.shape[0]
+        if p + "in_proj_qkv.weight" in self.w:  # Qwen3.5: separate projections
+            z = (h @ self.w[p + "in_proj_z.weight"].T).view(n, c.value_heads, c.value_dim)
+            return h @ self.w[p + "in_proj_qkv.weight"].T, z, h @ self.w[p + "in_proj_b.weight"].T, h @ self.w[p + "in_proj_a.weight"].T
+        ratio = c.value_heads // c.key_heads  # Qwen3-Next: q, k, v, z (and b, a) grouped per key head
+        q, k, v, z = (h @ self.w[p + "in_proj_qkvz.weight"].T).view(n, c.key_heads, -1).split(
+            [c.key_dim, c.key_dim, ratio * c.value_dim, ratio * c.value_dim], dim=-1)
+        b, a = (h @ self.w[p + "in_proj_ba.weight"].T).view(n, c.key_heads, -1).split([ratio, ratio], dim=-1)
+        pre_conv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+        return pre_conv, z.reshape(n, c.value_heads, c.value_dim), b.flatten(1), a.flatten(1)
+
+    def _linear(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+        c, p, n = self.config, f"layers.{index}.linear_attn.", h.shape[0]
+        pre_conv, z, b, a = self._linear_projections(index, h)
+        window = torch.cat([memory.conv_tail, pre_conv])  # row j: the input of token j - (k-1)
+        weight = self.w[p + "conv1d.weight"][:, 0]  # [C, k]
+        post = F.silu(sum(weight[:, j] * window[j : j + n] for j in range(c.conv_kernel)))
+        memory.conv_tail = window[n:]
+        q, k, v = post.split([c.key_heads * c.key_dim, c.key_heads * c.key_dim, c.value_heads * c.value_dim], dim=-1)
+        ratio = c.value_heads // c.key_heads
+        q = l2_normalize(q.view(n, c.key_heads, c.key_dim)).repeat_interleave(ratio, 1)
+        k = l2_normalize(k.view(n, c.key_heads, c.key_dim)).repeat_interleave(ratio, 1)
+        g = -self.w[p + "A_log"].exp() * F.softplus(a + self.w[p + "dt_bias"])
+        inputs = LinearInputs(pre_conv, k, v.view(n, c.value_heads, c.value_dim), g, torch.sigmoid(b))
+        outputs = []
+        for t in range(n):
+            self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
+            outputs.append((q[t, :, None, :] * c.key_dim**-0.5 @ memory.state)[:, 0])  # q^T S per head
+        o = torch.stack(outputs)
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.w[p + "norm.weight"]
+        return (normed * F.silu(z)).flatten(1) @ self.w[p + "out_proj.weight"].T, inputs
+
+    @staticmethod
+    def _delta_update(memory: LinearMemory, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """One token (k [Hv, K], v [Hv, V], g and beta [Hv]): S <- exp(g) (I - beta k k^T) S + beta k v^T."""
+        s = memory.state * g.exp()[:, None, None]
+        recalled = (k[:, None, :] @ s)[:, 0]  # k^T S per head
+        memory.state = s + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]
+
+    # ----- gated full attention ------------------------------------------------------------
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE: row i of x [n, H, D] rotated for positions[i] on the first rotary_dim channels."""
+        rd = self.config.rotary_dim
+        angles = (positions.float() / self.config.rope_scale)[:, None] * self.inv_freq[None]
+        cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
+        rot, rest = x[..., :rd], x[..., rd:]
+        half = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], dim=-1)
+        return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+    def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor,
+                   memory: AttentionMemory) -> tuple[torch.Tensor, AttentionInputs]:
+        c, p, eps, n = self.config, f"layers.{index}.self_attn.", self.config.eps, h.shape[0]
+        query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
+        query = self._rotate(rms_norm(query, self.w[p + "q_norm.weight"], eps), positions)
+        key = rms_norm((h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim), self.w[p + "k_norm.weight"], eps)
+        value = (h @ self.w[p + "v_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
+        memory.keys = torch.cat([memory.keys, self._rotate(key, positions)])
+        memory.values = torch.cat([memory.values, value])
+        group = c.heads // c.kv_heads
+        keys = memory.keys.repeat_interleave(group, 1).transpose(0, 1)  # [H, T, D]
+        values = memory.values.repeat_interleave(group, 1).transpose(0, 1)
+        scores = query.transpose(0, 1) @ keys.transpose(1, 2) * c.head_dim**-0.5  # [H, n, T]
+        visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]  # causal: keys at or before
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        attended = (weights @ values).transpose(0, 1).flatten(1) * torch.sigmoid(gate.flatten(1))
+        return attended @ self.w[p + "o_proj.weight"].T, AttentionInputs(key, value)
+
+    # ----- feed-forward -------------------------------------------------------------------
+    def _swiglu(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate x) * up x) for x [..., hidden]."""
+        gate, up = x @ self.w[prefix + "gate_proj.weight"].T, x @ self.w[prefix + "up_proj.weight"].T
+        return (F.silu(gate) * up) @ self.w[prefix + "down_proj.weight"].T
+
+    def _feed_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Dense SwiGLU, or top-k routed experts plus the sigmoid-gated shared expert; x [n, hidden].
+        Every expert runs on every token and the routing weights (zero off the top k) mix them."""
+        prefix = f"layers.{index}.mlp."
+        if not self.config.is_moe(index):
+            return self._swiglu(prefix, x)
+        probs = torch.softmax(x @ self.w[prefix + "gate.weight"].T, dim=-1)
+        top, chosen = probs.topk(self.config.top_k, dim=-1)
+        if self.config.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        mix = torch.zeros_like(probs).scatter(-1, chosen, top)  # [n, E]
+        routed = sum(mix[:, e, None] * self._expert(prefix, e, x) for e in range(self.config.experts))
+        shared = torch.sigmoid(x @ self.w[prefix + "shared_expert_gate.weight"].T) * self._swiglu(prefix + "shared_expert.", x)
+        return routed + shared
+
+    def _expert(self, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if prefix + "experts.gate_up_proj" in self.w:  # fused [E, 2I, H] / [E, H, I]
+            gate, up = (x @ self.w[prefix + "experts.gate_up_proj"][expert].T).chunk(2, dim=-1)
+            return (F.silu(gate) * up) @ self.w[prefix + "experts.down_proj"][expert].T
+        return self._swiglu(f"{prefix}experts.{expert}.", x)
