@@ -111,18 +111,24 @@ class Server:
         return job, events
 
     async def _wait_done(self, http: Request, job: Job, events: asyncio.Queue[Event]) -> Completion:
-        """The finished completion; cancels the job if the client goes away first."""
-        while True:
-            try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    job.cancel()
-                continue
-            if isinstance(event, DoneEvent):
-                return event.completion
-            if isinstance(event, ErrorEvent):
-                raise HypicError(event.message)
+        """The finished completion; the job is cancelled as soon as the client goes away."""
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, job))
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, DoneEvent):
+                    return event.completion
+                if isinstance(event, ErrorEvent):
+                    raise HypicError(event.message)
+        finally:
+            watcher.cancel()
+
+    @staticmethod
+    async def _cancel_on_disconnect(http: Request, job: Job) -> None:
+        """Polls the connection while the job runs (tokens flowing or not) and cancels it on a disconnect."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        job.cancel()
 
     async def _stream(self, job: Job, events: asyncio.Queue[Event],
                       shape: Callable[[Event], list[Any]]) -> AsyncIterator[str]:
@@ -201,7 +207,7 @@ class Server:
     async def warmup(self, http: Request) -> Any:
         documents = parse_warmup(await _json_body(http))
         start = time.perf_counter()
-        counts = await asyncio.wrap_future(self.loop.call(lambda: self.loop.engine.warmup(documents)))
+        counts = await asyncio.wrap_future(self.loop.call(lambda: self.loop.engine.warmup(documents, self.loop.mode)))
         return {"token_counts": counts, "documents": len(counts), "elapsed_s": time.perf_counter() - start}
 
     async def flush_cache(self) -> Any:

@@ -1,6 +1,7 @@
 """The HTTP server end to end: a real process per configuration, driven over HTTP."""
 import json
 import random
+import socket
 import threading
 import time
 import urllib.request
@@ -91,9 +92,10 @@ def test_generate_streams_server_sent_events(hypic_server: ServerProcess) -> Non
 
 
 def test_multi_turn_reuses_private_state(hypic_server: ServerProcess, tiny_checkpoint: Path) -> None:
-    prompt = _prompt("chat", _docs(5, 2), "first question")
-    first = hypic_server.post("/generate", {"text": prompt, "sampling_params": {**GREEDY, "ignore_eos": True}})
-    ids = split_prompt(prompt, TextTokenizer.from_dir(tiny_checkpoint).encode).token_ids
+    """A plain conversation sent as token ids: the second turn resumes from the first's end state
+    (a PIC prompt's state is resumed only under the same segmentation: see test_pools)."""
+    ids = TextTokenizer.from_dir(tiny_checkpoint).encode("chat" + "".join(_docs(5, 2)) + "first question")
+    first = hypic_server.post("/generate", {"input_ids": ids, "sampling_params": {**GREEDY, "ignore_eos": True}})
     turn = ids + first["output_ids"] + list(b" and then?")
     second = hypic_server.post("/generate", {"input_ids": turn, "sampling_params": GREEDY})["meta_info"]
     assert second["prefix_hit_tokens"] == len(ids) + len(first["output_ids"]) - 1
@@ -148,6 +150,40 @@ def test_client_disconnect_cancels_the_request(hypic_server: ServerProcess) -> N
             break
         time.sleep(0.2)
     assert info["requests_cancelled"] > before and info["running_requests"] == 0
+
+
+def test_non_streaming_client_that_disconnects_is_cancelled(hypic_server: ServerProcess) -> None:
+    """A plain /generate whose client goes away mid-decode stops being served within a second or two,
+    although tokens keep flowing on the server side."""
+    before = hypic_server.get("/get_server_info")["requests_cancelled"]
+    body = json.dumps({"text": "long one", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}).encode()
+    host, port = hypic_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"POST /generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 30
+        while hypic_server.get("/get_server_info")["generated_tokens"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)  # decoding is under way
+    closed = time.monotonic()
+    while time.monotonic() < closed + 10:
+        info = hypic_server.get("/get_server_info")
+        if info["requests_cancelled"] > before and info["running_requests"] == 0:
+            break
+        time.sleep(0.1)
+    assert info["requests_cancelled"] == before + 1 and info["running_requests"] == 0
+    assert info["generated_tokens"] < 3000
+
+
+@pytest.mark.parametrize("mode", ["naive", "prefix"])
+def test_warmup_honours_the_server_mode(launch, mode: str) -> None:
+    server, docs = launch("--mode", mode), _docs(14, 2)
+    status, payload = server.request("POST", "/warmup", {"documents": docs})
+    if mode == "prefix":
+        assert status == 400 and "caches no segments" in payload["error"]["message"]
+        return
+    assert status == 200
+    meta = server.post("/generate", {"text": _prompt("sys", docs, "q"), "sampling_params": GREEDY})["meta_info"]
+    assert meta["segments_hit"] == 2 and meta["segments_missed"] == 0
 
 
 def test_info_models_metrics_and_flush(hypic_server: ServerProcess) -> None:
