@@ -59,12 +59,14 @@ class InteriorCapture:
 
 @dataclass
 class CombineResult:
-    """Logits of the last recompute token ([vocab] fp32, or None), the request's new state, and the
-    linear layers' states at each requested snapshot position (position -> layer index -> state)."""
+    """Logits of the last recompute token ([vocab] fp32, or None), the request's new state, the
+    linear layers' states at each requested snapshot position (position -> layer index -> state),
+    and, when asked for with ``logits_from``, the logits of every position from there on."""
 
     logits: torch.Tensor | None
     state: RequestState
     snapshots: dict[int, dict[int, LinearLayerState]] = field(default_factory=dict)
+    row_logits: torch.Tensor | None = None  # [end - logits_from, vocab] fp32
 
 
 def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
@@ -164,10 +166,12 @@ def combine(
     model: HybridModel, token_ids: list[int], pieces: list[Piece], init: RequestState,
     entries: dict[int, SegmentEntry] | None = None, *, naive: bool = False,
     capture: InteriorCapture | None = None, need_logits: bool = True, snapshot_at: list[int] | None = None,
+    logits_from: int | None = None,
 ) -> CombineResult:
     """Run the recompute tokens of ``pieces`` (positions init.length..) through the model.
     token_ids: all ids of the request so far (at least up to the last piece). ``snapshot_at``:
-    positions where linear states are recorded (the private pool's snapshots)."""
+    positions where linear states are recorded (the private pool's snapshots). ``logits_from``:
+    also return the logits of every position from there on (all of them must be recomputed)."""
     end = _check_pieces(pieces, init.length)
     snapshots: dict[int, dict] = {p: {} for p in snapshot_at or []}
     entries = entries or {}
@@ -186,27 +190,35 @@ def combine(
         layers.append(layer_state)
     logits = model.logits(x[-1:])[0] if need_logits else None
     taken = {p: states for p, states in snapshots.items() if states}
-    return CombineResult(logits, RequestState(layers, end, list(token_ids[:end])), taken)
+    rows = None
+    if logits_from is not None and end > logits_from:
+        wanted = positions >= logits_from
+        if int(wanted.sum()) != end - max(logits_from, init.length):
+            raise ValueError(f"logits from position {logits_from} need every later token recomputed")
+        rows = model.logits(x[wanted])
+    return CombineResult(logits, RequestState(layers, end, list(token_ids[:end])), taken, rows)
 
 
 def combine_chunked(
     model: HybridModel, token_ids: list[int], pieces: list[Piece], init: RequestState,
     entries: dict[int, SegmentEntry] | None = None, *, chunk_tokens: int, naive: bool = False,
     capture: InteriorCapture | None = None, need_logits: bool = True, snapshot_at: list[int] | None = None,
+    logits_from: int | None = None,
 ) -> Generator[None, None, CombineResult]:
     """``combine`` in chunks of at most ``chunk_tokens`` recompute tokens, yielding between chunks
     so that a serving loop can decode other requests meanwhile; returns the same ``CombineResult``."""
     groups = chunk_pieces(pieces, chunk_tokens)
-    state, snapshots, logits = init, {}, None
+    state, snapshots, logits, rows = init, {}, None, []
     for number, group in enumerate(groups):
         if number:
             yield
         last = number == len(groups) - 1
         result = combine(model, token_ids, group, state, entries, naive=naive, capture=capture,
-                         need_logits=need_logits and last, snapshot_at=snapshot_at)
+                         need_logits=need_logits and last, snapshot_at=snapshot_at, logits_from=logits_from)
         state, logits = result.state, result.logits
         snapshots.update(result.snapshots)
-    return CombineResult(logits, state, snapshots)
+        rows += [result.row_logits] if result.row_logits is not None else []
+    return CombineResult(logits, state, snapshots, torch.cat(rows) if rows else None)
 
 
 Result = TypeVar("Result")

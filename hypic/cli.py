@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the HTTP server (SGLang /generate and OpenAI-compatible APIs)",
                                 description="Serve a hybrid model over HTTP with position-independent caching. "
                                             "Endpoints: /generate, /v1/completions, /v1/chat/completions, /v1/models, "
-                                            "/warmup, /health, /get_model_info, /get_server_info, /flush_cache, /metrics.")
+                                            "/tokenize, /detokenize, /warmup, /health, /get_model_info, "
+                                            "/get_server_info (/server_info), /flush_cache, /metrics.")
     _model_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
@@ -99,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--chunked-prefill-size", type=int, default=1024,
                        help="most prefill tokens run between two decode steps, so long prompts do not stall "
                             "running requests (default: 1024)")
+    serve.add_argument("--snapshot-interval", type=int, default=256,
+                       help="keep the linear layers' states every this many prompt tokens in the private pool, so "
+                            "prompts sharing a long plain prefix (a system prompt, a chat history) resume from it; "
+                            "0: only at document edges and before each prompt's last token (default: 256)")
     serve.add_argument("--max-segments", type=int, default=256, help="most PIC segments in one prompt (default: 256)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -127,7 +132,7 @@ def _serve(args: argparse.Namespace) -> None:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
     choice = choose_model(args.model)
     engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size,
-                     chunk_tokens=args.chunked_prefill_size)
+                     chunk_tokens=args.chunked_prefill_size, snapshot_interval=args.snapshot_interval)
     template, from_model = load_chat_template(choice.path)
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,

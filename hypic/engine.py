@@ -3,6 +3,7 @@ import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -10,18 +11,22 @@ from .assembler import combine_chunked, drain
 from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
+from .grammar import Constraint, GrammarCompiler
 from .loader import load_model, model_fingerprint
 from .models import HybridModel
-from .sampling import SamplingParams, sample
 from .modes import ModePolicy, mode_policy
 from .prefix_cache import PrefixCache, cache_key
+from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
 from .segments import (DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, layout_marks,
                        spliceable, split_prompt)
+from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState
 from .store import SegmentEntry, SegmentStore, entry_key
 from .tokenizer import TextTokenizer
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_SNAPSHOT_INTERVAL = 256
 
 
 @dataclass
@@ -43,11 +48,14 @@ class PrefillStats:
 
 @dataclass
 class Prefill:
-    """A prefilled request: first-token logits [vocab] and the state decode continues from."""
+    """A prefilled request: first-token logits [vocab] and the state decode continues from; with
+    ``logits_from`` p, ``prompt_logits`` [len - p, vocab] holds the logits at positions p.. (the
+    distribution of each next prompt token: input logprobs)."""
 
     logits: torch.Tensor
     state: RequestState
     stats: PrefillStats
+    prompt_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,12 +82,16 @@ class Engine:
 
     def __init__(self, model: HybridModel, tokenizer: TextTokenizer, fingerprint: str, *,
                  seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None,
-                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 2048) -> None:
+                 prefix_cache: PrefixCache | None = None, chunk_tokens: int = 2048,
+                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
         if not isinstance(seam_width, int) or seam_width < 0:
             raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise InvalidRequest(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+        if not isinstance(snapshot_interval, int) or snapshot_interval < 0:
+            raise InvalidRequest(f"snapshot_interval must be an integer >= 0 (0: off), got {snapshot_interval!r}")
         self.chunk_tokens = chunk_tokens  # prefill work between two decode steps of a serving loop
+        self.snapshot_interval = snapshot_interval  # private-pool snapshots every this many prompt tokens
         if not pic_separator:
             raise InvalidRequest("pic_separator must be a non-empty string")
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
@@ -87,11 +99,13 @@ class Engine:
         self.store = store if store is not None else SegmentStore()
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", seam_width: int = 8,
                         pic_separator: str = DEFAULT_SEPARATOR, public_pool_bytes: int | None = None,
-                        private_pool_bytes: int | None = None, chunk_tokens: int = 2048) -> "Engine":
+                        private_pool_bytes: int | None = None, chunk_tokens: int = 2048,
+                        snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         Pool budgets in bytes; None means unbounded."""
@@ -103,7 +117,8 @@ class Engine:
         model = load_model(path, device, DTYPES[dtype])
         return cls(model, TextTokenizer.from_dir(path), model_fingerprint(path), seam_width=seam_width,
                    pic_separator=pic_separator, store=SegmentStore(public_pool_bytes),
-                   prefix_cache=PrefixCache(private_pool_bytes), chunk_tokens=chunk_tokens)
+                   prefix_cache=PrefixCache(private_pool_bytes), chunk_tokens=chunk_tokens,
+                   snapshot_interval=snapshot_interval)
 
     # ----- caching -------------------------------------------------------------------------
     def policy(self, mode: str) -> ModePolicy:
@@ -187,6 +202,17 @@ class Engine:
         stats.prefix_hit_tokens = hit.length
         return hit.state
 
+    def _snapshot_positions(self, parts: PromptParts, start: int) -> list[int]:
+        """Where the private pool keeps this prompt's linear states (after ``start``): at document
+        edges, every ``snapshot_interval`` tokens (shared system prompts), and before the last token
+        (the same prompt sent again recomputes only that token). Positions inside a spliced interior
+        have no state and are skipped by the combine pass."""
+        total = len(parts.token_ids)
+        points = {*document_boundaries(parts), total - 1}
+        if self.snapshot_interval:
+            points.update(range(self.snapshot_interval, total, self.snapshot_interval))
+        return sorted(p for p in points if start < p < total)
+
     def _segment_entries(self, parts: PromptParts, indices: list[int], policy: ModePolicy, stats: PrefillStats,
                          pinned: list[str]) -> Generator[None, None, dict[int, SegmentEntry]]:
         """The cached interior of each segment in ``indices``: a public-pool hit, or the segment
@@ -208,27 +234,31 @@ class Engine:
                 stats.cached_tokens += entry.length
         return entries
 
-    def prefill_steps(self, parts: PromptParts, mode: str = "hypic") -> Generator[None, None, Prefill]:
+    def prefill_steps(self, parts: PromptParts, mode: str = "hypic",
+                      logits_from: int | None = None) -> Generator[None, None, Prefill]:
         """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive), one unit of work per
         ``next()`` (a chunk of at most ``chunk_tokens`` of a cold segment's prefill or of the combine
-        pass); returns the ``Prefill``.
+        pass); returns the ``Prefill``. ``logits_from``: also the logits of every prompt position from
+        there on, computed exactly (nothing after it is spliced or resumed from the private pool).
         Public entries the request uses stay pinned until its combine pass is done."""
         policy = self.policy(mode)
         ids = parts.token_ids
         stats = PrefillStats(prompt_tokens=len(ids))
-        spliced = spliceable(parts, policy.seams) if policy.seams is not None else []
+        exact_from = len(ids) if logits_from is None else logits_from
+        spliced = self._spliced(parts, policy, exact_from)
         marks = layout_marks(parts, spliced)
-        init = self._resume_point(cache_key(ids, marks), policy, stats)
+        init = self._resume_point(cache_key(ids[:exact_from + 1], marks), policy, stats)
         after_resume = [i for i in spliced if parts.segment_starts[i] >= init.length]
         pinned: list[str] = []
         try:
             entries = yield from self._segment_entries(parts, after_resume, policy, stats, pinned)
             keep = policy.namespace is not None and self.prefix_cache.budget_bytes != 0
-            boundaries = [p for p in document_boundaries(parts) if p > init.length] if keep else []
             pieces = build_layout(parts, policy.seams, set(entries), init.length)
             stats.combine_tokens = sum(p.length for p in pieces if isinstance(p, Run))
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
-                                                naive=not policy.transitions, snapshot_at=boundaries)
+                                                naive=not policy.transitions,
+                                                snapshot_at=self._snapshot_positions(parts, init.length) if keep else [],
+                                                logits_from=logits_from)
         finally:
             for key in pinned:
                 self.store.unpin(key)
@@ -236,11 +266,20 @@ class Engine:
         if policy.namespace is not None:
             self.prefix_cache.insert(policy.namespace, result.state, result.snapshots)
         assert result.logits is not None
-        return Prefill(result.logits, result.state, stats)
+        return Prefill(result.logits, result.state, stats, result.row_logits)
 
-    def prefill(self, parts: PromptParts, mode: str = "hypic") -> Prefill:
+    @staticmethod
+    def _spliced(parts: PromptParts, policy: ModePolicy, exact_from: int) -> list[int]:
+        """The segments ``policy`` splices, keeping positions from ``exact_from`` on recomputed."""
+        if policy.seams is None:
+            return []
+        ends = {i: begin + (policy.seams.interior(len(segment)) or (0, 0))[1]
+                for i, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts))}
+        return [i for i in spliceable(parts, policy.seams) if ends[i] <= exact_from]
+
+    def prefill(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None) -> Prefill:
         """Prefill a parsed request under ``mode`` in one go."""
-        return drain(self.prefill_steps(parts, mode))
+        return drain(self.prefill_steps(parts, mode, logits_from))
 
     def remember(self, state: RequestState, mode: str) -> None:
         """Keep a finished request's state in the private pool (multi-turn reuse of its whole text)."""
@@ -251,40 +290,47 @@ class Engine:
         self.prefix_cache.insert(namespace, state, {state.length: linear})
 
     # ----- generation ----------------------------------------------------------------------
-    def _finished(self, token: int, params: SamplingParams, produced: int, length: int) -> str | None:
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if produced >= params.max_new_tokens or length >= self.model.config.max_position_embeddings:
-            return "length"
-        return None
+    def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None) -> list[Sequence]:
+        """The ``params.n`` continuations of a prompt, checked against this model (token ids in its
+        vocabulary, the grammar compiles). ``logprobs``: None, or record each token's logprob and
+        its top-k alternatives. With a seed, sample i draws from ``seed + i``."""
+        vocab = self.model.config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        constraint = Constraint.of(params)
+        if constraint is not None:
+            self.grammars.compile(constraint)  # a bad grammar fails here, before any work
+        limits = SequenceLimits(frozenset(self.eos_token_ids), self.model.config.max_position_embeddings, logprobs)
+        return [Sequence(params, list(prompt_ids), self.tokenizer, limits,
+                         torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None,
+                         self.grammars.start(constraint) if constraint is not None else None)
+                for i in range(params.n)]
 
     def decode_step(self, state: RequestState, token: int) -> tuple[torch.Tensor, RequestState]:
         """Append one token to a request's state; returns its logits [vocab] and the new state."""
         logits, states = decode_batch(self.model, [state], [token])
         return logits[0], states[0]
 
-    def generate(self, prompt: str | list[int], *, max_new_tokens: int = 16, temperature: float = 0.0, mode: str = "hypic",
-                 top_p: float = 1.0, top_k: int = -1, stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
-                 seed: int | None = None) -> GenerationResult:
-        """Prefill ``prompt`` (separators mark PIC segments) under ``mode`` and decode."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), ignore_eos, seed)
+    def generate(self, prompt: str | list[int], *, mode: str = "hypic", **sampling: Any) -> GenerationResult:
+        """Prefill ``prompt`` (separators mark PIC segments) under ``mode`` and decode one continuation.
+        ``sampling``: any ``SamplingParams`` field (max_new_tokens=16, temperature=0, top_p, stop, ...)."""
+        params = SamplingParams(**sampling)
+        if params.n != 1:
+            raise InvalidRequest("Engine.generate makes one continuation (n = 1); the server runs n > 1")
         start = time.perf_counter()
-        prefill = self.prefill(self.parse(prompt), mode)
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        logits, state, output, reason = prefill.logits, prefill.state, [], "length"
-        ttft = time.perf_counter() - start
-        while params.max_new_tokens > 0:
-            token = sample(logits, params, generator)
-            output.append(token)
-            if len(output) == 1:
+        parts = self.parse(prompt)
+        (sequence,) = self.sequences(params, parts.token_ids)
+        prefill = self.prefill(parts, mode)
+        logits, state, ttft = prefill.logits, prefill.state, time.perf_counter() - start
+        while not sequence.finished:
+            sequence.step(logits)
+            if len(sequence.output_ids) == 1:
                 ttft = time.perf_counter() - start
-            finished = self._finished(token, params, len(output), state.length + 1)
-            if finished:
-                reason = finished
-                break
-            logits, state = self.decode_step(state, token)
+            if not sequence.finished:
+                logits, state = self.decode_step(state, sequence.output_ids[-1])
         self.remember(state, mode)
         stats = prefill.stats
-        return GenerationResult(output, self.tokenizer.decode(output), stats.prompt_tokens, stats.cached_tokens,
-                                stats.recomputed_tokens, ttft, time.perf_counter() - start, reason, mode,
-                                stats.segments_hit, stats.segments_missed, stats)
+        return GenerationResult(sequence.output_ids, sequence.text, stats.prompt_tokens, stats.cached_tokens,
+                                stats.recomputed_tokens, ttft, time.perf_counter() - start, sequence.finish_reason or "",
+                                mode, stats.segments_hit, stats.segments_missed, stats)

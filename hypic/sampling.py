@@ -5,10 +5,13 @@ import torch
 
 from .errors import InvalidRequest
 
+MAX_SAMPLES = 64  # n: continuations of one prompt sharing its prefill
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding controls; ``temperature == 0`` is greedy."""
+    """Decoding controls of one request (SGLang's and OpenAI's semantics); ``temperature == 0`` is
+    greedy. Ranges are checked on construction and raise ``InvalidRequest`` naming the field."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -17,24 +20,61 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     seed: int | None = None
+    min_new_tokens: int = 0  # stop tokens and stop strings are suppressed until this many were generated
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top token's
+    frequency_penalty: float = 0.0  # minus count x this, over generated tokens (OpenAI)
+    presence_penalty: float = 0.0  # minus this for every token generated at least once (OpenAI)
+    repetition_penalty: float = 1.0  # prompt and generated tokens: positive logits / p, negative x p (CTRL)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    stop: tuple[str, ...] = ()  # stop strings
+    no_stop_trim: bool = False  # keep the matched stop string / stop token in the output text
+    n: int = 1  # independent continuations sharing one prefill
+    regex: str | None = None  # structured output: at most one of regex, json_schema, ebnf
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
-        checks = [
-            (isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
-             and self.max_new_tokens >= 0, f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"),
-            (isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-             f"temperature must be a number >= 0, got {self.temperature!r}"),
-            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-             f"top_k must be -1 (off) or >= 1, got {self.top_k!r}"),
-        ]
-        for ok, message in checks:
+        for ok, message in self._checks():
             if not ok:
                 raise InvalidRequest(message)
 
+    def _checks(self) -> list[tuple[bool, str]]:
+        def integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        grammars = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
+        return [
+            (integer(self.max_new_tokens) and self.max_new_tokens >= 0,
+             f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"),
+            (integer(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_new_tokens!r}"),
+            (number(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0, got {self.temperature!r}"),
+            (number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (off) or >= 1, got {self.top_k!r}"),
+            (number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}"),
+            (all(integer(t) and t >= 0 and number(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias maps token ids (>= 0) to biases in [-100, 100]"),
+            (integer(self.n) and 1 <= self.n <= MAX_SAMPLES, f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"),
+            (len(grammars) <= 1, f"give at most one of regex, json_schema and ebnf, got {', '.join(grammars)}"),
+            (self.seed is None or integer(self.seed), f"seed must be an integer, got {self.seed!r}"),
+        ]
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick the next token from logits [vocab]."""
+    """Pick the next token from (processed) logits [vocab]."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
@@ -42,6 +82,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p  # keep the smallest set reaching top_p

@@ -11,11 +11,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..errors import HypicError, InvalidRequest
 from ..segments import PromptParts
+from ..sequence import Sequence
 from .chat import chat_renderer
-from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, TokenEvent
-from .protocol import Completion, GenerationRequest, parse_chat, parse_completion, parse_generate, parse_warmup
+from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent
+from .protocol import (Completion, GenerationRequest, json_object, only_fields, parse_chat, parse_completion,
+                       parse_generate, parse_warmup)
+from .shapes import OpenAIStream, Shaper
 from .stats import prometheus_text
 
 DISCONNECT_POLL_S = 0.25
@@ -56,35 +60,12 @@ async def _json_body(request: Request) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {err}") from err
 
 
-def _finish_reason_sglang(c: Completion) -> dict[str, Any]:
-    if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.matched_stop}
-    if c.finish_reason == "length":
-        return {"type": "length", "length": len(c.output_ids)}
-    return {"type": "abort", "message": "the client disconnected"}
-
-
-def meta_info(c: Completion) -> dict[str, Any]:
-    """SGLang's meta_info plus HYPIC's breakdown of what was reused."""
-    return {"id": c.rid, "finish_reason": _finish_reason_sglang(c), "prompt_tokens": c.prompt_tokens,
-            "completion_tokens": len(c.output_ids), "cached_tokens": c.cached_tokens, "e2e_latency": c.e2e_s,
-            "ttft": c.ttft_s, "recomputed_tokens": c.recomputed_tokens, "prefix_hit_tokens": c.prefix_hit_tokens,
-            "segments_hit": c.segments_hit, "segments_missed": c.segments_missed, "combine_tokens": c.combine_tokens,
-            "mode": c.mode, **({"output_token_logprobs": [[lp, t, None] for lp, t in zip(c.output_logprobs, c.output_ids)]}
-                               if c.output_logprobs else {})}
-
-
-def _usage(c: Completion) -> dict[str, Any]:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.output_ids),
-            "total_tokens": c.prompt_tokens + len(c.output_ids), "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
-
-
-def _openai_reason(c: Completion) -> str:
-    return "length" if c.finish_reason == "length" else "stop"
-
-
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+Prepared = tuple[GenerationRequest, PromptParts, list[Sequence]]
+Shape = Callable[[int, Event], list[Any]]
 
 
 class Server:
@@ -93,116 +74,169 @@ class Server:
     def __init__(self, loop: EngineLoop, info: ServerInfo) -> None:
         self.loop, self.info = loop, info
         self.render_chat = chat_renderer(info.chat_template)
+        self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
         self.started = time.time()
 
     # ----- request plumbing ------------------------------------------------------------------
-    def _parts(self, request: GenerationRequest) -> PromptParts:
+    def _prepare(self, request: GenerationRequest) -> Prepared:
+        """Tokenize and check one request and make its samples, before any work is queued."""
         parts = self.loop.engine.parse(request.prompt)
         if len(parts.segments) > self.info.max_segments:
             raise InvalidRequest(f"the prompt has {len(parts.segments)} segments, over the limit of "
                                  f"{self.info.max_segments} (--max-segments)")
-        return parts
+        if request.logprobs is not None:
+            request.logprobs.input_from(len(parts.token_ids))
+        top = request.logprobs.top if request.logprobs is not None else None
+        return request, parts, self.loop.engine.sequences(request.params, parts.token_ids, top)
 
-    def _start(self, request: GenerationRequest) -> tuple[Job, asyncio.Queue[Event]]:
-        parts = self._parts(request)
-        events: asyncio.Queue[Event] = asyncio.Queue()
+    def _submit(self, requests: list[GenerationRequest]) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
+        """Queue every request (all checked first, so a bad one in a batch starts none); their events
+        arrive on one queue as (position in the batch, event)."""
+        prepared = [self._prepare(request) for request in requests]
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        job = self.loop.submit(parts, request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        return job, events
+        jobs = []
+        for position, (request, parts, sequences) in enumerate(prepared):
+            def emit(event: Event, position: int = position) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (position, event))
 
-    async def _wait_done(self, http: Request, job: Job, events: asyncio.Queue[Event]) -> Completion:
-        """The finished completion; the job is cancelled as soon as the client goes away."""
-        watcher = asyncio.create_task(self._cancel_on_disconnect(http, job))
+            jobs.append(self.loop.submit(parts, request, sequences, emit))
+        return jobs, events
+
+    async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
+        """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, jobs))
+        done: dict[int, Completion] = {}
         try:
-            while True:
-                event = await events.get()
+            while len(done) < len(jobs):
+                position, event = await events.get()
                 if isinstance(event, DoneEvent):
-                    return event.completion
-                if isinstance(event, ErrorEvent):
+                    done[position] = event.completion
+                elif isinstance(event, ErrorEvent):
                     raise HypicError(event.message)
         finally:
             watcher.cancel()
+            for job in jobs:
+                job.cancel()  # no-op for finished jobs; the rest of a failed batch stops
+        return [done[position] for position in range(len(jobs))]
 
     @staticmethod
-    async def _cancel_on_disconnect(http: Request, job: Job) -> None:
-        """Polls the connection while the job runs (tokens flowing or not) and cancels it on a disconnect."""
+    async def _cancel_on_disconnect(http: Request, jobs: list[Job]) -> None:
+        """Polls the connection while the jobs run (tokens flowing or not) and cancels them on a disconnect."""
         while not await http.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
-        job.cancel()
+        for job in jobs:
+            job.cancel()
 
-    async def _stream(self, job: Job, events: asyncio.Queue[Event],
-                      shape: Callable[[Event], list[Any]]) -> AsyncIterator[str]:
-        """SSE chunks shaped per API, ending in ``data: [DONE]``; a disconnect cancels the job."""
+    async def _stream(self, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]], shape: Shape,
+                      tail: Callable[[list[Completion]], list[Any]]) -> AsyncIterator[str]:
+        """SSE chunks shaped per API, ending in ``data: [DONE]``; a disconnect cancels the jobs."""
+        done: dict[int, Completion] = {}
         try:
-            while True:
-                event = await events.get()
-                for payload in shape(event):
+            while len(done) < len(jobs):
+                position, event = await events.get()
+                for payload in shape(position, event):
                     yield _sse(payload)
-                if isinstance(event, (DoneEvent, ErrorEvent)):
+                if isinstance(event, ErrorEvent):
                     break
+                if isinstance(event, DoneEvent):
+                    done[position] = event.completion
+            else:
+                for payload in tail([done[p] for p in range(len(jobs))]):
+                    yield _sse(payload)
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()  # no-op once finished; stops the work when the client left mid-stream
+            for job in jobs:
+                job.cancel()  # no-op once finished; stops the work when the client left mid-stream
 
-    # ----- API shapes ------------------------------------------------------------------------
-    def sglang_chunks(self, event: Event) -> list[Any]:
-        if isinstance(event, TokenEvent):
-            return [{"text": event.text, "output_ids": event.output_ids, "meta_info": {"completion_tokens": len(event.output_ids)}}]
-        if isinstance(event, DoneEvent):
-            c = event.completion
-            return [{"text": c.text, "output_ids": c.output_ids, "meta_info": meta_info(c)}]
-        return [{"error": {"message": event.message, "type": "internal_error", "code": 500}}]
-
-    def openai_chunks(self, rid: str, chat: bool) -> Callable[[Event], list[Any]]:
-        """Shapes events into OpenAI stream chunks; the last chunk carries the text not yet sent."""
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-                "model": self.info.served_model_name}
-        sent = [""]
-
-        def choice(delta: str, reason: str | None) -> dict[str, Any]:
-            body = {"delta": {"role": "assistant", "content": delta}} if chat else {"text": delta, "logprobs": None}
-            return {"index": 0, **body, "finish_reason": reason}
-
-        def shape(event: Event) -> list[Any]:
-            if isinstance(event, TokenEvent):
-                sent[0] = event.text
-                return [{**base, "choices": [choice(event.delta, None)]}]
-            if isinstance(event, DoneEvent):
-                c = event.completion
-                return [{**base, "choices": [choice(c.text[len(sent[0]):], _openai_reason(c))], "usage": _usage(c)}]
+    @staticmethod
+    def _error_chunk(event: Event) -> list[Any]:
+        if isinstance(event, ErrorEvent):
             return [{"error": {"message": event.message, "type": "internal_error", "code": 500}}]
-
-        return shape
-
-    def openai_body(self, c: Completion, chat: bool) -> dict[str, Any]:
-        choice = ({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text, "logprobs": None})
-        return {"id": c.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.info.served_model_name, "choices": [{"index": 0, **choice, "finish_reason": _openai_reason(c)}],
-                "usage": _usage(c), "meta_info": meta_info(c)}
+        return []
 
     # ----- endpoints -------------------------------------------------------------------------
     async def generate(self, http: Request) -> Any:
-        request = parse_generate(await _json_body(http))
-        job, events = self._start(request)
-        if request.stream:
-            return StreamingResponse(self._stream(job, events, self.sglang_chunks), media_type="text/event-stream")
-        c = await self._wait_done(http, job, events)
-        return {"text": c.text, "output_ids": c.output_ids, "meta_info": meta_info(c)}
+        requests, batched = parse_generate(await _json_body(http))
+        listed = batched or requests[0].params.n > 1
+        jobs, events = self._submit(requests)
+        if requests[0].stream:
+            def shape(position: int, event: Event) -> list[Any]:
+                if not isinstance(event, ProgressEvent):
+                    return self._error_chunk(event)
+                item = self.shaper.sglang_item(event.completion, event.index, requests[position])
+                return [{**item, "index": position * requests[position].params.n + event.index} if listed else item]
+
+            return StreamingResponse(self._stream(jobs, events, shape, lambda _: []), media_type="text/event-stream")
+        completions = await self._collect(http, jobs, events)
+        return self.shaper.sglang_body(completions, requests, listed)
 
     async def openai(self, http: Request, chat: bool) -> Any:
         body = await _json_body(http)
-        self._check_model(body)
-        request = parse_chat(body, self.render_chat) if chat else parse_completion(body)
-        job, events = self._start(request)
-        if request.stream:
-            chunks = self._stream(job, events, self.openai_chunks(job.rid, chat))
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        return self.openai_body(await self._wait_done(http, job, events), chat)
+        self.check_model(body.get("model") if isinstance(body, dict) else None)
+        if chat:
+            request, options = parse_chat(body, self.render_chat)
+            requests = [request]
+        else:
+            requests, options = parse_completion(body)
+        jobs, events = self._submit(requests)
+        rid = jobs[0].rid
+        if requests[0].stream:
+            stream = OpenAIStream(self.shaper, rid, chat, options, requests[0].params.n)
 
-    def _check_model(self, body: Any) -> None:
-        model = body.get("model") if isinstance(body, dict) else None
-        if model not in (None, "", "default", self.info.served_model_name):
-            raise InvalidRequest(f"unknown model {model!r}: this server serves {self.info.served_model_name!r}")
+            def shape(position: int, event: Event) -> list[Any]:
+                if not isinstance(event, ProgressEvent):
+                    return self._error_chunk(event)
+                return stream.progress(position, event.index, event.completion)
+
+            return StreamingResponse(self._stream(jobs, events, shape, stream.tail), media_type="text/event-stream")
+        completions = await self._collect(http, jobs, events)
+        return self.shaper.openai_body(rid, completions, requests, options, chat)
+
+    def check_model(self, model: Any) -> None:
+        """The served name and the model path are this model; any other name is 404 model_not_found."""
+        if model in (None, "", self.info.served_model_name, self.info.model_path):
+            return
+        raise ModelNotFound(str(model))
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.info.served_model_name, "object": "model", "created": int(self.started), "owned_by": "hypic",
+                "root": self.info.model_path, "parent": None,
+                "max_model_len": self.loop.engine.model.config.max_position_embeddings}
+
+    async def tokenize(self, http: Request) -> Any:
+        """The ids ``/generate`` would prefill for a prompt (separators split it into parts, each
+        tokenized alone and without special tokens, as prompts are)."""
+        body = json_object(await _json_body(http))
+        only_fields(body, {"model", "prompt", "add_special_tokens"}, "/tokenize")
+        self.check_model(body.get("model"))
+        if body.get("add_special_tokens") not in (None, False):
+            raise InvalidRequest("'add_special_tokens' = true is not supported: prompts are tokenized without them")
+        prompt = body.get("prompt")
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise InvalidRequest("'prompt' must be a string or a list of strings")
+        tokens = [self.loop.engine.parse(p).token_ids if p else [] for p in prompts]
+        limit = self.loop.engine.model.config.max_position_embeddings
+        if isinstance(prompt, list):
+            return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": limit}
+        return {"tokens": tokens[0], "count": len(tokens[0]), "max_model_len": limit}
+
+    async def detokenize(self, http: Request) -> Any:
+        body = json_object(await _json_body(http))
+        only_fields(body, {"model", "tokens", "skip_special_tokens"}, "/detokenize")
+        self.check_model(body.get("model"))
+        if body.get("skip_special_tokens") not in (None, True):
+            raise InvalidRequest("'skip_special_tokens' = false is not supported: special tokens are never shown")
+        tokens, vocab = body.get("tokens"), self.loop.engine.model.config.vocab_size
+        batch = isinstance(tokens, list) and bool(tokens) and all(isinstance(t, list) for t in tokens)
+        lists = tokens if batch else [tokens]
+        for ids in lists:
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                    for t in ids):
+                raise InvalidRequest(f"'tokens' must be token ids in [0, {vocab}) or lists of them")
+        texts = [self.loop.engine.tokenizer.decode(ids) for ids in lists]
+        return {"text": texts if batch else texts[0]}
 
     async def warmup(self, http: Request) -> Any:
         documents = parse_warmup(await _json_body(http))
@@ -226,6 +260,17 @@ class Server:
                 "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
                 "chat_template_from_model": self.info.chat_template_from_model}
 
+    def server_info(self) -> dict[str, Any]:
+        limit = self.loop.engine.model.config.max_position_embeddings
+        return {**{k: v for k, v in asdict(self.info).items() if k != "chat_template"}, **self.loop.snapshot,
+                "uptime_s": time.time() - self.started, "version": __version__,
+                "max_total_num_tokens": limit * self.info.max_running_requests, "max_req_input_len": limit - 1,
+                "snapshot_interval": self.loop.engine.snapshot_interval}
+
+
+class ModelNotFound(HypicError):
+    """An OpenAI request named a model this server does not serve."""
+
 
 def build_app(loop: EngineLoop, info: ServerInfo) -> FastAPI:
     """The FastAPI application; errors always come back as ``{"error": {"message", ...}}``."""
@@ -235,6 +280,12 @@ def build_app(loop: EngineLoop, info: ServerInfo) -> FastAPI:
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, err: InvalidRequest) -> JSONResponse:
         return error_response(400, str(err))
+
+    @app.exception_handler(ModelNotFound)
+    async def unknown_model(_: Request, err: ModelNotFound) -> JSONResponse:
+        message = f"The model '{err}' does not exist: this server serves '{info.served_model_name}'"
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": "model",
+                                       "code": "model_not_found"}}, status_code=404)
 
     @app.exception_handler(HypicError)
     async def failed(_: Request, err: HypicError) -> JSONResponse:
@@ -257,6 +308,10 @@ def build_app(loop: EngineLoop, info: ServerInfo) -> FastAPI:
     async def chat_completions(http: Request) -> Any:
         return await server.openai(http, chat=True)
 
+    for path in ("/tokenize", "/v1/tokenize"):
+        app.post(path)(server.tokenize)
+    for path in ("/detokenize", "/v1/detokenize"):
+        app.post(path)(server.detokenize)
     app.post("/warmup")(server.warmup)
     app.post("/flush_cache")(server.flush_cache)
     app.get("/get_model_info")(server.model_info)
@@ -269,13 +324,15 @@ def build_app(loop: EngineLoop, info: ServerInfo) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [{"id": info.served_model_name, "object": "model", "created": int(server.started),
-                                            "owned_by": "hypic", "max_model_len": loop.engine.model.config.max_position_embeddings}]}
+        return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/get_server_info")
-    async def server_info() -> Any:
-        return {**{k: v for k, v in asdict(info).items() if k != "chat_template"}, **loop.snapshot,
-                "uptime_s": time.time() - server.started}
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Any:
+        server.check_model(model)
+        return server.model_card()
+
+    for path in ("/get_server_info", "/server_info"):
+        app.get(path)(server.server_info)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -1,9 +1,10 @@
 """The engine loop: one thread owns the Engine; HTTP handlers talk to it through messages.
 
 Each iteration advances the oldest waiting request's prefill by one unit (a cold segment, or the
-combine pass), then decodes one token for every running request in one batch (continuous
-batching: requests join and leave between iterations). Cancelled requests are dropped at the next
-iteration; their pinned entries are released by closing their prefill.
+combine pass), then decodes one token for every running sample in one batch (continuous
+batching: requests join and leave between iterations). A request's n samples share its prefill.
+Cancelled requests are dropped at the next iteration; their pinned entries are released by
+closing their prefill.
 """
 import queue
 import threading
@@ -20,20 +21,19 @@ import torch
 
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
-from ..sampling import sample
 from ..segments import PromptParts
+from ..sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState
-from .protocol import Completion, GenerationRequest
+from .protocol import Completion, GenerationRequest, SampleResult
 from .stats import LoopStats
 
 
 @dataclass
-class TokenEvent:
-    """New output: the full text and ids so far, and the text added since the last event."""
+class ProgressEvent:
+    """Sample ``index`` took a token (``completion`` is the request as it stands)."""
 
-    text: str
-    output_ids: list[int]
-    delta: str
+    index: int
+    completion: Completion
 
 
 @dataclass
@@ -46,32 +46,41 @@ class ErrorEvent:
     message: str
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+Event = ProgressEvent | DoneEvent | ErrorEvent
 
 
 @dataclass(eq=False)
 class Job:
-    """A request inside the loop: its prompt, sampling state, and where its events go."""
+    """A request inside the loop: its prompt, its samples, and where its events go."""
 
     rid: str
     parts: PromptParts
     request: GenerationRequest
     mode: str
+    sequences: list[Sequence]
     emit: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     start: float = field(default_factory=time.perf_counter)
     steps: Generator[None, None, Prefill] | None = None
     prefill: Prefill | None = None
-    state: RequestState | None = None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
+    states: list[RequestState] = field(default_factory=list)  # one per sample, once prefilled
     first_token_at: float | None = None
-    generator: torch.Generator | None = None
+    input_logprobs: list[TokenLogprob | None] | None = None
 
     def cancel(self) -> None:
         """Safe from any thread: the loop drops the job at its next iteration."""
         self.cancelled.set()
+
+    @property
+    def logits_from(self) -> int | None:
+        """The first prompt position whose logits the request needs (input logprobs), or None."""
+        if self.request.logprobs is None:
+            return None
+        return self.request.logprobs.input_from(len(self.parts.token_ids))
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)
 
 
 @dataclass
@@ -80,6 +89,13 @@ class Command:
 
     run: Callable[[], Any]
     future: Future = field(default_factory=Future)
+
+
+def input_logprobs(prompt_ids: list[int], start: int, logits: torch.Tensor, top: int) -> list[TokenLogprob | None]:
+    """Logprob of each prompt token from position ``start`` (None for the first: nothing before it
+    is scored), from the logits [len - start, vocab] at positions start..len-1."""
+    scored = [token_logprob(logits[i - start - 1], prompt_ids[i], top) for i in range(start + 1, len(prompt_ids))]
+    return [None, *scored]
 
 
 class EngineLoop:
@@ -102,8 +118,10 @@ class EngineLoop:
         self.inbox.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, parts: PromptParts, request: GenerationRequest, emit: Callable[[Event], None]) -> Job:
-        job = Job(f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, emit)
+    def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
+               emit: Callable[[Event], None]) -> Job:
+        """Queue a validated request whose samples (``Engine.sequences``) are ready to run."""
+        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit)
         self.inbox.put(job)
         return job
 
@@ -170,12 +188,14 @@ class EngineLoop:
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in (*self.waiting, *self.running) if j.cancelled.is_set()]:
-            self._finish(job, "abort", None)
+            for sequence in job.sequences:
+                sequence.abort()
+            self._finish(job)
             self.stats.requests_cancelled += 1
 
     def _advance_prefill(self, job: Job) -> None:
         if job.steps is None:
-            job.steps = self.engine.prefill_steps(job.parts, job.mode)
+            job.steps = self.engine.prefill_steps(job.parts, job.mode, job.logits_from)
         try:
             next(job.steps)
             return
@@ -183,74 +203,63 @@ class EngineLoop:
             job.prefill = done.value
         self.waiting.popleft()
         self.stats.add_prefill(job.prefill.stats)
-        job.state = job.prefill.state
-        if job.request.params.seed is not None:
-            job.generator = torch.Generator().manual_seed(job.request.params.seed)
+        if job.logits_from is not None and job.prefill.prompt_logits is not None:
+            assert job.request.logprobs is not None
+            job.input_logprobs = input_logprobs(job.parts.token_ids, job.logits_from, job.prefill.prompt_logits,
+                                                job.request.logprobs.top)
+        job.states = [job.prefill.state] * len(job.sequences)  # decode makes new tensors: sharing is safe
         self.running.append(job)
-        if job.request.params.max_new_tokens == 0:
-            self._finish(job, "length", None)
-        else:
-            self._accept(job, job.prefill.logits)
+        for index, sequence in enumerate(job.sequences):
+            if not sequence.finished:
+                self._accept(job, index, job.prefill.logits)
+        if job.finished:
+            self._finish(job)
 
     def _decode(self) -> None:
-        jobs = list(self.running)
+        rows = [(job, i) for job in self.running for i, s in enumerate(job.sequences) if not s.finished]
         try:
-            logits, states = decode_batch(self.engine.model, [j.state for j in jobs], [j.output_ids[-1] for j in jobs])
+            logits, states = decode_batch(self.engine.model, [job.states[i] for job, i in rows],
+                                          [job.sequences[i].output_ids[-1] for job, i in rows])
         except Exception as err:
-            for job in jobs:
+            for job in {job for job, _ in rows}:
                 self._fail(job, err)
             return
-        for b, job in enumerate(jobs):
-            job.state = states[b]
-            self._guarded(job, lambda j, row=logits[b]: self._accept(j, row))
+        for row, (job, index) in enumerate(rows):
+            if job in self.running:  # not failed on an earlier sample of this step
+                job.states[index] = states[row]
+                self._guarded(job, lambda j, i=index, r=row: self._accept(j, i, logits[r]))
+        for job in [job for job in self.running if job.finished]:
+            self._finish(job)
 
-    def _accept(self, job: Job, logits: torch.Tensor) -> None:
-        """Sample the next token from ``logits``, stream it, and finish the job if it is done."""
-        params = job.request.params
-        token = sample(logits, params, job.generator)
+    def _accept(self, job: Job, index: int, logits: torch.Tensor) -> None:
+        """Sample ``index`` of ``job`` takes its next token from ``logits``; the client hears of it."""
+        job.sequences[index].step(logits)
         if job.first_token_at is None:
             job.first_token_at = time.perf_counter()
-        job.output_ids.append(token)
-        if job.request.return_logprob:
-            job.logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
         self.stats.generated_tokens += 1
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.eos_token_ids):
-            self._finish(job, "stop", token)
-            return
-        text = self.engine.tokenizer.decode(job.output_ids)
-        matched = next((s for s in job.request.stop if s in text), None)
-        if matched is not None:
-            job.text = text[: text.index(matched)]
-            self._finish(job, "stop", matched)
-            return
-        stable = text if not text.endswith("\ufffd") else job.text  # hold back a partial character
-        if len(stable) > len(job.text):
-            job.emit(TokenEvent(stable, list(job.output_ids), stable[len(job.text):]))
-            job.text = stable
-        if len(job.output_ids) >= params.max_new_tokens or job.state.length + 1 >= self.engine.model.config.max_position_embeddings:
-            self._finish(job, "length", None)
+        if job.request.stream:  # a non-streaming client hears only of the end
+            job.emit(ProgressEvent(index, self._completion(job)))
 
-    def _finish(self, job: Job, reason: str, matched: int | str | None) -> None:
+    def _finish(self, job: Job) -> None:
         self._remove(job)
-        if job.state is not None:
-            self.engine.remember(job.state, job.mode)
-        if not isinstance(matched, str):  # a stop string already cut the text; a stop token is not shown
-            job.text = self.engine.tokenizer.decode(job.output_ids[:-1] if reason == "stop" else job.output_ids)
-        completion = self._completion(job, reason, matched)
+        for state in job.states:  # each sample's prompt + output, for the next turn of a conversation
+            self.engine.remember(state, job.mode)
+        completion = self._completion(job)
         self.stats.add_finished(completion)
         job.emit(DoneEvent(completion))
 
-    def _completion(self, job: Job, reason: str, matched: int | str | None) -> Completion:
+    def _completion(self, job: Job) -> Completion:
         stats = job.prefill.stats if job.prefill is not None else None
         now = time.perf_counter()
+        samples = [SampleResult(s.text, list(s.output_ids), s.finish_reason, s.matched_stop, list(s.logprobs))
+                   for s in job.sequences]
         return Completion(
-            rid=job.rid, text=job.text, output_ids=list(job.output_ids), finish_reason=reason, matched_stop=matched,
-            prompt_tokens=len(job.parts.token_ids), cached_tokens=stats.cached_tokens if stats else 0,
-            recomputed_tokens=stats.recomputed_tokens if stats else 0,
+            rid=job.rid, samples=samples, prompt_ids=job.parts.token_ids,
+            cached_tokens=stats.cached_tokens if stats else 0, recomputed_tokens=stats.recomputed_tokens if stats else 0,
             prefix_hit_tokens=stats.prefix_hit_tokens if stats else 0, segments_hit=stats.segments_hit if stats else 0,
             segments_missed=stats.segments_missed if stats else 0, combine_tokens=stats.combine_tokens if stats else 0,
             ttft_s=(job.first_token_at or now) - job.start, e2e_s=now - job.start, mode=job.mode,
-            output_logprobs=list(job.logprobs))
+            input_logprobs=job.input_logprobs)
 
     def _remove(self, job: Job) -> None:
         if job in self.running:

@@ -1,37 +1,88 @@
 """Request and response messages of the HTTP surface, validated into typed dataclasses.
 
 Every check raises ``InvalidRequest`` with a message naming the field, which the app turns into
-a 400; nothing here touches the engine.
+a 400; nothing here touches the engine. Each endpoint knows the fields it serves: any other field
+is refused by name, never accepted and ignored.
 """
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidRequest
 from ..sampling import SamplingParams
+from ..sequence import TokenLogprob
+
+SGLANG_SAMPLING = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                   "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim",
+                   "skip_special_tokens", "n", "regex", "json_schema", "ebnf", "logit_bias", "seed", "sampling_seed"}
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "return_text_in_logprobs", "rid"}
+OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
+                 # extensions SGLang and vLLM accept on their OpenAI endpoints
+                 "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "no_stop_trim",
+                 "regex", "ebnf", "json_schema", "response_format", "skip_special_tokens"}
+COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = OPENAI_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """The logprobs a request wants: each output token's and its ``top`` alternatives; input tokens'
+    from prompt position ``start`` (-1: only the last prompt token, as SGLang's default)."""
+
+    top: int = 0
+    start: int = -1
+    with_text: bool = False
+
+    def input_from(self, prompt_length: int) -> int:
+        """The first prompt position reported; raises if it is past the prompt."""
+        start = prompt_length - 1 if self.start == -1 else self.start
+        if not 0 <= start < prompt_length:
+            raise InvalidRequest(f"logprob_start_len={self.start} is outside the prompt of {prompt_length} tokens")
+        return start
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One validated generation: a text prompt (separators mark PIC segments) or token ids."""
+    """One validated prompt to generate from (a batch is several)."""
 
     prompt: str | list[int]
     params: SamplingParams
-    stop: tuple[str, ...] = ()
     stream: bool = False
-    return_logprob: bool = False
+    logprobs: LogprobRequest | None = None
+    echo: bool = False  # OpenAI completions: the prompt (and its logprobs) come back before the output
+    rid: str | None = None
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """Response-shaping options of an OpenAI request."""
+
+    include_usage: bool = False
+    top_logprobs: int | None = None  # None: no logprobs in the response
+
+
+@dataclass
+class SampleResult:
+    """One continuation as reported: its text so far (or final), ids, finish and logprobs."""
+
+    text: str
+    output_ids: list[int]
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    matched_stop: int | str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
 class Completion:
-    """What a finished request reports; the app shapes it for each API."""
+    """A request's state as reported: its samples and what its prefill reused."""
 
     rid: str
-    text: str
-    output_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort"
-    matched_stop: int | str | None
-    prompt_tokens: int
+    samples: list[SampleResult]
+    prompt_ids: list[int]
     cached_tokens: int
     recomputed_tokens: int
     prefix_hit_tokens: int
@@ -41,7 +92,33 @@ class Completion:
     ttft_s: float
     e2e_s: float
     mode: str
-    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob | None] | None = None  # from the requested start; None first
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.output_ids) for s in self.samples)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+# ----- field checks --------------------------------------------------------------------------
+def json_object(body: Any, what: str = "the request body") -> dict:
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"{what} must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def only_fields(body: dict, allowed: set[str], where: str) -> None:
+    """Refuse, by name, every field of ``body`` not in ``allowed``."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidRequest(f"unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {where}")
 
 
 def _typed(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
@@ -69,64 +146,195 @@ def _token_list(value: Any, name: str) -> list[int]:
     return value
 
 
-def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int) -> SamplingParams:
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI / SGLang form: {"token id": bias}."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'logit_bias' must be an object mapping token ids to biases, got {value!r}")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}") from None
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise InvalidRequest(f"'logit_bias' values must be numbers, got {bias!r}")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _schema(value: Any, name: str) -> str | None:
+    """A JSON schema given as a string or an object -> its text."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return value
+    raise InvalidRequest(f"'{name}' must be a JSON schema (an object or its text), got {value!r}")
+
+
+def _special_tokens(body: dict) -> None:
+    if body.get("skip_special_tokens", True) is not True:
+        raise InvalidRequest("'skip_special_tokens' = false is not supported: special tokens are never shown")
+
+
+def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int, min_tokens_field: str,
+                    default_temperature: float = 1.0, json_schema: str | None = None) -> SamplingParams:
     """SamplingParams from the fields of ``body`` (SGLang's sampling_params or an OpenAI body)."""
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"sampling parameters must be a JSON object, got {body!r}")
-    seed = _typed(body, "seed", (int,), None, "an integer")
+    _special_tokens(body)
+    seed = body.get("seed", body.get("sampling_seed"))
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise InvalidRequest(f"'seed' must be an integer, got {seed!r}")
+    number = (int, float)
     return SamplingParams(
         max_new_tokens=_typed(body, max_tokens_field, (int,), default_max_tokens, "an integer >= 0"),
-        temperature=_typed(body, "temperature", (int, float), 1.0, "a number >= 0"),
-        top_p=_typed(body, "top_p", (int, float), 1.0, "a number in (0, 1]"),
+        min_new_tokens=_typed(body, min_tokens_field, (int,), 0, "an integer >= 0"),
+        temperature=_typed(body, "temperature", number, default_temperature, "a number >= 0"),
+        top_p=_typed(body, "top_p", number, 1.0, "a number in (0, 1]"),
         top_k=_typed(body, "top_k", (int,), -1, "an integer"),
+        min_p=_typed(body, "min_p", number, 0.0, "a number in [0, 1]"),
+        frequency_penalty=_typed(body, "frequency_penalty", number, 0.0, "a number in [-2, 2]"),
+        presence_penalty=_typed(body, "presence_penalty", number, 0.0, "a number in [-2, 2]"),
+        repetition_penalty=_typed(body, "repetition_penalty", number, 1.0, "a number in (0, 2]"),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        stop=_stop_strings(body.get("stop")),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids")),
         ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
+        no_stop_trim=_typed(body, "no_stop_trim", (bool,), False, "a boolean"),
+        n=_typed(body, "n", (int,), 1, "an integer"),
         seed=seed,
+        regex=_typed(body, "regex", (str,), None, "a string"),
+        json_schema=json_schema if json_schema is not None else _schema(body.get("json_schema"), "json_schema"),
+        ebnf=_typed(body, "ebnf", (str,), None, "a string"),
     )
 
 
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def parse_generate(body: Any) -> GenerationRequest:
-    """SGLang-native ``/generate``: exactly one of ``text`` and ``input_ids``."""
-    body = _object(body)
+# ----- SGLang /generate ----------------------------------------------------------------------
+def _generate_prompts(body: dict) -> tuple[list[str | list[int]], bool]:
+    """The prompts of a /generate body and whether it is a batch."""
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
     if has_text == has_ids:
         raise InvalidRequest("give exactly one of 'text' and 'input_ids'" if has_text else "missing prompt: give 'text' or 'input_ids'")
-    if has_text and not isinstance(body["text"], str):
-        raise InvalidRequest(f"'text' must be a string, got {type(body['text']).__name__} (batched prompts are not supported)")
-    prompt = body["text"] if has_text else _token_list(body["input_ids"], "input_ids")
+    if has_text:
+        text = body["text"]
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return list(text), True
+        if not isinstance(text, str):
+            raise InvalidRequest(f"'text' must be a string or a non-empty list of strings, got {type(text).__name__}")
+        return [text], False
+    ids = body["input_ids"]
+    if isinstance(ids, list) and ids and all(isinstance(item, list) for item in ids):
+        return [_token_list(item, "input_ids") for item in ids], True
+    return [_token_list(ids, "input_ids")], False
+
+
+def _generate_logprobs(body: dict) -> LogprobRequest | None:
+    if not _typed(body, "return_logprob", (bool,), False, "a boolean"):
+        for name in ("logprob_start_len", "top_logprobs_num"):
+            if body.get(name) not in (None, -1, 0):
+                raise InvalidRequest(f"'{name}' needs 'return_logprob': true")
+        return None
+    top = _typed(body, "top_logprobs_num", (int,), 0, "an integer >= 0")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"'top_logprobs_num' must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    start = _typed(body, "logprob_start_len", (int,), -1, "an integer >= -1")
+    if start < -1:
+        raise InvalidRequest(f"'logprob_start_len' must be -1 (output only) or a prompt position, got {start}")
+    return LogprobRequest(top, start, _typed(body, "return_text_in_logprobs", (bool,), False, "a boolean"))
+
+
+def parse_generate(body: Any) -> tuple[list[GenerationRequest], bool]:
+    """SGLang-native ``/generate``: its requests (one per prompt of a batch) and whether it is a batch."""
+    body = json_object(body)
+    only_fields(body, GENERATE_FIELDS, "/generate")
+    prompts, batched = _generate_prompts(body)
     params_body = body.get("sampling_params") or {}
-    params = sampling_params(params_body, "max_new_tokens", 128)
-    return GenerationRequest(prompt, params, _stop_strings(params_body.get("stop")),
-                             _typed(body, "stream", (bool,), False, "a boolean"),
-                             _typed(body, "return_logprob", (bool,), False, "a boolean"))
+    params_list = params_body if isinstance(params_body, list) else [params_body] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise InvalidRequest(f"'sampling_params' has {len(params_list)} entries for {len(prompts)} prompts")
+    logprobs, stream = _generate_logprobs(body), _typed(body, "stream", (bool,), False, "a boolean")
+    rid = _typed(body, "rid", (str,), None, "a string")
+    requests = []
+    for index, (prompt, entry) in enumerate(zip(prompts, params_list)):
+        entry = json_object(entry, "'sampling_params'")
+        only_fields(entry, SGLANG_SAMPLING, "sampling_params")
+        params = sampling_params(entry, "max_new_tokens", 128, "min_new_tokens")
+        requests.append(GenerationRequest(prompt, params, stream, logprobs,
+                                          rid=None if rid is None else (f"{rid}_{index}" if batched else rid)))
+    if len({r.params.n for r in requests}) > 1:
+        raise InvalidRequest("'n' must be the same in every entry of 'sampling_params'")
+    return requests, batched
 
 
-def _openai_common(body: dict, prompt: str | list[int]) -> GenerationRequest:
-    if _typed(body, "n", (int,), 1, "an integer") != 1:
-        raise InvalidRequest("only 'n' = 1 is supported")
-    params = sampling_params(body, "max_tokens", 16)
+# ----- OpenAI --------------------------------------------------------------------------------
+def _response_format(body: dict) -> str | None:
+    """OpenAI ``response_format`` -> a JSON schema text (None for plain text)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = json_object(value, "'response_format'").get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        spec = json_object(value.get("json_schema"), "'response_format.json_schema'")
+        if not isinstance(spec.get("schema"), dict):
+            raise InvalidRequest("'response_format.json_schema.schema' must be a JSON schema object")
+        return json.dumps(spec["schema"])
+    raise InvalidRequest(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}")
+
+
+def _openai_params(body: dict, max_tokens_default: int = 16) -> SamplingParams:
     if body.get("max_completion_tokens") is not None:
-        params = sampling_params({**body, "max_tokens": body["max_completion_tokens"]}, "max_tokens", 16)
-    return GenerationRequest(prompt, params, _stop_strings(body.get("stop")), _typed(body, "stream", (bool,), False, "a boolean"))
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    params = sampling_params(body, "max_tokens", max_tokens_default, "min_tokens", json_schema=_response_format(body))
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != params.n:
+        raise InvalidRequest(f"'best_of' = {best_of!r} is not supported (only best_of = n)")
+    return params
 
 
-def parse_completion(body: Any) -> GenerationRequest:
-    """OpenAI ``/v1/completions``: ``prompt`` is a string, a one-element list of strings, or token ids."""
-    body = _object(body)
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    options = json_object(options, "'stream_options'")
+    only_fields(options, {"include_usage", "continuous_usage_stats"}, "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise InvalidRequest("'stream_options.continuous_usage_stats' is not supported")
+    return _typed(options, "include_usage", (bool,), False, "a boolean")
+
+
+def _completion_prompts(body: dict) -> list[str | list[int]]:
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return _openai_common(body, prompt)
-    if not isinstance(prompt, str):
-        raise InvalidRequest("missing prompt: 'prompt' must be a string (or one string in a list, or token ids)")
-    return _openai_common(body, prompt)
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [_token_list(p, "prompt") for p in prompt]
+    raise InvalidRequest("missing prompt: 'prompt' must be a string, a list of strings, token ids, or lists of them")
+
+
+def parse_completion(body: Any) -> tuple[list[GenerationRequest], OpenAIOptions]:
+    """OpenAI ``/v1/completions``: one request per prompt of ``prompt``."""
+    body = json_object(body)
+    only_fields(body, COMPLETION_FIELDS, "/v1/completions")
+    params = _openai_params(body)
+    top = _typed(body, "logprobs", (int,), None, "an integer in [0, 5]")
+    if top is not None and not 0 <= top <= 5:
+        raise InvalidRequest(f"'logprobs' must be in [0, 5], got {top}")
+    echo, stream = _typed(body, "echo", (bool,), False, "a boolean"), _typed(body, "stream", (bool,), False, "a boolean")
+    if echo and stream:
+        raise InvalidRequest("'echo' with 'stream' is not supported")
+    logprobs = LogprobRequest(top, 0 if echo else -1, True) if top is not None else None
+    requests = [GenerationRequest(prompt, params, stream, logprobs, echo) for prompt in _completion_prompts(body)]
+    return requests, OpenAIOptions(_include_usage(body), top)
 
 
 @dataclass(frozen=True)
@@ -135,16 +343,16 @@ class ChatMessage:
     content: str
 
 
-def parse_chat_messages(body: Any) -> tuple[list[ChatMessage], dict]:
+def parse_chat_messages(body: Any) -> list[ChatMessage]:
     """OpenAI ``/v1/chat/completions`` messages; content may be a string or a list of text parts."""
-    body = _object(body)
-    messages = body.get("messages")
+    messages = json_object(body).get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
     parsed = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{index}] must be an object with a string 'role'")
+        only_fields(message, {"role", "content", "name"}, f"messages[{index}]")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -153,18 +361,31 @@ def parse_chat_messages(body: Any) -> tuple[list[ChatMessage], dict]:
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{index}].content must be a string")
         parsed.append(ChatMessage(message["role"], content))
-    return parsed, body
+    return parsed
 
 
-def parse_chat(body: Any, render: Callable[[list["ChatMessage"]], str]) -> GenerationRequest:
+def parse_chat(body: Any, render: Callable[[list[ChatMessage]], str]) -> tuple[GenerationRequest, OpenAIOptions]:
     """Messages rendered to one prompt by ``render`` (the model's chat template)."""
-    messages, body = parse_chat_messages(body)
-    return _openai_common(body, render(messages))
+    body = json_object(body)
+    only_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+    messages = parse_chat_messages(body)
+    params = _openai_params(body)
+    wants = _typed(body, "logprobs", (bool,), False, "a boolean")
+    top = _typed(body, "top_logprobs", (int,), 0, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    if top and not wants:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+    logprobs = LogprobRequest(top, -1, True) if wants else None
+    request = GenerationRequest(render(messages), params, _typed(body, "stream", (bool,), False, "a boolean"), logprobs)
+    return request, OpenAIOptions(_include_usage(body), top if wants else None)
 
 
 def parse_warmup(body: Any) -> list[str]:
     """``/warmup``: ``{"documents": [str, ...]}``."""
-    documents = _object(body).get("documents")
+    body = json_object(body)
+    only_fields(body, {"documents"}, "/warmup")
+    documents = body.get("documents")
     if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
         raise InvalidRequest("'documents' must be a non-empty list of strings")
     return documents

@@ -35,6 +35,15 @@ def test_workload_is_deterministic_and_zipf_skewed(bench: ModuleType) -> None:
     assert all(p.count(bench.DEFAULT_SEPARATOR) == 4 + 1 for p in first)  # L, 4 documents, Q
 
 
+def test_shared_prefix_workload_is_plain_and_grouped(bench: ModuleType) -> None:
+    args = bench._parser().parse_args(["--workload", "shared-prefix", "--groups", "3", "--system-words", "40"])
+    workload = bench.make_workload(args)
+    prompts = workload.prompts(60, 1)
+    assert prompts == bench.make_workload(args).prompts(60, 1) and len(set(prompts)) == 60
+    assert not any(bench.DEFAULT_SEPARATOR in p for p in prompts)
+    assert {next(s for s in workload.systems if p.startswith(s)) for p in prompts} == set(workload.systems)
+
+
 def test_tiny_run_against_real_servers(bench: ModuleType, tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = bench.main(["--model", str(tiny_checkpoint), "--modes", "hypic", "full", "--docs", "6", "--doc-words", "12",
                       "--warm-requests", "3", "--duration", "0.1", "--min-requests", "4", "--qps-start", "20", "--qps-factor", "2",

@@ -98,16 +98,16 @@ def test_second_request_recomputes_only_seams_and_query(engine: Engine) -> None:
     assert result.recomputed_tokens == result.prompt_tokens - result.cached_tokens == result.stats.combine_tokens
 
 
-def test_prefix_mode_resumes_at_last_document_boundary(engine: Engine) -> None:
-    """The repeated prompt resumes from the private pool's snapshot at the end of the last
-    document (the request-end snapshot covers the whole prompt, but the last token must run)."""
+def test_prefix_mode_repeated_prompt_recomputes_only_its_last_token(engine: Engine) -> None:
+    """The private pool keeps a snapshot before each prompt's last token: the same prompt again
+    resumes there (the last token must run: its logits start generation), with full's output."""
     leading, docs, query = _request(31)
     prompt = leading + SEP + docs[0] + SEP + query
-    engine.generate(prompt, max_new_tokens=1, mode="prefix")
+    first = engine.generate(prompt, max_new_tokens=1, mode="prefix")
     again = engine.generate(prompt, max_new_tokens=4, mode="prefix")
     full = engine.generate(prompt, max_new_tokens=4, mode="full")
-    boundary = len(engine.tokenizer.encode(leading)) + len(engine.tokenizer.encode(docs[0]))
-    assert again.cached_tokens == again.stats.prefix_hit_tokens == boundary
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == again.stats.prefix_hit_tokens == again.prompt_tokens - 1
     assert again.output_ids == full.output_ids
 
 

@@ -154,3 +154,23 @@ def test_plain_prompt_never_resumes_from_a_pic_assembled_state(checkpoint_factor
     merged = engine.prefill(engine.parse(SEP.join([leading, docs[0] + docs[1], query])), "hypic")
     assert merged.stats.prefix_hit_tokens == len(leading)  # L's end: the last state both layouts share
     assert merged.stats.segments_missed == 1
+
+
+def test_plain_prompts_sharing_a_long_prefix_resume_at_the_last_interval_snapshot(tiny_checkpoint: Path) -> None:
+    """Plain prompts (no separators) with a shared 300-token system prompt: the later ones resume at
+    the interval snapshot inside it (256) and equal full recompute; a repeat resumes before its
+    last token."""
+    engine = Engine.from_pretrained(tiny_checkpoint, snapshot_interval=128)
+    rng = random.Random(9)
+    system = _text(rng, 300)
+    prompts = [system + _text(rng, 40) for _ in range(3)]
+    results = [engine.prefill(engine.parse(p), "hypic") for p in prompts]
+    assert [r.stats.prefix_hit_tokens for r in results] == [0, 256, 256]
+    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    for prompt, result in zip(prompts, results):
+        ids = engine.parse(prompt).token_ids
+        full = combine(engine.model, ids, [Run(0, len(ids))], empty)
+        assert (result.logits - full.logits).abs().max().item() < 1e-4
+    again = engine.prefill(engine.parse(prompts[1]), "prefix")  # another namespace: nothing shared
+    assert again.stats.prefix_hit_tokens == 0
+    assert engine.prefill(engine.parse(prompts[1]), "prefix").stats.prefix_hit_tokens == 339
