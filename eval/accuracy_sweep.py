@@ -44,24 +44,29 @@ KINDS = ("single_hop", "multi_hop")
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """One prefill configuration: an engine mode and, for ``hypic``, its seam width."""
+    """One prefill configuration: an engine mode and, for ``hypic``, its seam width and the precision
+    its public pool stores T_C and S_C|0 in."""
 
     mode: str
     seam_width: int = 0
+    state_cache_dtype: str = "float32"
 
     @property
     def label(self) -> str:
-        return f"hypic w={self.seam_width}" if self.mode == "hypic" else self.mode
+        if self.mode != "hypic":
+            return self.mode
+        return f"hypic w={self.seam_width}" + ("" if self.state_cache_dtype == "float32" else f" {self.state_cache_dtype}")
 
 
 MODES = ("full", "hypic", "prefix", "naive")
 
 
-def sweep_configs(widths: Sequence[int], modes: Sequence[str] = MODES) -> list[SweepConfig]:
-    """``full`` first (the reference, always run), then ``hypic`` per width, ``prefix`` and
-    ``naive``, each only if it is in ``modes``."""
-    configs = [SweepConfig("full"), *(SweepConfig("hypic", w) for w in widths),
-               SweepConfig("prefix"), SweepConfig("naive")]
+def sweep_configs(widths: Sequence[int], modes: Sequence[str] = MODES,
+                  state_cache_dtypes: Sequence[str] = ("float32",)) -> list[SweepConfig]:
+    """``full`` first (the reference, always run), then ``hypic`` per width and state-cache dtype,
+    ``prefix`` and ``naive``, each only if it is in ``modes``."""
+    hypic = [SweepConfig("hypic", w, d) for w in widths for d in state_cache_dtypes]
+    configs = [SweepConfig("full"), *hypic, SweepConfig("prefix"), SweepConfig("naive")]
     return [c for c in configs if c.mode == "full" or c.mode in modes]
 
 
@@ -151,7 +156,7 @@ def run_sweep(base: Engine, examples: Sequence[dict], configs: Sequence[SweepCon
         answers, reference = {}, None
         for config in configs:
             engine = Engine(base.model, base.tokenizer, base.fingerprint, seam_width=config.seam_width,
-                            pic_separator=base.pic_separator)
+                            pic_separator=base.pic_separator, state_cache_dtype=config.state_cache_dtype)
             start = time.perf_counter()
             text, states = answer_greedily(engine, prompt, config.mode, max_new_tokens)
             result = results[config.label]
@@ -218,6 +223,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--widths", type=int, nargs="+", default=[0, 4, 8, 16], help="hypic seam widths w")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="configurations to run (full, the reference, always runs)")
+    parser.add_argument("--state-cache-dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16", "float16"),
+                        help="precisions of the public pool's T_C and S_C|0, one hypic configuration per width and dtype")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu")
@@ -235,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     base = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     examples = select_examples(read_jsonl(args.data / f"{args.split}.jsonl"), args.limit)
     start = time.perf_counter()
-    summary = run_sweep(base, examples, sweep_configs(args.widths, args.modes), args.max_new_tokens, not args.no_progress)
+    configs = sweep_configs(args.widths, args.modes, args.state_cache_dtypes)
+    summary = run_sweep(base, examples, configs, args.max_new_tokens, not args.no_progress)
     summary.update(model=str(args.model), split=args.split, limit=args.limit, threads=args.threads,
                    wall_s=round(time.perf_counter() - start, 1))
     tables = format_tables(summary, list(base.model.config.linear_layers()))

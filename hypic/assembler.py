@@ -108,7 +108,7 @@ def _linear_layer(
         if isinstance(piece, Splice):
             cached = entries[piece.segment].layers[index]
             assert isinstance(cached, LinearInterior)
-            state, conv = compose(state, [(cached.transition, cached.zero_start_state)]), cached.conv_tail
+            state, conv = compose(state, [cached.for_compute()]), cached.conv_tail
         else:
             window, run_inputs = next(runs), inputs.slice(offset, offset + piece.length)
             cuts = tuple(p - piece.start for p in sorted(snapshots) if piece.start < p < end)
@@ -128,25 +128,25 @@ def _attention_layer(
     mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
     entries: dict[int, SegmentEntry], index: int, init: AttentionLayerState, capture: InteriorCapture | None,
 ) -> tuple[torch.Tensor, AttentionLayerState]:
-    """Recompute tokens attend causally over L's KV, re-rotated interiors and each other."""
+    """Recompute tokens attend causally over L's KV, re-rotated interiors and each other. The pieces'
+    keys and values are appended to ``init`` in place (its buffers grow; nothing held is copied)."""
     proj = mixer.project(h, positions, rope)
-    keys, values, offset = [init.keys], [init.values], 0
+    offset = 0
+    init.reserve(init.length + sum(piece.length for piece in pieces))
     for piece in pieces:
         if isinstance(piece, Splice):
             entry = entries[piece.segment]
             cached = entry.layers[index]
             assert isinstance(cached, AttentionInterior)
-            keys.append(rope.rerotate(cached.keys, piece.start - entry.local_start))
-            values.append(cached.values)
+            init.append(rope.rerotate(cached.keys, piece.start - entry.local_start), cached.values)
         else:
-            keys.append(proj.key[offset : offset + piece.length].transpose(0, 1))
-            values.append(proj.value[offset : offset + piece.length].transpose(0, 1))
+            init.append(proj.key[offset : offset + piece.length].transpose(0, 1),
+                        proj.value[offset : offset + piece.length].transpose(0, 1))
             offset += piece.length
-    all_keys, all_values = torch.cat(keys, dim=1), torch.cat(values, dim=1)
     if capture is not None:
-        capture.attention(index, all_keys, all_values)
-    attended = mixer.attend(proj.query, positions, all_keys, all_values)
-    return mixer.output(attended, proj.gate), AttentionLayerState(all_keys, all_values)
+        capture.attention(index, init.keys, init.values)
+    attended = mixer.attend(proj.query, positions, init.keys, init.values)
+    return mixer.output(attended, proj.gate), init
 
 
 def _check_pieces(pieces: list[Piece], start: int) -> int:
@@ -168,7 +168,8 @@ def combine(
     capture: InteriorCapture | None = None, need_logits: bool = True, snapshot_at: list[int] | None = None,
     logits_from: int | None = None,
 ) -> CombineResult:
-    """Run the recompute tokens of ``pieces`` (positions init.length..) through the model.
+    """Run the recompute tokens of ``pieces`` (positions init.length..) through the model. ``init``
+    is consumed: its KV buffers grow in place into the returned state.
     token_ids: all ids of the request so far (at least up to the last piece). ``snapshot_at``:
     positions where linear states are recorded (the private pool's snapshots). ``logits_from``:
     also return the logits of every position from there on (all of them must be recomputed)."""

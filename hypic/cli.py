@@ -70,8 +70,14 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seam-width", type=int, default=8, help="tokens recomputed at each segment end (default: 8)")
     parser.add_argument("--pic-separator", default=DEFAULT_SEPARATOR, help=f"segment separator (default: {DEFAULT_SEPARATOR})")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight dtype; auto: the checkpoint's, except half precision on a CPU that does not "
+                             "multiply it natively, which runs in float32 (default: auto). Linear-attention "
+                             "states and T_C are float32 in every case")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--state-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="precision of the cached T_C and S_C|0 in the public pool (composition computes in "
+                             "float32 either way; bfloat16 halves their bytes) (default: float32)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,7 +123,7 @@ def _engine(args: argparse.Namespace, choice: ModelChoice, **options: int | None
 
         torch.set_num_threads(args.threads)
     return Engine.from_pretrained(choice.path, device=args.device, dtype=args.dtype, seam_width=args.seam_width,
-                                  pic_separator=args.pic_separator, **options)
+                                  pic_separator=args.pic_separator, state_cache_dtype=args.state_cache_dtype, **options)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -136,7 +142,8 @@ def _serve(args: argparse.Namespace) -> None:
     template, from_model = load_chat_template(choice.path)
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
-                      args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device, args.dtype)
+                      args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
+                      str(engine.model.dtype).removeprefix("torch."))
     loop = EngineLoop(engine, args.mode, args.max_running_requests)
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "

@@ -2,7 +2,8 @@
 
 Token-wise work (projections, norms, MLP/MoE, LM head) runs on the B tokens together; the
 recurrent step is batched over the requests' stacked states; only full attention, whose KV
-lengths differ, loops over requests.
+lengths differ, loops over requests, each over a view of its own KV buffer (the new key and value
+are written in place: nothing the request already holds is copied).
 """
 import torch
 import torch.nn.functional as F
@@ -37,33 +38,33 @@ def _linear_step(mixer: GatedDeltaNet, h: torch.Tensor, layers: list[LinearLayer
 
 
 def _attention_step(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor,
-                    layers: list[AttentionLayerState]) -> tuple[torch.Tensor, list[AttentionLayerState]]:
+                    layers: list[AttentionLayerState]) -> torch.Tensor:
+    """Each request's new key and value appended in place, its query attending over its buffer."""
     proj = mixer.project(h, positions, rope)
-    attended, new_layers = [], []
+    attended = []
     for b, layer in enumerate(layers):
-        keys = torch.cat([layer.keys, proj.key[b : b + 1].transpose(0, 1)], dim=1)
-        values = torch.cat([layer.values, proj.value[b : b + 1].transpose(0, 1)], dim=1)
-        attended.append(mixer.attend(proj.query[b : b + 1], positions[b : b + 1], keys, values))
-        new_layers.append(AttentionLayerState(keys, values))
-    return mixer.output(torch.cat(attended), proj.gate), new_layers
+        layer.append(proj.key[b : b + 1].transpose(0, 1), proj.value[b : b + 1].transpose(0, 1))
+        attended.append(mixer.attend(proj.query[b : b + 1], positions[b : b + 1], layer.keys, layer.values))
+    return mixer.output(torch.cat(attended), proj.gate)
 
 
 @torch.inference_mode()
 def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[int]) -> tuple[torch.Tensor, list[RequestState]]:
-    """Append ``tokens[b]`` to ``states[b]`` for every b; returns logits [B, vocab] fp32 and the new states."""
+    """Append ``tokens[b]`` to ``states[b]`` for every b, in place (each state must be its request's
+    own: see ``RequestState.fork``); returns logits [B, vocab] fp32 and the states."""
     positions = torch.tensor([s.length for s in states], device=model.device)
     x = model.embed_tokens(torch.tensor(tokens, device=model.device))
-    per_layer = []
     for index, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)
         old = [s.layers[index] for s in states]
         if layer.is_linear:
             mixed, new = _linear_step(layer.mixer, h, old)
+            for state, layer_state in zip(states, new):
+                state.layers[index] = layer_state
         else:
-            mixed, new = _attention_step(layer.mixer, model.rope, h, positions, old)
+            mixed = _attention_step(layer.mixer, model.rope, h, positions, old)
         x = layer.feed_forward(x + mixed)
-        per_layer.append(new)
-    logits = model.logits(x)
-    new_states = [RequestState([layers[b] for layers in per_layer], s.length + 1, s.token_ids + [tokens[b]], s.marks)
-                  for b, s in enumerate(states)]
-    return logits, new_states
+    for state, token in zip(states, tokens):
+        state.length += 1
+        state.token_ids.append(token)
+    return model.logits(x), states

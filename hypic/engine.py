@@ -12,7 +12,7 @@ from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
 from .grammar import Constraint, GrammarCompiler
-from .loader import load_model, model_fingerprint
+from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
 from .modes import ModePolicy, mode_policy
 from .prefix_cache import PrefixCache, cache_key
@@ -22,10 +22,9 @@ from .segments import (DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout,
                        spliceable, split_prompt)
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState
-from .store import SegmentEntry, SegmentStore, entry_key
+from .store import LinearInterior, SegmentEntry, SegmentStore, entry_key
 from .tokenizer import TextTokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SNAPSHOT_INTERVAL = 256
 
 
@@ -83,7 +82,7 @@ class Engine:
     def __init__(self, model: HybridModel, tokenizer: TextTokenizer, fingerprint: str, *,
                  seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None,
                  prefix_cache: PrefixCache | None = None, chunk_tokens: int = 2048,
-                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
+                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, state_cache_dtype: str = "float32") -> None:
         if not isinstance(seam_width, int) or seam_width < 0:
             raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -92,6 +91,9 @@ class Engine:
             raise InvalidRequest(f"snapshot_interval must be an integer >= 0 (0: off), got {snapshot_interval!r}")
         self.chunk_tokens = chunk_tokens  # prefill work between two decode steps of a serving loop
         self.snapshot_interval = snapshot_interval  # private-pool snapshots every this many prompt tokens
+        if state_cache_dtype not in DTYPE_NAMES:
+            raise InvalidRequest(f"state_cache_dtype must be one of {sorted(DTYPE_NAMES)}, got {state_cache_dtype!r}")
+        self.state_cache_dtype = DTYPE_NAMES[state_cache_dtype]  # T_C and S_C|0 in the public pool
         if not pic_separator:
             raise InvalidRequest("pic_separator must be a non-empty string")
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
@@ -102,23 +104,24 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", seam_width: int = 8,
+    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "auto", seam_width: int = 8,
                         pic_separator: str = DEFAULT_SEPARATOR, public_pool_bytes: int | None = None,
                         private_pool_bytes: int | None = None, chunk_tokens: int = 2048,
-                        snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> "Engine":
+                        snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, state_cache_dtype: str = "float32") -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
-        Pool budgets in bytes; None means unbounded."""
-        if dtype not in DTYPES:
-            raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        ``dtype``: float32, bfloat16, float16, or auto (the checkpoint's; float32 on a CPU that does
+        not multiply half precision natively). Pool budgets in bytes; None means unbounded."""
+        if dtype not in (*DTYPE_NAMES, "auto"):
+            raise InvalidRequest(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         path = default_model_path() if str(path) == "default" else Path(path)
         if not path.is_dir():
             raise InvalidRequest(f"model path {str(path)!r} is not a directory")
-        model = load_model(path, device, DTYPES[dtype])
+        model = load_model(path, device, resolve_dtype(dtype, path, device))
         return cls(model, TextTokenizer.from_dir(path), model_fingerprint(path), seam_width=seam_width,
                    pic_separator=pic_separator, store=SegmentStore(public_pool_bytes),
                    prefix_cache=PrefixCache(private_pool_bytes), chunk_tokens=chunk_tokens,
-                   snapshot_interval=snapshot_interval)
+                   snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype)
 
     # ----- caching -------------------------------------------------------------------------
     def policy(self, mode: str) -> ModePolicy:
@@ -148,6 +151,8 @@ class Engine:
         layers = yield from prefill_interior_steps(self.model, token_ids, policy.seams, self.chunk_tokens,
                                                    policy.transitions)
         lo, hi = policy.seams.interior(len(token_ids)) or (0, 0)
+        layers = [layer.stored_as(self.state_cache_dtype) if isinstance(layer, LinearInterior) else layer
+                  for layer in layers]
         entry = SegmentEntry(key, token_ids, policy.seams, lo, hi - lo, layers)
         self.store.put(entry)
         return entry
@@ -323,6 +328,7 @@ class Engine:
         (sequence,) = self.sequences(params, parts.token_ids)
         prefill = self.prefill(parts, mode)
         logits, state, ttft = prefill.logits, prefill.state, time.perf_counter() - start
+        state.reserve(state.length + params.max_new_tokens)
         while not sequence.finished:
             sequence.step(logits)
             if len(sequence.output_ids) == 1:

@@ -1,16 +1,22 @@
-"""Load a local HF-format hybrid checkpoint (config.json + *.safetensors) into ``HybridModel``."""
+"""Load a local HF-format hybrid checkpoint (config.json + *.safetensors) into ``HybridModel``.
+
+The model is built without memory, allocated once on the target device in the target dtype, and
+each parameter is filled from the checkpoint tensors it comes from, read one at a time: host
+memory beyond the model itself stays about one tensor. Quantized checkpoints are refused by name.
+"""
 import hashlib
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .config import ModelConfig, parse_config
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsupportedModel
 from .models import HybridModel
+from .safetensors_reader import DTYPES, TensorReader
 
 log = logging.getLogger(__name__)
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -20,28 +26,130 @@ LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def read_config(path: Path) -> ModelConfig:
-    """Parse ``config.json`` of a checkpoint directory."""
+    """Parse ``config.json`` of a checkpoint directory; a quantized checkpoint is refused by method."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json")
     try:
-        return parse_config(json.loads(config_file.read_text()))
+        raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
+    quantization = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModel(f"the checkpoint is quantized ({method!r} in quantization_config): HYPIC serves "
+                               "float checkpoints (float32, bfloat16, float16)")
+    return parse_config(raw)
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All text-model tensors, keyed without the text-model prefix (``lm_head.weight`` kept)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} has no *.safetensors weight files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                if not IGNORED.match(key):
-                    tensors[_strip_prefix(key)] = handle.get_tensor(key)
-    return tensors
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype a checkpoint was saved in: config's ``dtype`` / ``torch_dtype``, else its weights'."""
+    raw = json.loads((path / "config.json").read_text())
+    named = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
+    if isinstance(named, str) and isinstance(getattr(torch, named, None), torch.dtype):
+        return getattr(torch, named)
+    reader = TensorReader(sorted(path.glob("*.safetensors")))
+    stored = [DTYPES.get(info.dtype) for info in reader.index.values()]
+    floats = [dtype for dtype in stored if dtype is not None and dtype.is_floating_point]
+    return max(set(floats), key=floats.count) if floats else torch.float32
+
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _native(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices natively (else they run emulated, ~7x slower)."""
+    if dtype is torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype is torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def resolve_dtype(name: str, path: Path, device: str) -> torch.dtype:
+    """``auto``: the checkpoint's dtype, except half precision on a CPU without native support for it
+    (float32 there: the same answers, several times faster). Other names are taken as given."""
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    read_config(path)  # a missing or bad config is said as such, before anything reads it
+    stored = checkpoint_dtype(path)
+    stored = stored if stored in DTYPE_NAMES.values() else torch.float32
+    if torch.device(device).type == "cpu" and not _native(stored):
+        log.info("dtype auto: the checkpoint is %s, which this CPU does not multiply natively: using float32", stored)
+        return torch.float32
+    return stored
+
+
+# ----- where each parameter comes from -------------------------------------------------------
+@dataclass(frozen=True)
+class Direct:
+    """The parameter is one checkpoint tensor (reshaped: conv1d weights drop their channel axis)."""
+
+    key: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+        _copy(name, param, _reshaped(reader.read(self.key), param))
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """Qwen3-Next packs q, k, v, z (and b, a) per key-head group; ``part`` of that, in conv order."""
+
+    key: str
+    part: str  # qkv | z | b | a
+    groups: int
+    sizes: tuple[int, ...]  # split of one group's rows
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+        tensor = reader.read(self.key)
+        try:
+            pieces = tensor.view(self.groups, -1, tensor.shape[-1]).split(self.sizes, dim=1)
+        except RuntimeError:
+            raise CheckpointError(f"tensor {self.key} has shape {tuple(tensor.shape)}, which the config cannot "
+                                  "split into its heads") from None
+        flat = [p.reshape(-1, tensor.shape[-1]) for p in pieces]
+        chosen = {"qkv": flat[:3], "z": flat[3:4], "b": flat[:1], "a": flat[1:2]}[self.part]
+        _copy(name, param, torch.cat(chosen))
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """Per-expert tensors stacked into [E, ...]; each expert row may concatenate several (gate | up)."""
+
+    experts: tuple[tuple[str, ...], ...]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(k for keys in self.experts for k in keys)
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+        if len(self.experts) != param.shape[0]:
+            raise CheckpointError(f"{name} has {len(self.experts)} experts, the config expects {param.shape[0]}")
+        for expert, keys in enumerate(self.experts):
+            _copy(f"{name}[{expert}]", param[expert], torch.cat([reader.read(k) for k in keys]))
+
+
+Source = Direct | PackedPart | ExpertStack
+
+
+def _reshaped(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() == 3 and param.dim() == 2 and tensor.shape[1] == 1:  # conv1d [C, 1, k] -> [C, k]
+        return tensor[:, 0]
+    return tensor
+
+
+def _copy(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the config expects {tuple(param.shape)}")
+    param.copy_(tensor)
 
 
 def _strip_prefix(key: str) -> str:
@@ -51,99 +159,97 @@ def _strip_prefix(key: str) -> str:
     return key
 
 
-def _split_qkvz(config: ModelConfig, qkvz: torch.Tensor, ba: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Qwen3-Next packs q, k, v, z (and b, a) per key-head group; unpack to the conv's channel order."""
-    groups, ratio, hidden = config.linear_num_key_heads, config.linear_value_ratio, qkvz.shape[-1]
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    try:
-        q, k, v, z = qkvz.view(groups, -1, hidden).split([dk, dk, ratio * dv, ratio * dv], dim=1)
-        b, a = ba.view(groups, -1, hidden).split([ratio, ratio], dim=1)
-    except RuntimeError:
-        raise CheckpointError(f"in_proj_qkvz {tuple(qkvz.shape)} / in_proj_ba {tuple(ba.shape)} do not match the config") from None
-    flat = lambda x: x.reshape(-1, hidden)  # noqa: E731 - [groups, n, H] -> [groups * n, H]
-    return {"in_proj_qkv.weight": torch.cat([flat(q), flat(k), flat(v)]), "in_proj_z.weight": flat(z),
-            "in_proj_b.weight": flat(b), "in_proj_a.weight": flat(a)}
+def _linear_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """Sources of one Gated DeltaNet layer; ``keys``: short name within the layer -> checkpoint key."""
+    out: dict[str, Source] = {name: Direct(key) for name, key in keys.items()
+                              if not name.startswith(("in_proj_qkvz", "in_proj_ba", "conv1d"))}
+    if "in_proj_qkvz.weight" in keys and "in_proj_ba.weight" in keys:
+        ratio, dk, dv = config.linear_value_ratio, config.linear_key_head_dim, config.linear_value_head_dim
+        groups = config.linear_num_key_heads
+        for part in ("qkv", "z"):
+            out[f"in_proj_{part}.weight"] = PackedPart(keys["in_proj_qkvz.weight"], part, groups,
+                                                       (dk, dk, ratio * dv, ratio * dv))
+        for part in ("b", "a"):
+            out[f"in_proj_{part}.weight"] = PackedPart(keys["in_proj_ba.weight"], part, groups, (ratio, ratio))
+    if "conv1d.weight" in keys:
+        out["conv_weight"] = Direct(keys["conv1d.weight"])
+    return {f"{prefix}mixer.{name}": source for name, source in out.items()}
 
 
-def _linear_mixer(config: ModelConfig, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {k: v for k, v in src.items() if not k.startswith(("in_proj_qkvz", "in_proj_ba", "conv1d"))}
-    if "in_proj_qkvz.weight" in src and "in_proj_ba.weight" in src:
-        out.update(_split_qkvz(config, src["in_proj_qkvz.weight"], src["in_proj_ba.weight"]))
-    if "conv1d.weight" in src:
-        out["conv_weight"] = src["conv1d.weight"].flatten(1) if src["conv1d.weight"].dim() == 3 else src["conv1d.weight"]
-    return out
-
-
-def _experts(src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fused ``experts.gate_up_proj`` as is, or per-expert ``experts.{e}.*_proj`` stacked."""
-    out = {k: v for k, v in src.items() if not k.startswith("experts.")}
-    if "gate.weight" in out:
-        out["router.weight"] = out.pop("gate.weight")
-    if "experts.gate_up_proj" in src:
-        out["gate_up_proj"], out["down_proj"] = src["experts.gate_up_proj"], src["experts.down_proj"]
-        return out
-    ids = sorted({int(k.split(".")[1]) for k in src if k.startswith("experts.") and k.split(".")[1].isdigit()})
+def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """Sources of one MLP / MoE block: fused ``experts.gate_up_proj`` or per-expert tensors stacked."""
+    out: dict[str, Source] = {("router.weight" if name == "gate.weight" else name): Direct(key)
+                              for name, key in keys.items() if not name.startswith("experts.")}
+    if "experts.gate_up_proj" in keys:
+        out["gate_up_proj"], out["down_proj"] = Direct(keys["experts.gate_up_proj"]), Direct(keys["experts.down_proj"])
+    ids = sorted({int(n.split(".")[1]) for n in keys if n.startswith("experts.") and n.split(".")[1].isdigit()})
     if ids:
-        pick = lambda e, name: src.get(f"experts.{e}.{name}.weight")  # noqa: E731
-        if any(pick(e, n) is None for e in ids for n in ("gate_proj", "up_proj", "down_proj")):
-            raise CheckpointError("an expert lacks one of gate_proj / up_proj / down_proj")
-        out["gate_up_proj"] = torch.stack([torch.cat([pick(e, "gate_proj"), pick(e, "up_proj")]) for e in ids])
-        out["down_proj"] = torch.stack([pick(e, "down_proj") for e in ids])
-    return out
+        pick = lambda e, proj: keys.get(f"experts.{e}.{proj}.weight", f"<experts.{e}.{proj}.weight>")  # noqa: E731
+        out["gate_up_proj"] = ExpertStack(tuple((pick(e, "gate_proj"), pick(e, "up_proj")) for e in ids))
+        out["down_proj"] = ExpertStack(tuple((pick(e, "down_proj"),) for e in ids))
+    return {f"{prefix}mlp.{name}": source for name, source in out.items()}
 
 
-def _layer_tensors(config: ModelConfig, index: int, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename one decoder layer's checkpoint tensors to ``HybridModel`` parameter names."""
-    groups: dict[str, dict[str, torch.Tensor]] = {"linear_attn": {}, "self_attn": {}, "mlp": {}, "": {}}
-    for key, value in src.items():
-        head, _, rest = key.partition(".")
-        groups[head if head in groups else ""][rest if head in groups else key] = value
-    out = {f"layers.{index}.{k}": v for k, v in groups[""].items()}
-    mixer = _linear_mixer(config, groups["linear_attn"]) if config.layer_types[index] == "linear_attention" else groups["self_attn"]
-    out.update({f"layers.{index}.mixer.{k}": v for k, v in mixer.items()})
-    out.update({f"layers.{index}.mlp.{k}": v for k, v in _experts(groups["mlp"]).items()})
-    return out
-
-
-def canonical_state_dict(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors renamed and re-packed to our parameter names."""
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    out: dict[str, torch.Tensor] = {}
-    for key, value in tensors.items():
-        match = LAYER_KEY.match(key)
-        if match:
-            per_layer.setdefault(int(match.group(1)), {})[match.group(2)] = value
+def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[dict[str, Source], list[str]]:
+    """Where each ``HybridModel`` parameter comes from in the checkpoint, and the keys nothing uses."""
+    per_layer: dict[int, dict[str, dict[str, str]]] = {}
+    sources: dict[str, Source] = {}
+    for key in checkpoint_keys:
+        if IGNORED.match(key):
+            continue
+        short = _strip_prefix(key)
+        match = LAYER_KEY.match(short)
+        if not match:
+            sources[short] = Direct(key)
+            continue
+        head, _, rest = match.group(2).partition(".")
+        group = head if head in ("linear_attn", "self_attn", "mlp") else ""
+        per_layer.setdefault(int(match.group(1)), {}).setdefault(group, {})[rest if group else match.group(2)] = key
+    for index, groups in per_layer.items():
+        prefix = f"layers.{index}."
+        sources.update({prefix + name: Direct(key) for name, key in groups.get("", {}).items()})
+        if config.layer_types[index] == "linear_attention":
+            sources.update(_linear_sources(config, prefix, groups.get("linear_attn", {})))
         else:
-            out[key] = value
-    for index, src in per_layer.items():
-        out.update(_layer_tensors(config, index, src))
-    if config.tie_word_embeddings and "embed_tokens.weight" in out:
-        out.setdefault("lm_head.weight", out["embed_tokens.weight"])
-    return out
+            sources.update({f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()})
+        sources.update(_mlp_sources(prefix, groups.get("mlp", {})))
+    if config.tie_word_embeddings and "embed_tokens.weight" in sources:
+        sources.setdefault("lm_head.weight", sources["embed_tokens.weight"])
+    used = {k for source in sources.values() for k in source.keys}
+    return sources, sorted(k for k in checkpoint_keys if k not in used and not IGNORED.match(k))
 
 
-def _check_tensors(model: HybridModel, state: dict[str, torch.Tensor]) -> None:
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
+def _plan(model: HybridModel, sources: dict[str, Source], reader: TensorReader) -> None:
+    """Every parameter has a source whose tensors exist; said before any memory is allocated."""
+    names = [name for name, _ in model.named_parameters()]
+    missing = [n for n in names if n not in sources or any(k not in reader.index for k in sources[n].keys)]
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise CheckpointError(f"tensor {name} has shape {tuple(state[name].shape)}, the config expects {shape}")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        log.warning("ignoring %d unexpected tensor(s), e.g. %s", len(unexpected), unexpected[:5])
 
 
 def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
-    """Build the model of a checkpoint directory; raises ``CheckpointError`` naming any bad tensor."""
+    """Build the model of a checkpoint directory on ``device`` in ``dtype``, filling each parameter
+    from its checkpoint tensors one at a time; raises ``CheckpointError`` naming any bad tensor."""
     path = Path(path)
     config = read_config(path)
-    state = canonical_state_dict(config, _read_tensors(path))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weight files")
+    reader = TensorReader(files)
+    reader.check_dtypes()
+    sources, unused = parameter_sources(config, list(reader.index))
     with torch.device("meta"):
         model = HybridModel(config)
-    _check_tensors(model, state)
-    model.load_state_dict({k: state[k] for k in model.state_dict()}, assign=True, strict=True)
+    _plan(model, sources, reader)
+    if unused:
+        log.warning("ignoring %d unexpected tensor(s), e.g. %s", len(unused), unused[:5])
+    model = model.to(dtype=dtype).to_empty(device=device)
+    try:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                sources[name].fill(name, param, reader)
+    finally:
+        reader.close()
     return model.to_device(device, dtype).eval().requires_grad_(False)
 
 

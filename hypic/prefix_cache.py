@@ -113,9 +113,8 @@ class PrefixCache:
             if isinstance(empty, LinearLayerState):
                 layers.append(node.snapshot[index])
             else:
-                keys = torch.cat([empty.keys] + [n.kv[index][0] for n in path], dim=1)
-                values = torch.cat([empty.values] + [n.kv[index][1] for n in path], dim=1)
-                layers.append(AttentionLayerState(keys, values))
+                layers.append(AttentionLayerState.concat([empty.keys] + [n.kv[index][0] for n in path],
+                                                         [empty.values] + [n.kv[index][1] for n in path]))
         prefix = key[: node.depth]
         marks = {position: k & MARK_MASK for position, k in enumerate(prefix) if k & MARK_MASK}
         return RequestState(layers, node.depth, [k >> MARK_BITS for k in prefix], marks)

@@ -1,4 +1,10 @@
-"""Per-request running state: what decode continues from (the private pool's unit)."""
+"""Per-request running state: what decode continues from (the private pool's unit).
+
+A request's state is owned by that request and grows in place: the combine pass and decode append
+to its full-attention KV buffers (capacity doubling, or reserved up front), so a decode step
+copies nothing the request already holds. ``fork`` gives an independent copy (n samples of one
+prompt); a state handed to ``combine`` or ``decode_batch`` is consumed by it.
+"""
 from dataclasses import dataclass, field
 
 import torch
@@ -8,18 +14,73 @@ from .config import ModelConfig
 
 @dataclass
 class LinearLayerState:
-    """Recurrent state [Hv, K, V] fp32 and conv window [k-1, C] of one Gated DeltaNet layer."""
+    """Recurrent state [Hv, K, V] fp32 and conv window [k-1, C] of one Gated DeltaNet layer
+    (replaced, never written in place: sharing one between requests is safe)."""
 
     recurrent: torch.Tensor
     conv: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.recurrent, self.conv
 
-@dataclass
+
 class AttentionLayerState:
-    """Keys (rotated at their global positions) and values [Hkv, T, D] of one full-attention layer."""
+    """Keys (rotated at their global positions) and values [Hkv, T, D] of one full-attention layer,
+    held in buffers of some capacity >= T that grow in place."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 0) -> None:
+        length = keys.shape[1]
+        shape = (keys.shape[0], max(capacity, length), keys.shape[2])
+        self._keys, self._values = keys.new_empty(shape), values.new_empty(shape)
+        self._keys[:, :length], self._values[:, :length] = keys, values
+        self.length = length
+
+    @classmethod
+    def concat(cls, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int = 0) -> "AttentionLayerState":
+        """One state from pieces [Hkv, n_i, D] laid end to end (one allocation, one copy of each)."""
+        state = cls(keys[0][:, :0], values[0][:, :0], max(capacity, sum(k.shape[1] for k in keys)))
+        for k, v in zip(keys, values):
+            state.append(k, v)
+        return state
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys[:, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[1]
+
+    def reserve(self, total: int) -> None:
+        """Room for ``total`` tokens without reallocating (copies what is held once, if it must grow)."""
+        if total > self.capacity:
+            keys, values = self._keys.new_empty(self._keys.shape[0], total, self._keys.shape[2]), self._values.new_empty(
+                self._values.shape[0], total, self._values.shape[2])
+            keys[:, : self.length], values[:, : self.length] = self.keys, self.values
+            self._keys, self._values = keys, values
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add n tokens' keys and values [Hkv, n, D] after the ones held (capacity doubles when full)."""
+        end = self.length + keys.shape[1]
+        if end > self.capacity:
+            self.reserve(max(end, 2 * self.capacity))
+        self._keys[:, self.length : end], self._values[:, self.length : end] = keys, values
+        self.length = end
+
+    def fork(self) -> "AttentionLayerState":
+        return AttentionLayerState(self.keys, self.values, self.capacity)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both buffers at their capacity (what the layer holds in memory)."""
+        return _nbytes(self._keys, self._values)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values
 
 
 LayerState = LinearLayerState | AttentionLayerState
@@ -53,16 +114,24 @@ class RequestState:
                                                                       device=device, dtype=dtype)))
             else:
                 kv = torch.zeros(config.num_key_value_heads, 0, config.head_dim, device=device, dtype=dtype)
-                layers.append(AttentionLayerState(kv, kv.clone()))
+                layers.append(AttentionLayerState(kv, kv))
         return cls(layers)
+
+    def reserve(self, total: int) -> None:
+        """Room for ``total`` tokens in every KV buffer (prompt + the most tokens decode may add)."""
+        for layer in self.layers:
+            if isinstance(layer, AttentionLayerState):
+                layer.reserve(total)
+
+    def fork(self) -> "RequestState":
+        """An independent copy (its KV buffers copied; linear states are never written in place)."""
+        layers = [layer.fork() if isinstance(layer, AttentionLayerState) else layer for layer in self.layers]
+        return RequestState(layers, self.length, list(self.token_ids), dict(self.marks))
 
     @property
     def nbytes(self) -> int:
-        """Exact tensor bytes held by this state."""
+        """Exact tensor bytes held by this state (KV buffers at their capacity)."""
         total = 0
         for layer in self.layers:
-            if isinstance(layer, LinearLayerState):
-                total += _nbytes(layer.recurrent, layer.conv)
-            else:
-                total += _nbytes(layer.keys, layer.values)
+            total += _nbytes(*layer.tensors()) if isinstance(layer, LinearLayerState) else layer.nbytes
         return total

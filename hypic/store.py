@@ -28,8 +28,18 @@ class LinearInterior:
     baseline's entries hold no transition (None): it composes by addition."""
 
     transition: Transition | None
-    zero_start_state: torch.Tensor  # [Hv, K, V] fp32
+    zero_start_state: torch.Tensor  # [Hv, K, V], fp32 unless stored narrower (``stored_as``)
     conv_tail: torch.Tensor  # [k-1, C] pre-conv inputs of the interior's last k-1 tokens
+
+    def stored_as(self, dtype: torch.dtype) -> "LinearInterior":
+        """The entry with T_C and S_C|0 kept in ``dtype`` (the public pool's storage precision)."""
+        transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.to(dtype))
+        return LinearInterior(transition, self.zero_start_state.to(dtype), self.conv_tail)
+
+    def for_compute(self) -> tuple[Transition | None, torch.Tensor]:
+        """(T_C, S_C|0) in fp32, whatever they are stored in: composition always computes in fp32."""
+        transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.float())
+        return transition, self.zero_start_state.float()
 
 
 @dataclass

@@ -4,12 +4,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..config import ModelConfig
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
-QUERY_BLOCK = 1024  # bounds the score matrix of long prefills to [H, 1024, T]
 
 
 @dataclass
@@ -46,17 +46,31 @@ class GatedAttention(nn.Module):
         return AttentionInputs(query, key, value, gate.reshape(n, -1))
 
     def attend(self, query: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """query [N, Hq, D] at positions q_pos; keys/values [Hkv, T, D] at positions 0..T-1.
-        Each query sees keys at positions <= its own. Returns [N, Hq * D]."""
-        group = self.heads // self.kv_heads
-        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        key_pos = torch.arange(keys.shape[1], device=keys.device)
-        blocks = []
-        for lo in range(0, query.shape[0], QUERY_BLOCK):
-            q = query[lo : lo + QUERY_BLOCK].transpose(0, 1)
-            mask = key_pos[None, :] <= q_pos[lo : lo + QUERY_BLOCK, None]
-            blocks.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5))
-        return torch.cat(blocks, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+        """query [N, Hq, D] at positions q_pos; keys/values [Hkv, T, D] at positions 0..T-1. Each query
+        sees keys at positions <= its own. Returns [N, Hq * D]. Each run of consecutive query
+        positions is one causal (lower-right aligned) attention over the keys up to its end; GQA
+        groups share their K/V without copies."""
+        outputs, lo = [], 0
+        for run in _runs(q_pos.tolist()):
+            end = q_pos[lo + run - 1].item() + 1
+            q = query[lo : lo + run].transpose(0, 1)[None]
+            mask = causal_lower_right(run, end) if run > 1 else None
+            out = F.scaled_dot_product_attention(q, keys[None, :, :end], values[None, :, :end], attn_mask=mask,
+                                                 scale=self.head_dim**-0.5, enable_gqa=self.heads != self.kv_heads)
+            outputs.append(out[0].transpose(0, 1))
+            lo += run
+        return torch.cat(outputs).reshape(query.shape[0], -1)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended * torch.sigmoid(gate))
+
+
+def _runs(positions: list[int]) -> list[int]:
+    """Lengths of the maximal runs of consecutive positions, in order."""
+    runs: list[int] = []
+    for index, position in enumerate(positions):
+        if index and position == positions[index - 1] + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs

@@ -84,8 +84,12 @@ class GatedDeltaNet(nn.Module):
         return torch.cat([conv_state.to(pre_conv.dtype), pre_conv])
 
     def convolve(self, window: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over a conv window -> post-conv [n, C]."""
-        out = F.conv1d(window.T[None], self.conv_weight[:, None, :], groups=self.channels)[0].T
+        """Causal depthwise conv + SiLU over a conv window [k-1 + n, C] -> post-conv [n, C]: the sum
+        over the k taps of a shifted slice times its weight (k small), no transposed copies."""
+        n = window.shape[0] - (self.kernel - 1)
+        out = window[:n] * self.conv_weight[:, 0]
+        for tap in range(1, self.kernel):
+            out = out.addcmul_(window[tap : tap + n], self.conv_weight[:, tap])
         return F.silu(out)
 
     def recurrence_inputs(self, post_conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> RecurrenceInputs:

@@ -37,12 +37,20 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden] -> [N, hidden]; loops over the experts that received tokens."""
+        """x [N, hidden] -> [N, hidden]. Token-expert pairs are sorted by expert so each expert runs
+        one matmul per projection over a contiguous slice (one host sync for all the counts)."""
         weights, experts = self._route(x)
-        out = torch.zeros_like(x)
-        for expert in experts.unique().tolist():
-            token, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        flat = experts.flatten()  # pair p = token p // top_k, slot p % top_k
+        order = flat.argsort(stable=True)
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        routed = torch.empty(order.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        inputs, lo = x[tokens], 0
+        for expert, count in enumerate(counts):
+            if count:
+                gate, up = F.linear(inputs[lo : lo + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                routed[lo : lo + count] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+                lo += count
+        routed *= weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, tokens, routed)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

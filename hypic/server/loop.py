@@ -207,7 +207,10 @@ class EngineLoop:
             assert job.request.logprobs is not None
             job.input_logprobs = input_logprobs(job.parts.token_ids, job.logits_from, job.prefill.prompt_logits,
                                                 job.request.logprobs.top)
-        job.states = [job.prefill.state] * len(job.sequences)  # decode makes new tensors: sharing is safe
+        state = job.prefill.state  # decode grows each sample's state in place: every sample owns one
+        job.states = [state] + [state.fork() for _ in job.sequences[1:]]
+        for sample_state in job.states:
+            sample_state.reserve(state.length + job.request.params.max_new_tokens)
         self.running.append(job)
         for index, sequence in enumerate(job.sequences):
             if not sequence.finished:

@@ -19,7 +19,7 @@ HELD_OUT_SINGLE_HOP = 20  # the first N single-hop test questions (the model ans
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_pretrained("default")
+    return Engine.from_pretrained("default", dtype="float32")  # the oracle computes in float32
 
 
 @pytest.fixture(scope="module")

@@ -72,3 +72,27 @@ def test_warmup_refuses_modes_that_cache_no_segments(engine: Engine, mode: str) 
 def test_unknown_mode_is_refused(engine: Engine) -> None:
     with pytest.raises(InvalidRequest, match="mode must be one of"):
         engine.warmup([_text(6, 70)], mode="fast")
+
+
+@pytest.mark.parametrize("dtype, size, bound", [("bfloat16", 2, 1e-2), ("float16", 2, 2e-3)])
+def test_narrow_state_cache_halves_entries_and_stays_near_exact(tiny_checkpoint: Path, dtype: str, size: int,
+                                                              bound: float) -> None:
+    """T_C and S_C|0 stored in 16 bits: the entry's state bytes halve (closed form) and layer 0 is
+    off full recompute by the storage rounding only."""
+    wide = Engine.from_pretrained(tiny_checkpoint, seam_width=8)
+    narrow = Engine.from_pretrained(tiny_checkpoint, seam_width=8, state_cache_dtype=dtype)
+    docs = [_text(20, 120), _text(21, 90)]
+    prompt = SEP.join(["lead", *docs, "query"])
+    for engine in (wide, narrow):
+        engine.warmup(docs)
+    config = wide.model.config
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    state_bytes = len(config.linear_layers()) * hv * dk * (dk + dv)
+    assert wide.store.nbytes - narrow.store.nbytes == 2 * state_bytes * (FP32 - size)
+    first = config.linear_layers()[0]
+    full = wide.prefill(wide.parse(prompt), "full").state.layers[first].recurrent
+    errors = {}
+    for name, engine in (("wide", wide), ("narrow", narrow)):
+        state = engine.prefill(engine.parse(prompt), "hypic").state.layers[first].recurrent
+        errors[name] = ((state - full).norm() / full.norm()).item()
+    assert errors["wide"] <= 1e-5 and 1e-6 < errors["narrow"] <= bound, errors

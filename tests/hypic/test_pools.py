@@ -119,7 +119,7 @@ def test_prefix_hit_state_equals_full_prefill(engine: Engine) -> None:
     full = combine(engine.model, parts.token_ids, [Run(0, len(parts.token_ids))], empty)
     assert (resumed.logits - full.logits).abs().max().item() < 1e-4
     for ours, ref in zip(resumed.state.layers, full.state.layers):
-        for a, b in zip(vars(ours).values(), vars(ref).values()):
+        for a, b in zip(ours.tensors(), ref.tensors()):
             assert torch.allclose(a, b, atol=1e-4)
 
 
@@ -166,10 +166,9 @@ def test_plain_prompts_sharing_a_long_prefix_resume_at_the_last_interval_snapsho
     prompts = [system + _text(rng, 40) for _ in range(3)]
     results = [engine.prefill(engine.parse(p), "hypic") for p in prompts]
     assert [r.stats.prefix_hit_tokens for r in results] == [0, 256, 256]
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
     for prompt, result in zip(prompts, results):
         ids = engine.parse(prompt).token_ids
-        full = combine(engine.model, ids, [Run(0, len(ids))], empty)
+        full = combine(engine.model, ids, [Run(0, len(ids))], RequestState.empty(engine.model.config, "cpu", torch.float32))
         assert (result.logits - full.logits).abs().max().item() < 1e-4
     again = engine.prefill(engine.parse(prompts[1]), "prefix")  # another namespace: nothing shared
     assert again.stats.prefix_hit_tokens == 0

@@ -1,0 +1,87 @@
+"""The loader: streamed tensors (bounded host memory), dtype auto, and quantized checkpoints refused."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hypic import Engine, UnsupportedModel
+from hypic.checkpoints import write_random_checkpoint
+
+PEAK_SCRIPT = """
+import re, sys
+from pathlib import Path
+from hypic.loader import load_model
+from hypic.safetensors_reader import TensorReader
+
+def status(field):
+    return int(re.search(rf"{field}:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+path, warm = Path(sys.argv[1]), Path(sys.argv[2])
+largest = max(i.end - i.begin for i in TensorReader(sorted(path.glob("*.safetensors"))).index.values())
+load_model(warm)  # first-use costs (imports, thread pools, allocator set-up) stay outside the measurement
+open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from here
+base = status("VmRSS")
+model = load_model(path)
+size = sum(p.numel() * p.element_size() for p in model.parameters())
+print(status("VmHWM") - base, size, largest)
+"""
+
+
+def test_peak_host_memory_is_the_model_plus_about_one_tensor(tmp_path: Path, checkpoint_factory) -> None:
+    """A ~70 MB MoE checkpoint (packed qkvz, per-expert tensors) loaded in a fresh process: the peak
+    resident memory it adds stays under the model's size + 1.5 x its largest tensor."""
+    path = write_random_checkpoint(tmp_path / "ckpt", "qwen3_next", 0, hidden_size=512, intermediate_size=1024,
+                                   vocab_size=8000, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                   linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4,
+                                   linear_num_value_heads=8, num_experts=8, num_experts_per_tok=2,
+                                   moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    warm = checkpoint_factory("qwen3_next-moe")
+    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), str(warm)], capture_output=True, text=True,
+                          check=True)
+    peak, size, largest = map(int, done.stdout.split())
+    print(f"peak {peak / 1e6:.1f} MB, model {size / 1e6:.1f} MB, largest tensor {largest / 1e6:.1f} MB")
+    assert size > 50e6 and peak <= size + 1.5 * largest
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_quantization_config_is_refused_by_method(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="quantized \\('fp8'"):
+        Engine.from_pretrained(path)
+
+
+def test_float8_tensors_are_refused_by_dtype(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    tensors = load_file(str(path / "model.safetensors"))
+    key = "model.layers.0.mlp.up_proj.weight"
+    tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+    tensors[key.replace("weight", "weight_scale")] = torch.ones(1)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModel, match="F8_E4M3.*up_proj"):
+        Engine.from_pretrained(path)
+
+
+def test_dtype_auto_is_the_checkpoint_dtype_where_the_cpu_computes_it(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path / "ckpt", "qwen3_5_text", 0)
+    assert Engine.from_pretrained(path).model.dtype == torch.float32
+    tensors = {k: v.bfloat16() for k, v in load_file(str(path / "model.safetensors")).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert Engine.from_pretrained(path).model.dtype == (torch.bfloat16 if native else torch.float32)
+    assert Engine.from_pretrained(path, dtype="bfloat16").model.dtype == torch.bfloat16
+    state = Engine.from_pretrained(path, dtype="bfloat16").prefill(Engine.from_pretrained(path).parse("abc"), "full").state
+    assert state.layers[0].recurrent.dtype == torch.float32  # linear states stay fp32
