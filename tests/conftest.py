@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random checkpoints written by ``transformers`` (the oracle) per config."""
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,12 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 def tiny_checkpoint(checkpoint_factory: Callable[..., Path]) -> Path:
     """The default tiny Qwen3.5 text checkpoint (value/key head ratio 2, partial rotary 0.25)."""
     return checkpoint_factory("qwen3_5_text-ratio2")
+
+
+@pytest.fixture
+def tiny_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint, for a test that edits its files."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """Bad prompts, parameters and checkpoints raise clear errors and cache nothing partial."""
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -55,13 +54,8 @@ def test_bad_warmup_documents(engine: Engine) -> None:
     assert len(engine.store) == 0
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_unknown_model_type(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+def test_unknown_model_type(tiny_copy: Path) -> None:
+    path = tiny_copy
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(UnsupportedModel, match="unknown model_type 'llama'"):
@@ -75,15 +69,15 @@ def _edit_weights(path: Path, edit) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
-def test_missing_tensor(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+def test_missing_tensor(tiny_copy: Path) -> None:
+    path = tiny_copy
     _edit_weights(path, lambda t: t.pop("model.layers.1.linear_attn.A_log"))
     with pytest.raises(CheckpointError, match=r"missing 1 tensor.*layers\.1\.mixer\.A_log"):
         Engine.from_pretrained(path)
 
 
-def test_misshapen_tensor(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+def test_misshapen_tensor(tiny_copy: Path) -> None:
+    path = tiny_copy
     _edit_weights(path, lambda t: t.update({"model.layers.3.self_attn.k_proj.weight": torch.zeros(5, 64)}))
     with pytest.raises(CheckpointError, match=r"layers\.3\.mixer\.k_proj\.weight has shape \(5, 64\)"):
         Engine.from_pretrained(path)
@@ -92,8 +86,8 @@ def test_misshapen_tensor(tiny_checkpoint: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("missing, message", [("tokenizer.json", "no tokenizer.json"),
                                               ("model.safetensors", "no \\*.safetensors"),
                                               ("config.json", "no config.json")])
-def test_missing_files(tiny_checkpoint: Path, tmp_path: Path, missing: str, message: str) -> None:
-    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+def test_missing_files(tiny_copy: Path, missing: str, message: str) -> None:
+    path = tiny_copy
     (path / missing).unlink()
     with pytest.raises(CheckpointError, match=message):
         Engine.from_pretrained(path)

@@ -1,6 +1,5 @@
 """The loader: streamed tensors (bounded host memory), dtype auto, and quantized checkpoints refused."""
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,13 +47,8 @@ def test_peak_host_memory_is_the_model_plus_about_one_tensor(tmp_path: Path, che
     assert size > 50e6 and peak <= size + 1.5 * largest
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_quantization_config_is_refused_by_method(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+def test_quantization_config_is_refused_by_method(tiny_copy: Path) -> None:
+    path = tiny_copy
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(config))
@@ -62,8 +56,8 @@ def test_quantization_config_is_refused_by_method(tiny_checkpoint: Path, tmp_pat
         Engine.from_pretrained(path)
 
 
-def test_float8_tensors_are_refused_by_dtype(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+def test_float8_tensors_are_refused_by_dtype(tiny_copy: Path) -> None:
+    path = tiny_copy
     tensors = load_file(str(path / "model.safetensors"))
     key = "model.layers.0.mlp.up_proj.weight"
     tensors[key] = tensors[key].to(torch.float8_e4m3fn)
