@@ -62,6 +62,13 @@ def parse_size(text: str) -> int | None:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
 
 
+def state_memory(text: str) -> int | None:
+    """``--max-state-memory``: a size, none, or auto (40 % of the machine's physical memory)."""
+    if text.strip().lower() == "auto":
+        return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return parse_size(text)
+
+
 def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local HF checkpoint directory (default: the model shipped with hypic)")
     parser.add_argument("--mode", choices=MODES, default="hypic",
@@ -103,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--private-pool-size", type=parse_size, default=parse_size("2G"),
                        help="byte budget of the private pool (prefix cache of request states) (default: 2G)")
     serve.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
+    serve.add_argument("--max-queued-requests", type=int, default=256,
+                       help="requests that may wait for a start; more are answered 503 (default: 256)")
+    serve.add_argument("--max-state-memory", type=state_memory, default="auto",
+                       help="memory the states of running and prefilling requests may take together (KV of prompt "
+                            "+ max_new_tokens and linear states, per sample); a request starts only when it fits, "
+                            "e.g. 8G, none; auto: 40%% of the machine's memory (default: auto)")
     serve.add_argument("--chunked-prefill-size", type=int, default=1024,
                        help="most prefill tokens run between two decode steps, so long prompts do not stall "
                             "running requests (default: 1024)")
@@ -144,7 +157,7 @@ def _serve(args: argparse.Namespace) -> None:
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
                       args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
                       str(engine.model.dtype).removeprefix("torch."))
-    loop = EngineLoop(engine, args.mode, args.max_running_requests)
+    loop = EngineLoop(engine, args.mode, args.max_running_requests, args.max_queued_requests, args.max_state_memory)
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
           f"on http://{args.host}:{args.port}", flush=True)

@@ -140,10 +140,13 @@ class Engine:
         entry, key = self.lookup_segment(token_ids, policy)
         return (entry, True) if entry is not None else (drain(self.build_segment(key, token_ids, policy)), False)
 
-    def lookup_segment(self, token_ids: tuple[int, ...], policy: ModePolicy) -> tuple[SegmentEntry | None, str]:
+    def lookup_segment(self, token_ids: tuple[int, ...], policy: ModePolicy,
+                       peek: bool = False) -> tuple[SegmentEntry | None, str]:
+        """The public-pool entry of a segment (or None) and its key; ``peek``: without counting a hit
+        or a miss or touching the LRU order."""
         assert policy.seams is not None
         key = entry_key(self.fingerprint, policy.seams, policy.role, token_ids)
-        return self.store.get(key, token_ids), key
+        return (self.store.peek if peek else self.store.get)(key, token_ids), key
 
     def build_segment(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Generator[None, None, SegmentEntry]:
         """Prefill a segment alone (in chunks) and offer its interior to the public pool (kept only if it fits)."""
@@ -160,6 +163,24 @@ class Engine:
     def warmup(self, documents: list[str], mode: str = "hypic") -> list[int]:
         """Cache each document as a PIC segment the way ``mode`` does (hypic or naive); returns each
         document's token count. Documents too short to have an interior are counted but not cached."""
+        return drain(self.warmup_steps(documents, mode))
+
+    def warmup_steps(self, documents: list[str], mode: str = "hypic") -> Generator[None, None, list[int]]:
+        """``warmup`` one chunk of work per ``next()`` (what a serving loop interleaves with decode);
+        the documents are checked, and bad ones refused, before it returns."""
+        policy, encoded = self._warmup_plan(documents, mode)
+        return self._warmup_run(policy, encoded)
+
+    def _warmup_run(self, policy: ModePolicy, encoded: list[tuple[int, ...]]) -> Generator[None, None, list[int]]:
+        for ids in encoded:
+            if policy.seams is not None and policy.seams.interior(len(ids)) is not None:
+                entry, key = self.lookup_segment(ids, policy)
+                if entry is None:
+                    yield from self.build_segment(key, ids, policy)
+                    yield
+        return [len(ids) for ids in encoded]
+
+    def _warmup_plan(self, documents: list[str], mode: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
         policy = self.policy(mode)
         if not policy.caches_segments:
             raise InvalidRequest(f"mode {mode!r} caches no segments, so there is nothing to warm up "
@@ -170,10 +191,32 @@ class Engine:
         for index, ids in enumerate(encoded):
             if not ids:
                 raise InvalidRequest(f"document {index} is empty")
-        for ids in encoded:
-            if policy.seams is not None and policy.seams.interior(len(ids)) is not None:
-                self.segment_entry(ids, policy)
-        return [len(ids) for ids in encoded]
+        return policy, encoded
+
+    def state_bytes(self, tokens: int, samples: int = 1) -> int:
+        """Memory a request's state takes: KV of ``tokens`` tokens per sample in every attention
+        layer, plus each sample's linear-layer states (the server's admission budget)."""
+        config, size = self.model.config, torch.empty(0, dtype=self.model.dtype).element_size()
+        kv = 2 * config.num_key_value_heads * config.head_dim * size * len(config.attention_layers())
+        channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
+        channels += config.linear_num_value_heads * config.linear_value_head_dim
+        linear = (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+                  + (config.linear_conv_kernel_dim - 1) * channels * size) * len(config.linear_layers())
+        return samples * (tokens * kv + linear)
+
+    def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:
+        """About how many prompt tokens a prefill under ``mode`` would compute now: the prompt less its
+        cached interiors and its private-pool prefix (the scheduler's size of a request)."""
+        policy, total = self.policy(mode), len(parts.token_ids)
+        spliced = spliceable(parts, policy.seams) if policy.seams is not None else []
+        cached = 0
+        for index in spliced:
+            entry, _ = self.lookup_segment(parts.segments[index], policy, peek=True)
+            cached += entry.length if entry is not None else 0
+        if policy.namespace is not None:
+            key = cache_key(parts.token_ids, layout_marks(parts, spliced))
+            cached += self.prefix_cache.peek(policy.namespace, key, total - 1)
+        return max(1, total - cached)
 
     # ----- prefill -------------------------------------------------------------------------
     def parse(self, prompt: str | list[int]) -> PromptParts:

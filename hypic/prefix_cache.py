@@ -85,6 +85,20 @@ class PrefixCache:
     def match(self, namespace: str, key: list[int], limit: int, template: RequestState) -> PrefixHit | None:
         """Longest snapshotted prefix of ``key`` (see ``cache_key``) no longer than ``limit`` tokens.
         ``template``: an empty state giving the layer kinds (and the device) of the model."""
+        best = self._deepest(namespace, key, limit)
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return PrefixHit(best.depth, self._assemble(best, key, template))
+
+    def peek(self, namespace: str, key: list[int], limit: int) -> int:
+        """The length ``match`` would resume from, without assembling it or counting it."""
+        best = self._deepest(namespace, key, limit)
+        return best.depth if best is not None else 0
+
+    def _deepest(self, namespace: str, key: list[int], limit: int) -> RadixNode | None:
+        """The deepest snapshotted node on ``key``'s path that ends within ``limit`` tokens."""
         node, best, offset = self.roots.get(namespace), None, 0
         while node is not None:
             if node.snapshot is not None and 0 < node.depth <= limit:
@@ -93,11 +107,7 @@ class PrefixCache:
             if child is None or _common_length(child.edge, key, offset) < len(child.edge):
                 break
             node, offset = child, offset + len(child.edge)
-        if best is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        return PrefixHit(best.depth, self._assemble(best, key, template))
+        return best
 
     def _assemble(self, node: RadixNode, key: list[int], template: RequestState) -> RequestState:
         path, tick = [], next(self._clock)

@@ -90,6 +90,15 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class StateMark:
+    """A ``RequestState``'s length, layer objects and KV lengths at one moment."""
+
+    length: int
+    layers: list[LayerState]
+    kv_lengths: list[int]
+
+
 @dataclass
 class RequestState:
     """State of every layer after ``length`` tokens at positions 0..length-1. ``marks``: the PIC
@@ -122,6 +131,20 @@ class RequestState:
         for layer in self.layers:
             if isinstance(layer, AttentionLayerState):
                 layer.reserve(total)
+
+    def mark(self) -> "StateMark":
+        """Where this state stands, to ``rollback`` a decode step that failed part way."""
+        lengths = [layer.length if isinstance(layer, AttentionLayerState) else 0 for layer in self.layers]
+        return StateMark(self.length, list(self.layers), lengths)
+
+    def rollback(self, mark: "StateMark") -> None:
+        """Back to ``mark``: linear states put back, KV buffers cut to their marked length."""
+        self.layers[:] = mark.layers
+        for layer, length in zip(self.layers, mark.kv_lengths):
+            if isinstance(layer, AttentionLayerState):
+                layer.length = length
+        del self.token_ids[mark.length:]
+        self.length = mark.length
 
     def fork(self) -> "RequestState":
         """An independent copy (its KV buffers copied; linear states are never written in place)."""

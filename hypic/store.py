@@ -110,6 +110,11 @@ class SegmentStore:
         self.entries.move_to_end(key)
         return entry
 
+    def peek(self, key: str, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        """``get`` without counting it or touching the LRU order (for estimates)."""
+        entry = self.entries.get(key)
+        return entry if entry is not None and entry.token_ids == token_ids else None
+
     def put(self, entry: SegmentEntry) -> bool:
         """Insert a complete entry, evicting least recently used unpinned ones; False if it does not fit."""
         if entry.key in self.entries:

@@ -16,7 +16,7 @@ from ..errors import HypicError, InvalidRequest
 from ..segments import PromptParts
 from ..sequence import Sequence
 from .chat import chat_renderer
-from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent
+from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull
 from .protocol import (Completion, GenerationRequest, json_object, only_fields, parse_chat, parse_completion,
                        parse_generate, parse_warmup)
 from .shapes import OpenAIStream, Shaper
@@ -89,10 +89,11 @@ class Server:
         top = request.logprobs.top if request.logprobs is not None else None
         return request, parts, self.loop.engine.sequences(request.params, parts.token_ids, top)
 
-    def _submit(self, requests: list[GenerationRequest]) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
-        """Queue every request (all checked first, so a bad one in a batch starts none); their events
-        arrive on one queue as (position in the batch, event)."""
-        prepared = [self._prepare(request) for request in requests]
+    async def _submit(self, requests: list[GenerationRequest]) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
+        """Queue every request (all checked first, off the event loop: tokenizing and compiling a
+        grammar take time; a bad one in a batch starts none); their events arrive on one queue as
+        (position in the batch, event)."""
+        prepared = [await asyncio.to_thread(self._prepare, request) for request in requests]
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         jobs = []
@@ -159,7 +160,7 @@ class Server:
     async def generate(self, http: Request) -> Any:
         requests, batched = parse_generate(await _json_body(http))
         listed = batched or requests[0].params.n > 1
-        jobs, events = self._submit(requests)
+        jobs, events = await self._submit(requests)
         if requests[0].stream:
             def shape(position: int, event: Event) -> list[Any]:
                 if not isinstance(event, ProgressEvent):
@@ -179,7 +180,7 @@ class Server:
             requests = [request]
         else:
             requests, options = parse_completion(body)
-        jobs, events = self._submit(requests)
+        jobs, events = await self._submit(requests)
         rid = jobs[0].rid
         if requests[0].stream:
             stream = OpenAIStream(self.shaper, rid, chat, options, requests[0].params.n)
@@ -241,7 +242,7 @@ class Server:
     async def warmup(self, http: Request) -> Any:
         documents = parse_warmup(await _json_body(http))
         start = time.perf_counter()
-        counts = await asyncio.wrap_future(self.loop.call(lambda: self.loop.engine.warmup(documents, self.loop.mode)))
+        counts = await asyncio.wrap_future(await asyncio.to_thread(self.loop.warmup, documents))
         return {"token_counts": counts, "documents": len(counts), "elapsed_s": time.perf_counter() - start}
 
     async def flush_cache(self) -> Any:
@@ -261,11 +262,12 @@ class Server:
                 "chat_template_from_model": self.info.chat_template_from_model}
 
     def server_info(self) -> dict[str, Any]:
-        limit = self.loop.engine.model.config.max_position_embeddings
+        engine, budget = self.loop.engine, self.loop.max_state_bytes
+        limit, per_token = engine.model.config.max_position_embeddings, engine.state_bytes(2) - engine.state_bytes(1)
+        tokens = budget // max(per_token, 1) if budget is not None else limit * self.info.max_running_requests
         return {**{k: v for k, v in asdict(self.info).items() if k != "chat_template"}, **self.loop.snapshot,
-                "uptime_s": time.time() - self.started, "version": __version__,
-                "max_total_num_tokens": limit * self.info.max_running_requests, "max_req_input_len": limit - 1,
-                "snapshot_interval": self.loop.engine.snapshot_interval}
+                "uptime_s": time.time() - self.started, "version": __version__, "max_total_num_tokens": tokens,
+                "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval}
 
 
 class ModelNotFound(HypicError):
@@ -286,6 +288,10 @@ def build_app(loop: EngineLoop, info: ServerInfo) -> FastAPI:
         message = f"The model '{err}' does not exist: this server serves '{info.served_model_name}'"
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": "model",
                                        "code": "model_not_found"}}, status_code=404)
+
+    @app.exception_handler(QueueFull)
+    async def busy(_: Request, err: QueueFull) -> JSONResponse:
+        return error_response(503, str(err), "service_unavailable")
 
     @app.exception_handler(HypicError)
     async def failed(_: Request, err: HypicError) -> JSONResponse:

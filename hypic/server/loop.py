@@ -1,17 +1,18 @@
 """The engine loop: one thread owns the Engine; HTTP handlers talk to it through messages.
 
-Each iteration advances the oldest waiting request's prefill by one unit (a cold segment, or the
-combine pass), then decodes one token for every running sample in one batch (continuous
-batching: requests join and leave between iterations). A request's n samples share its prefill.
-Cancelled requests are dropped at the next iteration; their pinned entries are released by
-closing their prefill.
+Each iteration advances one prefill by one unit of work (a chunk of a cold segment, of a warm-up,
+or of the combine pass), then decodes one token for every running sample in one batch
+(continuous batching: requests join and leave between iterations). Several prefills may be in
+flight; the one advanced is the smallest by its uncached tokens left, less a credit for the time
+it has waited (so a long cold request does not hold up short ones, and is not starved by them).
+A request starts only when the state it may hold fits ``max_state_bytes``; the waiting queue is
+bounded. An error in one request fails that request only. A request's n samples share its prefill.
 """
 import queue
 import threading
 import time
 import traceback
 import uuid
-from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -21,11 +22,18 @@ import torch
 
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
+from ..errors import HypicError, InvalidRequest
 from ..segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState
 from .protocol import Completion, GenerationRequest, SampleResult
 from .stats import LoopStats
+
+WAIT_CREDIT_TOKENS_PER_S = 256.0  # a request that has waited t seconds counts as 256 t tokens smaller
+
+
+class QueueFull(HypicError):
+    """The waiting queue holds ``max_queued`` requests already (the app answers 503)."""
 
 
 @dataclass
@@ -66,6 +74,8 @@ class Job:
     states: list[RequestState] = field(default_factory=list)  # one per sample, once prefilled
     first_token_at: float | None = None
     input_logprobs: list[TokenLogprob | None] | None = None
+    remaining: int = 0  # about how many prompt tokens its prefill still computes
+    footprint: int = 0  # bytes of state its samples may hold (prompt + max_new_tokens each)
 
     def cancel(self) -> None:
         """Safe from any thread: the loop drops the job at its next iteration."""
@@ -83,9 +93,24 @@ class Job:
         return all(s.finished for s in self.sequences)
 
 
+@dataclass(eq=False)
+class WarmupTask:
+    """Documents to cache, run in chunks between decode steps like a prefill."""
+
+    steps: Generator[None, None, list[int]]
+    remaining: int
+    future: Future = field(default_factory=Future)
+    start: float = field(default_factory=time.perf_counter)
+    footprint: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+Pending = Job | WarmupTask
+
+
 @dataclass
 class Command:
-    """Work other than a generation (warmup, flush) run on the loop thread between iterations."""
+    """Quick work (a flush) run on the loop thread between iterations."""
 
     run: Callable[[], Any]
     future: Future = field(default_factory=Future)
@@ -99,14 +124,19 @@ def input_logprobs(prompt_ids: list[int], start: int, logits: torch.Tensor, top:
 
 
 class EngineLoop:
-    """Owns ``engine`` on a background thread; ``submit`` and ``call`` are safe from any thread."""
+    """Owns ``engine`` on a background thread; ``submit``, ``warmup`` and ``call`` are safe from any
+    thread. ``max_state_bytes``: the memory running and prefilling requests' states may take
+    together (None: no bound); ``max_queued``: requests that may wait (more are refused)."""
 
-    def __init__(self, engine: Engine, mode: str, max_running: int = 64) -> None:
+    def __init__(self, engine: Engine, mode: str, max_running: int = 64, max_queued: int = 256,
+                 max_state_bytes: int | None = None) -> None:
         self.engine, self.mode, self.max_running = engine, mode, max_running
-        self.inbox: queue.Queue[Job | Command | None] = queue.Queue()
-        self.waiting: deque[Job] = deque()
+        self.max_queued, self.max_state_bytes = max_queued, max_state_bytes
+        self.inbox: queue.Queue[Pending | Command | None] = queue.Queue()
+        self.waiting: list[Pending] = []
         self.running: list[Job] = []
         self.stats = LoopStats()
+        self._queued, self._queued_lock = 0, threading.Lock()
         self.snapshot: dict[str, Any] = self._publish()
         self._thread = threading.Thread(target=self._main, name="hypic-engine-loop", daemon=True)
 
@@ -118,12 +148,34 @@ class EngineLoop:
         self.inbox.put(None)
         self._thread.join(timeout=30)
 
+    def _enqueue(self, item: Pending) -> None:
+        with self._queued_lock:
+            if self._queued >= self.max_queued:
+                self.stats.requests_refused += 1
+                raise QueueFull(f"the server is at its limit of {self.max_queued} waiting requests "
+                                "(--max-queued-requests): try again shortly")
+            self._queued += 1
+        self.inbox.put(item)
+
     def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
                emit: Callable[[Event], None]) -> Job:
         """Queue a validated request whose samples (``Engine.sequences``) are ready to run."""
         job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit)
-        self.inbox.put(job)
+        job.footprint = self.engine.state_bytes(len(parts.token_ids) + request.params.max_new_tokens, len(sequences))
+        if self.max_state_bytes is not None and job.footprint > self.max_state_bytes:
+            raise InvalidRequest(f"the request's state may take {job.footprint} bytes (KV of prompt + max_new_tokens "
+                                 f"and linear states, times n), over the server's --max-state-memory of "
+                                 f"{self.max_state_bytes} bytes")
+        self._enqueue(job)
         return job
+
+    def warmup(self, documents: list[str]) -> Future:
+        """Cache documents in the server's mode, in chunks; the future holds their token counts.
+        Bad documents raise here, before anything is queued."""
+        steps = self.engine.warmup_steps(documents, self.mode)
+        task = WarmupTask(steps, sum(len(self.engine.tokenizer.encode(d)) for d in documents))
+        self._enqueue(task)
+        return task.future
 
     def call(self, run: Callable[[], Any]) -> Future:
         """Run ``run`` on the loop thread; the future holds its result or exception."""
@@ -142,8 +194,9 @@ class EngineLoop:
             if not self._drain(block=not (self.waiting or self.running)):
                 return
             self._drop_cancelled()
-            if self.waiting and len(self.running) < self.max_running:
-                self._guarded(self.waiting[0], self._advance_prefill)
+            pending = self._next_prefill()
+            if pending is not None:
+                self._advance(pending)
             if self.running:
                 self._decode()
             self.snapshot = self._publish()
@@ -160,12 +213,23 @@ class EngineLoop:
             if isinstance(item, Command):
                 self._run_command(item)
             else:
-                self.waiting.append(item)
-                self.stats.requests_received += 1
+                self._admit(item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _admit(self, item: Pending) -> None:
+        if isinstance(item, Job):
+            self.stats.requests_received += 1
+            item.remaining = self.engine.uncached_tokens(item.parts, item.mode)
+        self.waiting.append(item)
+
+    def _leave_queue(self, item: Pending) -> None:
+        if item in self.waiting:
+            self.waiting.remove(item)
+            with self._queued_lock:
+                self._queued -= 1
 
     def _run_command(self, command: Command) -> None:
         try:
@@ -173,6 +237,45 @@ class EngineLoop:
         except Exception as err:  # handed to the caller, who reports it
             command.future.set_exception(err)
 
+    # ----- scheduling -----------------------------------------------------------------------
+    def _held_bytes(self) -> int:
+        return sum(job.footprint for job in self.running) + sum(p.footprint for p in self.waiting if p.steps is not None)
+
+    def _startable(self, pending: Pending) -> bool:
+        """A prefill under way always continues; a new one needs a running slot and room."""
+        if pending.steps is not None or isinstance(pending, WarmupTask):
+            return True
+        started = sum(1 for p in self.waiting if isinstance(p, Job) and p.steps is not None)
+        if len(self.running) + started >= self.max_running:
+            return False
+        return self.max_state_bytes is None or self._held_bytes() + pending.footprint <= self.max_state_bytes
+
+    def _next_prefill(self) -> Pending | None:
+        """The startable prefill with the fewest uncached tokens left, less its waiting credit."""
+        now = time.perf_counter()
+        candidates = [p for p in self.waiting if self._startable(p)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda p: p.remaining - WAIT_CREDIT_TOKENS_PER_S * (now - p.start))
+
+    def _advance(self, pending: Pending) -> None:
+        if isinstance(pending, WarmupTask):
+            self._advance_warmup(pending)
+        else:
+            self._guarded(pending, self._advance_prefill)
+
+    def _advance_warmup(self, task: WarmupTask) -> None:
+        try:
+            next(task.steps)
+            task.remaining = max(1, task.remaining - self.engine.chunk_tokens)
+        except StopIteration as done:
+            self._leave_queue(task)
+            task.future.set_result(done.value)
+        except Exception as err:  # a warm-up that breaks fails alone
+            self._leave_queue(task)
+            task.future.set_exception(err)
+
+    # ----- one request ----------------------------------------------------------------------
     def _guarded(self, job: Job, step: Callable[[Job], None]) -> None:
         """Run one job's step; an unexpected error fails that job only."""
         try:
@@ -187,21 +290,23 @@ class EngineLoop:
         job.emit(ErrorEvent(f"internal error while serving the request: {type(err).__name__}: {err}"))
 
     def _drop_cancelled(self) -> None:
-        for job in [j for j in (*self.waiting, *self.running) if j.cancelled.is_set()]:
-            for sequence in job.sequences:
-                sequence.abort()
-            self._finish(job)
-            self.stats.requests_cancelled += 1
+        for pending in [p for p in (*self.waiting, *self.running) if p.cancelled.is_set()]:
+            if isinstance(pending, Job):
+                for sequence in pending.sequences:
+                    sequence.abort()
+                self._finish(pending)
+                self.stats.requests_cancelled += 1
 
     def _advance_prefill(self, job: Job) -> None:
         if job.steps is None:
             job.steps = self.engine.prefill_steps(job.parts, job.mode, job.logits_from)
         try:
             next(job.steps)
+            job.remaining = max(1, job.remaining - self.engine.chunk_tokens)
             return
         except StopIteration as done:
             job.prefill = done.value
-        self.waiting.popleft()
+        self._leave_queue(job)
         self.stats.add_prefill(job.prefill.stats)
         if job.logits_from is not None and job.prefill.prompt_logits is not None:
             assert job.request.logprobs is not None
@@ -220,17 +325,29 @@ class EngineLoop:
 
     def _decode(self) -> None:
         rows = [(job, i) for job in self.running for i, s in enumerate(job.sequences) if not s.finished]
+        states = [job.states[i] for job, i in rows]
+        marks = [state.mark() for state in states]
         try:
-            logits, states = decode_batch(self.engine.model, [job.states[i] for job, i in rows],
-                                          [job.sequences[i].output_ids[-1] for job, i in rows])
-        except Exception as err:
-            for job in {job for job, _ in rows}:
-                self._fail(job, err)
+            logits, _ = decode_batch(self.engine.model, states, [job.sequences[i].output_ids[-1] for job, i in rows])
+        except Exception:
+            for state, mark in zip(states, marks):
+                state.rollback(mark)
+            self._decode_one_by_one(rows)
             return
         for row, (job, index) in enumerate(rows):
             if job in self.running:  # not failed on an earlier sample of this step
-                job.states[index] = states[row]
                 self._guarded(job, lambda j, i=index, r=row: self._accept(j, i, logits[r]))
+        self._finish_done()
+
+    def _decode_one_by_one(self, rows: list[tuple[Job, int]]) -> None:
+        """After a failed batch: each sample alone, so that only a failing request fails."""
+        for job, index in rows:
+            if job in self.running:
+                self._guarded(job, lambda j, i=index: self._accept(
+                    j, i, decode_batch(self.engine.model, [j.states[i]], [j.sequences[i].output_ids[-1]])[0][0]))
+        self._finish_done()
+
+    def _finish_done(self) -> None:
         for job in [job for job in self.running if job.finished]:
             self._finish(job)
 
@@ -267,8 +384,7 @@ class EngineLoop:
     def _remove(self, job: Job) -> None:
         if job in self.running:
             self.running.remove(job)
-        if job in self.waiting:
-            self.waiting.remove(job)
+        self._leave_queue(job)
         if job.steps is not None:
             job.steps.close()  # releases the public entries its prefill pinned
 
@@ -277,6 +393,7 @@ class EngineLoop:
         store, prefix = self.engine.store, self.engine.prefix_cache
         return {
             **self.stats.as_dict(), "waiting_requests": len(self.waiting), "running_requests": len(self.running),
+            "held_state_bytes": self._held_bytes(), "max_state_bytes": self.max_state_bytes,
             "public_pool": {"bytes": store.nbytes, "budget_bytes": store.budget_bytes, "entries": len(store),
                             "hits": store.hits, "misses": store.misses, "evictions": store.evictions,
                             "rejected": store.rejected, "pinned": sum(1 for k in store.pins if k in store.entries)},

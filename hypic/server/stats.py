@@ -16,6 +16,7 @@ class LoopStats:
     requests_finished: int = 0
     requests_cancelled: int = 0
     requests_failed: int = 0
+    requests_refused: int = 0  # queue full
     prompt_tokens: int = 0
     cached_tokens: int = 0
     recomputed_tokens: int = 0
@@ -49,7 +50,8 @@ def prometheus_text(snapshot: dict[str, Any]) -> str:
     def metric(name: str, kind: str, value: float, help_text: str) -> None:
         lines.extend([f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} {kind}", f"hypic_{name} {value}"])
 
-    for name in ("requests_received", "requests_finished", "requests_cancelled", "requests_failed", "prompt_tokens",
+    for name in ("requests_received", "requests_finished", "requests_cancelled", "requests_failed", "requests_refused",
+                 "prompt_tokens",
                  "cached_tokens", "recomputed_tokens", "generated_tokens", "segments_hit", "segments_missed"):
         metric(f"{name}_total", "counter", snapshot[name], name.replace("_", " "))
     metric("waiting_requests", "gauge", snapshot["waiting_requests"], "requests waiting for prefill")

@@ -1,0 +1,186 @@
+"""The engine loop in process: errors stay with their request, the queue is bounded, admission by
+state memory, and short requests are not held up behind a long cold one."""
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hypic import Engine, InvalidRequest
+from hypic.sampling import SamplingParams
+from hypic.server import loop as loop_module
+from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event, QueueFull
+from hypic.server.protocol import GenerationRequest
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path) -> Engine:
+    return Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64)
+
+
+class Collector:
+    """Events of several jobs, and the order in which they finished."""
+
+    def __init__(self) -> None:
+        self.done: dict[str, Event] = {}
+        self.order: list[str] = []
+        self.finished = threading.Condition()
+
+    def emit_for(self, name: str):
+        def emit(event: Event) -> None:
+            if isinstance(event, (DoneEvent, ErrorEvent)):
+                with self.finished:
+                    self.done[name], self.order = event, [*self.order, name]
+                    self.finished.notify_all()
+        return emit
+
+    def wait(self, count: int, timeout: float = 120) -> None:
+        with self.finished:
+            assert self.finished.wait_for(lambda: len(self.done) >= count, timeout)
+
+
+def _text(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghijklmnop ,.") for _ in range(n))
+
+
+def _submit(loop: EngineLoop, collector: Collector, name: str, prompt: str, tokens: int = 4):
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    parts = loop.engine.parse(prompt)
+    request = GenerationRequest(prompt, params)
+    return loop.submit(parts, request, loop.engine.sequences(params, parts.token_ids), collector.emit_for(name))
+
+
+@pytest.fixture
+def running(engine: Engine) -> Iterator[EngineLoop]:
+    loop = EngineLoop(engine, "hypic", max_running=8)
+    loop.start()
+    yield loop
+    loop.stop()
+
+
+def test_a_failing_sample_fails_its_request_alone(running: EngineLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    collector = Collector()
+    jobs = {name: _submit(running, collector, name, _text(i, 40)) for i, name in enumerate("abc")}
+    original = jobs["b"].sequences[0].step
+
+    def broken(logits):
+        original(logits)
+        if len(jobs["b"].sequences[0].output_ids) == 2:
+            raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(jobs["b"].sequences[0], "step", broken)
+    collector.wait(3)
+    assert isinstance(collector.done["b"], ErrorEvent) and "injected fault" in collector.done["b"].message
+    for name in "ac":
+        assert isinstance(collector.done[name], DoneEvent)
+        assert len(collector.done[name].completion.samples[0].output_ids) == 4
+
+
+def test_a_failing_decode_batch_is_retried_per_request(running: EngineLoop, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch that raises is rolled back and each request decoded alone: only the culprit fails,
+    and the others' outputs equal those of a clean run."""
+    clean = Collector()
+    for i, name in enumerate("xyz"):
+        _submit(running, clean, name, _text(10 + i, 40), tokens=6)
+    clean.wait(3)
+    collector = Collector()
+    jobs = {name: _submit(running, collector, name, _text(10 + i, 40), tokens=6) for i, name in enumerate("xyz")}
+    real = loop_module.decode_batch
+
+    def faulty(model, states, tokens):
+        if any(state is jobs["y"].states[0] for state in states if jobs["y"].states) and len(
+                jobs["y"].sequences[0].output_ids) >= 3:
+            real(model, states, tokens)  # half of the work done in place, then the fault
+            raise RuntimeError("injected decode fault")
+        return real(model, states, tokens)
+
+    monkeypatch.setattr(loop_module, "decode_batch", faulty)
+    collector.wait(3)
+    assert isinstance(collector.done["y"], ErrorEvent)
+    for name in "xz":
+        assert collector.done[name].completion.samples[0].output_ids == clean.done[name].completion.samples[0].output_ids
+
+
+def test_queue_is_bounded(engine: Engine) -> None:
+    loop = EngineLoop(engine, "hypic", max_queued=2)  # not started: nothing leaves the queue
+    collector = Collector()
+    for name in "ab":
+        _submit(loop, collector, name, "a prompt")
+    with pytest.raises(QueueFull, match="limit of 2 waiting requests"):
+        _submit(loop, collector, "c", "a prompt")
+    assert loop.stats.requests_refused == 1
+
+
+def test_admission_waits_for_state_memory(engine: Engine) -> None:
+    """Two requests that fit one at a time run one after the other; one that never fits is refused."""
+    one = engine.state_bytes(100 + 8)
+    loop = EngineLoop(engine, "hypic", max_state_bytes=int(1.5 * one))
+    loop.start()
+    try:
+        collector = Collector()
+        with pytest.raises(InvalidRequest, match="max-state-memory"):
+            _submit(loop, collector, "huge", _text(1, 300))
+        first = _submit(loop, collector, "first", _text(2, 100), tokens=8)
+        second = _submit(loop, collector, "second", _text(3, 100), tokens=8)
+        collector.wait(2)
+        first_end = first.start + collector.done["first"].completion.e2e_s
+        assert collector.order == ["first", "second"] and second.first_token_at > first_end
+    finally:
+        loop.stop()
+
+
+def test_short_requests_are_not_held_up_by_a_long_cold_one(engine: Engine) -> None:
+    """A 3000-token cold prompt arrives first, five short ones just after: with 64-token prefill
+    chunks chosen by uncached tokens left, the short ones finish first."""
+    loop = EngineLoop(engine, "hypic")
+    collector = Collector()
+    _submit(loop, collector, "long", _text(4, 3000))
+    for i in range(5):
+        _submit(loop, collector, f"short{i}", _text(20 + i, 60))
+    loop.start()
+    try:
+        collector.wait(6)
+    finally:
+        loop.stop()
+    assert collector.order[-1] == "long"
+    long_ttft = collector.done["long"].completion.ttft_s
+    assert all(collector.done[f"short{i}"].completion.ttft_s < long_ttft / 2 for i in range(5))
+
+
+def test_over_http_short_requests_finish_before_a_long_cold_one(launch, checkpoint_factory) -> None:
+    """A real server: a 6000-token cold request, then five short ones; the short ones come back
+    first and their TTFTs are well below the long one's."""
+    server = launch("--model", str(checkpoint_factory("qwen3_5_text-long-context")), "--chunked-prefill-size", "256")
+    body = lambda text: {"text": text, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}}  # noqa: E731
+    finished: list[str] = []
+
+    def send(name: str, text: str) -> dict:
+        out = server.post("/generate", body(text))
+        finished.append(name)
+        return out["meta_info"]
+
+    with ThreadPoolExecutor(6) as pool:
+        long = pool.submit(send, "long", _text(30, 6000))
+        time.sleep(0.3)  # the long one is being prefilled
+        shorts = [pool.submit(send, f"short{i}", _text(40 + i, 80)) for i in range(5)]
+        metas = [s.result() for s in shorts]
+        long_meta = long.result()
+    assert finished[-1] == "long"
+    assert max(m["ttft"] for m in metas) < long_meta["ttft"] / 2
+
+
+def test_over_http_a_full_queue_answers_503_and_the_server_stays_healthy(launch) -> None:
+    server = launch("--max-queued-requests", "2", "--max-running-requests", "1", "--chunked-prefill-size", "64")
+    body = {"text": _text(50, 1500), "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: server.request("POST", "/generate", body), range(8)))
+    statuses = sorted(status for status, _ in answers)
+    assert statuses.count(200) >= 2 and 503 in statuses, statuses
+    refused = next(payload for status, payload in answers if status == 503)
+    assert "--max-queued-requests" in refused["error"]["message"]
+    assert server.request("GET", "/health")[0] == 200
+    assert server.get("/get_server_info")["requests_refused"] == statuses.count(503)
