@@ -10,11 +10,11 @@ from typing import TypeVar
 
 import torch
 
-from .composition import compose_states, delta_rule_transition, naive_addition
+from .composition import Family, Transition, compose_states, naive_addition
 from .kernels.gated_delta import gated_delta_rule
 from .models import HybridModel
 from .models.attention import GatedAttention
-from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs
+from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs, RunRecurrence
 from .models.rope import RotaryEmbedding
 from .segments import Piece, Run, Splice, chunk_pieces
 from .state import AttentionLayerState, LinearLayerState, RequestState
@@ -30,26 +30,58 @@ class InteriorCapture:
     hi: int
     transitions: bool = True
     layers: dict[int, InteriorLayer] = field(default_factory=dict)
+    entry_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its state at ``lo``
 
-    def linear(self, index: int, start: int, inputs: RecurrenceInputs, window: torch.Tensor, kernel: int) -> None:
-        """Fold the interior tokens of one run (positions from ``start``; its recurrence inputs and
-        conv window) into (T_I, S_I|0), continuing what earlier runs of a chunked prefill folded.
-        The run reaching ``hi`` also yields the conv tail."""
+    def recur(self, mixer: GatedDeltaNet, index: int, start: int, inputs: RecurrenceInputs, state: torch.Tensor,
+              window: torch.Tensor) -> RunRecurrence:
+        """The recurrence of one run (positions from ``start``) that also folds its interior tokens
+        into (T_I, S_I|0), continuing what earlier runs of a chunked prefill folded. The run reaching
+        ``hi`` also yields the conv tail (window row j holds the conv input of token start - (k-1) + j)."""
         end = start + inputs.q.shape[0]
         lo, hi = max(self.lo, start), min(self.hi, end)
-        if lo < hi:
-            part = inputs.slice(lo - start, hi - start)
-            earlier = self.layers.get(index)
-            assert earlier is None or isinstance(earlier, LinearInterior)
-            _, zero_start_state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta,
-                                                   earlier.zero_start_state if earlier else None)
-            transition = (delta_rule_transition(part.k, part.g, part.beta, earlier.transition if earlier else None)
-                          if self.transitions else None)
-            self.layers[index] = LinearInterior(transition, zero_start_state, window.new_zeros(0))
-        if start < self.hi <= end:  # window row j holds the conv input of token start - (k-1) + j
+        if lo >= hi:
+            return mixer.recur(inputs, state)
+        head = mixer.recur(inputs.slice(0, lo - start), state)
+        self.entry_states.setdefault(index, head.state)
+        output, state = self._interior(index, inputs.slice(lo - start, hi - start), head.state, hi == self.hi)
+        tail = mixer.recur(inputs.slice(hi - start, end - start), state)
+        if start < self.hi <= end:
             layer = self.layers[index]
             assert isinstance(layer, LinearInterior)
-            layer.conv_tail = window[self.hi - start : self.hi - start + kernel - 1].clone()
+            layer.conv_tail = window[self.hi - start : self.hi - start + mixer.kernel - 1].clone()
+        return RunRecurrence(torch.cat([head.output, output, tail.output]), tail.state, [])
+
+    def _interior(self, index: int, part: RecurrenceInputs, state: torch.Tensor,
+                  last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over interior tokens with the state widened to [S | T]: the value columns [v | 0]
+        from [S | I] carry the run's own state and the interior's transition at once (the delta
+        rule's columns evolve independently, and its work on the keys is shared). At the interior's
+        end S_I|0 = S_hi - T_I S_lo. Without transitions (naive), [S | S_I|0] from [S | 0] instead.
+        On CUDA the two blocks run as two calls (FLA's kernels bound the value width)."""
+        earlier = self.layers.get(index)
+        assert earlier is None or isinstance(earlier, LinearInterior)
+        heads, dk, dv = state.shape
+        if self.transitions:
+            carried = earlier.transition.value if earlier is not None and earlier.transition is not None else (
+                torch.eye(dk, device=state.device).expand(heads, dk, dk))
+            extra_v = part.v.new_zeros(*part.v.shape[:-1], dk)
+        else:
+            carried = earlier.zero_start_state if earlier is not None else torch.zeros_like(state)
+            extra_v = part.v
+        if part.q.is_cuda:
+            output, state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta, state)
+            carried = gated_delta_rule(part.q, part.k, extra_v, part.g, part.beta, carried)[1]
+        else:
+            output, wide = gated_delta_rule(part.q, part.k, torch.cat([part.v, extra_v], -1), part.g, part.beta,
+                                            torch.cat([state, carried], -1))
+            output, state, carried = output[..., :dv], wide[..., :dv].contiguous(), wide[..., dv:].contiguous()
+        if self.transitions:
+            transition = Transition(Family.DENSE, carried)
+            zero = state - carried @ self.entry_states[index] if last else torch.empty(0)
+            self.layers[index] = LinearInterior(transition, zero, state.new_zeros(0))
+        else:
+            self.layers[index] = LinearInterior(None, carried, state.new_zeros(0))
+        return output.contiguous(), state
 
     def attention(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep the interior's K and V once the keys (all positions so far) reach ``hi``."""
@@ -112,11 +144,12 @@ def _linear_layer(
         else:
             window, run_inputs = next(runs), inputs.slice(offset, offset + piece.length)
             cuts = tuple(p - piece.start for p in sorted(snapshots) if piece.start < p < end)
-            result = mixer.recur(run_inputs, state, cuts)
+            if capture is not None:  # a segment prefilled alone: no snapshots
+                result = capture.recur(mixer, index, piece.start, run_inputs, state, window)
+            else:
+                result = mixer.recur(run_inputs, state, cuts)
             for cut, cut_state in zip(cuts, result.cut_states):
                 snapshots[piece.start + cut][index] = LinearLayerState(cut_state, window[cut : cut + mixer.kernel - 1])
-            if capture is not None:
-                capture.linear(index, piece.start, run_inputs, window, mixer.kernel)
             state, conv, offset = result.state, window[-(mixer.kernel - 1) :], offset + piece.length
             outputs.append(result.output)
         if end in snapshots:

@@ -38,7 +38,6 @@ def test_naive_entries_hold_no_transition(engine: Engine, monkeypatch: pytest.Mo
         raise AssertionError("naive mode computed a transition")
 
     monkeypatch.setattr(composition, "delta_rule_transition", no_transition)
-    monkeypatch.setattr("hypic.assembler.delta_rule_transition", no_transition)
     document = _text(1, 90)
     assert engine.warmup([document], mode="naive") == [90]
     (entry,) = engine.store.entries.values()
