@@ -15,6 +15,9 @@ about 280 tokens of the default model's tokenizer):
 - ``third``: the last reordered prompt sent a third time;
 - ``cold long``: fresh documents up to ``--long-tokens`` tokens (one prompt).
 
+vLLM's CPU build runs Gated DeltaNet in bfloat16 only ("CPU GDN attention requires BF16"), so it is
+measured in bfloat16; HYPIC runs ``--dtype auto``.
+
     python eval/bench_vs_vllm.py --vllm-python /tmp/vv/bin/python
 """
 import argparse
@@ -60,12 +63,13 @@ def prompt(docs: list[str], question: str) -> str:
     return DEFAULT_SEPARATOR.join([LEADING, *docs, f"\n\nQuestion: {question}\nAnswer:"])
 
 
-def ttft(target: Target, text: str, model: str) -> float:
-    """Seconds to the first streamed chunk of a one-token completion."""
+def ttft(client: httpx.Client, target: Target, text: str, model: str) -> float:
+    """Seconds to the first streamed chunk of a one-token completion (over ``client``'s kept-alive
+    connection: a fresh httpx client costs ~50 ms of SSL-context setup, which is not the server's)."""
     body = {"model": model, "prompt": text if target.separators else text.replace(DEFAULT_SEPARATOR, ""),
             "max_tokens": 1, "temperature": 0, "stream": True}
     start = time.perf_counter()
-    with httpx.stream("POST", target.url + "/v1/completions", json=body, timeout=600) as response:
+    with client.stream("POST", target.url + "/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -75,20 +79,26 @@ def ttft(target: Target, text: str, model: str) -> float:
 
 def measure(target: Target, model: str, args: argparse.Namespace, tokenizer: TextTokenizer) -> dict[str, float]:
     """The four TTFTs of one target, in milliseconds (every target sees the same prompts)."""
-    cold = [ttft(target, prompt(documents(8, 100 + r), f"cold {r}?"), model) for r in range(args.repeats)]
+    with httpx.Client() as client:
+        return _measure(client, target, model, args, tokenizer)
+
+
+def _measure(client: httpx.Client, target: Target, model: str, args: argparse.Namespace,
+             tokenizer: TextTokenizer) -> dict[str, float]:
+    cold = [ttft(client, target, prompt(documents(8, 100 + r), f"cold {r}?"), model) for r in range(args.repeats)]
     pool = documents(12, 7)
     for start in (0, 4):  # the pool is warmed by requests that carry it
-        ttft(target, prompt(pool[start : start + 8], "warming?"), model)
+        ttft(client, target, prompt(pool[start : start + 8], "warming?"), model)
     rng, reordered, last = random.Random(3), [], ""
     for r in range(args.repeats):
         last = prompt(rng.sample(pool, 8), f"which one, {r}?")
-        reordered.append(ttft(target, last, model))
-    ttft(target, last, model)
-    third = ttft(target, last, model)
+        reordered.append(ttft(client, target, last, model))
+    ttft(client, target, last, model)
+    third = ttft(client, target, last, model)
     long_docs, count = documents(60, 900), 0
     while len(tokenizer.encode(prompt(long_docs[: count + 1], "long?").replace(DEFAULT_SEPARATOR, ""))) < args.long_tokens:
         count += 1
-    long = ttft(target, prompt(long_docs[:count], "long?"), model)
+    long = ttft(client, target, prompt(long_docs[:count], "long?"), model)
     return {"cold": 1000 * statistics.median(cold), "reordered": 1000 * statistics.median(reordered),
             "third": 1000 * third, "cold long": 1000 * long}
 
@@ -98,7 +108,7 @@ def start_vllm(python: str, model: Path, threads: int, log: Path) -> tuple[subpr
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
            "VLLM_CPU_KVCACHE_SPACE": "4"}
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "bfloat16",
-               "--port", str(port), "--max-model-len", "16384", "--served-model-name", "default"]
+               "--port", str(port), "--max-model-len", "8192", "--served-model-name", "default"]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900

@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch
 
 from .composition import Family, Transition, compose_states, naive_addition
-from .kernels.gated_delta import gated_delta_rule
+from .kernels.gated_delta import gated_delta_rule_with_transition
 from .models import HybridModel
 from .models.attention import GatedAttention
 from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs, RunRecurrence
@@ -31,6 +31,7 @@ class InteriorCapture:
     transitions: bool = True
     layers: dict[int, InteriorLayer] = field(default_factory=dict)
     entry_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its state at ``lo``
+    running: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> T of the interior so far
 
     def recur(self, mixer: GatedDeltaNet, index: int, start: int, inputs: RecurrenceInputs, state: torch.Tensor,
               window: torch.Tensor) -> RunRecurrence:
@@ -53,35 +54,16 @@ class InteriorCapture:
 
     def _interior(self, index: int, part: RecurrenceInputs, state: torch.Tensor,
                   last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over interior tokens with the state widened to [S | T]: the value columns [v | 0]
-        from [S | I] carry the run's own state and the interior's transition at once (the delta
-        rule's columns evolve independently, and its work on the keys is shared). At the interior's
-        end S_I|0 = S_hi - T_I S_lo. Without transitions (naive), [S | S_I|0] from [S | 0] instead.
-        On CUDA the two blocks run as two calls (FLA's kernels bound the value width)."""
-        earlier = self.layers.get(index)
-        assert earlier is None or isinstance(earlier, LinearInterior)
-        heads, dk, dv = state.shape
-        if self.transitions:
-            carried = earlier.transition.value if earlier is not None and earlier.transition is not None else (
-                torch.eye(dk, device=state.device).expand(heads, dk, dk))
-            extra_v = part.v.new_zeros(*part.v.shape[:-1], dk)
-        else:
-            carried = earlier.zero_start_state if earlier is not None else torch.zeros_like(state)
-            extra_v = part.v
-        if part.q.is_cuda:
-            output, state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta, state)
-            carried = gated_delta_rule(part.q, part.k, extra_v, part.g, part.beta, carried)[1]
-        else:
-            output, wide = gated_delta_rule(part.q, part.k, torch.cat([part.v, extra_v], -1), part.g, part.beta,
-                                            torch.cat([state, carried], -1))
-            output, state, carried = output[..., :dv], wide[..., :dv].contiguous(), wide[..., dv:].contiguous()
-        if self.transitions:
-            transition = Transition(Family.DENSE, carried)
-            zero = state - carried @ self.entry_states[index] if last else torch.empty(0)
-            self.layers[index] = LinearInterior(transition, zero, state.new_zeros(0))
-        else:
-            self.layers[index] = LinearInterior(None, carried, state.new_zeros(0))
-        return output.contiguous(), state
+        """The run over interior tokens that also returns its transition; chained onto the
+        transition of earlier chunks, T_I. At the interior's end S_I|0 = S_hi - T_I S_lo (the naive
+        baseline keeps S_I|0 only)."""
+        output, state, transition = gated_delta_rule_with_transition(part.q, part.k, part.v, part.g, part.beta, state)
+        earlier = self.running.get(index)
+        total = self.running[index] = transition if earlier is None else transition @ earlier
+        zero = state - total @ self.entry_states[index] if last else torch.empty(0)
+        kept = Transition(Family.DENSE, total) if self.transitions else None
+        self.layers[index] = LinearInterior(kept, zero, state.new_zeros(0))
+        return output, state
 
     def attention(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep the interior's K and V once the keys (all positions so far) reach ``hi``."""

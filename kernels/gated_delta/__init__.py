@@ -1,18 +1,26 @@
 """Gated delta rule: one interface, the fastest correct path for the device.
 
 Runs of at least ``SHORT_RUN`` tokens: FLA's chunked Triton kernel on CUDA when installed,
-else the PyTorch chunked form. Shorter runs (decode, seams, snapshot cuts): the token loop
-on every device. FLA's fused-recurrent kernel is not used: on an H100 with FLA 0.6 / Triton
+else the PyTorch chunked form (on CPU with chunks of at most 32 tokens, fitted to short runs:
+measured faster than 64 at every length). Shorter runs (decode): the token loop on every device. FLA's fused-recurrent kernel is not used: on an H100 with FLA 0.6 / Triton
 3.6 it returned states off by 300x from a carried initial state (GPU test of issue 4).
 """
 import functools
 
 import torch
 
-from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first
-from .naive import naive_gated_delta_rule
+from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first, chunk_gated_delta_rule_with_transition
+from .naive import naive_gated_delta_rule, naive_transition
 
-SHORT_RUN = 16  # below this the token loop beats the chunk form's padding on CPU
+SHORT_RUN = 4  # below this the token loop beats the chunk form on CPU
+CPU_CHUNK = 32  # the CPU chunk size for long runs; 64 on CUDA (FLA's)
+
+
+def chunk_size_for(steps: int, device: torch.device) -> int:
+    """The chunk size of a run: 64 on CUDA; on CPU the power of two covering the run, at most 32."""
+    if device.type == "cuda":
+        return 64
+    return min(CPU_CHUNK, 1 << max(steps - 1, 1).bit_length())
 
 
 @functools.cache
@@ -52,8 +60,25 @@ def gated_delta_rule(
     chunk = _fla_ops() if q.is_cuda else None
     if chunk is not None:
         return _fla_gated_delta_rule(chunk, q, k, v, g, beta, initial_state, scale)
-    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, scale, chunk_size_for(q.shape[0], q.device))
 
 
-__all__ = ["gated_delta_rule", "chunk_gated_delta_rule", "chunk_gated_delta_rule_heads_first",
-           "naive_gated_delta_rule"]
+def gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        initial_state: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gated_delta_rule`` from ``initial_state`` that also returns the run's transition
+    T [H, K, K] (final state = T @ initial_state + the final state from zero)."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if q.shape[0] < SHORT_RUN:
+        return (*naive_gated_delta_rule(q, k, v, g, beta, initial_state, scale), naive_transition(k, g, beta))
+    chunk = _fla_ops() if q.is_cuda else None
+    if chunk is not None:  # T as the state from I under zero values (FLA's kernels bound the value width)
+        out, state = _fla_gated_delta_rule(chunk, q, k, v, g, beta, initial_state, scale)
+        eye = torch.eye(k.shape[-1], device=k.device).expand(k.shape[1], -1, -1)
+        return out, state, _fla_gated_delta_rule(chunk, q, k, torch.zeros_like(k), g, beta, eye, scale)[1]
+    return chunk_gated_delta_rule_with_transition(q, k, v, g, beta, initial_state, scale,
+                                                  chunk_size_for(q.shape[0], q.device))
+
+
+__all__ = ["gated_delta_rule", "gated_delta_rule_with_transition", "chunk_gated_delta_rule",
+           "chunk_gated_delta_rule_heads_first", "chunk_gated_delta_rule_with_transition",
+           "naive_gated_delta_rule", "naive_transition", "chunk_size_for"]

@@ -23,11 +23,13 @@ def chunk_gated_delta_rule_heads_first(
     initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    transition: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """q, k [..., H, T, K]; v [..., H, T, V]; g, beta [..., H, T]; initial_state [..., H, K, V].
 
     Any leading dims (e.g. a batch) are carried through. Returns o [..., H, T, V] fp32 and
-    the final state [..., H, K, V] fp32; differentiable in every input.
+    the final state [..., H, K, V] fp32; differentiable in every input. With ``transition`` also
+    the run's transition T [..., H, K, K]: final state = T @ initial state + the state from zero.
     """
     steps, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
     scale = dk**-0.5 if scale is None else scale
@@ -59,7 +61,13 @@ def chunk_gated_delta_rule_heads_first(
         outs.append(q_i @ state + a_i @ v_new)
         state = state * d_i + k_i @ v_new
     out = torch.stack(outs, -3).flatten(-3, -2)[..., :steps, :]
-    return out, state
+    if not transition:
+        return out, state
+    # chunk i maps S to (d_i I - k_i w_i) S + (the chunk's own writes): chain those maps
+    carried = torch.eye(dk, device=k.device).expand(*state_shape[:-1], dk)
+    for chunk_map in (chunk_decay * torch.eye(dk, device=k.device) - k_to_end @ w).unbind(-3):
+        carried = chunk_map @ carried
+    return out, state, carried
 
 
 def chunk_gated_delta_rule(
@@ -79,3 +87,13 @@ def chunk_gated_delta_rule(
     state = None if initial_state is None else initial_state.clone()
     out, state = chunk_gated_delta_rule_heads_first(q, k, v, g, beta, state, scale, chunk_size)
     return out.transpose(0, 1).contiguous(), state
+
+
+def chunk_gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        initial_state: torch.Tensor, scale: float | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``chunk_gated_delta_rule`` that also returns the run's transition T [H, K, K]: the final
+    state equals T @ initial_state plus the final state of the same run from zero."""
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    out, state, transition = chunk_gated_delta_rule_heads_first(
+        q, k, v, g.transpose(0, 1), beta.transpose(0, 1), initial_state.clone(), scale, chunk_size, transition=True)
+    return out.transpose(0, 1).contiguous(), state, transition

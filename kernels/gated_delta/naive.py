@@ -30,3 +30,15 @@ def naive_gated_delta_rule(
         state = state + k[t][:, :, None] * delta[:, None, :]
         out[t] = torch.einsum("hk,hkv->hv", q[t] * scale, state)
     return out, state
+
+
+def naive_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """T = prod_t exp(g_t) (I - b_t k_t k_t^T), latest token leftmost: the map from a run's initial
+    state to its final state less the final state from zero. k [T, H, K]; g, beta [T, H] -> [H, K, K]."""
+    steps, heads, dk = k.shape
+    k, g, beta = k.float(), g.float(), beta.float()
+    transition = torch.eye(dk, device=k.device).repeat(heads, 1, 1)
+    for t in range(steps):
+        step = torch.eye(dk, device=k.device) - beta[t][:, None, None] * k[t][:, :, None] * k[t][:, None, :]
+        transition = g[t].exp()[:, None, None] * step @ transition
+    return transition

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from hypic.kernels.gated_delta import (SHORT_RUN, chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first,
-                                      gated_delta_rule, naive_gated_delta_rule)
+                                      chunk_gated_delta_rule_with_transition, gated_delta_rule,
+                                      gated_delta_rule_with_transition, naive_gated_delta_rule, naive_transition)
 from hypic.kernels.gated_delta.transformers_layout import (fla_transformers_chunk_gated_delta_rule,
                                                           transformers_chunk_gated_delta_rule)
 
@@ -29,6 +30,41 @@ def test_chunk_matches_naive(steps: int) -> None:
     out_ref, state_ref = naive_gated_delta_rule(q, k, v, g, beta, state)
     out, final = chunk_gated_delta_rule(q, k, v, g, beta, state)
     assert _rel(out, out_ref) < 1e-5 and _rel(final, state_ref) < 1e-5
+
+
+@pytest.mark.parametrize("chunk_size", [4, 8, 16, 32])
+def test_every_chunk_size_matches_naive(chunk_size: int) -> None:
+    q, k, v, g, beta, state = _inputs(70)
+    out_ref, state_ref = naive_gated_delta_rule(q, k, v, g, beta, state)
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk_size)
+    assert _rel(out, out_ref) < 1e-5 and _rel(final, state_ref) < 1e-5
+
+
+def test_naive_transition_is_the_map_of_initial_states() -> None:
+    """The rule is affine in its initial state: final(S0) - final(0) = T S0 for any S0."""
+    q, k, v, g, beta, state = _inputs(30)
+    transition = naive_transition(k, g, beta)
+    from_state = naive_gated_delta_rule(q, k, v, g, beta, state)[1]
+    from_zero = naive_gated_delta_rule(q, k, v, g, beta, torch.zeros_like(state))[1]
+    assert _rel(transition @ state, from_state - from_zero) < 1e-5
+
+
+@pytest.mark.parametrize(("steps", "chunk_size"), [(1, 4), (5, 4), (31, 32), (33, 32), (200, 8), (200, 64)])
+def test_chunk_transition_matches_naive(steps: int, chunk_size: int) -> None:
+    q, k, v, g, beta, state = _inputs(steps)
+    out_ref, state_ref = naive_gated_delta_rule(q, k, v, g, beta, state)
+    out, final, transition = chunk_gated_delta_rule_with_transition(q, k, v, g, beta, state, chunk_size=chunk_size)
+    assert _rel(out, out_ref) < 1e-5 and _rel(final, state_ref) < 1e-5
+    assert _rel(transition, naive_transition(k, g, beta)) < 1e-5
+
+
+@pytest.mark.parametrize("steps", [1, SHORT_RUN - 1, SHORT_RUN, 130])
+def test_dispatcher_with_transition_on_cpu_matches_reference(steps: int) -> None:
+    q, k, v, g, beta, state = _inputs(steps, dv=16)
+    out_ref, state_ref = naive_gated_delta_rule(q, k, v, g, beta, state)
+    out, final, transition = gated_delta_rule_with_transition(q, k, v, g, beta, state)
+    assert _rel(out, out_ref) < 1e-5 and _rel(final, state_ref) < 1e-5
+    assert _rel(transition, naive_transition(k, g, beta)) < 1e-5
 
 
 def test_padding_does_not_leak() -> None:
@@ -72,6 +108,15 @@ def test_fla_kernel_matches_reference_on_gpu() -> None:
     out_ref, state_ref = naive_gated_delta_rule(q, k, v, g, beta, state)
     out, final = gated_delta_rule(*(x.cuda() for x in (q, k, v, g, beta, state)))
     assert _rel(out.cpu(), out_ref) < 5e-3 and _rel(final.cpu(), state_ref) < 5e-3  # tf32 dots
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FLA's Triton kernels need a GPU")
+def test_gpu_dispatch_with_transition_matches_reference() -> None:
+    q, k, v, g, beta, state = _inputs(150, dk=16, dv=16)
+    out_ref, state_ref = naive_gated_delta_rule(q, k, v, g, beta, state)
+    out, final, transition = gated_delta_rule_with_transition(*(x.cuda() for x in (q, k, v, g, beta, state)))
+    assert _rel(out.cpu(), out_ref) < 5e-3 and _rel(final.cpu(), state_ref) < 5e-3
+    assert _rel(transition.cpu(), naive_transition(k, g, beta)) < 5e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FLA's Triton kernels need a GPU")
