@@ -5,6 +5,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import DEFAULT_SEPARATOR, Engine, HypicError
 from .errors import CheckpointError
@@ -124,6 +125,14 @@ def _parser() -> argparse.ArgumentParser:
                             "prompts sharing a long plain prefix (a system prompt, a chat history) resume from it; "
                             "0: only at document edges and before each prompt's last token (default: 256)")
     serve.add_argument("--max-segments", type=int, default=256, help="most PIC segments in one prompt (default: 256)")
+    serve.add_argument("--workers", type=int, default=1,
+                       help="engines prefilling a request's cold documents in parallel: this process and N-1 Ray "
+                            "worker processes (the CPU threads are split between them; --threads sets each one's); "
+                            "1: no Ray (default: 1)")
+    serve.add_argument("--ray-address", help="join this Ray cluster for the workers instead of starting a local one")
+    serve.add_argument("--worker-timeout", type=float, default=300.0,
+                       help="seconds a worker may take to ship a request's documents before it is declared lost, "
+                            "killed and its documents recomputed here (default: 300)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level (default: info)")
@@ -149,6 +158,10 @@ def _serve(args: argparse.Namespace) -> None:
     for name in ("max_running_requests", "max_segments", "chunked_prefill_size"):
         if getattr(args, name) < 1:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.workers < 1:
+        raise HypicError("--workers must be >= 1")
+    if args.workers > 1 and not args.threads:
+        args.threads = max(1, (os.cpu_count() or 1) // args.workers)
     choice = choose_model(args.model)
     engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size,
                      chunk_tokens=args.chunked_prefill_size, snapshot_interval=args.snapshot_interval)
@@ -157,14 +170,29 @@ def _serve(args: argparse.Namespace) -> None:
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
                       args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
                       str(engine.model.dtype).removeprefix("torch."))
+    peers = _peers(args, choice) if args.workers > 1 else None
     loop = EngineLoop(engine, args.mode, args.max_running_requests, args.max_queued_requests, args.max_state_memory)
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
-          f"on http://{args.host}:{args.port}", flush=True)
+          f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)
     try:
-        uvicorn.run(build_app(loop, info), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(build_app(loop, info, peers), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         loop.stop()
+        if peers is not None:
+            peers.shutdown()
+
+
+def _peers(args: argparse.Namespace, choice: ModelChoice) -> Any:
+    """Ray workers 1..N-1, each an engine like this process's (``hypic.router.PeerPrefill``)."""
+    from .router import PeerPrefill
+
+    options = {"device": args.device, "dtype": args.dtype, "pic_separator": args.pic_separator,
+               "state_cache_dtype": args.state_cache_dtype, "public_pool_bytes": args.public_pool_size,
+               "private_pool_bytes": 0, "chunk_tokens": args.chunked_prefill_size}
+    return PeerPrefill(str(choice.path), args.workers, threads=args.threads, ray_address=args.ray_address,
+                       seam_width=args.seam_width, timeout_s=args.worker_timeout, separator=args.pic_separator,
+                       engine_options=options)
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -171,6 +171,13 @@ class Engine:
         policy, encoded = self._warmup_plan(documents, mode)
         return self._warmup_run(policy, encoded)
 
+    def build_steps(self, segments: list[tuple[int, ...]], mode: str = "hypic") -> Generator[None, None, list[int]]:
+        """``warmup_steps`` for documents already split and tokenized (a router's share of a request)."""
+        policy = self.policy(mode)
+        if not policy.caches_segments:
+            raise InvalidRequest(f"mode {mode!r} caches no segments")
+        return self._warmup_run(policy, segments)
+
     def _warmup_run(self, policy: ModePolicy, encoded: list[tuple[int, ...]]) -> Generator[None, None, list[int]]:
         for ids in encoded:
             if policy.seams is not None and policy.seams.interior(len(ids)) is not None:

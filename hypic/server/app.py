@@ -5,7 +5,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -64,6 +64,17 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+class Peers(Protocol):
+    """Other workers that prefill a request's cold documents alongside this server's engine
+    (``hypic serve --workers N``: ``hypic.router.PeerPrefill``)."""
+
+    def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool]) -> Any: ...
+    def local_segments(self, plan: Any) -> list[tuple[int, ...]]: ...
+    def collect(self, plan: Any, mode: str) -> list[Any]: ...
+    def install(self, engine: Any, entries: list[Any], mode: str) -> list[str]: ...
+    def status(self) -> dict[str, Any]: ...
+
+
 Prepared = tuple[GenerationRequest, PromptParts, list[Sequence]]
 Shape = Callable[[int, Event], list[Any]]
 
@@ -71,8 +82,8 @@ Shape = Callable[[int, Event], list[Any]]
 class Server:
     """Binds the FastAPI routes to one engine loop."""
 
-    def __init__(self, loop: EngineLoop, info: ServerInfo) -> None:
-        self.loop, self.info = loop, info
+    def __init__(self, loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> None:
+        self.loop, self.info, self.peers = loop, info, peers
         self.render_chat = chat_renderer(info.chat_template)
         self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
         self.started = time.time()
@@ -94,6 +105,8 @@ class Server:
         grammar take time; a bad one in a batch starts none); their events arrive on one queue as
         (position in the batch, event)."""
         prepared = [await asyncio.to_thread(self._prepare, request) for request in requests]
+        for _, parts, _ in prepared:
+            await self._prefill_on_peers(parts)
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         jobs = []
@@ -103,6 +116,21 @@ class Server:
 
             jobs.append(self.loop.submit(parts, request, sequences, emit))
         return jobs, events
+
+    async def _prefill_on_peers(self, parts: PromptParts) -> None:
+        """With peers: the request's cold documents are prefilled here (in chunks, on the loop) and
+        on the peers at once, and what the peers ship is stored here, before the request is queued."""
+        engine, mode = self.loop.engine, self.loop.mode
+        if self.peers is None or not engine.policy(mode).caches_segments:
+            return
+        plan = self.peers.plan(parts, mode, lambda key: key in engine.store.entries)
+        local = self.peers.local_segments(plan)
+        building = asyncio.wrap_future(self.loop.build(local)) if local else None
+        entries = await asyncio.to_thread(self.peers.collect, plan, mode)
+        if building is not None:
+            await building
+        if entries:
+            await asyncio.wrap_future(self.loop.call(lambda: self.peers.install(engine, entries, mode)))
 
     async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
         """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""
@@ -267,16 +295,17 @@ class Server:
         tokens = budget // max(per_token, 1) if budget is not None else limit * self.info.max_running_requests
         return {**{k: v for k, v in asdict(self.info).items() if k != "chat_template"}, **self.loop.snapshot,
                 "uptime_s": time.time() - self.started, "version": __version__, "max_total_num_tokens": tokens,
-                "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval}
+                "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval,
+                "workers": self.peers.status() if self.peers is not None else {"workers": [0], "lost_workers": []}}
 
 
 class ModelNotFound(HypicError):
     """An OpenAI request named a model this server does not serve."""
 
 
-def build_app(loop: EngineLoop, info: ServerInfo) -> FastAPI:
+def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> FastAPI:
     """The FastAPI application; errors always come back as ``{"error": {"message", ...}}``."""
-    server = Server(loop, info)
+    server = Server(loop, info, peers)
     app = FastAPI(title="HYPIC", description="Position-independent caching for hybrid-attention LLMs")
 
     @app.exception_handler(InvalidRequest)
@@ -342,6 +371,7 @@ def build_app(loop: EngineLoop, info: ServerInfo) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(loop.snapshot), media_type="text/plain; version=0.0.4")
+        workers = peers.status() if peers is not None else None
+        return PlainTextResponse(prometheus_text(loop.snapshot, workers), media_type="text/plain; version=0.0.4")
 
     return app

@@ -177,6 +177,12 @@ class EngineLoop:
         self._enqueue(task)
         return task.future
 
+    def build(self, segments: list[tuple[int, ...]]) -> Future:
+        """Cache tokenized documents in the server's mode, in chunks like a warm-up."""
+        task = WarmupTask(self.engine.build_steps(segments, self.mode), sum(map(len, segments)))
+        self._enqueue(task)
+        return task.future
+
     def call(self, run: Callable[[], Any]) -> Future:
         """Run ``run`` on the loop thread; the future holds its result or exception."""
         command = Command(run)

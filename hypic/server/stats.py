@@ -43,8 +43,9 @@ class LoopStats:
         return asdict(self)
 
 
-def prometheus_text(snapshot: dict[str, Any]) -> str:
-    """The loop's published snapshot in the Prometheus text format (metric prefix ``hypic_``)."""
+def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = None) -> str:
+    """The loop's published snapshot (and, with peers, the workers' status) in the Prometheus text
+    format (metric prefix ``hypic_``)."""
     lines: list[str] = []
 
     def metric(name: str, kind: str, value: float, help_text: str) -> None:
@@ -65,4 +66,7 @@ def prometheus_text(snapshot: dict[str, Any]) -> str:
     lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="+Inf"}} {snapshot["requests_finished"]}')
     lines.append(f"hypic_time_to_first_token_seconds_sum {snapshot['ttft_sum_s']}")
     lines.append(f"hypic_time_to_first_token_seconds_count {snapshot['requests_finished']}")
+    if workers is not None:
+        metric("workers_live", "gauge", len(workers["workers"]), "workers serving (this process included)")
+        metric("workers_lost_total", "counter", len(workers["lost_workers"]), "workers lost (died or timed out)")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,11 @@
+"""Scale-out on Ray: segment-parallel prefill of cold documents, a global segment index, LPT
+dispatch and combine-node assembly (installed as ``hypic.router``)."""
+from .index import SegmentIndex
+from .lpt import lpt_assign, makespan
+from .peers import PeerPrefill
+from .plan import Plan, SegmentJob, make_plan
+from .router import NoLiveWorkers, RoutedResult, Router
+from .transfer import TransferError, check_entry
+
+__all__ = ["NoLiveWorkers", "PeerPrefill", "Plan", "RoutedResult", "Router", "SegmentIndex", "SegmentJob", "TransferError", "check_entry",
+           "lpt_assign", "make_plan", "makespan"]

@@ -1,0 +1,55 @@
+"""One request's dispatch plan: the combine node, the cold documents each worker prefills (LPT),
+and the warm entries the combine node pulls from peers."""
+from dataclasses import dataclass, field
+
+from .index import SegmentIndex
+from .lpt import lpt_assign
+
+
+@dataclass(frozen=True)
+class SegmentJob:
+    """A document interior the request splices: its public-pool key and its token ids."""
+
+    key: str
+    token_ids: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Plan:
+    """``builds``: worker -> cold documents it prefills alone and ships to ``combine``;
+    ``pulls``: holder -> keys the combine node fetches from it."""
+
+    combine: int
+    builds: dict[int, list[SegmentJob]] = field(default_factory=dict)
+    pulls: dict[int, list[str]] = field(default_factory=dict)
+
+    def build_tokens(self) -> dict[int, int]:
+        return {worker: sum(job.tokens for job in jobs) for worker, jobs in self.builds.items()}
+
+
+def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int], combine: int | None = None) -> Plan:
+    """The combine node (unless given) holds the most of the request's hit tokens (ties: the least
+    loaded, then the lowest id); documents no live worker holds are spread by LPT over every
+    worker, counting the tokens each already has queued (``loads``, live workers only)."""
+    if not loads or (combine is not None and combine not in loads):
+        raise ValueError("no live workers" if not loads else f"combine node {combine} is not live")
+    unique = list({job.key: job for job in jobs}.values())
+    live = set(loads)
+    holders = {job.key: index.holders(job.key) & live for job in unique}
+    held = {w: sum(job.tokens for job in unique if w in holders[job.key]) for w in loads}
+    if combine is None:
+        combine = min(loads, key=lambda w: (-held[w], loads[w], w))
+    plan = Plan(combine)
+    cold = [job for job in unique if not holders[job.key]]
+    workers = sorted(loads)
+    for job, slot in zip(cold, lpt_assign([job.tokens for job in cold], [loads[w] for w in workers])):
+        plan.builds.setdefault(workers[slot], []).append(job)
+    for job in unique:
+        if holders[job.key] and combine not in holders[job.key]:
+            source = min(holders[job.key], key=lambda w: (loads[w], w))
+            plan.pulls.setdefault(source, []).append(job.key)
+    return plan

@@ -1,0 +1,127 @@
+"""Worker actors on Ray and the router's bookkeeping of them: the global segment index, the tokens
+queued on each, and the workers lost."""
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from hypic.store import SegmentEntry
+
+from .index import SegmentIndex
+from .plan import Plan
+from .worker import Worker
+
+WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskError: its worker lives on)
+
+
+def start_ray(cpus: int, address: str | None) -> None:
+    """Join ``address``, or start a local Ray runtime with ``cpus`` CPUs (once per process)."""
+    if ray.is_initialized():
+        return
+    if address is None:
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+
+
+class WorkerPool:
+    """Actors ``ids`` (one engine each), the index of what they hold and their queued tokens.
+    ``local``: ids of engines outside the pool (the server's own) that plans may name. Safe to use
+    from several threads: the bookkeeping is under ``lock``, waits on Ray are not."""
+
+    def __init__(self, model: str, ids: list[int], threads: int, options: dict[str, Any], local: tuple[int, ...] = (),
+                 timeout_s: float = 300.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = timeout_s  # a worker that has not answered a wait in this long is lost
+        actor = ray.remote(num_cpus=threads, max_restarts=0)(Worker)
+        self.workers = {w: actor.remote(model, threads, options) for w in ids}
+        self.index = SegmentIndex()
+        self.queued = {w: 0 for w in (*local, *ids)}  # tokens of cold documents dispatched, not done
+        self.lost: list[int] = []
+        self.lock = threading.RLock()
+
+    def fingerprints(self) -> list[str]:
+        return ray.get([worker.fingerprint.remote() for worker in self.workers.values()])
+
+    def dispatch(self, plan: Plan, mode: str) -> tuple[list[tuple[int, ray.ObjectRef]], list[tuple[int, ray.ObjectRef]]]:
+        """One build task per cold document an actor builds (each actor's in LPT order). Returns
+        every build's (worker, ref) and what goes to the combine node (peers' builds in the order
+        they finish, then the pulls)."""
+        per_worker = {}
+        with self.lock:
+            for worker, jobs in plan.builds.items():
+                self.queued[worker] += sum(job.tokens for job in jobs)
+                if worker in self.workers:
+                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode) for j in jobs]
+            pulls = [(w, self.workers[w].fetch.remote(keys)) for w, keys in plan.pulls.items() if w in self.workers]
+        builds = [(w, ref) for w, refs in per_worker.items() for ref in refs]
+        rounds = max(map(len, per_worker.values()), default=0)
+        shipments = [(w, refs[i]) for i in range(rounds) for w, refs in per_worker.items()
+                     if i < len(refs) and w != plan.combine]
+        return builds, shipments + pulls
+
+    def wait(self, refs: list[tuple[int, ray.ObjectRef]], lost: list[int], forget: bool = True) -> list[Any]:
+        """The values of the refs that succeeded within ``timeout_s`` of the call. A dead or timed-out
+        worker is forgotten (``forget``; a timed-out one is also killed) and added to ``lost``; a task
+        that raised only loses its value (the combine pass recomputes it)."""
+        values, deadline = [], time.monotonic() + self.timeout_s
+        for worker, ref in refs:
+            try:
+                values.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except (WorkerLost, GetTimeoutError) as err:
+                if forget and worker not in lost:
+                    lost.append(worker)
+                    self.forget(worker, kill=isinstance(err, GetTimeoutError))
+            except RayError:
+                continue
+        return values
+
+    def forget(self, worker: int, kill: bool = False) -> None:
+        with self.lock:
+            self._forget(worker, kill)
+
+    def _forget(self, worker: int, kill: bool) -> None:
+        if worker in self.workers:
+            if kill:
+                ray.kill(self.workers[worker])
+            del self.workers[worker]
+            del self.queued[worker]
+            self.index.forget_worker(worker)
+            self.lost.append(worker)
+
+    def finish(self, plan: Plan, lost: list[int]) -> None:
+        """Release the plan's queued tokens and re-read what its actors hold (evictions included)."""
+        with self.lock:
+            for worker, tokens in plan.build_tokens().items():
+                if worker in self.queued:
+                    self.queued[worker] -= tokens
+            involved = ({plan.combine, *plan.builds, *plan.pulls} & set(self.workers)) - set(lost)
+        for worker in involved:
+            self.sync(worker)
+
+    def sync(self, worker: int) -> None:
+        """Re-read what ``worker`` holds into the index (a dead worker is forgotten)."""
+        try:
+            held = ray.get(self.workers[worker].held.remote())
+        except (WorkerLost, KeyError):
+            self.forget(worker)
+            return
+        with self.lock:
+            self.index.sync(worker, held)
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {"workers": sorted(self.workers), "lost_workers": list(self.lost), "indexed_entries": len(self.index),
+                    "held_entries": {w: len(self.index.keys_of(w)) for w in self.workers}, "queued_tokens": dict(self.queued)}
+
+    def shutdown(self) -> None:
+        for worker in self.workers.values():
+            ray.kill(worker)
+        self.workers.clear()
+
+
+def entries_of(shipped: list[list[SegmentEntry]]) -> list[SegmentEntry]:
+    return [entry for batch in shipped for entry in batch]

@@ -1,0 +1,97 @@
+"""The router: segment-parallel prefill of a request's cold documents on Ray workers, assembled
+on one combine node (paper §3.3, §4.4).
+
+Per request: split and hash the documents as the engines do; the combine node is the worker
+holding the most of the request's hit tokens; cold documents go to workers by LPT, one task per
+document, so each is shipped as soon as it is done while its builder computes the next; the
+shipped entries (object refs handed to the combine node's ``install``) travel builder -> combine
+node through Ray's object store, not via the router; the combine node checks and stores them,
+then runs the request's combine pass and decode. A builder that dies costs only its documents:
+the combine pass recomputes what did not arrive, and the router forgets the worker.
+"""
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from hypic.engine import GenerationResult
+
+from .index import SegmentIndex
+from .plan import Plan, make_plan
+from .pool import WorkerLost, WorkerPool, start_ray
+from .splitter import Splitter
+
+
+class NoLiveWorkers(RuntimeError):
+    """Every worker has died."""
+
+
+@dataclass
+class RoutedResult:
+    """A request's output, where it ran, and how long each phase took (seconds, router clock)."""
+
+    result: GenerationResult
+    plan: Plan
+    dispatch_s: float  # until the last cold document is prefilled on its builder
+    transfer_s: float  # until the combine node has checked and stored every shipped entry
+    combine_s: float  # the request on the combine node: combine pass and decode
+    lost_workers: list[int]
+
+
+class Router:
+    """N workers (Ray actors), each owning an engine; ``generate`` as ``Engine.generate`` does."""
+
+    def __init__(self, model: str = "default", workers: int = 2, *, threads: int = 1, ray_address: str | None = None,
+                 seam_width: int = 8, timeout_s: float = 300.0, engine_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        start_ray(workers * threads, ray_address)
+        self.pool = WorkerPool(model, list(range(workers)), threads, {**(engine_options or {}), "seam_width": seam_width},
+                               timeout_s=timeout_s)
+        self.splitter = Splitter.for_model(model, seam_width)
+        if any(f != self.splitter.fingerprint for f in self.pool.fingerprints()):
+            raise RuntimeError("the workers loaded a different model than the router split for")
+
+    @property
+    def workers(self) -> dict[int, ray.actor.ActorHandle]:
+        return self.pool.workers
+
+    @property
+    def index(self) -> SegmentIndex:
+        return self.pool.index
+
+    def warmup(self, documents: list[str], worker: int, mode: str = "hypic") -> list[str]:
+        """Cache ``documents`` on one worker (as a PIC segment each); returns their keys."""
+        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]))
+        jobs = self.splitter.jobs(parts, mode)
+        ray.get(self.workers[worker].build.remote([(j.key, j.token_ids) for j in jobs], mode))
+        self.pool.sync(worker)
+        return [j.key for j in jobs]
+
+    def generate(self, prompt: str, *, mode: str = "hypic", **sampling: Any) -> RoutedResult:
+        """Run ``prompt`` across the workers; the output equals a single engine's."""
+        if not self.workers:
+            raise NoLiveWorkers("every worker has died")
+        parts = self.splitter.parse(prompt)
+        plan = make_plan(self.splitter.jobs(parts, mode), self.index, dict(self.pool.queued))
+        start, lost = time.perf_counter(), []
+        combine = self.workers[plan.combine]
+        builds, shipments = self.pool.dispatch(plan, mode)
+        installs = [(worker, combine.install.remote(mode, ref)) for worker, ref in shipments]
+        self.pool.wait(builds, lost)
+        dispatched = time.perf_counter()
+        self.pool.wait(installs, lost, forget=False)  # a failed shipment is recomputed there
+        transferred = time.perf_counter()
+        try:
+            result = ray.get(combine.generate.remote(prompt, mode, sampling))  # every install has run
+        except WorkerLost:
+            self.pool.forget(plan.combine)
+            raise
+        finally:
+            self.pool.finish(plan, lost)
+        return RoutedResult(result, plan, dispatched - start, transferred - dispatched,
+                            time.perf_counter() - transferred, lost)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()

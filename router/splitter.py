@@ -1,0 +1,50 @@
+"""The router's view of a prompt: split and hashed exactly as the workers' engines do, without
+loading any weights."""
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypic import DEFAULT_SEPARATOR, default_model_path
+from hypic.errors import InvalidRequest
+from hypic.loader import model_fingerprint, read_config
+from hypic.modes import mode_policy
+from hypic.segments import PromptParts, spliceable, split_prompt
+from hypic.store import entry_key
+from hypic.tokenizer import TextTokenizer
+
+from .plan import SegmentJob
+
+
+@dataclass
+class Splitter:
+    """Tokenizer, fingerprint and seams of the model the workers serve."""
+
+    tokenizer: TextTokenizer
+    fingerprint: str
+    seam_width: int
+    conv_kernel: int
+    max_positions: int
+    separator: str = DEFAULT_SEPARATOR
+
+    @classmethod
+    def for_model(cls, model: str, seam_width: int = 8, separator: str = DEFAULT_SEPARATOR) -> "Splitter":
+        path = default_model_path() if model == "default" else Path(model)
+        config = read_config(path)
+        return cls(TextTokenizer.from_dir(path), model_fingerprint(path), seam_width, config.linear_conv_kernel_dim,
+                   config.max_position_embeddings, separator)
+
+    def parse(self, prompt: str) -> PromptParts:
+        if not isinstance(prompt, str):
+            raise InvalidRequest(f"the prompt must be a string, got {type(prompt).__name__}")
+        parts = split_prompt(prompt, self.tokenizer.encode, self.separator)
+        if len(parts.token_ids) > self.max_positions:
+            raise InvalidRequest(f"the prompt has {len(parts.token_ids)} tokens, over the model's limit of "
+                                 f"{self.max_positions}")
+        return parts
+
+    def jobs(self, parts: PromptParts, mode: str) -> list[SegmentJob]:
+        """The documents ``mode`` splices from the public pool, keyed as the engines key them."""
+        policy = mode_policy(mode, self.seam_width, self.conv_kernel)
+        if policy.seams is None:
+            return []
+        return [SegmentJob(entry_key(self.fingerprint, policy.seams, policy.role, parts.segments[i]), parts.segments[i])
+                for i in spliceable(parts, policy.seams)]

@@ -1,0 +1,60 @@
+"""Checks on a segment entry that crossed a process boundary, before the receiver splices it."""
+from hypic.config import ModelConfig
+from hypic.engine import Engine
+from hypic.errors import HypicError
+from hypic.store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
+
+
+class TransferError(HypicError):
+    """A received entry does not match what was asked for or what the model can splice."""
+
+
+def check_entry(entry: SegmentEntry, fingerprint: str, role: Role, config: ModelConfig) -> None:
+    """Raise ``TransferError`` unless ``entry`` is the interior of its own token ids for this model
+    (its key is their content address) with every layer's tensors of the model's shapes."""
+    if entry_key(fingerprint, entry.seams, role, entry.token_ids) != entry.key:
+        raise TransferError(f"entry {entry.key[:12]} does not address its token ids for this model")
+    interior = entry.seams.interior(len(entry.token_ids))
+    if interior is None or interior != (entry.local_start, entry.local_start + entry.length):
+        raise TransferError(f"entry {entry.key[:12]} has interior {entry.local_start}+{entry.length}, "
+                            f"its seams give {interior}")
+    if len(entry.layers) != config.num_hidden_layers:
+        raise TransferError(f"entry {entry.key[:12]} has {len(entry.layers)} layers, the model {config.num_hidden_layers}")
+    for index, layer in enumerate(entry.layers):
+        expected = _shapes(config, index, entry.length, role)
+        if _layer_shapes(layer) != expected:
+            raise TransferError(f"entry {entry.key[:12]} layer {index}: shapes {_layer_shapes(layer)}, expected {expected}")
+
+
+def install_entries(engine: Engine, entries: list[SegmentEntry], mode: str) -> tuple[list[str], int]:
+    """Check and store received entries in ``engine``'s public pool; returns the keys kept and how
+    many were refused (dropped: the combine pass recomputes them)."""
+    policy, kept, refused = engine.policy(mode), [], 0
+    for entry in entries:
+        try:
+            check_entry(entry, engine.fingerprint, policy.role, engine.model.config)
+        except TransferError:
+            refused += 1
+            continue
+        if engine.store.put(entry):
+            kept.append(entry.key)
+    return kept, refused
+
+
+def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
+    if config.layer_types[index] != "linear_attention":
+        kv = (config.num_key_value_heads, length, config.head_dim)
+        return ("attention", kv, kv)
+    heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    channels = 2 * config.linear_num_key_heads * dk + heads * dv
+    transition = None if role is Role.NAIVE_SEGMENT else (heads, dk, dk)
+    return ("linear", transition, (heads, dk, dv), (config.linear_conv_kernel_dim - 1, channels))
+
+
+def _layer_shapes(layer: object) -> tuple:
+    if isinstance(layer, AttentionInterior):
+        return ("attention", tuple(layer.keys.shape), tuple(layer.values.shape))
+    if isinstance(layer, LinearInterior):
+        transition = None if layer.transition is None else tuple(layer.transition.value.shape)
+        return ("linear", transition, tuple(layer.zero_start_state.shape), tuple(layer.conv_tail.shape))
+    return (type(layer).__name__,)

@@ -1,0 +1,62 @@
+"""A worker: one engine in its own process (run as a Ray actor by the router)."""
+from typing import Any
+
+import torch
+
+from hypic.assembler import drain
+
+from hypic.engine import Engine, GenerationResult
+from hypic.store import SegmentEntry
+
+from .transfer import install_entries
+
+
+class Worker:
+    """Builds document interiors for peers, installs theirs (checked), and runs combine passes.
+    Ray runs each method to completion before the next, so the engine is never shared."""
+
+    def __init__(self, model: str, threads: int | None = None, options: dict[str, Any] | None = None) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.engine = Engine.from_pretrained(model, **(options or {}))
+        self.rejected_entries = 0
+
+    def fingerprint(self) -> str:
+        return self.engine.fingerprint
+
+    def build(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[SegmentEntry]:
+        """Each (key, token ids) prefilled alone unless this worker already holds it; the entries
+        stay in this worker's public pool (when they fit) and go back to the caller."""
+        policy, entries = self.engine.policy(mode), []
+        for key, token_ids in jobs:
+            entry, found = self.engine.lookup_segment(token_ids, policy)
+            if found != key:
+                raise ValueError(f"job key {key[:12]} does not address its tokens on this worker")
+            entries.append(entry if entry is not None else self._build(key, token_ids, mode))
+        return entries
+
+    def _build(self, key: str, token_ids: tuple[int, ...], mode: str) -> SegmentEntry:
+        return drain(self.engine.build_segment(key, token_ids, self.engine.policy(mode)))
+
+    def fetch(self, keys: list[str]) -> list[SegmentEntry]:
+        """The entries of ``keys`` this worker still holds (evicted ones are left out)."""
+        held = (self.engine.store.entries.get(key) for key in keys)
+        return [entry for entry in held if entry is not None]
+
+    def install(self, mode: str, *batches: list[SegmentEntry]) -> list[str]:
+        """Check and store peers' entries (each batch: one peer's list); returns the keys kept. An
+        entry that fails the check is dropped (and counted): the combine pass recomputes it."""
+        kept, refused = install_entries(self.engine, [entry for batch in batches for entry in batch], mode)
+        self.rejected_entries += refused
+        return kept
+
+    def rejected(self) -> int:
+        """How many received entries failed their check."""
+        return self.rejected_entries
+
+    def generate(self, prompt: str, mode: str, sampling: dict[str, Any]) -> GenerationResult:
+        return self.engine.generate(prompt, mode=mode, **sampling)
+
+    def held(self) -> list[str]:
+        """Every key in this worker's public pool (the router's index syncs on it)."""
+        return list(self.engine.store.entries)

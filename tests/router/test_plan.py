@@ -1,0 +1,41 @@
+"""The global segment index and one request's plan: combine node, LPT builds, pulls."""
+from hypic.router import SegmentIndex, SegmentJob, make_plan
+
+
+def _job(name: str, tokens: int) -> SegmentJob:
+    return SegmentJob(name, tuple(range(tokens)))
+
+
+def test_index_records_syncs_and_forgets() -> None:
+    index = SegmentIndex()
+    index.record(0, ["a", "b"])
+    index.record(1, ["b"])
+    assert index.holders("b") == {0, 1}
+    index.sync(0, ["b", "c"])  # worker 0 evicted a, built c
+    assert index.holders("a") == set() and index.holders("c") == {0}
+    index.forget_worker(1)
+    assert index.holders("b") == {0} and len(index) == 2
+
+
+def test_combine_node_holds_most_hit_tokens_and_cold_go_by_lpt() -> None:
+    index = SegmentIndex()
+    index.record(0, ["small"])
+    index.record(1, ["big"])
+    jobs = [_job("small", 100), _job("big", 900), _job("c1", 500), _job("c2", 400), _job("c3", 300)]
+    plan = make_plan(jobs, index, {0: 0, 1: 0})
+    assert plan.combine == 1
+    assert plan.pulls == {0: ["small"]}
+    assert plan.build_tokens() == {0: 500, 1: 700}  # LPT: 500 -> 0, 400 -> 1, 300 -> 1
+    assert [j.key for j in plan.builds[0]] == ["c1"]
+
+
+def test_dead_workers_are_neither_holders_nor_builders() -> None:
+    index = SegmentIndex()
+    index.record(2, ["warm"])  # worker 2 is not live
+    plan = make_plan([_job("warm", 300), _job("warm", 300), _job("cold", 200)], index, {0: 50, 1: 0})
+    assert plan.combine == 1 and plan.pulls == {}
+    assert sorted(j.key for jobs in plan.builds.values() for j in jobs) == ["cold", "warm"]  # built once each
+
+
+def test_ties_go_to_the_least_loaded_worker() -> None:
+    assert make_plan([_job("x", 10)], SegmentIndex(), {0: 500, 1: 20}).combine == 1

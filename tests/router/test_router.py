@@ -1,0 +1,66 @@
+"""Two Ray workers produce the single engine's greedy output for cold, partly warm (on either
+worker), reordered and evicted documents (the single engine is itself checked against the
+independent reference in tests/hypic/test_fidelity.py)."""
+import random
+from collections.abc import Callable, Iterator
+
+import pytest
+import ray
+
+from hypic import Engine
+from hypic.router import Router
+
+Prompt = Callable[[list[int], str], str]
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_pretrained("default")
+
+
+@pytest.fixture(scope="module")
+def router(engine: Engine, docs: list[str]) -> Iterator[Router]:
+    """Each worker's public pool holds five entries: requests of five documents evict earlier ones."""
+    entry = engine.segment_entry(tuple(engine.tokenizer.encode(docs[0])), engine.policy("hypic"))[0]
+    router = Router("default", workers=2, threads=1, engine_options={"public_pool_bytes": 5 * entry.nbytes + 1000})
+    yield router
+    router.shutdown()
+    ray.shutdown()
+
+
+def _same_as_engine(router: Router, engine: Engine, prompt: str):
+    routed = router.generate(prompt, max_new_tokens=8)
+    expected = engine.generate(prompt, max_new_tokens=8, mode="hypic")
+    assert routed.result.output_ids == expected.output_ids
+    return routed
+
+
+def test_cold_documents_are_spread_by_lpt(router: Router, engine: Engine, pic_prompt: Prompt) -> None:
+    routed = _same_as_engine(router, engine, pic_prompt([0, 1, 2, 3], "Where was the otter born?"))
+    assert set(routed.plan.builds) == {0, 1}
+    assert sum(len(jobs) for jobs in routed.plan.builds.values()) == 4
+    assert routed.result.segments_hit == 4  # built on the combine node or shipped to it
+
+
+def test_documents_warm_on_either_worker_are_pulled(router: Router, engine: Engine, pic_prompt: Prompt, docs: list[str]) -> None:
+    router.warmup([docs[4]], worker=0)
+    router.warmup([docs[5], docs[6]], worker=1)
+    routed = _same_as_engine(router, engine, pic_prompt([4, 5, 6, 7], "What did the stoat study?"))
+    assert routed.plan.combine == 1  # it holds two of the three warm documents
+    assert routed.plan.pulls == {0: [router.splitter.jobs(router.splitter.parse(pic_prompt([4], "")), "hypic")[0].key]}
+
+
+def test_reordered_documents_hit_everywhere(router: Router, engine: Engine, pic_prompt: Prompt) -> None:
+    _same_as_engine(router, engine, pic_prompt([6, 5, 4], "Who had a red coat?"))
+    routed = _same_as_engine(router, engine, pic_prompt([5, 6, 4], "Who had a red coat?"))
+    assert routed.plan.builds == {} and routed.result.segments_missed == 0
+
+
+def test_eviction_never_splices_a_wrong_entry(router: Router, engine: Engine, pic_prompt: Prompt, docs: list[str]) -> None:
+    """Pools of five entries under prompts of five documents: the index goes stale between
+    syncs, a pulled entry may be gone (the combine node rebuilds it); outputs stay exact."""
+    rng = random.Random(5)
+    for request in range(6):
+        indices = rng.sample(range(len(docs)), 5)  # with the combine node's own: more than five
+        _same_as_engine(router, engine, pic_prompt(indices, f"Question {request}: where was the heron born?"))
+    for worker in router.workers:  # every insert is followed by a sync: the index is exact
+        assert router.index.keys_of(worker) == set(ray.get(router.workers[worker].held.remote()))

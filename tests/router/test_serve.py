@@ -1,0 +1,50 @@
+"""``hypic serve --workers 2``: the server process and one Ray worker prefill a request's cold
+documents together; every endpoint answers as with one worker, and outputs equal one engine's."""
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hypic import Engine
+from hypic.server.launch import ServerProcess, start_server
+
+Prompt = Callable[[list[int], str], str]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    process = start_server(["--workers", "2", "--threads", "1", "--log-level", "warning"], log, threads=None)
+    yield process
+    process.stop()
+
+
+def _generate(server: ServerProcess, prompt: str) -> dict:
+    return server.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+
+
+def test_two_workers_answer_as_one_engine(server: ServerProcess, pic_prompt: Prompt, docs: list[str]) -> None:
+    """Outputs equal one engine's; every cold document is a public-pool hit in the server's own
+    prefill (built on the peer and shipped, or built here beforehand), as for a warm engine."""
+    engine = Engine.from_pretrained("default")
+    for indices, question in (([0, 1, 2, 3, 4, 5], "Where was the lynx born?"), ([5, 3, 1, 6], "Who studied ibises?")):
+        prompt = pic_prompt(indices, question)
+        served = _generate(server, prompt)
+        engine.warmup([docs[i] for i in indices])
+        expected = engine.generate(prompt, max_new_tokens=8)
+        assert served["output_ids"] == expected.output_ids
+        assert served["meta_info"]["cached_tokens"] == expected.cached_tokens > 0
+    info = server.get("/get_server_info")
+    assert info["workers"]["workers"] == [0, 1] and info["workers"]["lost_workers"] == []
+    assert info["workers"]["held_entries"]["1"] >= 3  # LPT gave the peer half of the six cold documents
+    assert "hypic_workers_live 2" in server.get("/metrics")
+
+
+def test_every_endpoint_still_answers(server: ServerProcess, pic_prompt: Prompt) -> None:
+    assert server.request("GET", "/health")[0] == 200
+    assert server.post("/warmup", {"documents": ["A short note about herons and their river."]})
+    completion = server.post("/v1/completions", {"model": server.get("/v1/models")["data"][0]["id"],
+                                                 "prompt": pic_prompt([7, 8], "Where was the crane born?"), "max_tokens": 4})
+    assert completion["choices"][0]["text"]
+    assert server.post("/tokenize", {"prompt": "hello"})["tokens"]
+    assert server.request("POST", "/flush_cache")[0] == 200

@@ -1,0 +1,51 @@
+"""A received entry is checked against its own token ids and the model's shapes before use."""
+import dataclasses
+
+import pytest
+import torch
+
+from hypic import Engine
+from hypic.router import TransferError, check_entry
+from hypic.store import AttentionInterior, Role
+
+
+@pytest.fixture(scope="module")
+def built() -> tuple[Engine, object]:
+    engine = Engine.from_pretrained("default")
+    ids = tuple(engine.tokenizer.encode("Record 1: the heron of Welby was born in 1907 near the river."))
+    return engine, engine.segment_entry(ids, engine.policy("hypic"))[0]
+
+
+def _check(engine: Engine, entry: object, role: Role = Role.SEGMENT) -> None:
+    check_entry(entry, engine.fingerprint, role, engine.model.config)
+
+
+def test_an_intact_entry_passes(built) -> None:
+    _check(*built)
+
+
+def test_other_token_ids_under_the_key_are_refused(built) -> None:
+    engine, entry = built
+    with pytest.raises(TransferError, match="does not address"):
+        _check(engine, dataclasses.replace(entry, token_ids=entry.token_ids[:-1] + (entry.token_ids[-1] + 1,)))
+    with pytest.raises(TransferError, match="does not address"):
+        _check(engine, entry, Role.NAIVE_SEGMENT)
+
+
+def test_wrong_shapes_are_refused(built) -> None:
+    engine, entry = built
+    index = engine.model.config.attention_layers()[0]
+    layers = list(entry.layers)
+    cut = layers[index]
+    layers[index] = AttentionInterior(cut.keys[:, :-1], cut.values[:, :-1])
+    with pytest.raises(TransferError, match=f"layer {index}"):
+        _check(engine, dataclasses.replace(entry, layers=layers))
+    with pytest.raises(TransferError, match="layers"):
+        _check(engine, dataclasses.replace(entry, layers=entry.layers[:-1]))
+    with pytest.raises(TransferError, match="interior"):
+        _check(engine, dataclasses.replace(entry, length=entry.length + 1))
+    linear = engine.model.config.linear_layers()[0]
+    layers = list(entry.layers)
+    layers[linear] = dataclasses.replace(layers[linear], zero_start_state=torch.zeros(1, 2, 3))
+    with pytest.raises(TransferError, match=f"layer {linear}"):
+        _check(engine, dataclasses.replace(entry, layers=layers))
