@@ -41,6 +41,19 @@ class PeerPrefill:
             self.pool.index.sync(LOCAL, [job.key for job in jobs if held_locally(job.key)])
             return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=LOCAL)
 
+    def plan_documents(self, documents: list[str], mode: str, held_locally: Callable[[str], bool]) -> Plan:
+        """A warm-up's documents, spread by LPT over every live worker (those held anywhere skipped)."""
+        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]))
+        return self.plan(parts, mode, held_locally)
+
+    def cache(self, plan: Plan, mode: str) -> None:
+        """Build the peers' part of a warm-up plan; the entries stay on the peers."""
+        self.pool.cache(plan, mode)
+
+    def flush(self) -> int:
+        """Empty the peers' pools; returns the entries they dropped."""
+        return self.pool.flush()
+
     def local_segments(self, plan: Plan) -> list[tuple[int, ...]]:
         """The cold documents the local engine prefills itself."""
         return [job.token_ids for job in plan.builds.get(LOCAL, [])]

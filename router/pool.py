@@ -52,8 +52,8 @@ class WorkerPool:
         they finish, then the pulls)."""
         per_worker = {}
         with self.lock:
+            self._reserve(plan)
             for worker, jobs in plan.builds.items():
-                self.queued[worker] += sum(job.tokens for job in jobs)
                 if worker in self.workers:
                     per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode) for j in jobs]
             pulls = [(w, self.workers[w].fetch.remote(keys)) for w, keys in plan.pulls.items() if w in self.workers]
@@ -62,6 +62,30 @@ class WorkerPool:
         shipments = [(w, refs[i]) for i in range(rounds) for w, refs in per_worker.items()
                      if i < len(refs) and w != plan.combine]
         return builds, shipments + pulls
+
+    def _reserve(self, plan: Plan) -> None:
+        """Count the plan's documents as queued on their builders until ``finish``."""
+        for worker, tokens in plan.build_tokens().items():
+            self.queued[worker] += tokens
+
+    def cache(self, plan: Plan, mode: str) -> list[int]:
+        """Build the plan's documents on its actors and keep them there (a warm-up); returns the
+        workers lost meanwhile."""
+        with self.lock:
+            self._reserve(plan)
+            refs = [(w, self.workers[w].cache.remote([(j.key, j.token_ids) for j in jobs], mode))
+                    for w, jobs in plan.builds.items() if w in self.workers]
+        lost: list[int] = []
+        self.wait(refs, lost)
+        self.finish(plan, lost)
+        return lost
+
+    def flush(self) -> int:
+        """Empty every actor's pools and the index; returns the entries dropped (lost workers skipped)."""
+        with self.lock:
+            refs = [(w, worker.flush.remote()) for w, worker in self.workers.items()]
+            self.index = SegmentIndex()
+        return sum(self.wait(refs, []))
 
     def wait(self, refs: list[tuple[int, ray.ObjectRef]], lost: list[int], forget: bool = True) -> list[Any]:
         """The values of the refs that succeeded within ``timeout_s`` of the call. A dead or timed-out

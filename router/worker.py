@@ -35,6 +35,10 @@ class Worker:
             entries.append(entry if entry is not None else self._build(key, token_ids, mode))
         return entries
 
+    def cache(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[str]:
+        """``build`` for a warm-up: the entries stay here; only their keys go back."""
+        return [entry.key for entry in self.build(jobs, mode)]
+
     def _build(self, key: str, token_ids: tuple[int, ...], mode: str) -> SegmentEntry:
         return drain(self.engine.build_segment(key, token_ids, self.engine.policy(mode)))
 
@@ -56,6 +60,11 @@ class Worker:
 
     def generate(self, prompt: str, mode: str, sampling: dict[str, Any]) -> GenerationResult:
         return self.engine.generate(prompt, mode=mode, **sampling)
+
+    def flush(self) -> int:
+        """Drop every cached entry and request state; returns the entries dropped."""
+        self.engine.prefix_cache.clear()
+        return self.engine.store.clear()
 
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""

@@ -69,7 +69,10 @@ class Peers(Protocol):
     (``hypic serve --workers N``: ``hypic.router.PeerPrefill``)."""
 
     def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool]) -> Any: ...
+    def plan_documents(self, documents: list[str], mode: str, held_locally: Callable[[str], bool]) -> Any: ...
+    def cache(self, plan: Any, mode: str) -> None: ...
     def local_segments(self, plan: Any) -> list[tuple[int, ...]]: ...
+    def flush(self) -> int: ...
     def collect(self, plan: Any, mode: str) -> list[Any]: ...
     def install(self, engine: Any, entries: list[Any], mode: str) -> list[str]: ...
     def status(self) -> dict[str, Any]: ...
@@ -270,15 +273,32 @@ class Server:
     async def warmup(self, http: Request) -> Any:
         documents = parse_warmup(await _json_body(http))
         start = time.perf_counter()
-        counts = await asyncio.wrap_future(await asyncio.to_thread(self.loop.warmup, documents))
+        if self.peers is not None and self.loop.engine.policy(self.loop.mode).caches_segments:
+            counts = await self._warmup_on_peers(documents)
+        else:
+            counts = await asyncio.wrap_future(await asyncio.to_thread(self.loop.warmup, documents))
         return {"token_counts": counts, "documents": len(counts), "elapsed_s": time.perf_counter() - start}
+
+    async def _warmup_on_peers(self, documents: list[str]) -> list[int]:
+        """Documents spread by LPT over this engine and the peers, each cached where it is built."""
+        engine, mode = self.loop.engine, self.loop.mode
+        plan = await asyncio.to_thread(self.peers.plan_documents, documents, mode, lambda key: key in engine.store.entries)
+        local = self.peers.local_segments(plan)
+        building = asyncio.wrap_future(self.loop.build(local)) if local else None
+        await asyncio.to_thread(self.peers.cache, plan, mode)
+        if building is not None:
+            await building
+        return [len(engine.tokenizer.encode(document)) for document in documents]
 
     async def flush_cache(self) -> Any:
         def flush() -> dict[str, int]:
             return {"public_entries_dropped": self.loop.engine.store.clear(),
                     "private_nodes_dropped": self.loop.engine.prefix_cache.clear()}
 
-        return {"flushed": True, **await asyncio.wrap_future(self.loop.call(flush))}
+        flushed = await asyncio.wrap_future(self.loop.call(flush))
+        if self.peers is not None:
+            flushed["peer_entries_dropped"] = await asyncio.to_thread(self.peers.flush)
+        return {"flushed": True, **flushed}
 
     def model_info(self) -> dict[str, Any]:
         config = self.loop.engine.model.config

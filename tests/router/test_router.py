@@ -62,5 +62,6 @@ def test_eviction_never_splices_a_wrong_entry(router: Router, engine: Engine, pi
     for request in range(6):
         indices = rng.sample(range(len(docs)), 5)  # with the combine node's own: more than five
         _same_as_engine(router, engine, pic_prompt(indices, f"Question {request}: where was the heron born?"))
+    assert router.pool.queued == {0: 0, 1: 0}  # every request released what it queued
     for worker in router.workers:  # every insert is followed by a sync: the index is exact
         assert router.index.keys_of(worker) == set(ray.get(router.workers[worker].held.remote()))

@@ -1,6 +1,9 @@
 """``hypic serve --workers 2``: the server process and one Ray worker prefill a request's cold
-documents together; every endpoint answers as with one worker, and outputs equal one engine's."""
+documents together; every endpoint answers as with one worker, and outputs equal one engine's.
+Each pool holds about six entries (12M), so requests of five or six documents evict."""
+import random
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,8 @@ Prompt = Callable[[list[int], str], str]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    process = start_server(["--workers", "2", "--threads", "1", "--log-level", "warning"], log, threads=None)
+    process = start_server(["--workers", "2", "--threads", "1", "--public-pool-size", "12M", "--log-level", "warning"],
+                           log, threads=None)
     yield process
     process.stop()
 
@@ -48,3 +52,32 @@ def test_every_endpoint_still_answers(server: ServerProcess, pic_prompt: Prompt)
     assert completion["choices"][0]["text"]
     assert server.post("/tokenize", {"prompt": "hello"})["tokens"]
     assert server.request("POST", "/flush_cache")[0] == 200
+
+
+def test_warmup_spreads_documents_and_requests_pull_them(server: ServerProcess, pic_prompt: Prompt,
+                                                          docs: list[str]) -> None:
+    """Documents warmed on either worker: a request holding some here and some on the peer pulls
+    the peer's, and every document is a hit, as on one warmed engine."""
+    assert server.post("/flush_cache", {})["peer_entries_dropped"] >= 0
+    warmed = server.post("/warmup", {"documents": docs[:4]})
+    assert warmed["documents"] == 4
+    assert server.get("/get_server_info")["workers"]["held_entries"]["1"] == 2  # LPT: two documents each
+    engine = Engine.from_pretrained("default")
+    engine.warmup(docs[:4])
+    prompt = pic_prompt([3, 1, 0, 2], "Who studied badgers?")
+    expected = engine.generate(prompt, max_new_tokens=8)
+    served = _generate(server, prompt)
+    assert served["output_ids"] == expected.output_ids and served["meta_info"]["cached_tokens"] == expected.cached_tokens
+
+
+def test_concurrent_requests_under_eviction(server: ServerProcess, pic_prompt: Prompt) -> None:
+    """Six requests at once, five documents each out of ten, pools of about six entries: the index
+    goes stale under the requests' feet; outputs stay one engine's."""
+    engine = Engine.from_pretrained("default")
+    rng = random.Random(11)
+    prompts = [pic_prompt(rng.sample(range(10), 5), f"Question {i}: where was the egret born?") for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        served = list(pool.map(lambda p: _generate(server, p)["output_ids"], prompts))
+    assert served == [engine.generate(p, max_new_tokens=8).output_ids for p in prompts]
+    status = server.get("/get_server_info")["workers"]
+    assert status["lost_workers"] == [] and set(status["queued_tokens"].values()) == {0}  # all released
