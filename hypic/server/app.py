@@ -2,6 +2,7 @@
 health, info, flush and metrics. Handlers validate and tokenize; the engine loop does the rest."""
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ from .shapes import OpenAIStream, Shaper
 from .stats import prometheus_text
 
 DISCONNECT_POLL_S = 0.25
+log = logging.getLogger("hypic.server")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Server:
 
     def __init__(self, loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> None:
         self.loop, self.info, self.peers = loop, info, peers
+        self.peer_failures = 0  # requests whose peer prefill broke (they ran here alone)
         self.render_chat = chat_renderer(info.chat_template)
         self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
         self.started = time.time()
@@ -122,10 +125,18 @@ class Server:
 
     async def _prefill_on_peers(self, parts: PromptParts) -> None:
         """With peers: the request's cold documents are prefilled here (in chunks, on the loop) and
-        on the peers at once, and what the peers ship is stored here, before the request is queued."""
+        on the peers at once, and what the peers ship is stored here, before the request is queued.
+        If that breaks, the request runs here alone: the combine pass builds what is missing."""
         engine, mode = self.loop.engine, self.loop.mode
         if self.peers is None or not engine.policy(mode).caches_segments:
             return
+        try:
+            await self._peer_prefill(parts, engine, mode)
+        except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
+            self.peer_failures += 1
+            log.warning("peer prefill failed (%s: %s); the request runs on this worker alone", type(err).__name__, err)
+
+    async def _peer_prefill(self, parts: PromptParts, engine: Any, mode: str) -> None:
         plan = self.peers.plan(parts, mode, lambda key: key in engine.store.entries)
         local = self.peers.local_segments(plan)
         building = asyncio.wrap_future(self.loop.build(local)) if local else None
@@ -316,7 +327,8 @@ class Server:
         return {**{k: v for k, v in asdict(self.info).items() if k != "chat_template"}, **self.loop.snapshot,
                 "uptime_s": time.time() - self.started, "version": __version__, "max_total_num_tokens": tokens,
                 "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval,
-                "workers": self.peers.status() if self.peers is not None else {"workers": [0], "lost_workers": []}}
+                "workers": {**(self.peers.status() if self.peers is not None else {"workers": [0], "lost_workers": []}),
+                            "peer_prefill_failures": self.peer_failures}}
 
 
 class ModelNotFound(HypicError):

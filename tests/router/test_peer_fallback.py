@@ -1,0 +1,39 @@
+"""A peer path that breaks costs only speed: the request runs on the server's engine alone."""
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from hypic import DEFAULT_SEPARATOR, Engine, default_model_path
+from hypic.server.app import ServerInfo, build_app
+from hypic.server.chat import load_chat_template
+from hypic.server.loop import EngineLoop
+
+
+class BrokenPeers:
+    """Peers whose every call fails (e.g. the Ray cluster went away)."""
+
+    def plan(self, parts: Any, mode: str, held_locally: Callable[[str], bool]) -> Any:
+        raise ConnectionError("the Ray cluster is unreachable")
+
+    def status(self) -> dict[str, Any]:
+        return {"workers": [0], "lost_workers": [1]}
+
+
+def test_a_broken_peer_path_falls_back_to_the_local_engine(pic_prompt: Callable[[list[int], str], str]) -> None:
+    engine = Engine.from_pretrained("default")
+    template, from_model = load_chat_template(default_model_path())
+    info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
+                      DEFAULT_SEPARATOR, 256, 8, None, None, "cpu", "float32")
+    loop = EngineLoop(engine, "hypic")
+    loop.start()
+    try:
+        client = TestClient(build_app(loop, info, BrokenPeers()))
+        prompt = pic_prompt([0, 1, 2], "Where was the badger born?")
+        response = client.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        assert response.status_code == 200
+        expected = Engine.from_pretrained("default").generate(prompt, max_new_tokens=8)
+        assert response.json()["output_ids"] == expected.output_ids
+        assert client.get("/get_server_info").json()["workers"]["peer_prefill_failures"] == 1
+    finally:
+        loop.stop()
