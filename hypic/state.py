@@ -74,6 +74,13 @@ class AttentionLayerState:
     def fork(self) -> "AttentionLayerState":
         return AttentionLayerState(self.keys, self.values, self.capacity)
 
+    def __getstate__(self) -> dict[str, torch.Tensor]:
+        """Pickled (sent to another process) as the tokens held, not the spare capacity."""
+        return {"keys": self.keys.clone(), "values": self.values.clone()}
+
+    def __setstate__(self, held: dict[str, torch.Tensor]) -> None:
+        self.__init__(held["keys"], held["values"])  # type: ignore[misc]
+
     @property
     def nbytes(self) -> int:
         """Bytes of both buffers at their capacity (what the layer holds in memory)."""

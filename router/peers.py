@@ -1,20 +1,37 @@
-"""Peer prefill for ``hypic serve --workers N``: the server process is worker 0 and the combine
-node of every request (its engine loop serves every endpoint as with one worker); workers 1..N-1
-are Ray actors that prefill the request's cold documents alongside it and ship their entries."""
+"""Peer prefill for ``hypic serve --workers N``: the server process is worker 0 (its engine loop
+serves every endpoint and decodes every request as with one worker); workers 1..N-1 are Ray
+actors that prefill the request's cold documents alongside it. The combine node is the worker
+holding the most of the request's hit tokens (the server on ties): the server itself (peers ship
+their entries here), or a peer (everyone ships there; it runs the combine pass and sends back
+the request's state, which the server decodes)."""
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import ray
+from ray.exceptions import GetTimeoutError
+
 from hypic import DEFAULT_SEPARATOR
-from hypic.engine import Engine
+from hypic.engine import Engine, Prefill
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
 from .plan import Plan, make_plan
-from .pool import WorkerPool, entries_of, start_ray
+from .pool import WorkerLost, WorkerPool, entries_of, start_ray
 from .splitter import Splitter
 from .transfer import install_entries
 
 LOCAL = 0  # the server's own engine
+
+
+@dataclass
+class Dispatch:
+    """A plan whose peer work has started: its build and shipment refs (see ``WorkerPool.dispatch``)."""
+
+    plan: Plan
+    mode: str
+    builds: list[tuple[int, ray.ObjectRef]]
+    shipments: list[tuple[int, ray.ObjectRef]]
 
 
 class PeerPrefill:
@@ -34,17 +51,19 @@ class PeerPrefill:
         if any(f != self.splitter.fingerprint for f in self.pool.fingerprints()):
             raise RuntimeError("the workers loaded a different model than the server")
 
-    def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool]) -> Plan:
-        """Documents the local engine holds are hits there; the rest go by LPT over every live worker."""
+    def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool],
+             combine: int | None = None) -> Plan:
+        """Documents the local engine holds are hits there; the rest go by LPT over every live worker.
+        The combine node holds the most hit tokens unless ``combine`` says."""
         jobs = self.splitter.jobs(parts, mode)
         with self.pool.lock:
             self.pool.index.sync(LOCAL, [job.key for job in jobs if held_locally(job.key)])
-            return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=LOCAL)
+            return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=combine)
 
     def plan_documents(self, documents: list[str], mode: str, held_locally: Callable[[str], bool]) -> Plan:
         """A warm-up's documents, spread by LPT over every live worker (those held anywhere skipped)."""
         parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]))
-        return self.plan(parts, mode, held_locally)
+        return self.plan(parts, mode, held_locally, combine=LOCAL)
 
     def cache(self, plan: Plan, mode: str) -> None:
         """Build the peers' part of a warm-up plan; the entries stay on the peers."""
@@ -58,14 +77,42 @@ class PeerPrefill:
         """The cold documents the local engine prefills itself."""
         return [job.token_ids for job in plan.builds.get(LOCAL, [])]
 
-    def collect(self, plan: Plan, mode: str) -> list[SegmentEntry]:
-        """Blocks until every peer's part of ``plan`` is in: the entries it built or held (a lost
-        peer's are missing: the local combine pass recomputes them)."""
+    def dispatch(self, plan: Plan, mode: str) -> Dispatch:
+        """Start the peers' part of ``plan`` (their builds and pulls); returns at once."""
         builds, shipments = self.pool.dispatch(plan, mode)
+        return Dispatch(plan, mode, builds, shipments)
+
+    def collect(self, dispatch: Dispatch) -> list[SegmentEntry]:
+        """Blocks until every peer's part of a local-combine plan is in: the entries it built or held
+        (a lost peer's are missing: the local combine pass recomputes them)."""
         lost: list[int] = []
         try:
-            self.pool.wait(builds, lost)
-            return entries_of(self.pool.wait(shipments, lost, forget=False))
+            self.pool.wait(dispatch.builds, lost)
+            return entries_of(self.pool.wait(dispatch.shipments, lost, forget=False))
+        finally:
+            self.pool.finish(dispatch.plan, lost)
+
+    @staticmethod
+    def local_shipment(plan: Plan) -> list[str]:
+        """Keys the server must send to a remote combine node: what it builds and what it holds."""
+        return [job.key for job in plan.builds.get(LOCAL, [])] + plan.pulls.get(LOCAL, [])
+
+    def prefill_remotely(self, dispatch: Dispatch, parts: PromptParts, logits_from: int | None,
+                         local_entries: list[SegmentEntry]) -> Prefill:
+        """Blocks until the remote combine node has received every entry and run the request's
+        combine pass; returns its ``Prefill`` (the state the server decodes). Raises if the combine
+        node is lost (it is forgotten; the caller prefills locally instead)."""
+        plan, lost = dispatch.plan, []
+        combine = self.pool.workers[plan.combine]
+        shipped = [ref for _, ref in dispatch.shipments] + ([ray.put(local_entries)] if local_entries else [])
+        installed = combine.install.remote(dispatch.mode, *shipped)
+        try:
+            self.pool.wait(dispatch.builds, lost)
+            self.pool.wait([(plan.combine, installed)], lost, forget=False)
+            return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from), timeout=self.pool.timeout_s)
+        except (WorkerLost, GetTimeoutError):
+            self.pool.forget(plan.combine, kill=True)
+            raise
         finally:
             self.pool.finish(plan, lost)
 

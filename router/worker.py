@@ -5,7 +5,8 @@ import torch
 
 from hypic.assembler import drain
 
-from hypic.engine import Engine, GenerationResult
+from hypic.engine import Engine, GenerationResult, Prefill
+from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
 from .transfer import install_entries
@@ -57,6 +58,10 @@ class Worker:
     def rejected(self) -> int:
         """How many received entries failed their check."""
         return self.rejected_entries
+
+    def prefill(self, parts: PromptParts, mode: str, logits_from: int | None = None) -> Prefill:
+        """The request's combine pass on this worker (its combine node); the caller decodes the state."""
+        return self.engine.prefill(parts, mode, logits_from)
 
     def generate(self, prompt: str, mode: str, sampling: dict[str, Any]) -> GenerationResult:
         return self.engine.generate(prompt, mode=mode, **sampling)

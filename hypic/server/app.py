@@ -5,6 +5,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -17,7 +18,7 @@ from ..errors import HypicError, InvalidRequest
 from ..segments import PromptParts
 from ..sequence import Sequence
 from .chat import chat_renderer
-from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull
+from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull, input_logits_from
 from .protocol import (Completion, GenerationRequest, json_object, only_fields, parse_chat, parse_completion,
                        parse_generate, parse_warmup)
 from .shapes import OpenAIStream, Shaper
@@ -90,6 +91,7 @@ class Server:
     def __init__(self, loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> None:
         self.loop, self.info, self.peers = loop, info, peers
         self.peer_failures = 0  # requests whose peer prefill broke (they ran here alone)
+        self.remote_prefills = ThreadPoolExecutor(8, thread_name_prefix="hypic-remote-prefill")  # waits on peers
         self.render_chat = chat_renderer(info.chat_template)
         self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
         self.started = time.time()
@@ -111,8 +113,8 @@ class Server:
         grammar take time; a bad one in a batch starts none); their events arrive on one queue as
         (position in the batch, event)."""
         prepared = [await asyncio.to_thread(self._prepare, request) for request in requests]
-        for _, parts, _ in prepared:
-            await self._prefill_on_peers(parts)
+        remotes = [await self._prefill_on_peers(parts, input_logits_from(request, len(parts.token_ids)))
+                   for request, parts, _ in prepared]
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         jobs = []
@@ -120,31 +122,39 @@ class Server:
             def emit(event: Event, position: int = position) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, (position, event))
 
-            jobs.append(self.loop.submit(parts, request, sequences, emit))
+            jobs.append(self.loop.submit(parts, request, sequences, emit, remote=remotes[position]))
         return jobs, events
 
-    async def _prefill_on_peers(self, parts: PromptParts) -> None:
+    async def _prefill_on_peers(self, parts: PromptParts, logits_from: int | None) -> Future | None:
         """With peers: the request's cold documents are prefilled here (in chunks, on the loop) and
-        on the peers at once, and what the peers ship is stored here, before the request is queued.
-        If that breaks, the request runs here alone: the combine pass builds what is missing."""
+        on the peers at once. If this server is the combine node, the peers' entries are stored here
+        (returns None); else its entries go to the peer that is, and the returned future will hold
+        that peer's ``Prefill``. If this breaks, the request runs here alone."""
         engine, mode = self.loop.engine, self.loop.mode
         if self.peers is None or not engine.policy(mode).caches_segments:
-            return
+            return None
         try:
-            await self._peer_prefill(parts, engine, mode)
+            return await self._peer_prefill(parts, engine, mode, logits_from)
         except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
             self.peer_failures += 1
             log.warning("peer prefill failed (%s: %s); the request runs on this worker alone", type(err).__name__, err)
+            return None
 
-    async def _peer_prefill(self, parts: PromptParts, engine: Any, mode: str) -> None:
-        plan = self.peers.plan(parts, mode, lambda key: key in engine.store.entries)
+    async def _peer_prefill(self, parts: PromptParts, engine: Any, mode: str, logits_from: int | None) -> Future | None:
+        store = engine.store
+        plan = self.peers.plan(parts, mode, lambda key: key in store.entries)
+        dispatch = self.peers.dispatch(plan, mode)
         local = self.peers.local_segments(plan)
-        building = asyncio.wrap_future(self.loop.build(local)) if local else None
-        entries = await asyncio.to_thread(self.peers.collect, plan, mode)
-        if building is not None:
-            await building
-        if entries:
-            await asyncio.wrap_future(self.loop.call(lambda: self.peers.install(engine, entries, mode)))
+        if local:
+            await asyncio.wrap_future(self.loop.build(local))
+        if plan.combine == 0:
+            entries = await asyncio.to_thread(self.peers.collect, dispatch)
+            if entries:
+                await asyncio.wrap_future(self.loop.call(lambda: self.peers.install(engine, entries, mode)))
+            return None
+        keys = self.peers.local_shipment(plan)
+        shipped = await asyncio.wrap_future(self.loop.call(lambda: [e for k in keys if (e := store.entries.get(k))]))
+        return self.remote_prefills.submit(self.peers.prefill_remotely, dispatch, parts, logits_from, shipped)
 
     async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
         """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""

@@ -8,6 +8,7 @@ it has waited (so a long cold request does not hold up short ones, and is not st
 A request starts only when the state it may hold fits ``max_state_bytes``; the waiting queue is
 bounded. An error in one request fails that request only. A request's n samples share its prefill.
 """
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from ..state import RequestState
 from .protocol import Completion, GenerationRequest, SampleResult
 from .stats import LoopStats
 
+log = logging.getLogger("hypic.server")
 WAIT_CREDIT_TOKENS_PER_S = 256.0  # a request that has waited t seconds counts as 256 t tokens smaller
 
 
@@ -57,6 +59,11 @@ class ErrorEvent:
 Event = ProgressEvent | DoneEvent | ErrorEvent
 
 
+def input_logits_from(request: GenerationRequest, prompt_tokens: int) -> int | None:
+    """The first prompt position whose logits the request needs (input logprobs), or None."""
+    return None if request.logprobs is None else request.logprobs.input_from(prompt_tokens)
+
+
 @dataclass(eq=False)
 class Job:
     """A request inside the loop: its prompt, its samples, and where its events go."""
@@ -76,6 +83,11 @@ class Job:
     input_logprobs: list[TokenLogprob | None] | None = None
     remaining: int = 0  # about how many prompt tokens its prefill still computes
     footprint: int = 0  # bytes of state its samples may hold (prompt + max_new_tokens each)
+    remote: Future | None = None  # its Prefill computed elsewhere (another worker); None: here
+
+    @property
+    def awaiting_remote(self) -> bool:
+        return self.remote is not None and self.steps is None and not self.remote.done()
 
     def cancel(self) -> None:
         """Safe from any thread: the loop drops the job at its next iteration."""
@@ -83,10 +95,7 @@ class Job:
 
     @property
     def logits_from(self) -> int | None:
-        """The first prompt position whose logits the request needs (input logprobs), or None."""
-        if self.request.logprobs is None:
-            return None
-        return self.request.logprobs.input_from(len(self.parts.token_ids))
+        return input_logits_from(self.request, len(self.parts.token_ids))
 
     @property
     def finished(self) -> bool:
@@ -158,15 +167,19 @@ class EngineLoop:
         self.inbox.put(item)
 
     def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
-               emit: Callable[[Event], None]) -> Job:
-        """Queue a validated request whose samples (``Engine.sequences``) are ready to run."""
-        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit)
+               emit: Callable[[Event], None], remote: Future | None = None) -> Job:
+        """Queue a validated request whose samples (``Engine.sequences``) are ready to run.
+        ``remote``: its ``Prefill``, being computed elsewhere (if that fails, it is prefilled here)."""
+        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit,
+                  remote=remote)
         job.footprint = self.engine.state_bytes(len(parts.token_ids) + request.params.max_new_tokens, len(sequences))
         if self.max_state_bytes is not None and job.footprint > self.max_state_bytes:
             raise InvalidRequest(f"the request's state may take {job.footprint} bytes (KV of prompt + max_new_tokens "
                                  f"and linear states, times n), over the server's --max-state-memory of "
                                  f"{self.max_state_bytes} bytes")
         self._enqueue(job)
+        if remote is not None:  # wake the loop when the remote prefill is in
+            remote.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
         return job
 
     def warmup(self, documents: list[str]) -> Future:
@@ -197,7 +210,8 @@ class EngineLoop:
     def _main(self) -> None:
         torch.set_grad_enabled(False)
         while True:
-            if not self._drain(block=not (self.waiting or self.running)):
+            if not self._drain(block=not self.running and all(isinstance(p, Job) and p.awaiting_remote
+                                                                  for p in self.waiting)):
                 return
             self._drop_cancelled()
             pending = self._next_prefill()
@@ -248,7 +262,10 @@ class EngineLoop:
         return sum(job.footprint for job in self.running) + sum(p.footprint for p in self.waiting if p.steps is not None)
 
     def _startable(self, pending: Pending) -> bool:
-        """A prefill under way always continues; a new one needs a running slot and room."""
+        """A prefill under way always continues; a new one needs a running slot and room (and, if
+        computed elsewhere, its result)."""
+        if isinstance(pending, Job) and pending.awaiting_remote:
+            return False
         if pending.steps is not None or isinstance(pending, WarmupTask):
             return True
         started = sum(1 for p in self.waiting if isinstance(p, Job) and p.steps is not None)
@@ -303,9 +320,18 @@ class EngineLoop:
                 self._finish(pending)
                 self.stats.requests_cancelled += 1
 
+    def _prefill_steps(self, job: Job) -> Generator[None, None, Prefill]:
+        """The job's remote Prefill, or its prefill here (also when the remote one failed)."""
+        if job.remote is not None:
+            try:
+                return job.remote.result()
+            except Exception as err:  # a lost combine node: prefill here instead
+                log.warning("remote prefill of %s failed (%s: %s); prefilling here", job.rid, type(err).__name__, err)
+        return (yield from self.engine.prefill_steps(job.parts, job.mode, job.logits_from))
+
     def _advance_prefill(self, job: Job) -> None:
         if job.steps is None:
-            job.steps = self.engine.prefill_steps(job.parts, job.mode, job.logits_from)
+            job.steps = self._prefill_steps(job)
         try:
             next(job.steps)
             job.remaining = max(1, job.remaining - self.engine.chunk_tokens)

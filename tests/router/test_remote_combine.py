@@ -1,0 +1,71 @@
+"""The server's combine node is the worker holding the most hit tokens: a peer that holds most of a
+request's documents runs its combine pass and sends the state back; the server decodes it. Outputs
+equal one engine's; a combine node lost meanwhile costs only the remote prefill (done here instead)."""
+from collections.abc import Callable, Iterator
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+
+from hypic import DEFAULT_SEPARATOR, Engine, default_model_path
+from hypic.router import PeerPrefill
+from hypic.server.app import ServerInfo, build_app
+from hypic.server.chat import load_chat_template
+from hypic.server.loop import EngineLoop
+
+Prompt = Callable[[list[int], str], str]
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[TestClient, PeerPrefill, EngineLoop]]:
+    template, from_model = load_chat_template(default_model_path())
+    info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
+                      DEFAULT_SEPARATOR, 256, 8, None, None, "cpu", "float32")
+    peers = PeerPrefill("default", 2, threads=1)
+    loop = EngineLoop(Engine.from_pretrained("default"), "hypic")
+    loop.start()
+    try:
+        yield TestClient(build_app(loop, info, peers)), peers, loop
+    finally:
+        loop.stop()
+        peers.shutdown()
+        ray.shutdown()
+
+
+def _warm_peer(peers: PeerPrefill, docs: list[str]) -> None:
+    parts = peers.splitter.parse(DEFAULT_SEPARATOR.join(["", *docs, ""]))
+    ray.get(peers.pool.workers[1].build.remote([(j.key, j.token_ids) for j in peers.splitter.jobs(parts, "hypic")], "hypic"))
+    peers.pool.sync(1)
+
+
+def _generate(client: TestClient, prompt: str) -> dict:
+    response = client.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_the_peer_holding_most_documents_combines(served, pic_prompt: Prompt, docs: list[str]) -> None:
+    client, peers, loop = served
+    _warm_peer(peers, docs[:4])
+    prompt = pic_prompt([2, 0, 3, 1, 4], "Who studied lynxes?")
+    plan = peers.plan(loop.engine.parse(prompt), "hypic", lambda key: False)
+    assert plan.combine == 1 and [job.key for job in plan.builds[0]] == [plan.builds[0][0].key]  # doc 4 built here
+    engine = Engine.from_pretrained("default")
+    engine.warmup(docs[:5])
+    expected = engine.generate(prompt, max_new_tokens=8)
+    result = _generate(client, prompt)
+    assert result["output_ids"] == expected.output_ids
+    assert result["meta_info"]["cached_tokens"] == expected.cached_tokens  # every document a hit on the peer
+    assert len(loop.engine.store.entries) == 1  # only its own build is here: it was shipped, not spliced here
+    assert plan.builds[0][0].key in peers.pool.index.keys_of(1)
+
+
+def test_a_lost_remote_combine_node_falls_back_here(served, pic_prompt: Prompt, docs: list[str]) -> None:
+    client, peers, loop = served
+    _warm_peer(peers, docs[:4])
+    ray.kill(peers.pool.workers[1])
+    prompt = pic_prompt([3, 2, 1, 0], "Where was the heron born?")
+    expected = Engine.from_pretrained("default").generate(prompt, max_new_tokens=8)
+    assert _generate(client, prompt)["output_ids"] == expected.output_ids
+    assert client.get("/get_server_info").json()["workers"]["lost_workers"] == [1]
+    assert _generate(client, pic_prompt([0, 1], "Who had a red coat?"))["output_ids"]  # the next one runs here
