@@ -31,10 +31,21 @@ class Plan:
         return {worker: sum(job.tokens for job in jobs) for worker, jobs in self.builds.items()}
 
 
-def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int], combine: int | None = None) -> Plan:
-    """The combine node (unless given) holds the most of the request's hit tokens (ties: the least
-    loaded, then the lowest id); documents no live worker holds are spread by LPT over every
-    worker, counting the tokens each already has queued (``loads``, live workers only)."""
+MATCH_WEIGHT = 2.0  # how much a cached fraction of the request outweighs a normalised load
+
+
+def combine_score(held: int, total: int, load: int, max_load: int, match_weight: float = MATCH_WEIGHT) -> float:
+    """A worker's fitness as a request's combine node (seed 000's cache-aware routing): match weight x
+    the fraction of the request's ``total`` document tokens it holds, less its normalised load (its
+    queued tokens over the busiest worker's plus this request's, in [0, 1))."""
+    return match_weight * held / max(total, 1) - load / max(max_load + total, 1)
+
+
+def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int], combine: int | None = None,
+              match_weight: float = MATCH_WEIGHT) -> Plan:
+    """The combine node (unless given) has the best ``combine_score`` (ties: the lowest id);
+    documents no live worker holds are spread by LPT over every worker, counting the tokens each
+    already has queued (``loads``, live workers only)."""
     if not loads or (combine is not None and combine not in loads):
         raise ValueError("no live workers" if not loads else f"combine node {combine} is not live")
     unique = list({job.key: job for job in jobs}.values())
@@ -42,7 +53,8 @@ def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int]
     holders = {job.key: index.holders(job.key) & live for job in unique}
     held = {w: sum(job.tokens for job in unique if w in holders[job.key]) for w in loads}
     if combine is None:
-        combine = min(loads, key=lambda w: (-held[w], loads[w], w))
+        total, busiest = sum(job.tokens for job in unique), max(loads.values())
+        combine = min(loads, key=lambda w: (-combine_score(held[w], total, loads[w], busiest, match_weight), w))
     plan = Plan(combine)
     cold = [job for job in unique if not holders[job.key]]
     workers = sorted(loads)

@@ -39,3 +39,15 @@ def test_dead_workers_are_neither_holders_nor_builders() -> None:
 
 def test_ties_go_to_the_least_loaded_worker() -> None:
     assert make_plan([_job("x", 10)], SegmentIndex(), {0: 500, 1: 20}).combine == 1
+
+
+def test_a_busy_holder_loses_the_combine_to_an_idle_worker_only_when_it_holds_little() -> None:
+    """score = 2 x cached fraction - queued / (busiest queue + the request's 1000 document tokens)."""
+    index = SegmentIndex()
+    index.record(0, ["a"])
+    jobs = [_job("a", 300), _job("b", 700)]  # worker 0 holds 30 % of the request
+    assert make_plan(jobs, index, {0: 1000, 1: 0}).combine == 0  # 0.6 - 0.5 > 0 - 0
+    assert make_plan(jobs, index, {0: 5000, 1: 0}).combine == 1  # 0.6 - 0.83 < 0
+    index.record(0, ["b"])  # now it holds everything
+    assert make_plan(jobs, index, {0: 5000, 1: 0}).combine == 0  # 2.0 - 0.83 > 0
+    assert make_plan(jobs, index, {0: 5000, 1: 0}, match_weight=0.5).combine == 1  # 0.5 - 0.83 < 0
