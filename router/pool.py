@@ -11,6 +11,7 @@ from hypic.store import SegmentEntry
 
 from .index import SegmentIndex
 from .plan import Plan
+from .serialization import register_tensor_serializer
 from .worker import Worker
 
 WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskError: its worker lives on)
@@ -18,12 +19,12 @@ WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskErr
 
 def start_ray(cpus: int, address: str | None) -> None:
     """Join ``address``, or start a local Ray runtime with ``cpus`` CPUs (once per process)."""
-    if ray.is_initialized():
-        return
-    if address is None:
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=address, log_to_driver=False)
+    if not ray.is_initialized():
+        if address is None:
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    register_tensor_serializer()
 
 
 class WorkerPool:

@@ -9,6 +9,7 @@ from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
+from .serialization import register_tensor_serializer
 from .transfer import install_entries
 
 
@@ -17,6 +18,7 @@ class Worker:
     Ray runs each method to completion before the next, so the engine is never shared."""
 
     def __init__(self, model: str, threads: int | None = None, options: dict[str, Any] | None = None) -> None:
+        register_tensor_serializer()
         if threads is not None:
             torch.set_num_threads(threads)
         self.engine = Engine.from_pretrained(model, **(options or {}))
