@@ -7,13 +7,13 @@ import torch
 _AS_INT = {torch.bfloat16: torch.int16}  # dtypes numpy lacks travel as same-width integers
 
 
-def _to_array(tensor: torch.Tensor) -> tuple[str, np.ndarray]:
+def tensor_to_array(tensor: torch.Tensor) -> tuple[str, np.ndarray]:
     tensor = tensor.detach().cpu().contiguous()
     carrier = _AS_INT.get(tensor.dtype)
     return str(tensor.dtype), (tensor.view(carrier) if carrier is not None else tensor).numpy()
 
 
-def _from_array(packed: tuple[str, np.ndarray]) -> torch.Tensor:
+def tensor_from_array(packed: tuple[str, np.ndarray]) -> torch.Tensor:
     name, array = packed
     dtype = getattr(torch, name.removeprefix("torch."))
     tensor = torch.from_numpy(array.copy() if not array.flags.writeable else array)
@@ -22,4 +22,4 @@ def _from_array(packed: tuple[str, np.ndarray]) -> torch.Tensor:
 
 def register_tensor_serializer() -> None:
     """Use the numpy path for ``torch.Tensor`` in this process (each Ray process registers its own)."""
-    ray.util.register_serializer(torch.Tensor, serializer=_to_array, deserializer=_from_array)
+    ray.util.register_serializer(torch.Tensor, serializer=tensor_to_array, deserializer=tensor_from_array)
