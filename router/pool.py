@@ -14,6 +14,7 @@ from .plan import Plan
 from .serialization import register_tensor_serializer
 from .worker import Worker
 
+MAX_CALLS = 64  # a worker's calls in flight at once (they wait on its one work queue)
 WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskError: its worker lives on)
 
 
@@ -37,7 +38,7 @@ class WorkerPool:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s = timeout_s  # a worker that has not answered a wait in this long is lost
-        actor = ray.remote(num_cpus=threads, max_restarts=0)(Worker)
+        actor = ray.remote(num_cpus=threads, max_restarts=0, max_concurrency=MAX_CALLS)(Worker)
         self.workers = {w: actor.remote(model, threads, options) for w in ids}
         self.index = SegmentIndex()
         self.queued = {w: 0 for w in (*local, *ids)}  # tokens of cold documents dispatched, not done
@@ -51,12 +52,13 @@ class WorkerPool:
         """One build task per cold document an actor builds (each actor's in LPT order). Returns
         every build's (worker, ref) and what goes to the combine node (peers' builds in the order
         they finish, then the pulls)."""
-        per_worker = {}
+        per_worker, priority = {}, sum(plan.build_tokens().values())  # the request's uncached document tokens
         with self.lock:
             self._reserve(plan)
             for worker, jobs in plan.builds.items():
                 if worker in self.workers:
-                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode) for j in jobs]
+                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode, priority)
+                                          for j in jobs]
             pulls = [(w, self.workers[w].fetch.remote(keys)) for w, keys in plan.pulls.items() if w in self.workers]
         builds = [(w, ref) for w, refs in per_worker.items() for ref in refs]
         rounds = max(map(len, per_worker.values()), default=0)

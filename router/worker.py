@@ -4,18 +4,19 @@ from typing import Any
 import torch
 
 from hypic.assembler import drain
-
 from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
 from .serialization import register_tensor_serializer
 from .transfer import install_entries
+from .work_queue import WorkQueue
 
 
 class Worker:
     """Builds document interiors for peers, installs theirs (checked), and runs combine passes.
-    Ray runs each method to completion before the next, so the engine is never shared."""
+    Ray calls its methods concurrently (a threaded actor); all engine work goes through one
+    ``WorkQueue`` thread: builds by their request's uncached tokens (``priority``), the rest first."""
 
     def __init__(self, model: str, threads: int | None = None, options: dict[str, Any] | None = None) -> None:
         register_tensor_serializer()
@@ -23,13 +24,18 @@ class Worker:
             torch.set_num_threads(threads)
         self.engine = Engine.from_pretrained(model, **(options or {}))
         self.rejected_entries = 0
+        self.queue = WorkQueue()
 
     def fingerprint(self) -> str:
         return self.engine.fingerprint
 
-    def build(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[SegmentEntry]:
+    def build(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str, priority: float = 0) -> list[SegmentEntry]:
         """Each (key, token ids) prefilled alone unless this worker already holds it; the entries
-        stay in this worker's public pool (when they fit) and go back to the caller."""
+        stay in this worker's public pool (when they fit) and go back to the caller. ``priority``:
+        the tokens the request still needs built (fewer go first)."""
+        return self.queue.run(lambda: self._build_all(jobs, mode), priority)
+
+    def _build_all(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[SegmentEntry]:
         policy, entries = self.engine.policy(mode), []
         for key, token_ids in jobs:
             entry, found = self.engine.lookup_segment(token_ids, policy)
@@ -38,24 +44,26 @@ class Worker:
             entries.append(entry if entry is not None else self._build(key, token_ids, mode))
         return entries
 
-    def cache(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[str]:
+    def cache(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str, priority: float = 0) -> list[str]:
         """``build`` for a warm-up: the entries stay here; only their keys go back."""
-        return [entry.key for entry in self.build(jobs, mode)]
+        return [entry.key for entry in self.build(jobs, mode, priority)]
 
     def _build(self, key: str, token_ids: tuple[int, ...], mode: str) -> SegmentEntry:
         return drain(self.engine.build_segment(key, token_ids, self.engine.policy(mode)))
 
     def fetch(self, keys: list[str]) -> list[SegmentEntry]:
         """The entries of ``keys`` this worker still holds (evicted ones are left out)."""
-        held = (self.engine.store.entries.get(key) for key in keys)
-        return [entry for entry in held if entry is not None]
+        return self.queue.run(lambda: [e for e in (self.engine.store.entries.get(k) for k in keys) if e is not None])
 
     def install(self, mode: str, *batches: list[SegmentEntry]) -> list[str]:
         """Check and store peers' entries (each batch: one peer's list); returns the keys kept. An
         entry that fails the check is dropped (and counted): the combine pass recomputes it."""
-        kept, refused = install_entries(self.engine, [entry for batch in batches for entry in batch], mode)
-        self.rejected_entries += refused
-        return kept
+        def install() -> list[str]:
+            kept, refused = install_entries(self.engine, [entry for batch in batches for entry in batch], mode)
+            self.rejected_entries += refused
+            return kept
+
+        return self.queue.run(install)
 
     def rejected(self) -> int:
         """How many received entries failed their check."""
@@ -63,16 +71,15 @@ class Worker:
 
     def prefill(self, parts: PromptParts, mode: str, logits_from: int | None = None) -> Prefill:
         """The request's combine pass on this worker (its combine node); the caller decodes the state."""
-        return self.engine.prefill(parts, mode, logits_from)
+        return self.queue.run(lambda: self.engine.prefill(parts, mode, logits_from))
 
     def generate(self, prompt: str, mode: str, sampling: dict[str, Any]) -> GenerationResult:
-        return self.engine.generate(prompt, mode=mode, **sampling)
+        return self.queue.run(lambda: self.engine.generate(prompt, mode=mode, **sampling))
 
     def flush(self) -> int:
         """Drop every cached entry and request state; returns the entries dropped."""
-        self.engine.prefix_cache.clear()
-        return self.engine.store.clear()
+        return self.queue.run(lambda: (self.engine.prefix_cache.clear(), self.engine.store.clear())[1])
 
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""
-        return list(self.engine.store.entries)
+        return self.queue.run(lambda: list(self.engine.store.entries))

@@ -2,12 +2,13 @@
 worker), reordered and evicted documents (the single engine is itself checked against the
 independent reference in tests/hypic/test_fidelity.py)."""
 import random
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import ray
 
-from hypic import Engine
+from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.router import Router
 
 Prompt = Callable[[list[int], str], str]
@@ -65,3 +66,21 @@ def test_eviction_never_splices_a_wrong_entry(router: Router, engine: Engine, pi
     assert router.pool.queued == {0: 0, 1: 0}  # every request released what it queued
     for worker in router.workers:  # every insert is followed by a sync: the index is exact
         assert router.index.keys_of(worker) == set(ray.get(router.workers[worker].held.remote()))
+
+
+def test_a_worker_builds_for_the_request_with_fewer_uncached_tokens_first(router: Router, docs: list[str]) -> None:
+    """Worker 1 is busy; a request needing 3000 tokens queues before one needing 100: the second's
+    document is built first."""
+    def jobs(texts: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+        parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *texts, ""]))
+        return [(job.key, job.token_ids) for job in router.splitter.jobs(parts, "hypic")]
+
+    worker = router.workers[1]
+    busy = worker.build.remote(jobs([" ".join(docs) + f" Busy {i}." for i in range(3)]), "hypic", 5000)
+    time.sleep(0.3)
+    large = worker.build.remote(jobs([" ".join(docs) + " Large."]), "hypic", 3000)
+    time.sleep(0.1)
+    small = worker.build.remote(jobs([docs[9] + " Small."]), "hypic", 100)
+    first, _ = ray.wait([large, small], num_returns=1)
+    assert first == [small]
+    ray.get([busy, large])
