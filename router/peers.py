@@ -1,9 +1,9 @@
 """Peer prefill for ``hypic serve --workers N``: the server process is worker 0 (its engine loop
 serves every endpoint and decodes every request as with one worker); workers 1..N-1 are Ray
 actors that prefill the request's cold documents alongside it. The combine node is the worker
-holding the most of the request's hit tokens (the server on ties): the server itself (peers ship
-their entries here), or a peer (everyone ships there; it runs the combine pass and sends back
-the request's state, which the server decodes)."""
+with the best cache-aware score (``plan.combine_score``; the server on ties): the server itself
+(peers ship their entries here), or a peer (everyone ships there; it runs the combine pass and
+sends back the request's state, which the server decodes)."""
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +35,8 @@ class Dispatch:
 
 
 class PeerPrefill:
-    """Plans each request over the local engine and the peers (LPT over all N, combine node local)
-    and collects what the peers build or hold."""
+    """Plans each request over the local engine (worker 0) and the peers, starts the peers' part,
+    and brings back what the combine node needs: entries for the server, or a remote ``Prefill``."""
 
     def __init__(self, model: str, workers: int, *, threads: int = 1, ray_address: str | None = None,
                  seam_width: int = 8, timeout_s: float = 300.0, separator: str = DEFAULT_SEPARATOR,
@@ -54,7 +54,7 @@ class PeerPrefill:
     def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool],
              combine: int | None = None) -> Plan:
         """Documents the local engine holds are hits there; the rest go by LPT over every live worker.
-        The combine node holds the most hit tokens unless ``combine`` says."""
+        The combine node is the best-scoring worker unless ``combine`` says."""
         jobs = self.splitter.jobs(parts, mode)
         with self.pool.lock:
             self.pool.index.sync(LOCAL, [job.key for job in jobs if held_locally(job.key)])

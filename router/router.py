@@ -2,7 +2,8 @@
 on one combine node (paper §3.3, §4.4).
 
 Per request: split and hash the documents as the engines do; the combine node is the worker
-holding the most of the request's hit tokens; cold documents go to workers by LPT, one task per
+with the best cache-aware score (its cached fraction of the request against its load, see
+``plan.combine_score``); cold documents go to workers by LPT, one task per
 document, so each is shipped as soon as it is done while its builder computes the next; the
 shipped entries (object refs handed to the combine node's ``install``) travel builder -> combine
 node through Ray's object store, not via the router; the combine node checks and stores them,
