@@ -190,9 +190,14 @@ def _peers(args: argparse.Namespace, choice: ModelChoice) -> Any:
     options = {"device": args.device, "dtype": args.dtype, "pic_separator": args.pic_separator,
                "state_cache_dtype": args.state_cache_dtype, "public_pool_bytes": args.public_pool_size,
                "private_pool_bytes": 0, "chunk_tokens": args.chunked_prefill_size}
-    return PeerPrefill(str(choice.path), args.workers, threads=args.threads, ray_address=args.ray_address,
-                       seam_width=args.seam_width, timeout_s=args.worker_timeout, separator=args.pic_separator,
-                       engine_options=options)
+    if args.worker_timeout <= 0:
+        raise HypicError("--worker-timeout must be > 0")
+    try:
+        return PeerPrefill(str(choice.path), args.workers, threads=args.threads, ray_address=args.ray_address,
+                           seam_width=args.seam_width, timeout_s=args.worker_timeout, separator=args.pic_separator,
+                           engine_options=options)
+    except Exception as err:  # Ray could not start or join, or a worker could not load the model
+        raise HypicError(f"could not start {args.workers - 1} Ray worker(s): {type(err).__name__}: {err}") from err
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -81,3 +81,12 @@ def test_concurrent_requests_under_eviction(server: ServerProcess, pic_prompt: P
     assert served == [engine.generate(p, max_new_tokens=8).output_ids for p in prompts]
     status = server.get("/get_server_info")["workers"]
     assert status["lost_workers"] == [] and set(status["queued_tokens"].values()) == {0}  # all released
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--workers", "0"], "--workers must be >= 1"),
+                                               (["--workers", "2", "--worker-timeout", "0"], "--worker-timeout must be > 0")])
+def test_bad_worker_options_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from hypic.cli import main
+
+    assert main(["serve", *args]) == 2
+    assert message in capsys.readouterr().err
