@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from .kernels.gated_delta import gated_delta_rule
+from .state import tensor_bytes
 
 
 class Family(str, Enum):
@@ -44,7 +45,7 @@ class Transition:
 
     @property
     def nbytes(self) -> int:
-        return self.value.numel() * self.value.element_size()
+        return tensor_bytes(self.value)
 
 
 def scalar_transition(log_decay: torch.Tensor) -> Transition:

@@ -56,6 +56,12 @@ class ModelConfig:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
+    def linear_conv_channels(self) -> int:
+        """Channels of a Gated DeltaNet layer's short conv: [q | k | v]."""
+        keys = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * keys + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
     def linear_value_ratio(self) -> int:
         """Value heads per key head in the linear layers (GQA of Gated DeltaNet)."""
         return self.linear_num_value_heads // self.linear_num_key_heads

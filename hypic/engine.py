@@ -173,10 +173,15 @@ class Engine:
 
     def build_steps(self, segments: list[tuple[int, ...]], mode: str = "hypic") -> Generator[None, None, list[int]]:
         """``warmup_steps`` for documents already split and tokenized (a router's share of a request)."""
+        return self._warmup_run(self._caching_policy(mode), segments)
+
+    def _caching_policy(self, mode: str) -> ModePolicy:
+        """The policy of ``mode``, which must cache segments to warm anything up."""
         policy = self.policy(mode)
         if not policy.caches_segments:
-            raise InvalidRequest(f"mode {mode!r} caches no segments")
-        return self._warmup_run(policy, segments)
+            raise InvalidRequest(f"mode {mode!r} caches no segments, so there is nothing to warm up "
+                                 "(warm-up needs mode 'hypic' or 'naive')")
+        return policy
 
     def _warmup_run(self, policy: ModePolicy, encoded: list[tuple[int, ...]]) -> Generator[None, None, list[int]]:
         for ids in encoded:
@@ -188,10 +193,7 @@ class Engine:
         return [len(ids) for ids in encoded]
 
     def _warmup_plan(self, documents: list[str], mode: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
-        policy = self.policy(mode)
-        if not policy.caches_segments:
-            raise InvalidRequest(f"mode {mode!r} caches no segments, so there is nothing to warm up "
-                                 "(warm-up needs mode 'hypic' or 'naive')")
+        policy = self._caching_policy(mode)
         if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
             raise InvalidRequest("documents must be a list of strings")
         encoded = [tuple(self.tokenizer.encode(d)) for d in documents]
@@ -205,10 +207,9 @@ class Engine:
         layer, plus each sample's linear-layer states (the server's admission budget)."""
         config, size = self.model.config, torch.empty(0, dtype=self.model.dtype).element_size()
         kv = 2 * config.num_key_value_heads * config.head_dim * size * len(config.attention_layers())
-        channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
-        channels += config.linear_num_value_heads * config.linear_value_head_dim
-        linear = (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
-                  + (config.linear_conv_kernel_dim - 1) * channels * size) * len(config.linear_layers())
+        recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
+        linear = (recurrent + conv) * len(config.linear_layers())
         return samples * (tokens * kv + linear)
 
     def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:

@@ -16,15 +16,11 @@ from itertools import count
 import torch
 
 from .segments import MARK_BITS
-from .state import AttentionLayerState, LayerState, LinearLayerState, RequestState
+from .state import AttentionLayerState, LayerState, LinearLayerState, RequestState, tensor_bytes
 
 MARK_MASK = (1 << MARK_BITS) - 1
 
 Snapshot = dict[int, LinearLayerState]  # linear layer index -> its state at a position
-
-
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(eq=False)
@@ -42,9 +38,9 @@ class RadixNode:
 
     @property
     def nbytes(self) -> int:
-        total = sum(_nbytes(k, v) for k, v in self.kv.values())
+        total = sum(tensor_bytes(k, v) for k, v in self.kv.values())
         if self.snapshot is not None:
-            total += sum(_nbytes(s.recurrent, s.conv) for s in self.snapshot.values())
+            total += sum(tensor_bytes(s.recurrent, s.conv) for s in self.snapshot.values())
         return total
 
 
@@ -143,7 +139,7 @@ class PrefixCache:
             if node.snapshot is None:  # clones: a view would keep a larger tensor alive, uncounted
                 node.snapshot = {i: LinearLayerState(s.recurrent.clone(), s.conv.clone())
                                  for i, s in snapshots[position].items()}
-                self.nbytes += sum(_nbytes(s.recurrent, s.conv) for s in node.snapshot.values())
+                self.nbytes += sum(tensor_bytes(s.recurrent, s.conv) for s in node.snapshot.values())
         self._evict()
 
     def _extend(self, node: RadixNode, state: RequestState, key: list[int], end: int, tick: int) -> RadixNode:

@@ -84,7 +84,7 @@ class AttentionLayerState:
     @property
     def nbytes(self) -> int:
         """Bytes of both buffers at their capacity (what the layer holds in memory)."""
-        return _nbytes(self._keys, self._values)
+        return tensor_bytes(self._keys, self._values)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.keys, self.values
@@ -93,7 +93,8 @@ class AttentionLayerState:
 LayerState = LinearLayerState | AttentionLayerState
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Exact bytes of the tensors' elements (what every pool's accounting counts)."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -163,5 +164,5 @@ class RequestState:
         """Exact tensor bytes held by this state (KV buffers at their capacity)."""
         total = 0
         for layer in self.layers:
-            total += _nbytes(*layer.tensors()) if isinstance(layer, LinearLayerState) else layer.nbytes
+            total += tensor_bytes(*layer.tensors()) if isinstance(layer, LinearLayerState) else layer.nbytes
         return total

@@ -13,6 +13,7 @@ import torch
 
 from .composition import Transition
 from .segments import Seams
+from .state import tensor_bytes
 
 
 class Role(str, Enum):
@@ -57,8 +58,8 @@ def _tensor_bytes(layer: InteriorLayer) -> int:
     if isinstance(layer, LinearInterior):
         tensors = (layer.zero_start_state, layer.conv_tail)
         transition = layer.transition.nbytes if layer.transition is not None else 0
-        return transition + sum(t.numel() * t.element_size() for t in tensors)
-    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        return transition + tensor_bytes(*tensors)
+    return tensor_bytes(layer.keys, layer.values)
 
 
 @dataclass

@@ -17,9 +17,9 @@ from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
 from .plan import Plan, make_plan
-from .pool import WorkerLost, WorkerPool, entries_of, start_ray
+from .pool import WorkerLost, WorkerPool, start_ray
 from .splitter import Splitter
-from .transfer import install_entries
+from .transfer import entries_of, install_entries
 
 LOCAL = 0  # the server's own engine
 
@@ -60,10 +60,12 @@ class PeerPrefill:
             self.pool.index.sync(LOCAL, [job.key for job in jobs if held_locally(job.key)])
             return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=combine)
 
-    def plan_documents(self, documents: list[str], mode: str, held_locally: Callable[[str], bool]) -> Plan:
-        """A warm-up's documents, spread by LPT over every live worker (those held anywhere skipped)."""
+    def plan_documents(self, documents: list[str], mode: str,
+                       held_locally: Callable[[str], bool]) -> tuple[Plan, list[int]]:
+        """A warm-up's documents spread by LPT over every live worker (those held anywhere skipped),
+        and each document's token count."""
         parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]))
-        return self.plan(parts, mode, held_locally, combine=LOCAL)
+        return self.plan(parts, mode, held_locally, combine=LOCAL), [len(segment) for segment in parts.segments]
 
     def cache(self, plan: Plan, mode: str) -> None:
         """Build the peers' part of a warm-up plan; the entries stay on the peers."""
@@ -104,11 +106,10 @@ class PeerPrefill:
         node is lost (it is forgotten; the caller prefills locally instead)."""
         plan, lost = dispatch.plan, []
         combine = self.pool.workers[plan.combine]
-        shipped = [ref for _, ref in dispatch.shipments] + ([ray.put(local_entries)] if local_entries else [])
-        installed = combine.install.remote(dispatch.mode, *shipped)
+        installs = self.pool.install_on(plan.combine, dispatch.shipments, dispatch.mode, local_entries)
         try:
             self.pool.wait(dispatch.builds, lost)
-            self.pool.wait([(plan.combine, installed)], lost, forget=False)
+            self.pool.wait(installs, lost, forget=False)
             return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from), timeout=self.pool.timeout_s)
         except (WorkerLost, GetTimeoutError):
             self.pool.forget(plan.combine, kill=True)

@@ -66,6 +66,14 @@ class WorkerPool:
                      if i < len(refs) and w != plan.combine]
         return builds, shipments + pulls
 
+    def install_on(self, combine: int, shipments: list[tuple[int, ray.ObjectRef]], mode: str,
+                   extra: list[SegmentEntry] | None = None) -> list[tuple[int, ray.ObjectRef]]:
+        """The combine node's install of each shipment, run as each one arrives, and of ``extra``
+        entries sent from this process."""
+        actor = self.workers[combine]
+        refs = [ref for _, ref in shipments] + ([ray.put(extra)] if extra else [])
+        return [(combine, actor.install.remote(mode, ref)) for ref in refs]
+
     def _reserve(self, plan: Plan) -> None:
         """Count the plan's documents as queued on their builders until ``finish``."""
         for worker, tokens in plan.build_tokens().items():
@@ -149,6 +157,3 @@ class WorkerPool:
             ray.kill(worker)
         self.workers.clear()
 
-
-def entries_of(shipped: list[list[SegmentEntry]]) -> list[SegmentEntry]:
-    return [entry for batch in shipped for entry in batch]

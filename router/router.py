@@ -79,7 +79,7 @@ class Router:
         start, lost = time.perf_counter(), []
         combine = self.workers[plan.combine]
         builds, shipments = self.pool.dispatch(plan, mode)
-        installs = [(worker, combine.install.remote(mode, ref)) for worker, ref in shipments]
+        installs = self.pool.install_on(plan.combine, shipments, mode)
         self.pool.wait(builds, lost)
         dispatched = time.perf_counter()
         self.pool.wait(installs, lost, forget=False)  # a failed shipment is recomputed there

@@ -26,6 +26,11 @@ def check_entry(entry: SegmentEntry, fingerprint: str, role: Role, config: Model
             raise TransferError(f"entry {entry.key[:12]} layer {index}: shapes {_layer_shapes(layer)}, expected {expected}")
 
 
+def entries_of(batches: list[list[SegmentEntry]]) -> list[SegmentEntry]:
+    """The entries of several shipments (each one peer's list), in order."""
+    return [entry for batch in batches for entry in batch]
+
+
 def install_entries(engine: Engine, entries: list[SegmentEntry], mode: str) -> tuple[list[str], int]:
     """Check and store received entries in ``engine``'s public pool; returns the keys kept and how
     many were refused (dropped: the combine pass recomputes them)."""
@@ -46,9 +51,9 @@ def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
         kv = (config.num_key_value_heads, length, config.head_dim)
         return ("attention", kv, kv)
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    channels = 2 * config.linear_num_key_heads * dk + heads * dv
     transition = None if role is Role.NAIVE_SEGMENT else (heads, dk, dk)
-    return ("linear", transition, (heads, dk, dv), (config.linear_conv_kernel_dim - 1, channels))
+    conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)
+    return ("linear", transition, (heads, dk, dv), conv_tail)
 
 
 def _layer_shapes(layer: object) -> tuple:

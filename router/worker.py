@@ -9,7 +9,7 @@ from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
 from .serialization import register_tensor_serializer
-from .transfer import install_entries
+from .transfer import entries_of, install_entries
 from .work_queue import WorkQueue
 
 
@@ -59,7 +59,7 @@ class Worker:
         """Check and store peers' entries (each batch: one peer's list); returns the keys kept. An
         entry that fails the check is dropped (and counted): the combine pass recomputes it."""
         def install() -> list[str]:
-            kept, refused = install_entries(self.engine, [entry for batch in batches for entry in batch], mode)
+            kept, refused = install_entries(self.engine, entries_of(list(batches)), mode)
             self.rejected_entries += refused
             return kept
 

@@ -57,7 +57,7 @@ class GatedDeltaNet(nn.Module):
         self.key_heads, self.value_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.kernel = config.linear_conv_kernel_dim
-        channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+        channels = config.linear_conv_channels
         self.in_proj_qkv = nn.Linear(config.hidden_size, channels, bias=False)
         self.in_proj_z = nn.Linear(config.hidden_size, self.value_heads * self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(config.hidden_size, self.value_heads, bias=False)

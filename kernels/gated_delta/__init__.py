@@ -2,8 +2,9 @@
 
 Runs of at least ``SHORT_RUN`` tokens: FLA's chunked Triton kernel on CUDA when installed,
 else the PyTorch chunked form (on CPU with chunks of at most 32 tokens, fitted to short runs:
-measured faster than 64 at every length). Shorter runs (decode): the token loop on every device. FLA's fused-recurrent kernel is not used: on an H100 with FLA 0.6 / Triton
-3.6 it returned states off by 300x from a carried initial state (GPU test of issue 4).
+measured faster than 64 at every length). Shorter runs (decode): the token loop on every device.
+FLA's fused-recurrent kernel is not used: on an H100 with FLA 0.6 / Triton 3.6 it returned
+states off by 300x from a carried initial state (GPU test of issue 4).
 """
 import functools
 
@@ -63,8 +64,9 @@ def gated_delta_rule(
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, scale, chunk_size_for(q.shape[0], q.device))
 
 
-def gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        initial_state: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     beta: torch.Tensor, initial_state: torch.Tensor,
+                                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gated_delta_rule`` from ``initial_state`` that also returns the run's transition
     T [H, K, K] (final state = T @ initial_state + the final state from zero)."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale

@@ -89,8 +89,9 @@ def chunk_gated_delta_rule(
     return out.transpose(0, 1).contiguous(), state
 
 
-def chunk_gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        initial_state: torch.Tensor, scale: float | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                           beta: torch.Tensor, initial_state: torch.Tensor, scale: float | None = None,
+                                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``chunk_gated_delta_rule`` that also returns the run's transition T [H, K, K]: the final
     state equals T @ initial_state plus the final state of the same run from zero."""
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))
