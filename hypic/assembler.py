@@ -4,14 +4,15 @@ cached segment interiors in between.
 One code path serves full prefill (a single run from position 0), segment prefill (a single run
 with an ``InteriorCapture``), the HYPIC combine pass (runs and splices) and decode (one-token runs).
 """
-from collections.abc import Generator
+import itertools
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
 from .composition import Family, Transition, compose_states, naive_addition
-from .kernels.gated_delta import gated_delta_rule_with_transition
+from .kernels.gated_delta import gated_delta_rule_varlen, gated_delta_rule_with_transition
 from .models import HybridModel
 from .models.attention import GatedAttention
 from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs, RunRecurrence
@@ -89,34 +90,111 @@ def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
 
 
 def _conv_windows(mixer: GatedDeltaNet, pre_conv: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
-                  index: int, conv: torch.Tensor) -> list[torch.Tensor]:
-    """Each run's conv window: the k-1 inputs before it (the previous run's, or a spliced interior's
-    cached tail), then its own."""
-    windows, offset = [], 0
+                  index: int, conv: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each run's conv window (the k-1 inputs before it: the previous run's, or a spliced interior's
+    cached tail; then its own), as views of one tensor, and the post-conv rows of all runs [N, C].
+    One convolution covers every window laid end to end; the rows straddling two windows are dropped."""
+    parts, rows, offset, start = [], [], 0, 0
     for piece in pieces:
         if isinstance(piece, Splice):
             cached = entries[piece.segment].layers[index]
             assert isinstance(cached, LinearInterior)
             conv = cached.conv_tail
         else:
-            windows.append(mixer.conv_window(conv, pre_conv[offset : offset + piece.length]))
-            conv, offset = windows[-1][-(mixer.kernel - 1) :], offset + piece.length
-    return windows
+            own = pre_conv[offset : offset + piece.length]
+            parts += [conv.to(pre_conv.dtype), own]
+            rows.append(torch.arange(start, start + piece.length))
+            conv = (own if piece.length >= mixer.kernel - 1 else torch.cat([conv.to(pre_conv.dtype), own]))[-(mixer.kernel - 1) :]
+            start, offset = start + piece.length + mixer.kernel - 1, offset + piece.length
+    stacked = torch.cat(parts)
+    windows, lo = [], 0
+    for run in rows:
+        windows.append(stacked[lo : lo + len(run) + mixer.kernel - 1])
+        lo += len(run) + mixer.kernel - 1
+    post_conv = mixer.convolve(stacked)
+    return windows, (post_conv if len(rows) == 1 else post_conv[torch.cat(rows).to(post_conv.device)])
+
+
+def runs_batched(device: torch.device) -> bool:
+    """Whether a combine pass runs a linear layer's runs in one varlen call (chaining their states
+    through transitions first) instead of one call per run: on CUDA, where per-run calls are
+    host-bound (0.75 ms of Python and launches each against ~40 us of GPU work, H100)."""
+    return device.type == "cuda"
+
+
+def _batched_recurrence(mixer: GatedDeltaNet, inputs: RecurrenceInputs, pieces: list[Piece],
+                        entries: dict[int, SegmentEntry], index: int, state: torch.Tensor, naive: bool,
+                        windows: list[torch.Tensor], snapshots: dict[int, dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All runs of a linear layer in two varlen calls, each run cut at the snapshot positions inside
+    it. First every part from zero (its S_r|0) and from I with zero values (its transition T_r) at
+    once; then the state entering each part follows by chaining S <- T_r S + S_r|0 across parts and
+    S <- T_C S + S_C|0 across splices; then every part from its entering state. Returns the outputs
+    [N, Hv, V] and the final state; records the snapshots."""
+    runs = [piece for piece in pieces if isinstance(piece, Run)]
+    bounds = [[0, *(p - run.start for p in sorted(snapshots) if run.start < p < run.start + run.length), run.length]
+              for run in runs]
+    lengths = [b - a for edges in bounds for a, b in itertools.pairwise(edges)]
+    zero_states, transitions = _run_maps(inputs, lengths)
+    compose = naive_addition if naive else compose_states
+    entering, run = [], 0
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            cached = entries[piece.segment].layers[index]
+            assert isinstance(cached, LinearInterior)
+            state, conv = compose(state, [cached.for_compute()]), cached.conv_tail
+        else:
+            for cut in bounds[run][1:]:
+                entering.append(state)
+                part = len(entering) - 1
+                state = torch.baddbmm(zero_states[part], transitions[part], state)
+                conv = windows[run][cut : cut + mixer.kernel - 1]
+                if cut < piece.length:
+                    snapshots[piece.start + cut][index] = LinearLayerState(state, conv)
+            run += 1
+        if piece.start + piece.length in snapshots:
+            snapshots[piece.start + piece.length][index] = LinearLayerState(state, conv)
+    outputs, finals = gated_delta_rule_varlen(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, lengths,
+                                              torch.stack(entering))
+    return outputs, finals[-1]
+
+
+def _run_maps(inputs: RecurrenceInputs, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each run's affine map S -> T_r S + S_r|0: S_r|0 [R, H, K, V] and T_r [R, H, K, K]. One varlen
+    call runs every run twice (from zero with its values; from I with zero values) when K = V."""
+    runs, heads, dim = len(lengths), inputs.k.shape[1], inputs.k.shape[2]
+    zeros = inputs.v.new_zeros(runs, heads, dim, inputs.v.shape[2])
+    eye = torch.eye(dim, device=inputs.k.device).expand(runs, heads, dim, dim)
+    if inputs.v.shape[2] == dim:
+        twice = lambda x, y: torch.cat([x, y])  # noqa: E731
+        _, finals = gated_delta_rule_varlen(twice(inputs.q, inputs.q), twice(inputs.k, inputs.k),
+                                            twice(inputs.v, torch.zeros_like(inputs.v)), twice(inputs.g, inputs.g),
+                                            twice(inputs.beta, inputs.beta), lengths * 2, torch.cat([zeros, eye]))
+        return finals[:runs], finals[runs:]
+    _, zero_states = gated_delta_rule_varlen(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, lengths, zeros)
+    _, transitions = gated_delta_rule_varlen(inputs.q, inputs.k, torch.zeros_like(inputs.k), inputs.g, inputs.beta,
+                                             lengths, eye)
+    return zero_states, transitions
 
 
 def _linear_layer(
     mixer: GatedDeltaNet, h: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
     index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None, snapshots: dict[int, dict],
 ) -> tuple[torch.Tensor, LinearLayerState]:
-    """Token-wise work runs once over all runs (varlen); per run only the conv and the recurrence,
-    composing the interiors spliced since the previous run first. Records the layer's state in
+    """Token-wise work runs once over all runs (varlen); per run only the recurrence, composing
+    the interiors spliced since the previous run first. Records the layer's state in
     ``snapshots[p]`` for every requested position p (inside or at the end of a piece)."""
     proj = mixer.project(h)
-    windows = _conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
-    inputs = mixer.recurrence_inputs(torch.cat([mixer.convolve(w) for w in windows]), proj.g, proj.beta)
+    windows, post_conv = _conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
+    inputs = mixer.recurrence_inputs(post_conv, proj.g, proj.beta)
+    parts = sum(isinstance(piece, Run) for piece in pieces) + sum(
+        piece.start < p < piece.start + piece.length for piece in pieces if isinstance(piece, Run) for p in snapshots)
+    if parts > 1 and capture is None and runs_batched(h.device):
+        output, state = _batched_recurrence(mixer, inputs, pieces, entries, index, init.recurrent, naive, windows,
+                                            snapshots)
+        return mixer.output(output, proj.z, h.dtype), LinearLayerState(state, windows[-1][-(mixer.kernel - 1) :])
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
     compose = naive_addition if naive else compose_states
-    runs = iter(windows)
+    runs_left = iter(windows)
     for piece in pieces:
         end = piece.start + piece.length
         if isinstance(piece, Splice):
@@ -124,7 +202,7 @@ def _linear_layer(
             assert isinstance(cached, LinearInterior)
             state, conv = compose(state, [cached.for_compute()]), cached.conv_tail
         else:
-            window, run_inputs = next(runs), inputs.slice(offset, offset + piece.length)
+            window, run_inputs = next(runs_left), inputs.slice(offset, offset + piece.length)
             cuts = tuple(p - piece.start for p in sorted(snapshots) if piece.start < p < end)
             if capture is not None:  # a segment prefilled alone: no snapshots
                 result = capture.recur(mixer, index, piece.start, run_inputs, state, window)
@@ -146,22 +224,43 @@ def _attention_layer(
     """Recompute tokens attend causally over L's KV, re-rotated interiors and each other. The pieces'
     keys and values are appended to ``init`` in place (its buffers grow; nothing held is copied)."""
     proj = mixer.project(h, positions, rope)
-    offset = 0
+    spliced = _rerotated_interiors(rope, pieces, entries, index)
+    keys, values, offset = [], [], 0
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            key, value = next(spliced)
+        else:
+            key = proj.key[offset : offset + piece.length].transpose(0, 1)
+            value = proj.value[offset : offset + piece.length].transpose(0, 1)
+            offset += piece.length
+        keys.append(key)
+        values.append(value)
     init.reserve(init.length + sum(piece.length for piece in pieces))
+    init.append(torch.cat(keys, dim=1), torch.cat(values, dim=1))  # one copy into the buffer
+    if capture is not None:
+        capture.attention(index, init.keys, init.values)
+    attended = mixer.attend(proj.query, [(p.start, p.length) for p in pieces if isinstance(p, Run)], init.keys,
+                            init.values)
+    return mixer.output(attended, proj.gate), init
+
+
+def _rerotated_interiors(rope: RotaryEmbedding, pieces: list[Piece], entries: dict[int, SegmentEntry],
+                         index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values [Hkv, n, D] of each spliced interior in order, the keys moved from their
+    positions in the segment to their positions in the request: one rotation for all of them."""
+    cached, shifts = [], []
     for piece in pieces:
         if isinstance(piece, Splice):
             entry = entries[piece.segment]
-            cached = entry.layers[index]
-            assert isinstance(cached, AttentionInterior)
-            init.append(rope.rerotate(cached.keys, piece.start - entry.local_start), cached.values)
-        else:
-            init.append(proj.key[offset : offset + piece.length].transpose(0, 1),
-                        proj.value[offset : offset + piece.length].transpose(0, 1))
-            offset += piece.length
-    if capture is not None:
-        capture.attention(index, init.keys, init.values)
-    attended = mixer.attend(proj.query, positions, init.keys, init.values)
-    return mixer.output(attended, proj.gate), init
+            layer = entry.layers[index]
+            assert isinstance(layer, AttentionInterior)
+            cached.append(layer)
+            shifts.append((piece.start - entry.local_start, layer.keys.shape[1]))
+    if not cached:
+        return iter(())
+    deltas = torch.tensor([delta for delta, _ in shifts]).repeat_interleave(torch.tensor([n for _, n in shifts]))
+    keys = rope.apply(torch.cat([layer.keys for layer in cached], dim=1).transpose(0, 1), deltas).transpose(0, 1)
+    return zip(keys.split([n for _, n in shifts], dim=1), (layer.values for layer in cached))
 
 
 def _check_pieces(pieces: list[Piece], start: int) -> int:

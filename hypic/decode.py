@@ -44,7 +44,7 @@ def _attention_step(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tenso
     attended = []
     for b, layer in enumerate(layers):
         layer.append(proj.key[b : b + 1].transpose(0, 1), proj.value[b : b + 1].transpose(0, 1))
-        attended.append(mixer.attend(proj.query[b : b + 1], positions[b : b + 1], layer.keys, layer.values))
+        attended.append(mixer.attend(proj.query[b : b + 1], [(layer.length - 1, 1)], layer.keys, layer.values))
     return mixer.output(torch.cat(attended), proj.gate)
 
 

@@ -103,6 +103,8 @@ class TrainConfig:
     workers: int = 1  # processes encoding the training set
     kernel: str = "auto"  # gated delta rule: "auto" (FLA on CUDA) or "torch" (ours everywhere)
     long_memory_init: bool = True
+    memory_heads: int = 0  # per linear layer, value heads given a fixed document-scale decay
+    memory_decay: float = 0.005  # their per-token log decay (1 / memory_decay tokens of memory)
     seed: int = 0
     device: str = "auto"
     max_minutes: float | None = None
@@ -239,6 +241,29 @@ def long_memory_init(model: torch.nn.Module, dt_min: float = 1e-3, dt_max: float
                 low, high = math.log(dt_min), math.log(dt_max)
                 dt = torch.exp(torch.rand(module.dt_bias.shape) * (high - low) + low).clamp_min(1e-4)
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+
+def fix_document_memory(model: torch.nn.Module, heads: int, decay: float) -> None:
+    """Give the first ``heads`` value heads of every Gated DeltaNet layer the input-independent
+    per-token decay exp(-decay) (A = 1, softplus(dt_bias) = decay, their ``in_proj_a`` rows zero) and
+    keep it through training (those entries' gradients are masked). A trained model's heads decay
+    either within a few tokens or hardly at all, and both make naive addition nearly exact; memory
+    on the scale of a document (1 / decay tokens) is what it gets wrong."""
+    layers = [m for m in model.modules() if all(hasattr(m, a) for a in ("A_log", "dt_bias", "in_proj_a"))]
+    if heads <= 0 or not layers:
+        return
+    if heads > layers[0].A_log.shape[0] or not 0 < decay < 1:
+        raise ValueError(f"memory_heads {heads} / memory_decay {decay}: at most "
+                         f"{layers[0].A_log.shape[0]} heads, decay in (0, 1)")
+    with torch.no_grad():
+        for layer in layers:
+            layer.A_log[:heads] = 0.0
+            layer.dt_bias[:heads] = math.log(math.expm1(decay))  # inverse softplus
+            layer.in_proj_a.weight[:heads] = 0.0
+            keep = torch.ones_like(layer.A_log)
+            keep[:heads] = 0.0
+            for param, mask in ((layer.A_log, keep), (layer.dt_bias, keep), (layer.in_proj_a.weight, keep[:, None])):
+                param.register_hook(functools.partial(torch.mul, mask))
 
 
 def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
@@ -563,6 +588,7 @@ def _start_run(config: TrainConfig) -> _Run:
         long_memory_init(model)
     if config.init_from is not None:
         load_weights(model, config.init_from)
+    fix_document_memory(model, config.memory_heads, config.memory_decay)
     vocab = [i for i in range(tokenizer.get_vocab_size()) if i not in (eos_id, pad_id)]
     batches = _Batches(load_training_set(config, tokenizer, eos_id), config.batch_size,
                        config.seed, (config.copy_rows, config.copy_length, vocab))
@@ -684,6 +710,9 @@ _TRAIN_FLAGS = MappingProxyType({
                   "question kind (0: only at the end; validation.jsonl of --data)",
     "eval_examples": "validation examples scored (0: none)",
     "workers": "processes that encode the training set",
+    "memory_heads": "per linear layer, the first N value heads get a fixed decay of --memory-decay per token, "
+                    "whatever the input (memory on the scale of a document; kept fixed in training)",
+    "memory_decay": "per-token log decay of the --memory-heads heads",
     "seed": "seed of initialisation and data order",
     "save_every": "save a checkpoint-NNNNNN directory every N steps (0: only at the end)",
     "keep_checkpoints": "how many periodic checkpoints to keep",

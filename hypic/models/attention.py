@@ -45,14 +45,15 @@ class GatedAttention(nn.Module):
         value = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         return AttentionInputs(query, key, value, gate.reshape(n, -1))
 
-    def attend(self, query: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """query [N, Hq, D] at positions q_pos; keys/values [Hkv, T, D] at positions 0..T-1. Each query
-        sees keys at positions <= its own. Returns [N, Hq * D]. Each run of consecutive query
-        positions is one causal (lower-right aligned) attention over the keys up to its end; GQA
-        groups share their K/V without copies."""
+    def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
+               values: torch.Tensor) -> torch.Tensor:
+        """query [N, Hq, D] in runs of consecutive positions, each given as (first position, length)
+        (host integers: no device sync); keys/values [Hkv, T, D] at positions 0..T-1. Each query sees
+        the keys at positions <= its own: one causal (lower-right aligned) attention per run over the
+        keys up to its end. Returns [N, Hq * D]; GQA groups share their K/V without copies."""
         outputs, lo = [], 0
-        for run in _runs(q_pos.tolist()):
-            end = q_pos[lo + run - 1].item() + 1
+        for first, run in runs:
+            end = first + run
             q = query[lo : lo + run].transpose(0, 1)[None]
             mask = causal_lower_right(run, end) if run > 1 else None
             out = F.scaled_dot_product_attention(q, keys[None, :, :end], values[None, :, :end], attn_mask=mask,
@@ -63,14 +64,3 @@ class GatedAttention(nn.Module):
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended * torch.sigmoid(gate))
-
-
-def _runs(positions: list[int]) -> list[int]:
-    """Lengths of the maximal runs of consecutive positions, in order."""
-    runs: list[int] = []
-    for index, position in enumerate(positions):
-        if index and position == positions[index - 1] + 1:
-            runs[-1] += 1
-        else:
-            runs.append(1)
-    return runs

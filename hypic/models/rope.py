@@ -1,4 +1,4 @@
-"""Rotary position embedding with partial rotary, and the re-rotation of cached keys."""
+"""Rotary position embedding with partial rotary (also what moves cached keys: R(b - a) K_a = K_b)."""
 import torch
 
 from ..config import RopeConfig
@@ -26,10 +26,3 @@ class RotaryEmbedding:
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         out = rot.float() * cos[:, None] + rotated_half.float() * sin[:, None]
         return torch.cat([out.to(x.dtype), rest], dim=-1)
-
-    def rerotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        """Move cached keys [H, N, D] from their positions a to a + delta: ``K_b = R(b - a) K_a``."""
-        if delta == 0:
-            return keys
-        shift = torch.full((keys.shape[1],), delta, dtype=torch.long)
-        return self.apply(keys.transpose(0, 1), shift).transpose(0, 1)

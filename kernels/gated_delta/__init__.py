@@ -7,6 +7,7 @@ FLA's fused-recurrent kernel is not used: on an H100 with FLA 0.6 / Triton 3.6 i
 states off by 300x from a carried initial state (GPU test of issue 4).
 """
 import functools
+import itertools
 
 import torch
 
@@ -81,6 +82,31 @@ def gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.
                                                   chunk_size_for(q.shape[0], q.device))
 
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_with_transition", "chunk_gated_delta_rule",
+def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            lengths: list[int], initial_states: torch.Tensor,
+                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent runs laid end to end (``lengths``, summing to T), run r from ``initial_states[r]``
+    [R, H, K, V']: o [T, H, V] fp32 and final states [R, H, K, V] fp32 (V' = V). One FLA launch
+    sequence for all runs on CUDA (what the many short seam runs of a combine pass need: per-run
+    calls are host-bound there); elsewhere ``gated_delta_rule`` run by run."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    chunk = _fla_ops() if q.is_cuda else None
+    if chunk is not None:
+        ends = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
+        out, finals = chunk(q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
+                            initial_state=initial_states.float(), output_final_state=True,
+                            cu_seqlens=ends.to(q.device), cu_seqlens_cpu=ends)
+        return out[0].float(), finals.float()
+    outputs, finals, lo = [], [], 0
+    for run, length in enumerate(lengths):
+        o, final = gated_delta_rule(q[lo : lo + length], k[lo : lo + length], v[lo : lo + length], g[lo : lo + length],
+                                    beta[lo : lo + length], initial_states[run], scale)
+        outputs.append(o)
+        finals.append(final)
+        lo += length
+    return torch.cat(outputs), torch.stack(finals)
+
+
+__all__ = ["gated_delta_rule", "gated_delta_rule_varlen", "gated_delta_rule_with_transition", "chunk_gated_delta_rule",
            "chunk_gated_delta_rule_heads_first", "chunk_gated_delta_rule_with_transition",
            "naive_gated_delta_rule", "naive_transition", "chunk_size_for"]

@@ -295,3 +295,31 @@ def test_schedule_minutes_ends_the_run_and_its_schedule(micro_run, tmp_path: Pat
     assert result.steps == PROBE_STEPS[1] + 1 and not result.stopped_early
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["lr"] == pytest.approx(short.lr * lr_factor(PROBE_STEPS[1], 2, PROBE_STEPS[1] + 1, 0.1))
+
+
+def test_document_memory_heads_keep_their_decay_through_training(one_torch_thread) -> None:
+    """Closed form: the fixed heads' log decay -exp(A_log) * softplus(in_proj_a x + dt_bias) is
+    -memory_decay for any input, before and after AdamW steps with weight decay; other heads learn."""
+    from hypic.data.train import StepPlan, TrainConfig, fix_document_memory, make_optimizer
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=96, head_dim=16,
+                                    linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=300),
+                        eos_id=0, pad_id=1, device=torch.device("cpu"))
+    fix_document_memory(model, heads=3, decay=0.01)
+    layers = [m for m in model.modules() if hasattr(m, "dt_bias")]
+    before = [(m.A_log.detach().clone(), m.dt_bias.detach().clone(), m.in_proj_a.weight.detach().clone())
+              for m in layers]
+    optimizer, _ = make_optimizer(model, TrainConfig(Path(), Path(), Path(), lr=1e-2, warmup_steps=0), StepPlan(3))
+    for _ in range(3):
+        model(input_ids=torch.randint(2, 300, (2, 40))).logits.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    x = torch.randn(5, 64)
+    for layer, (a_log, dt_bias, weight) in zip(layers, before):
+        log_decay = -layer.A_log.exp() * torch.nn.functional.softplus(layer.in_proj_a(x) + layer.dt_bias)
+        assert torch.allclose(log_decay[:, :3], torch.full((5, 3), -0.01), rtol=1e-5)
+        assert not torch.allclose(layer.in_proj_a.weight[3:], weight[3:])  # the other heads still learn
+        assert torch.equal(layer.A_log[:3], a_log[:3]) and torch.equal(layer.dt_bias[:3], dt_bias[:3])
+    with pytest.raises(ValueError):
+        fix_document_memory(model, heads=99, decay=0.01)

@@ -60,3 +60,32 @@ def test_greedy_generation_on_cuda_matches_cpu(engines: dict[str, Engine]) -> No
     outputs = {device: engine.generate(prompt, max_new_tokens=12, mode="hypic").output_ids
                for device, engine in engines.items()}
     assert outputs["cuda"] == outputs["cpu"]
+
+
+def test_grouped_experts_on_cuda_match_the_loop() -> None:
+    """The MoE's two grouped matmuls (bfloat16 on Hopper) against its per-expert loop on the same GPU."""
+    from hypic.models.mlp import expert_outputs, grouped_mm_runs
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(8, 128, 64, device="cuda", generator=gen).bfloat16()
+    down = torch.randn(8, 64, 64, device="cuda", generator=gen).bfloat16()
+    inputs = torch.randn(40, 64, device="cuda", generator=gen).bfloat16()
+    counts = torch.tensor([5, 0, 12, 1, 0, 0, 20, 2], device="cuda")
+    if not grouped_mm_runs(inputs):
+        pytest.skip("torch._grouped_mm does not run bfloat16 on this GPU")
+    grouped = expert_outputs(inputs, counts, gate_up, down, grouped=True)
+    looped = expert_outputs(inputs, counts, gate_up, down, grouped=False)
+    assert _rel(grouped, looped) < 1e-2
+
+
+def test_moe_checkpoint_in_bfloat16_on_cuda_tracks_float32_on_cpu(checkpoint_factory) -> None:
+    """A MoE hybrid in bfloat16 on the GPU (grouped experts, batched seam runs) against float32 on the CPU."""
+    path = checkpoint_factory("qwen3_5_moe_text")
+    prompt, docs = _prompt(4)
+    logits = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        engine = Engine.from_pretrained(path, device=device, dtype=dtype, seam_width=8)
+        engine.warmup(docs)
+        prefill = engine.prefill(engine.parse(prompt), "hypic")
+        assert prefill.stats.segments_hit == 4
+        logits[device] = prefill.logits
+    assert _rel(logits["cuda"], logits["cpu"]) < 3e-2

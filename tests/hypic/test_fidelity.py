@@ -222,3 +222,29 @@ def test_seam_width_below_the_conv_window(setup: Setup, seam_width: int) -> None
     prefill = engine.prefill(engine.parse(case.text))
     assert _spliced(prefill) == 3
     assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))
+
+
+# ----- the CUDA strategy for many runs, forced on the CPU ------------------------------------------
+@pytest.mark.parametrize("name, long_memory, seam_width",
+                         list(product(["qwen3_5_text-ratio1", "qwen3_5_text-ratio3", "qwen3_next-moe"], [False, True],
+                                      [3, 8])))
+def test_runs_batched_into_varlen_calls_match_reference(setup: Setup, monkeypatch: pytest.MonkeyPatch, name: str,
+                                                        long_memory: bool, seam_width: int) -> None:
+    """Every run of a linear layer from the state chained to it through the runs' transitions
+    (``runs_batched``, on by default on CUDA only); then a request resuming from the private-pool
+    snapshots that pass recorded at document ends."""
+    import hypic.assembler as assembler
+    calls = []
+    batched = assembler._batched_recurrence
+    monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
+    monkeypatch.setattr(assembler, "_batched_recurrence", lambda *a: calls.append(1) or batched(*a))
+    case = layout(21, [70, 260, 2 * seam_width - 1, 41, 90])
+    engine, oracle = setup(name, long_memory, seam_width)
+    engine.warmup(list(case.documents))
+    prefill = engine.prefill(engine.parse(case.text))
+    assert prefill.stats.segments_hit == 4 and calls
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))
+    again = Layout(case.leading, case.documents[:2] + (random_text(random.Random(22), 150),), "another query")
+    resumed = engine.prefill(engine.parse(again.text))
+    assert resumed.stats.prefix_hit_tokens == len(case.leading) + 70 + 260
+    assert_same_generation(engine_generation(engine, resumed), oracle.generate(again))

@@ -77,8 +77,9 @@ def test_key_rerotation_equals_rotation_at_global_positions(partial: float) -> N
     keys = torch.randn(3, 50, 32)  # [H, N, D] un-rotated
     local = torch.arange(8, 58)
     at_local = rope.apply(keys.transpose(0, 1), local).transpose(0, 1)
-    at_global = rope.apply(keys.transpose(0, 1), local + 1234).transpose(0, 1)
-    assert torch.allclose(rope.rerotate(at_local, 1234), at_global, atol=1e-4)
+    shifts = torch.tensor([1234] * 30 + [-5] * 20)  # two interiors moved by different offsets at once
+    at_global = rope.apply(keys.transpose(0, 1), local + shifts).transpose(0, 1)
+    assert torch.allclose(rope.apply(at_local.transpose(0, 1), shifts).transpose(0, 1), at_global, atol=1e-4)
     if partial < 1:
         assert torch.equal(at_local[..., rope.rotary_dim :], keys[..., rope.rotary_dim :])
 

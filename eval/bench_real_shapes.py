@@ -1,0 +1,214 @@
+"""HYPIC vs full recompute TTFT at a real model's layer shapes (paper Fig. 12, on a GPU).
+
+The paper measures Qwen3.5-35B-A3B on an H20: full recompute 0.141 s -> 0.624 s from 4 x 1k to
+4 x 4k tokens, HYPIC 0.103 s -> 0.127 s; +2.3 ms per extra hit document against +40.7 ms. This
+script builds a model with that checkpoint's shapes (hidden 2048, 40 layers: 30 Gated DeltaNet
+with 16 key / 32 value heads of 128, 10 gated attention with 16 query / 2 KV heads of 256; 256
+experts of 512, top 8, a shared expert of 512; vocabulary 248320) directly on the device with
+random weights (nothing is written to disk or downloaded), then runs the sweeps of
+``bench_composition.py`` on it: every document is cached first, then the TTFT of ``hypic`` and
+``full`` on the same prompt, median of ``--repeats`` after a warm-up. The paper's numbers are
+printed beside ours. ``--layers`` keeps fewer layers (one in four stays attention) where memory
+forces it: the model is ~67 GB in bfloat16, so an 80 GB card holds all 40.
+
+``--profile DIR`` also writes where one hypic request's time goes (torch.profiler: top CUDA
+kernels and top CPU ops, and the share of the wall time the GPU was busy) for the longest
+prompt of each sweep.
+
+Examples::
+
+    python eval/bench_real_shapes.py --device cuda --json eval/results/bench_real_shapes.json
+    python eval/bench_real_shapes.py --preset tiny-moe --device cpu --quick   # a smoke run anywhere
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_composition as composition  # noqa: E402  (a sibling script: its sweeps and tables)
+
+from hypic import Engine  # noqa: E402
+from hypic.checkpoints import byte_level_tokenizer  # noqa: E402
+from hypic.config import parse_config  # noqa: E402
+from hypic.models import HybridModel  # noqa: E402
+from hypic.prefix_cache import PrefixCache  # noqa: E402
+from hypic.tokenizer import TextTokenizer  # noqa: E402
+
+QWEN35_35B_A3B: dict[str, Any] = dict(
+    model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+    full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, norm_topk_prob=True, max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False, rms_norm_eps=1e-6, eos_token_id=256,
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3.5-35b-a3b": QWEN35_35B_A3B,
+    "tiny-moe": dict(QWEN35_35B_A3B, vocab_size=320, hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
+                     head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                     linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                     shared_expert_intermediate_size=64),
+}
+PAPER = {  # Fig. 12 on Qwen3.5-35B-A3B, one H20: TTFT seconds and per-document slopes
+    "4x1k": {"full_s": 0.141, "hypic_s": 0.103}, "4x4k": {"full_s": 0.624, "hypic_s": 0.127},
+    "16x1k": {"speedup": 4.80}, "slopes_ms_per_doc": {"full": 40.7, "hypic": 2.3},
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="bench_real_shapes.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Full recompute vs HYPIC TTFT on a random-weights model with a real checkpoint's layer shapes "
+                    "(paper Fig. 12: 4 x {1k,2k,4k} and {4,8,16} x 1k, every document a cache hit).")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.5-35b-a3b", help="layer shapes")
+    parser.add_argument("--layers", type=int, default=None, help="keep this many layers (default: the preset's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode and shape (median reported)")
+    parser.add_argument("--quick", action="store_true", help="per-document lengths divided by 4")
+    parser.add_argument("--doc-lengths", type=int, nargs="+", default=None, help="sweep (a) tokens per document")
+    parser.add_argument("--doc-counts", type=int, nargs="+", default=None, help="sweep (b) document counts")
+    parser.add_argument("--seam-width", type=int, default=8, help="HYPIC seam width w")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="write a torch.profiler breakdown of one hypic request per sweep's longest prompt")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be >= 1")
+    args.threads, args.fixed_count, args.fixed_length = 0, None, None  # what bench_composition's sweeps read
+    return args
+
+
+def _initialise(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
+    """Weights N(0, 0.02); norms at their identity; decays as Qwen3-Next initialises them (A in 1..16)."""
+    if name.endswith("A_log"):
+        param.copy_(torch.empty(param.shape, device=param.device).uniform_(1, 16, generator=generator).log())
+    elif name.endswith("dt_bias") or name.endswith("mixer.norm.weight"):
+        param.fill_(1.0)
+    elif name.endswith("norm.weight"):
+        param.zero_()  # zero-centred RMSNorm: weight 0 is the identity
+    else:
+        param.normal_(0.0, 0.02, generator=generator)
+
+
+def random_model(fields: dict[str, Any], device: str, dtype: torch.dtype, seed: int) -> HybridModel:
+    """A model of ``fields``' shapes allocated once on ``device`` and filled with seeded random weights."""
+    config = parse_config(fields)
+    with torch.device("meta"):
+        model = HybridModel(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _initialise(name, param, generator)
+    return model.to_device(device, dtype).eval().requires_grad_(False)
+
+
+def make_engine(args: argparse.Namespace) -> Engine:
+    """The random model behind an engine with the byte-level tokenizer and no private pool (a
+    repeated prompt would otherwise resume from the prefix cache, which is not composition)."""
+    fields = dict(PRESETS[args.preset])
+    if args.layers is not None:
+        fields["num_hidden_layers"] = args.layers
+    model = random_model(fields, args.device, getattr(torch, args.dtype), args.seed)
+    return Engine(model, TextTokenizer(byte_level_tokenizer()), f"random-{args.preset}-{args.seed}",
+                  seam_width=args.seam_width, prefix_cache=PrefixCache(0))
+
+
+def profile_request(engine: Engine, shape: composition.Shape, seed: int, out: Path) -> dict[str, float]:
+    """One profiled hypic request of ``shape`` (documents already cached): tables under ``out`` and the
+    wall time, the GPU's busy time (sum of kernel times) and their ratio."""
+    from torch.profiler import ProfilerActivity, profile
+    prompt = composition.build_prompt(composition.documents_for(engine, shape, seed), engine.pic_separator)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.model.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.generate(prompt, max_new_tokens=1, mode="hypic")
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = [f"sorted by {key}\n" + events.table(sort_by=key, row_limit=30, max_name_column_width=70)
+              for key in ("self_device_time_total", "self_cpu_time_total", "cpu_time_total")]
+    (out / f"hypic_{shape.label}.txt").write_text("\n\n".join(tables))
+    return {"wall_ms": wall * 1e3, "device_busy_ms": device_us / 1e3, "device_busy_share": device_us / 1e3 / (wall * 1e3)}
+
+
+def paper_lines(results: list[composition.ShapeResult], slopes: dict[str, float | None]) -> list[str]:
+    """Our numbers beside the paper's (Fig. 12) where it gives them."""
+    lines = ["shape    ours full s  ours hypic s  speedup | paper full s  paper hypic s  paper speedup"]
+    for r in results:
+        paper = PAPER.get(r.label, {})
+        full, hypic = paper.get("full_s"), paper.get("hypic_s")
+        speedup = paper.get("speedup") or (full / hypic if full and hypic else None)
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        lines.append(f"{r.label:<8}{r.full_ttft_ms / 1e3:>12.3f}{r.hypic_ttft_ms / 1e3:>14.3f}{r.speedup:>8.2f}x | "
+                     f"{fmt(full, '>12.3f')}{fmt(hypic, '>15.3f')}{fmt(speedup, '>14.2f')}")
+    paper_slopes = PAPER["slopes_ms_per_doc"]
+    if slopes["full_ms_per_doc"] is not None:
+        lines.append(f"per extra document: ours full {slopes['full_ms_per_doc']:.1f} ms, hypic "
+                     f"{slopes['hypic_ms_per_doc']:.2f} ms | paper full {paper_slopes['full']} ms, hypic "
+                     f"{paper_slopes['hypic']} ms")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Build the model, run the sweeps (and the profile), print both tables; returns the results."""
+    args = parse_args(argv)
+    start = time.perf_counter()
+    engine = make_engine(args)
+    build_s = time.perf_counter() - start
+    shapes = composition.build_shapes(args)
+    results = []
+    for shape in shapes:
+        results.append(composition.measure_shape(engine, shape, args.repeats, args.seed))
+        r = results[-1]
+        print(f"{r.label}: full {r.full_ttft_ms:.1f} ms, hypic {r.hypic_ttft_ms:.1f} ms "
+              f"(samples {[round(s, 1) for s in r.hypic_samples_ms]})", flush=True)
+    slopes = composition.document_slopes(results)
+    profiles = {}
+    if args.profile is not None:
+        for sweep in ("a", "b"):
+            longest = max((s for s in shapes if sweep in s.sweeps), key=lambda s: s.num_docs * s.doc_tokens)
+            profiles[longest.label] = profile_request(engine, longest, args.seed, args.profile)
+    parameters = sum(p.numel() for p in engine.model.parameters())
+    environment = {
+        "preset": args.preset, "layers": engine.model.config.num_hidden_layers, "parameters": parameters,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        "dtype": args.dtype, "torch": torch.__version__, "seam_width": args.seam_width, "repeats": args.repeats,
+        "model_build_s": build_s, "peak_gpu_gib": (torch.cuda.max_memory_allocated() / 2**30
+                                                   if args.device.startswith("cuda") else None),
+    }
+    outcome = {"environment": environment, "shapes": [asdict(r) for r in results], "slopes": slopes,
+               "profiles": profiles, "paper": PAPER, "wall_s": time.perf_counter() - start}
+    print(f"\n{args.preset}, {environment['layers']} layers, {parameters / 1e9:.2f} B parameters, "
+          f"{environment['device']} {args.dtype}, w={args.seam_width}, median of {args.repeats}")
+    print(composition.format_table(results))
+    print(composition.format_slopes(slopes))
+    print("\n".join(paper_lines(results, slopes)))
+    for label, numbers in profiles.items():
+        print(f"profile hypic {label}: wall {numbers['wall_ms']:.1f} ms, device busy {numbers['device_busy_ms']:.1f} ms "
+              f"({100 * numbers['device_busy_share']:.0f} %)")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(outcome, indent=2, default=str) + "\n")
+    return outcome
+
+
+if __name__ == "__main__":
+    main()
