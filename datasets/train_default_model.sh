@@ -8,7 +8,9 @@
 # whole prompts (4-12 documents, up to 2048 tokens). Knobs (environment): TRAIN_EXAMPLES (30000),
 # MINUTES_SHORT (2.75, 0 skips phase 1), MINUTES (3.25), SHORT_LEN (768), SHORT_BATCH (64),
 # BATCH (32), LR (2e-3), WARMUP (100), WORKERS (all cores), DEVICE (auto), KERNEL (auto; torch
-# avoids FLA), INIT_FROM (a checkpoint to start from), SHIP (1: write hypic/assets/default_model).
+# avoids FLA), INIT_FROM (a checkpoint to start from), MEMORY_HEADS (per linear layer, heads given a
+# fixed document-scale decay of MEMORY_DECAY per token, default 0.005: hypic.data.train --memory-heads),
+# SHIP (1: write hypic/assets/default_model).
 # Minutes are training time per phase; data and start-up add about a minute on a 16-core machine.
 set -euo pipefail
 RUN_DIR=${1:-runs/default-model}
@@ -23,7 +25,8 @@ python3 -m hypic.data.synthetic_qa --out "$DATA" --train "${TRAIN_EXAMPLES:-3000
 common=(--data "$DATA" --tokenizer hypic/assets/default_model/tokenizer.json
         --device "${DEVICE:-auto}" --kernel "${KERNEL:-auto}" --steps 100000 --lr "${LR:-2e-3}"
         --warmup-steps "${WARMUP:-100}" --extra-questions 8 --answer-weight 1 --eval-every 250
-        --eval-examples 400 --workers "$WORKERS" --save-every 0 --no-progress)
+        --eval-examples 400 --workers "$WORKERS" --save-every 0 --no-progress
+        --memory-heads "${MEMORY_HEADS:-0}" --memory-decay "${MEMORY_DECAY:-0.005}")
 phase() {  # phase MINUTES SEQ_LEN BATCH OUT [INIT]
     python3 -m hypic.data.train "${common[@]}" --schedule-minutes "$1" \
         --max-minutes "$(python3 -c "print($1 + 0.25)")" --seq-len "$2" --batch-size "$3" \

@@ -192,10 +192,21 @@ class Engine:
                     yield
         return [len(ids) for ids in encoded]
 
-    def _warmup_plan(self, documents: list[str], mode: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
-        policy = self._caching_policy(mode)
+    def check_documents(self, documents: list[str]) -> None:
+        """Documents to warm up: strings, none empty, none holding the PIC separator (a request would
+        split such a document in two, so its entry could never be hit)."""
         if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
             raise InvalidRequest("documents must be a list of strings")
+        for index, document in enumerate(documents):
+            if not document:
+                raise InvalidRequest(f"document {index} is empty")
+            if self.pic_separator in document:
+                raise InvalidRequest(f"document {index} contains the PIC separator {self.pic_separator!r}: a request "
+                                     "would split it into two segments; warm up each part as its own document")
+
+    def _warmup_plan(self, documents: list[str], mode: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
+        policy = self._caching_policy(mode)
+        self.check_documents(documents)
         encoded = [tuple(self.tokenizer.encode(d)) for d in documents]
         for index, ids in enumerate(encoded):
             if not ids:

@@ -1,6 +1,7 @@
 """The HTTP surface (DESIGN §8): SGLang-native ``/generate``, OpenAI completions and chat, warmup,
 health, info, flush and metrics. Handlers validate and tokenize; the engine loop does the rest."""
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -100,6 +101,10 @@ class Server:
         self.render_chat = chat_renderer(info.chat_template)
         self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
         self.started = time.time()
+
+    def close(self) -> None:
+        """At shutdown: stop waiting on peers (requests still waiting are cancelled)."""
+        self.remote_prefills.shutdown(wait=False, cancel_futures=True)
 
     # ----- request plumbing ------------------------------------------------------------------
     def _prepare(self, request: GenerationRequest) -> Prepared:
@@ -308,6 +313,7 @@ class Server:
     async def _warmup_on_peers(self, documents: list[str]) -> list[int]:
         """Documents spread by LPT over this engine and the peers, each cached where it is built."""
         engine, mode = self.loop.engine, self.loop.mode
+        engine.check_documents(documents)  # as the engine's own warm-up would, before anything is planned
         plan, counts = await asyncio.to_thread(self.peers.plan_documents, documents, mode,
                                                lambda key: key in engine.store.entries)
         local = self.peers.local_segments(plan)
@@ -354,7 +360,14 @@ class ModelNotFound(HypicError):
 def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> FastAPI:
     """The FastAPI application; errors always come back as ``{"error": {"message", ...}}``."""
     server = Server(loop, info, peers)
-    app = FastAPI(title="HYPIC", description="Position-independent caching for hybrid-attention LLMs")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.close()
+
+    app = FastAPI(title="HYPIC", description="Position-independent caching for hybrid-attention LLMs", lifespan=lifespan)
+    app.state.server = server
 
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, err: InvalidRequest) -> JSONResponse:

@@ -51,6 +51,8 @@ def test_bad_warmup_documents(engine: Engine) -> None:
         engine.warmup(["a real document", ""])
     with pytest.raises(InvalidRequest, match="list of strings"):
         engine.warmup("not a list")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="document 0 contains the PIC separator"):
+        engine.warmup([f"first half {engine.pic_separator} second half", "a real document"])
     assert len(engine.store) == 0
 
 

@@ -2,6 +2,7 @@
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from hypic import DEFAULT_SEPARATOR, Engine, default_model_path
@@ -37,3 +38,25 @@ def test_a_broken_peer_path_falls_back_to_the_local_engine(pic_prompt: Callable[
         assert client.get("/get_server_info").json()["workers"]["peer_prefill_failures"] == 1
     finally:
         loop.stop()
+
+
+def test_bad_warmup_is_refused_before_planning_and_shutdown_stops_peer_waits() -> None:
+    """A document holding the separator is refused before the peers plan anything; the app's shutdown
+    closes the threads that wait on peers (nothing more can be queued there)."""
+    engine = Engine.from_pretrained("default")
+    template, from_model = load_chat_template(default_model_path())
+    info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
+                      DEFAULT_SEPARATOR, 256, 8, None, None, "cpu", "float32")
+    loop = EngineLoop(engine, "hypic")
+    loop.start()
+    app = build_app(loop, info, BrokenPeers())
+    try:
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200
+            refused = client.post("/warmup", json={"documents": [f"one {DEFAULT_SEPARATOR} two"]})
+            assert refused.status_code == 400 and "PIC separator" in refused.json()["error"]["message"]
+            assert app.state.server.remote_prefills.submit(int, 1).result() == 1
+    finally:
+        loop.stop()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        app.state.server.remote_prefills.submit(int, 1)
