@@ -9,6 +9,7 @@ from typing import Any
 
 from . import DEFAULT_SEPARATOR, Engine, HypicError
 from .errors import CheckpointError
+from .evaluation.cli import add_eval_parser, eval_main
 from .modes import MODES
 
 RANDOM_MODEL_SEED = 0
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="prefill a prompt (separators mark reusable segments) and decode",
                               description="Generate from PROMPT. Parts between separators are PIC segments: "
                                           f"'system {DEFAULT_SEPARATOR} doc1 {DEFAULT_SEPARATOR} doc2 {DEFAULT_SEPARATOR} question'.")
+    add_eval_parser(commands)
     gen.add_argument("prompt", nargs="+", help="one or more prompts, run in order on one engine (later ones reuse the cache)")
     _model_options(gen)
     gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default: 16)")
@@ -211,6 +213,8 @@ def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "eval":
+        return eval_main(args)
     try:
         _serve(args) if args.command == "serve" else _generate(args)
     except HypicError as err:

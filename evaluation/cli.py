@@ -1,0 +1,107 @@
+"""``hypic eval STUDY``: run a study on the in-process engine, resumably, and report it.
+
+Writes ``OUT/STUDY.jsonl`` (one record per sample and method; a rerun computes only what is
+missing), ``OUT/STUDY_summary.json`` and ``OUT/STUDY.png``, and prints the summary table.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from hypic import Engine
+from hypic.errors import HypicError
+
+from .data import DATASETS, DataError, load
+from .methods import Method, MethodError, parse_method
+from .results import ResultLog
+from .studies import FIGURES, format_summary, run_study, summarize
+
+SYNTHETIC_DEFAULT = Path("datasets/synthetic_qa/test.jsonl")
+STUDIES = {
+    "pareto": "accuracy against p50 TTFT for each method (paper Fig. 10)",
+    "seam": "accuracy and TTFT against the seam width w (paper Fig. 13)",
+}
+
+
+def add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    """``hypic eval`` and its studies, as subcommands of ``commands``."""
+    parser = commands.add_parser("eval", help="accuracy and TTFT studies of HYPIC against full, prefix and naive",
+                                 description="The paper's accuracy-TTFT studies on your model and data. Every sample "
+                                             "runs on fresh pools; with the default warm-up policy the documents are "
+                                             "cached before the timed request (--cold: nothing is).")
+    studies = parser.add_subparsers(dest="study", required=True, metavar="STUDY")
+    for name, text in STUDIES.items():
+        study = studies.add_parser(name, help=text, description=text,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        _common_options(study)
+        if name == "pareto":
+            study.add_argument("--methods", nargs="+", default=["full", "prefix", "naive", "hypic:8"],
+                               help="full, prefix, naive, hypic or hypic:W (full always runs: the reference)")
+        else:
+            study.add_argument("--widths", type=int, nargs="+", default=[0, 4, 8, 16, 32], help="seam widths w")
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", choices=DATASETS, default="synthetic",
+                        help="synthetic (datasets/synthetic_qa) or a LongBench task read from --data")
+    parser.add_argument("--data", type=Path, default=None,
+                        help=f"the dataset's JSONL file (default for synthetic: {SYNTHETIC_DEFAULT})")
+    parser.add_argument("--limit", type=int, default=20, help="samples (the first N of the file)")
+    parser.add_argument("--model", default="default", help="checkpoint directory, or default (the shipped model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives steady timings)")
+    parser.add_argument("--chunk-words", type=int, default=400,
+                        help="LongBench contexts without passage markers are cut into documents of about this many words")
+    parser.add_argument("--cold", action="store_true", help="no warm-up: documents are prefilled in the timed request")
+    parser.add_argument("--out", type=Path, default=Path("eval/runs"), help="folder of the JSONL, summary and figure")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _methods(args: argparse.Namespace) -> list[Method]:
+    if args.study == "seam":
+        if any(w < 0 for w in args.widths):
+            raise MethodError("seam widths must be >= 0")
+        return [Method("hypic", w) for w in args.widths]
+    return [parse_method(text) for text in args.methods]
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    """The study of ``args``: records, summary rows and where they were written."""
+    if args.limit is not None and args.limit < 1:
+        raise DataError("--limit must be >= 1")
+    methods = _methods(args)
+    data = args.data or (SYNTHETIC_DEFAULT if args.dataset == "synthetic" else None)
+    if data is None:
+        raise DataError(f"--data is required for the LongBench dataset {args.dataset!r} (a local JSONL file)")
+    if args.dataset == "synthetic" and args.data is None and not data.is_file():
+        raise DataError(f"{data} does not exist: generate the synthetic split with `python -m "
+                        "hypic.data.synthetic_qa --out datasets/synthetic_qa` or pass --data")
+    samples = load(args.dataset, data, args.limit, args.chunk_words)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    results = ResultLog(args.out / f"{args.study}.jsonl")
+    warm = not args.cold
+    print(f"hypic eval {args.study}: {len(samples)} {args.dataset} samples from {data}, methods "
+          f"{', '.join(m.label for m in methods)}; warm-up: {'documents cached first' if warm else 'none (cold)'}; "
+          f"{len(results.records)} records already in {results.path}", file=sys.stderr)
+    records = run_study(base, samples, methods, warm, results, progress=not args.no_progress)
+    rows = summarize(records)
+    summary = args.out / f"{args.study}_summary.json"
+    summary.write_text(json.dumps({"study": args.study, "warm": warm, "rows": rows}, indent=2) + "\n")
+    FIGURES[args.study](rows, args.out / f"{args.study}.png")
+    print(format_summary(rows))
+    return {"records": records, "rows": rows, "summary": summary, "figure": args.out / f"{args.study}.png"}
+
+
+def eval_main(args: argparse.Namespace) -> int:
+    """Run ``hypic eval``; bad input is a one-line error and exit status 2 (finished samples are kept)."""
+    try:
+        run_eval(args)
+    except (DataError, MethodError, HypicError) as err:
+        print(f"hypic eval: error: {err}", file=sys.stderr)
+        return 2
+    return 0

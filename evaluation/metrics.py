@@ -1,0 +1,56 @@
+"""Answer metrics: exact match, token F1 and ROUGE-L, and where two greedy outputs part."""
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+from functools import cache
+
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize(text: str) -> str:
+    """SQuAD / LongBench normalisation: lower case, punctuation and the articles a, an, the removed,
+    whitespace collapsed."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    return " ".join(ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when the normalised prediction equals any normalised gold answer."""
+    return float(any(normalize(prediction) == normalize(answer) for answer in answers))
+
+
+def token_f1(prediction: str, answers: Sequence[str]) -> float:
+    """The best F1 over the gold answers of the normalised tokens' multiset overlap."""
+    return max((_f1(normalize(prediction).split(), normalize(answer).split()) for answer in answers), default=0.0)
+
+
+def _f1(predicted: list[str], gold: list[str]) -> float:
+    common = sum((Counter(predicted) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+@cache
+def _rouge_scorer():
+    from rouge_score import rouge_scorer
+    return rouge_scorer.RougeScorer(["rougeL"])
+
+
+def rouge_l(prediction: str, answers: Sequence[str]) -> float:
+    """The best ROUGE-L F-measure over the gold answers (rouge-score's implementation)."""
+    return max((_rouge_scorer().score(answer, prediction)["rougeL"].fmeasure for answer in answers), default=0.0)
+
+
+METRICS = {"exact_match": exact_match, "f1": token_f1, "rouge_l": rouge_l}
+
+
+def first_divergence(ours: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The index of the first token where two outputs differ (a length difference counts); None if equal."""
+    for index, (a, b) in enumerate(zip(ours, reference)):
+        if a != b:
+            return index
+    return None if len(ours) == len(reference) else min(len(ours), len(reference))

@@ -1,0 +1,129 @@
+"""The studies: run every (sample, method) not yet recorded, summarise per dataset and method, draw.
+
+``pareto``: accuracy against p50 TTFT for each method (paper Fig. 10). ``seam``: accuracy and TTFT
+against the seam width w (Fig. 13); full recompute is the reference line. Full recompute always
+runs first on each sample: the other methods' agreement with its greedy output (the first token
+where they part) is part of every record.
+"""
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hypic import Engine
+
+from .data import Sample
+from .methods import Method, run_sample
+from .metrics import METRICS, first_divergence
+from .results import ResultLog
+
+FULL = Method("full")
+
+
+def with_full_first(methods: Sequence[Method]) -> list[Method]:
+    """``methods`` without repeats, full recompute first (added if missing)."""
+    ordered = [FULL, *methods]
+    return [m for i, m in enumerate(ordered) if m not in ordered[:i]]
+
+
+def run_study(base: Engine, samples: Sequence[Sample], methods: Sequence[Method], warm: bool, results: ResultLog,
+              progress: bool = True) -> list[dict[str, Any]]:
+    """Every (sample, method) record, computing only those ``results`` lacks."""
+    from tqdm import tqdm
+    jobs = [(sample, method) for sample in samples for method in with_full_first(methods)]
+    records = []
+    for sample, method in tqdm(jobs, desc="eval", unit="request", disable=not progress, file=sys.stderr):
+        record = results.get((sample.dataset, sample.id, method.label))
+        if record is None:
+            record = _record(base, sample, method, warm, results.get((sample.dataset, sample.id, FULL.label)))
+            results.add(record)
+        records.append(record)
+    return records
+
+
+def _record(base: Engine, sample: Sample, method: Method, warm: bool, full: dict[str, Any] | None) -> dict[str, Any]:
+    result = run_sample(base, sample, method, warm)
+    divergence = first_divergence(result.output_ids, full["output_ids"]) if full is not None else None
+    return {"dataset": sample.dataset, "sample": sample.id, "method": method.label, "mode": method.mode,
+            "seam_width": method.seam_width if method.mode == "hypic" else None, "warm": warm,
+            "prediction": result.text, "output_ids": result.output_ids, "answers": list(sample.answers),
+            "metric": sample.metric, "score": METRICS[sample.metric](result.text, sample.answers),
+            "ttft_s": result.ttft_s, "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
+            "recomputed_tokens": result.recomputed_tokens, "segments_hit": result.segments_hit,
+            "agrees_with_full": full is None or divergence is None, "first_divergent_token": divergence,
+            **{f"meta_{k}": v for k, v in sample.meta.items()}}
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per dataset and method: samples, mean score (percent), TTFT p50 / p90 (ms), agreement with full (%)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault((record["dataset"], record["method"]), []).append(record)
+    rows = []
+    for (dataset, method), group in groups.items():
+        ttft = np.array([r["ttft_s"] for r in group]) * 1e3
+        rows.append({"dataset": dataset, "method": method, "seam_width": group[0]["seam_width"], "n": len(group),
+                     "metric": group[0]["metric"], "score": 100 * float(np.mean([r["score"] for r in group])),
+                     "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p90_ms": float(np.percentile(ttft, 90)),
+                     "agree_pct": 100 * float(np.mean([r["agrees_with_full"] for r in group])),
+                     "recomputed_tokens": float(np.mean([r["recomputed_tokens"] for r in group]))})
+    return rows
+
+
+def format_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of ``summarize``'s rows."""
+    lines = ["| dataset | method | n | metric | score | TTFT p50 ms | TTFT p90 ms | agree w/ full % | recomputed tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['n']} | {r['metric']} | {r['score']:.1f} | "
+                     f"{r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['agree_pct']:.1f} | "
+                     f"{r['recomputed_tokens']:.0f} |")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def pareto_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Score against p50 TTFT (log scale), one point per method and dataset."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    for marker, dataset in zip("osD^v<>p", sorted({r["dataset"] for r in rows})):
+        for r in (r for r in rows if r["dataset"] == dataset):
+            axes.scatter(r["ttft_p50_ms"], r["score"], marker=marker, s=50, label=f"{r['method']} ({dataset})")
+    axes.set_xscale("log")
+    axes.set(xlabel="TTFT p50 (ms, log scale)", ylabel="score (%)", title="accuracy vs TTFT per method")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def seam_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Score and p50 TTFT against the seam width; full recompute as a dashed line."""
+    plt = _pyplot()
+    figure, (score, ttft) = plt.subplots(1, 2, figsize=(9, 3.8))
+    for dataset in sorted({r["dataset"] for r in rows}):
+        mine = [r for r in rows if r["dataset"] == dataset]
+        hypic = sorted((r for r in mine if r["seam_width"] is not None), key=lambda r: r["seam_width"])
+        widths = [r["seam_width"] for r in hypic]
+        score.plot(widths, [r["score"] for r in hypic], marker="o", label=f"hypic ({dataset})")
+        ttft.plot(widths, [r["ttft_p50_ms"] for r in hypic], marker="o", label=f"hypic ({dataset})")
+        for r in (r for r in mine if r["method"] == "full"):
+            score.axhline(r["score"], linestyle="--", color="gray", label=f"full ({dataset})")
+            ttft.axhline(r["ttft_p50_ms"], linestyle="--", color="gray", label=f"full ({dataset})")
+    score.set(xlabel="seam width w", ylabel="score (%)")
+    ttft.set(xlabel="seam width w", ylabel="TTFT p50 (ms)")
+    score.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+FIGURES = {"pareto": pareto_figure, "seam": seam_figure}

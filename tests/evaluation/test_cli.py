@@ -1,0 +1,98 @@
+"""``hypic eval`` end to end on the shipped model: each study writes its JSONL, summary and PNG,
+a rerun redoes nothing, and bad input is a clear error that keeps finished samples."""
+import json
+from pathlib import Path
+
+import pytest
+
+import hypic.evaluation.studies as studies
+from hypic.cli import main
+from hypic.data.synthetic_qa import GeneratorConfig, generate_example
+
+FIXTURES = Path(__file__).resolve().parents[2] / "datasets" / "longbench_fixtures"
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "test.jsonl"
+    examples = [generate_example(GeneratorConfig(min_docs=4, max_docs=5), "test", i) for i in range(2)]
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_pareto_writes_records_summary_and_figure_then_resumes(synthetic: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["eval", "pareto", "--data", str(synthetic), "--limit", "2", "--methods", "hypic:4", "naive",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    records = _lines(tmp_path / "pareto.jsonl")
+    assert [(r["sample"], r["method"]) for r in records] == [
+        (s, m) for s in ("test-000000", "test-000001") for m in ("full", "hypic:4", "naive")]
+    documents = {e["id"]: len(e["documents"]) for e in _lines(synthetic)}
+    for r in records:
+        assert r["score"] in (0.0, 1.0) and r["ttft_s"] > 0 and r["warm"]
+        if r["method"] != "full":  # warmed first: every document a hit
+            assert r["segments_hit"] == documents[r["sample"]] and r["cached_tokens"] > 0
+        else:
+            assert r["cached_tokens"] == 0 and r["agrees_with_full"]
+    summary = json.loads((tmp_path / "pareto_summary.json").read_text())
+    assert {row["method"] for row in summary["rows"]} == {"full", "hypic:4", "naive"}
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("a finished sample ran again")
+
+    monkeypatch.setattr(studies, "run_sample", refuse)
+    assert main(args) == 0  # everything is in the JSONL: nothing runs
+    assert _lines(tmp_path / "pareto.jsonl") == records
+
+
+def test_a_cut_last_line_reruns_only_that_sample(synthetic: Path, tmp_path: Path) -> None:
+    args = ["eval", "seam", "--data", str(synthetic), "--limit", "1", "--widths", "0", "8", "--out", str(tmp_path),
+            "--no-progress"]
+    assert main(args) == 0
+    lines = (tmp_path / "seam.jsonl").read_text().splitlines()
+    assert [json.loads(line)["method"] for line in lines] == ["full", "hypic:0", "hypic:8"]
+    (tmp_path / "seam.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2] + "\n")
+    assert main(args) == 0
+    again = _lines_tolerant(tmp_path / "seam.jsonl")
+    assert [r["method"] for r in again] == ["full", "hypic:0", "hypic:8"]  # the cut line was redone, once
+    assert again[:2] == [json.loads(line) for line in lines[:2]]
+    assert (tmp_path / "seam.png").is_file()
+
+
+def _lines_tolerant(path: Path) -> list[dict]:
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
+
+
+def test_longbench_fixture_scores_with_f1(tmp_path: Path) -> None:
+    args = ["eval", "pareto", "--dataset", "hotpotqa", "--data", str(FIXTURES / "hotpotqa.jsonl"), "--methods",
+            "hypic", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    records = _lines(tmp_path / "pareto.jsonl")
+    assert len(records) == 4 and {r["metric"] for r in records} == {"f1"}
+    assert all(0.0 <= r["score"] <= 1.0 for r in records)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--methods", "hypic:x"], "seam width must be an integer"),
+    (["--methods", "magic"], "unknown method 'magic'"),
+    (["--data", "/nonexistent/test.jsonl"], "does not exist"),
+    (["--dataset", "hotpotqa"], "--data is required"),
+    (["--model", "/nonexistent/model"], "is not a directory"),
+])
+def test_bad_input_is_a_clear_error(synthetic: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    extra: list[str], message: str) -> None:
+    data = [] if "--data" in extra or "--dataset" in extra else ["--data", str(synthetic)]
+    assert main(["eval", "pareto", *data, "--out", str(tmp_path), "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err
