@@ -1,11 +1,12 @@
 """``hypic eval``: the paper's accuracy-TTFT studies (section 6) as a tool for a user's own model and
-data. Apart from the runtime: it drives an ``Engine`` (or, later, a server) like any client would.
+data. Apart from the runtime: it drives an ``Engine`` or a server like any client would.
 
 - ``metrics``: exact match, token F1 (SQuAD / LongBench normalisation), ROUGE-L (rouge-score),
   the first token where two greedy outputs part;
 - ``data``: LongBench-format JSONL and the synthetic multi-document QA, split into documents;
 - ``methods``: full, prefix, naive and hypic (any w), each with an explicit warm-up policy;
 - ``results``: resumable per-sample JSONL;
+- ``targets``: the in-process engine, or a running server's SGLang ``/generate`` (``--url``);
 - ``studies``: ``pareto`` and ``seam``, with their summary tables and figures;
 - ``cli``: the ``hypic eval`` command.
 """

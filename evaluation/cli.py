@@ -1,4 +1,4 @@
-"""``hypic eval STUDY``: run a study on the in-process engine, resumably, and report it.
+"""``hypic eval STUDY``: run a study on the in-process engine or a server, resumably, and report it.
 
 Writes ``OUT/STUDY.jsonl`` (one record per sample and method; a rerun computes only what is
 missing), ``OUT/STUDY_summary.json`` and ``OUT/STUDY.png``, and prints the summary table.
@@ -17,6 +17,7 @@ from .data import DATASETS, DataError, load
 from .methods import Method, MethodError, parse_method
 from .results import ResultLog
 from .studies import FIGURES, format_summary, run_study, summarize
+from .targets import EngineTarget, ServerTarget, Target, TargetError
 
 SYNTHETIC_DEFAULT = Path("datasets/synthetic_qa/test.jsonl")
 STUDIES = {
@@ -50,6 +51,9 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
                         help=f"the dataset's JSONL file (default for synthetic: {SYNTHETIC_DEFAULT})")
     parser.add_argument("--limit", type=int, default=20, help="samples (the first N of the file)")
     parser.add_argument("--model", default="default", help="checkpoint directory, or default (the shipped model)")
+    parser.add_argument("--url", default=None,
+                        help="run against the server at URL (SGLang /generate; its own mode and seam width only) "
+                             "instead of the in-process engine")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives steady timings)")
@@ -68,6 +72,14 @@ def _methods(args: argparse.Namespace) -> list[Method]:
     return [parse_method(text) for text in args.methods]
 
 
+def _target(args: argparse.Namespace) -> Target:
+    if args.url is not None:
+        return ServerTarget(args.url)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return EngineTarget(Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype))
+
+
 def run_eval(args: argparse.Namespace) -> dict:
     """The study of ``args``: records, summary rows and where they were written."""
     if args.limit is not None and args.limit < 1:
@@ -80,15 +92,13 @@ def run_eval(args: argparse.Namespace) -> dict:
         raise DataError(f"{data} does not exist: generate the synthetic split with `python -m "
                         "hypic.data.synthetic_qa --out datasets/synthetic_qa` or pass --data")
     samples = load(args.dataset, data, args.limit, args.chunk_words)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    base = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    target = _target(args)
     results = ResultLog(args.out / f"{args.study}.jsonl")
     warm = not args.cold
     print(f"hypic eval {args.study}: {len(samples)} {args.dataset} samples from {data}, methods "
           f"{', '.join(m.label for m in methods)}; warm-up: {'documents cached first' if warm else 'none (cold)'}; "
           f"{len(results.records)} records already in {results.path}", file=sys.stderr)
-    records = run_study(base, samples, methods, warm, results, progress=not args.no_progress)
+    records = run_study(target, samples, methods, warm, results, progress=not args.no_progress)
     rows = summarize(records)
     summary = args.out / f"{args.study}_summary.json"
     summary.write_text(json.dumps({"study": args.study, "warm": warm, "rows": rows}, indent=2) + "\n")
@@ -101,7 +111,7 @@ def eval_main(args: argparse.Namespace) -> int:
     """Run ``hypic eval``; bad input is a one-line error and exit status 2 (finished samples are kept)."""
     try:
         run_eval(args)
-    except (DataError, MethodError, HypicError) as err:
+    except (DataError, MethodError, TargetError, HypicError) as err:
         print(f"hypic eval: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -12,39 +12,42 @@ from typing import Any
 
 import numpy as np
 
-from hypic import Engine
-
 from .data import Sample
-from .methods import Method, run_sample
+from .methods import Method, MethodError
 from .metrics import METRICS, first_divergence
 from .results import ResultLog
+from .targets import Target
 
 FULL = Method("full")
 
 
-def with_full_first(methods: Sequence[Method]) -> list[Method]:
-    """``methods`` without repeats, full recompute first (added if missing)."""
-    ordered = [FULL, *methods]
+def planned_methods(target: Target, methods: Sequence[Method]) -> list[Method]:
+    """``methods`` without repeats, full recompute first where the target runs it (the reference of
+    agreement); a method the target cannot run is an error before anything runs."""
+    for method in methods:
+        if not target.can_run(method):
+            raise MethodError(f"this target cannot run {method.label} (a server runs the mode it was started with)")
+    ordered = [FULL, *methods] if target.can_run(FULL) else list(methods)
     return [m for i, m in enumerate(ordered) if m not in ordered[:i]]
 
 
-def run_study(base: Engine, samples: Sequence[Sample], methods: Sequence[Method], warm: bool, results: ResultLog,
+def run_study(target: Target, samples: Sequence[Sample], methods: Sequence[Method], warm: bool, results: ResultLog,
               progress: bool = True) -> list[dict[str, Any]]:
     """Every (sample, method) record, computing only those ``results`` lacks."""
     from tqdm import tqdm
-    jobs = [(sample, method) for sample in samples for method in with_full_first(methods)]
+    jobs = [(sample, method) for sample in samples for method in planned_methods(target, methods)]
     records = []
     for sample, method in tqdm(jobs, desc="eval", unit="request", disable=not progress, file=sys.stderr):
         record = results.get((sample.dataset, sample.id, method.label))
         if record is None:
-            record = _record(base, sample, method, warm, results.get((sample.dataset, sample.id, FULL.label)))
+            record = _record(target, sample, method, warm, results.get((sample.dataset, sample.id, FULL.label)))
             results.add(record)
         records.append(record)
     return records
 
 
-def _record(base: Engine, sample: Sample, method: Method, warm: bool, full: dict[str, Any] | None) -> dict[str, Any]:
-    result = run_sample(base, sample, method, warm)
+def _record(target: Target, sample: Sample, method: Method, warm: bool, full: dict[str, Any] | None) -> dict[str, Any]:
+    result = target.run(sample, method, warm)
     divergence = first_divergence(result.output_ids, full["output_ids"]) if full is not None else None
     return {"dataset": sample.dataset, "sample": sample.id, "method": method.label, "mode": method.mode,
             "seam_width": method.seam_width if method.mode == "hypic" else None, "warm": warm,
@@ -52,7 +55,8 @@ def _record(base: Engine, sample: Sample, method: Method, warm: bool, full: dict
             "metric": sample.metric, "score": METRICS[sample.metric](result.text, sample.answers),
             "ttft_s": result.ttft_s, "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
             "recomputed_tokens": result.recomputed_tokens, "segments_hit": result.segments_hit,
-            "agrees_with_full": full is None or divergence is None, "first_divergent_token": divergence,
+            "agrees_with_full": True if method == FULL else None if full is None else divergence is None,
+            "first_divergent_token": divergence,
             **{f"meta_{k}": v for k, v in sample.meta.items()}}
 
 
@@ -67,9 +71,15 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({"dataset": dataset, "method": method, "seam_width": group[0]["seam_width"], "n": len(group),
                      "metric": group[0]["metric"], "score": 100 * float(np.mean([r["score"] for r in group])),
                      "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p90_ms": float(np.percentile(ttft, 90)),
-                     "agree_pct": 100 * float(np.mean([r["agrees_with_full"] for r in group])),
+                     "agree_pct": _agreement(group),
                      "recomputed_tokens": float(np.mean([r["recomputed_tokens"] for r in group]))})
     return rows
+
+
+def _agreement(group: Sequence[dict[str, Any]]) -> float | None:
+    """Percent of records equal to full's greedy output; None where no full reference ran."""
+    known = [r["agrees_with_full"] for r in group if r["agrees_with_full"] is not None]
+    return 100 * float(np.mean(known)) if known else None
 
 
 def format_summary(rows: Sequence[dict[str, Any]]) -> str:
@@ -78,7 +88,8 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dataset']} | {r['method']} | {r['n']} | {r['metric']} | {r['score']:.1f} | "
-                     f"{r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['agree_pct']:.1f} | "
+                     f"{r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
+                     f"{'-' if r['agree_pct'] is None else format(r['agree_pct'], '.1f')} | "
                      f"{r['recomputed_tokens']:.0f} |")
     return "\n".join(lines)
 

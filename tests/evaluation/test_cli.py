@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import hypic.evaluation.studies as studies
+import hypic.evaluation.targets as targets
 from hypic.cli import main
 from hypic.data.synthetic_qa import GeneratorConfig, generate_example
 
@@ -46,7 +46,7 @@ def test_pareto_writes_records_summary_and_figure_then_resumes(synthetic: Path, 
     def refuse(*_: object) -> None:
         raise AssertionError("a finished sample ran again")
 
-    monkeypatch.setattr(studies, "run_sample", refuse)
+    monkeypatch.setattr(targets, "run_sample", refuse)
     assert main(args) == 0  # everything is in the JSONL: nothing runs
     assert _lines(tmp_path / "pareto.jsonl") == records
 
@@ -96,3 +96,26 @@ def test_bad_input_is_a_clear_error(synthetic: Path, tmp_path: Path, capsys: pyt
     data = [] if "--data" in extra or "--dataset" in extra else ["--data", str(synthetic)]
     assert main(["eval", "pareto", *data, "--out", str(tmp_path), "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_url_mode_gives_the_in_process_numbers(synthetic: Path, tmp_path: Path) -> None:
+    """The same samples against a real ``hypic serve`` (mode hypic, w = 8) and in process: the same
+    predictions, scores and reuse; a method the server does not serve, and a dead URL, are clear errors."""
+    from hypic.server.launch import start_server
+
+    server = start_server(["--seam-width", "8", "--log-level", "warning"], tmp_path / "server.log")
+    try:
+        common = ["eval", "pareto", "--data", str(synthetic), "--limit", "2", "--no-progress"]
+        assert main([*common, "--methods", "hypic:8", "--url", server.url, "--out", str(tmp_path / "url")]) == 0
+        assert main([*common, "--methods", "hypic:8", "--out", str(tmp_path / "local")]) == 0
+        assert main([*common, "--methods", "naive", "--url", server.url, "--out", str(tmp_path / "bad")]) == 2
+    finally:
+        server.stop()
+    remote = _lines(tmp_path / "url" / "pareto.jsonl")
+    local = [r for r in _lines(tmp_path / "local" / "pareto.jsonl") if r["method"] == "hypic:8"]
+    assert len(remote) == len(local) == 2
+    for a, b in zip(remote, local):
+        for key in ("sample", "prediction", "output_ids", "score", "cached_tokens", "recomputed_tokens", "segments_hit"):
+            assert a[key] == b[key], key
+        assert a["agrees_with_full"] is None  # the server runs hypic only: no full reference there
+    assert main([*common, "--url", server.url, "--out", str(tmp_path / "dead")]) == 2
