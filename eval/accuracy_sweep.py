@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.data.evaluate import exact_match
 from hypic.data.synthetic_qa import build_prompt, read_jsonl
+from hypic.evaluation.metrics import state_drift
 from hypic.state import LinearLayerState
 
 KINDS = ("single_hop", "multi_hop")
@@ -110,21 +110,6 @@ def select_examples(examples: Sequence[dict], limit: int | None) -> list[dict]:
             taken[example["kind"]] += 1
             chosen.append(example)
     return chosen
-
-
-def state_drift(states: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
-    """(relative L2 error, angle in degrees) of each state against its reference, flattened.
-
-    The angle uses 2 atan2(|a^ - b^|, |a^ + b^|) on the unit vectors, which stays accurate
-    near 0 (where acos of the cosine would not)."""
-    out = []
-    for state, ref in zip(states, reference):
-        a, b = state.double().flatten(), ref.double().flatten()
-        rel = ((a - b).norm() / b.norm()).item() if b.norm() > 0 else float((a - b).norm() > 0)
-        ua, ub = a / a.norm().clamp_min(1e-300), b / b.norm().clamp_min(1e-300)
-        angle = math.degrees(2 * math.atan2((ua - ub).norm().item(), (ua + ub).norm().item()))
-        out.append((rel, angle))
-    return out
 
 
 def answer_greedily(engine: Engine, prompt: str, mode: str,

@@ -14,6 +14,7 @@ from hypic import Engine
 from hypic.errors import HypicError
 
 from .data import DATASETS, DataError, load
+from .drift import drift_figure, format_drift, run_drift, summarize_drift
 from .methods import Method, MethodError, parse_method
 from .results import ResultLog
 from .studies import FIGURES, format_summary, run_study, summarize
@@ -23,6 +24,8 @@ SYNTHETIC_DEFAULT = Path("datasets/synthetic_qa/test.jsonl")
 STUDIES = {
     "pareto": "accuracy against p50 TTFT for each method (paper Fig. 10)",
     "seam": "accuracy and TTFT against the seam width w (paper Fig. 13)",
+    "drift": "per linear layer, the final recurrent state's relative L2 error and angle against full recompute "
+             "(paper Table 4; in-process only)",
 }
 
 
@@ -37,8 +40,9 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
         study = studies.add_parser(name, help=text, description=text,
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         _common_options(study)
-        if name == "pareto":
-            study.add_argument("--methods", nargs="+", default=["full", "prefix", "naive", "hypic:8"],
+        if name in ("pareto", "drift"):
+            default = ["full", "prefix", "naive", "hypic:8"] if name == "pareto" else ["naive", "hypic:0", "hypic:8"]
+            study.add_argument("--methods", nargs="+", default=default,
                                help="full, prefix, naive, hypic or hypic:W (full always runs: the reference)")
         else:
             study.add_argument("--widths", type=int, nargs="+", default=[0, 4, 8, 16, 32], help="seam widths w")
@@ -92,18 +96,25 @@ def run_eval(args: argparse.Namespace) -> dict:
         raise DataError(f"{data} does not exist: generate the synthetic split with `python -m "
                         "hypic.data.synthetic_qa --out datasets/synthetic_qa` or pass --data")
     samples = load(args.dataset, data, args.limit, args.chunk_words)
+    if args.study == "drift" and args.url is not None:
+        raise DataError("the drift study reads the model's states, which a server does not expose: run it in process")
     target = _target(args)
     results = ResultLog(args.out / f"{args.study}.jsonl")
     warm = not args.cold
     print(f"hypic eval {args.study}: {len(samples)} {args.dataset} samples from {data}, methods "
           f"{', '.join(m.label for m in methods)}; warm-up: {'documents cached first' if warm else 'none (cold)'}; "
           f"{len(results.records)} records already in {results.path}", file=sys.stderr)
-    records = run_study(target, samples, methods, warm, results, progress=not args.no_progress)
-    rows = summarize(records)
+    if args.study == "drift":
+        assert isinstance(target, EngineTarget)
+        records = run_drift(target.engine, samples, methods, warm, results, progress=not args.no_progress)
+        rows, table, draw = summarize_drift(records), format_drift, drift_figure
+    else:
+        records = run_study(target, samples, methods, warm, results, progress=not args.no_progress)
+        rows, table, draw = summarize(records), format_summary, FIGURES[args.study]
     summary = args.out / f"{args.study}_summary.json"
     summary.write_text(json.dumps({"study": args.study, "warm": warm, "rows": rows}, indent=2) + "\n")
-    FIGURES[args.study](rows, args.out / f"{args.study}.png")
-    print(format_summary(rows))
+    draw(rows, args.out / f"{args.study}.png")
+    print(table(rows))
     return {"records": records, "rows": rows, "summary": summary, "figure": args.out / f"{args.study}.png"}
 
 

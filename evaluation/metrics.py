@@ -1,9 +1,12 @@
-"""Answer metrics: exact match, token F1 and ROUGE-L, and where two greedy outputs part."""
+"""Answer metrics (exact match, token F1, ROUGE-L), where two greedy outputs part, and state drift."""
+import math
 import re
 import string
 from collections import Counter
 from collections.abc import Sequence
 from functools import cache
+
+import torch
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -54,3 +57,18 @@ def first_divergence(ours: Sequence[int], reference: Sequence[int]) -> int | Non
         if a != b:
             return index
     return None if len(ours) == len(reference) else min(len(ours), len(reference))
+
+
+def state_drift(states: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
+    """(relative L2 error, angle in degrees) of each state against its reference, flattened.
+
+    The angle uses 2 atan2(|a^ - b^|, |a^ + b^|) on the unit vectors, which stays accurate
+    near 0 (where acos of the cosine would not)."""
+    out = []
+    for state, ref in zip(states, reference):
+        a, b = state.double().flatten(), ref.double().flatten()
+        rel = ((a - b).norm() / b.norm()).item() if b.norm() > 0 else float((a - b).norm() > 0)
+        ua, ub = a / a.norm().clamp_min(1e-300), b / b.norm().clamp_min(1e-300)
+        angle = math.degrees(2 * math.atan2((ua - ub).norm().item(), (ua + ub).norm().item()))
+        out.append((rel, angle))
+    return out

@@ -119,3 +119,16 @@ def test_url_mode_gives_the_in_process_numbers(synthetic: Path, tmp_path: Path) 
             assert a[key] == b[key], key
         assert a["agrees_with_full"] is None  # the server runs hypic only: no full reference there
     assert main([*common, "--url", server.url, "--out", str(tmp_path / "dead")]) == 2
+
+
+def test_drift_is_zero_for_full_exact_at_hypics_first_layer_and_large_for_naive(synthetic: Path, tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["eval", "drift", "--data", str(synthetic), "--limit", "1", "--methods", "full", "naive", "hypic:8",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    records = {r["method"]: r for r in _lines(tmp_path / "drift.jsonl")}
+    assert records["full"]["rel_l2"] == [0.0] * len(records["full"]["layers"])
+    assert records["hypic:8"]["rel_l2"][0] < 1e-5  # below the first attention layer composition is exact
+    assert records["naive"]["rel_l2"][0] > 1e-3 and records["naive"]["angle_deg"][0] > 0.01
+    assert (tmp_path / "drift.png").is_file() and "layer 0" in capsys.readouterr().out
+    assert main([*args, "--url", "http://127.0.0.1:9"]) == 2
