@@ -72,7 +72,7 @@ def format_drift(rows: Sequence[dict[str, Any]]) -> str:
 
 def drift_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Relative L2 error (%, log scale) against the linear layer, one line per method."""
-    from .studies import _pyplot
+    from .studies import _pyplot, save_figure
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6.5, 4))
     for r in rows:
@@ -80,6 +80,4 @@ def drift_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     axes.set_yscale("log")
     axes.set(xlabel="linear layer", ylabel="relative L2 error of the state (%)", title="state drift against full")
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)

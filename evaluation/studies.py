@@ -101,6 +101,13 @@ def _pyplot():
     return plt
 
 
+def save_figure(figure: Any, path: Path) -> None:
+    """Write ``figure`` as a PNG and free it."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    _pyplot().close(figure)
+
+
 def pareto_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Score against p50 TTFT (log scale), one point per method and dataset."""
     plt = _pyplot()
@@ -111,9 +118,7 @@ def pareto_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     axes.set_xscale("log")
     axes.set(xlabel="TTFT p50 (ms, log scale)", ylabel="score (%)", title="accuracy vs TTFT per method")
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def seam_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -132,9 +137,7 @@ def seam_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     score.set(xlabel="seam width w", ylabel="score (%)")
     ttft.set(xlabel="seam width w", ylabel="TTFT p50 (ms)")
     score.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 FIGURES = {"pareto": pareto_figure, "seam": seam_figure}
