@@ -6,7 +6,7 @@ script builds a model with that checkpoint's shapes (hidden 2048, 40 layers: 30 
 with 16 key / 32 value heads of 128, 10 gated attention with 16 query / 2 KV heads of 256; 256
 experts of 512, top 8, a shared expert of 512; vocabulary 248320) directly on the device with
 random weights (nothing is written to disk or downloaded), then runs the sweeps of
-``bench_composition.py`` on it: every document is cached first, then the TTFT of ``hypic`` and
+``hypic eval scaling`` on it: every document is cached first, then the TTFT of ``hypic`` and
 ``full`` on the same prompt, median of ``--repeats`` after a warm-up. The paper's numbers are
 printed beside ours. ``--layers`` keeps fewer layers (one in four stays attention) where memory
 forces it: the model is ~67 GB in bfloat16, so an 80 GB card holds all 40.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,15 +32,13 @@ from typing import Any, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_composition as composition  # noqa: E402  (a sibling script: its sweeps and tables)
-
-from hypic import Engine  # noqa: E402
-from hypic.checkpoints import byte_level_tokenizer  # noqa: E402
-from hypic.config import parse_config  # noqa: E402
-from hypic.models import HybridModel  # noqa: E402
-from hypic.prefix_cache import PrefixCache  # noqa: E402
-from hypic.tokenizer import TextTokenizer  # noqa: E402
+from hypic import Engine
+from hypic.checkpoints import byte_level_tokenizer
+from hypic.config import parse_config
+from hypic.evaluation import scaling as composition  # the Fig. 12 sweeps and their tables
+from hypic.models import HybridModel
+from hypic.prefix_cache import PrefixCache
+from hypic.tokenizer import TextTokenizer
 
 QWEN35_35B_A3B: dict[str, Any] = dict(
     model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
@@ -90,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats must be >= 1")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
-    args.threads, args.fixed_count, args.fixed_length = 0, None, None  # what bench_composition's sweeps read
+    args.threads, args.fixed_count, args.fixed_length = 0, None, None  # what the scaling sweeps read
     return args
 
 

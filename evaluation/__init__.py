@@ -7,6 +7,7 @@ data. Apart from the runtime: it drives an ``Engine`` or a server like any clien
 - ``methods``: full, prefix, naive and hypic (any w), each with an explicit warm-up policy;
 - ``results``: resumable per-sample JSONL;
 - ``targets``: the in-process engine, or a running server's SGLang ``/generate`` (``--url``);
-- ``studies``: ``pareto`` and ``seam``, with their summary tables and figures; ``drift``: per-layer state drift;
+- ``studies``: ``pareto`` and ``seam``, with their summary tables and figures; ``drift``: per-layer state
+  drift; ``scaling``: the Fig. 12 TTFT sweeps (also ``eval/bench_composition.py``);
 - ``cli``: the ``hypic eval`` command.
 """

@@ -36,6 +36,9 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
                                              "runs on fresh pools; with the default warm-up policy the documents are "
                                              "cached before the timed request (--cold: nothing is).")
     studies = parser.add_subparsers(dest="study", required=True, metavar="STUDY")
+    scaling = studies.add_parser("scaling", add_help=False, help="TTFT of hypic and full recompute as document "
+                                 "length and count grow, every document cached (paper Fig. 12); --help for its options")
+    scaling.set_defaults(options=[])  # hypic.cli hands it every argument after the study's name
     for name, text in STUDIES.items():
         study = studies.add_parser(name, help=text, description=text,
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -120,6 +123,10 @@ def run_eval(args: argparse.Namespace) -> dict:
 
 def eval_main(args: argparse.Namespace) -> int:
     """Run ``hypic eval``; bad input is a one-line error and exit status 2 (finished samples are kept)."""
+    if args.study == "scaling":
+        from . import scaling
+        outcome = scaling.main(args.options)
+        return 1 if outcome["strict"] and not outcome["all_passed"] else 0
     try:
         run_eval(args)
     except (DataError, MethodError, TargetError, HypicError) as err:

@@ -212,7 +212,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "eval" and args.study == "scaling":
+        args.options = rest  # the scaling sweeps parse their own options
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "eval":
         return eval_main(args)
     try:

@@ -132,3 +132,20 @@ def test_drift_is_zero_for_full_exact_at_hypics_first_layer_and_large_for_naive(
     assert records["naive"]["rel_l2"][0] > 1e-3 and records["naive"]["angle_deg"][0] > 0.01
     assert (tmp_path / "drift.png").is_file() and "layer 0" in capsys.readouterr().out
     assert main([*args, "--url", "http://127.0.0.1:9"]) == 2
+
+
+def test_scaling_study_runs_the_fig12_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
+    """``hypic eval scaling`` hands its options to the sweeps (a tiny random model here)."""
+    assert main(["eval", "scaling", "--hidden-size", "64", "--layers", "4", "--repeats", "1", "--no-progress",
+                 "--doc-lengths", "64", "--doc-counts", "2", "3", "--fixed-count", "2", "--fixed-length", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "ms/doc" in printed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "scaling", "--repeats", "0"])
+    assert exit_info.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_unknown_options_are_refused_outside_scaling(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "pareto", "--bogus"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -1,0 +1,411 @@
+"""Scalability of linear-attention state composition: the paper's Fig. 12 TTFT sweeps on CPU.
+
+HYPIC paper, section 6.3 ("Scalability of state composition"), Fig. 12:
+
+  (a) 4 documents x {1k, 2k, 4k} tokens per document (prompts of ~4k to ~16k tokens);
+  (b) {4, 8, 16} documents x 1k tokens per document.
+
+Every prompt is ``L <<PIC_SEP>> C1 <<PIC_SEP>> ... <<PIC_SEP>> Cn <<PIC_SEP>> Q`` with a 32-token
+leading instruction L and a 32-token question Q. For each shape the documents are cached first
+(``Engine.warmup``), so that in ``hypic`` mode every document is a hit and only L (32 tokens),
+the seams (2w tokens per document for w >= k - 1) and Q are recomputed. The private pool (prefix cache) is off:
+a repeated prompt would otherwise resume at its last document boundary, which measures prefix
+caching rather than composition. Then the
+time to first token (TTFT) of ``hypic`` and of ``full`` recompute on the same prompt is measured,
+each as the median of ``--repeats`` runs after one untimed warm-up run.
+
+Printed: a table of shape, prompt tokens, full TTFT, hypic TTFT and speedup (full / hypic); for
+sweep (b) the incremental cost of one extra document in each mode (least-squares slope of TTFT
+against the document count, ms/document) and the ratio of the two slopes; and a PASS/FAIL line
+per target:
+
+  * speedup >= 10x at the longest prompt (16k tokens in the default sweeps);
+  * hypic's cost per extra document >= 20x smaller than full recompute's.
+
+(The paper reports 4.91x at 16k tokens and 2.3 vs 40.7 ms/segment on GPUs with real models; on
+CPU the quadratic full-attention prefill is relatively more expensive, hence the higher bars.)
+The exit code is 0 whether or not the targets pass, unless ``--strict`` is given.
+
+Default model (a random ``qwen3_5_text`` checkpoint with a byte-level tokenizer, so a document of
+N lowercase ASCII characters is N tokens): hidden 256, 8 layers (6 Gated DeltaNet + 2 gated full
+attention, one full layer every 4), MLP 512; linear layers with 4 key heads / 8 value heads of
+dim 64 and conv kernel 4; full attention with 2 query heads / 1 KV head of dim 64 (partial rotary
+0.25). This is "tiny but not trivial": every mechanism HYPIC must get right (GQA in the linear
+layers, conv tails, dense 64x64 transitions per value head, partial-rotary re-rotation, GQA in
+attention) is present at a realistic head size, yet the whole benchmark -- dominated by the
+full-recompute prefills at 16k tokens, whose attention is quadratic -- runs in well under ten
+minutes on one CPU core. Two query heads (not four) keep that quadratic part within the budget.
+
+Threads: ``--threads`` defaults to 1. On a small shared machine (2 cores used by other jobs too),
+two OpenMP threads are often several times *slower* than one, because the workers spin on a
+core someone else holds; one thread gives stable, reproducible timings. Pass ``--threads 0`` to
+keep PyTorch's own default.
+
+Examples::
+
+    hypic eval scaling                  # full sweeps, ~5-10 minutes on CPU (or python eval/bench_composition.py)
+    hypic eval scaling --quick          # per-document lengths / 4, ~1 minute
+    hypic eval scaling --model DIR --json out.json --strict
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm import tqdm
+
+import hypic
+from hypic import DEFAULT_SEPARATOR, Engine, GenerationResult
+from hypic.checkpoints import write_random_checkpoint
+
+LEADING = "Answer from the documents below:"  # 32 tokens with the byte-level tokenizer
+QUESTION = "Question: what do they all say?\n"  # 32 tokens with the byte-level tokenizer
+SPEEDUP_TARGET = 10.0  # full / hypic TTFT at the longest prompt
+SLOPE_RATIO_TARGET = 20.0  # full's ms per extra document / hypic's
+DEFAULT_MODEL: dict[str, Any] = dict(
+    hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+)
+FULL_SWEEP = dict(lengths=(1024, 2048, 4096), counts=(4, 8, 16), fixed_count=4, fixed_length=1024)
+WORD_CHARS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One prompt shape: ``num_docs`` documents of ``doc_tokens`` tokens, in sweeps ``sweeps``."""
+
+    num_docs: int
+    doc_tokens: int
+    sweeps: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        size = f"{self.doc_tokens // 1024}k" if self.doc_tokens % 1024 == 0 else str(self.doc_tokens)
+        return f"{self.num_docs}x{size}"
+
+
+@dataclass
+class ShapeResult:
+    """Measured TTFTs (ms) and token accounting of one shape."""
+
+    label: str
+    sweeps: list[str]
+    num_docs: int
+    doc_tokens: int
+    prompt_tokens: int
+    full_ttft_ms: float
+    hypic_ttft_ms: float
+    speedup: float
+    segments_hit: int
+    hypic_cached_tokens: int
+    hypic_recomputed_tokens: int
+    hypic_combine_tokens: int
+    full_recomputed_tokens: int
+    warmup_s: float
+    full_samples_ms: list[float] = field(default_factory=list)
+    hypic_samples_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Target:
+    """One pass/fail criterion."""
+
+    name: str
+    value: float | None
+    threshold: float
+    passed: bool
+    detail: str
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="hypic eval scaling",
+        description="HYPIC vs full recompute TTFT as context length and document count grow (paper Fig. 12): "
+                    "(a) 4 documents x {1k,2k,4k} tokens, (b) {4,8,16} documents x 1k tokens. Documents are "
+                    "cached first, so hypic recomputes only L, the seams and the question.",
+        epilog="Targets: speedup >= 10x at the longest (16k-token) prompt; hypic's cost per extra document "
+               ">= 20x smaller than full recompute's. Exit code 0 unless --strict and a target fails.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", type=Path, default=None,
+                        help="existing checkpoint directory (config.json, safetensors, tokenizer.json) instead of "
+                             "the random default model; --hidden-size/--layers are then ignored")
+    parser.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL["hidden_size"],
+                        help="hidden size of the random model")
+    parser.add_argument("--layers", type=int, default=DEFAULT_MODEL["num_hidden_layers"],
+                        help="layers of the random model (every 4th is full attention, the rest Gated DeltaNet)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode and shape (median reported)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: per-document lengths divided by 4")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random model and the documents")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads; 0 keeps PyTorch's default (1 is steadiest on a shared machine)")
+    parser.add_argument("--seam-width", type=int, default=8, help="HYPIC seam width w")
+    parser.add_argument("--doc-lengths", type=int, nargs="+", default=None,
+                        help="sweep (a) per-document token counts (default 1024 2048 4096)")
+    parser.add_argument("--doc-counts", type=int, nargs="+", default=None,
+                        help="sweep (b) document counts (default 4 8 16)")
+    parser.add_argument("--fixed-count", type=int, default=None, help="document count of sweep (a) (default 4)")
+    parser.add_argument("--fixed-length", type=int, default=None,
+                        help="per-document tokens of sweep (b) (default 1024)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit with status 1 if a target fails")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.threads < 0:
+        parser.error("--threads must be >= 0")
+    return args
+
+
+def build_shapes(args: argparse.Namespace) -> list[Shape]:
+    """Sweep (a) then sweep (b); a shape in both sweeps (4 x 1k by default) is measured once."""
+    scale = 4 if args.quick else 1
+    lengths = args.doc_lengths or [n // scale for n in FULL_SWEEP["lengths"]]
+    counts = args.doc_counts or list(FULL_SWEEP["counts"])
+    fixed_count = args.fixed_count or FULL_SWEEP["fixed_count"]
+    fixed_length = args.fixed_length or FULL_SWEEP["fixed_length"] // scale
+    sweeps: dict[tuple[int, int], list[str]] = {}
+    for length in lengths:
+        sweeps.setdefault((fixed_count, length), []).append("a")
+    for count in counts:
+        sweeps.setdefault((count, fixed_length), []).append("b")
+    return [Shape(n, size, tuple(names)) for (n, size), names in sweeps.items()]
+
+
+def random_model_dir(args: argparse.Namespace, workdir: Path, max_tokens: int) -> Path:
+    """Write the seeded random default model (with --hidden-size/--layers) under ``workdir``."""
+    overrides = dict(DEFAULT_MODEL, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                     max_position_embeddings=max(4096, max_tokens + 64))
+    return write_random_checkpoint(workdir / "model", "qwen3_5_text", args.seed, **overrides)
+
+
+def make_document(engine: Engine, n_tokens: int, rng: random.Random) -> str:
+    """Random lowercase words of exactly ``n_tokens`` tokens with the byte-level tokenizer (close to it
+    with another tokenizer: the text is cut at ``n_tokens`` ids and decoded)."""
+    words: list[str] = []
+    length = 0
+    while length < n_tokens:
+        word = "".join(rng.choice(WORD_CHARS) for _ in range(rng.randint(2, 9)))
+        words.append(word)
+        length += len(word) + 1
+    text = " ".join(words)[:n_tokens]
+    ids = engine.tokenizer.encode(text)
+    if len(ids) == n_tokens:
+        return text
+    while len(ids) < n_tokens:  # a tokenizer with multi-byte tokens: grow the text, then cut by ids
+        text += " " + text
+        ids = engine.tokenizer.encode(text)
+    return engine.tokenizer.decode(ids[:n_tokens])
+
+
+def documents_for(engine: Engine, shape: Shape, seed: int) -> list[str]:
+    """The shape's documents; document i of a given length is the same in every shape (fewer to cache)."""
+    return [make_document(engine, shape.doc_tokens, random.Random(f"{seed}-{shape.doc_tokens}-{i}"))
+            for i in range(shape.num_docs)]
+
+
+def build_prompt(documents: list[str], separator: str = DEFAULT_SEPARATOR) -> str:
+    """``L SEP C1 SEP ... SEP Cn SEP Q``."""
+    return separator.join([LEADING, *documents, QUESTION])
+
+
+def check_all_hit(result: GenerationResult, num_docs: int) -> None:
+    """Fail loudly unless a hypic request spliced every document from cache."""
+    if result.segments_hit != num_docs or result.segments_missed != 0:
+        raise AssertionError(f"hypic hit {result.segments_hit} of {num_docs} documents "
+                             f"({result.segments_missed} missed): the warm-up did not cache them all")
+
+
+def timed_runs(engine: Engine, prompt: str, mode: str, repeats: int) -> list[GenerationResult]:
+    """One untimed warm-up request, then ``repeats`` timed ones (TTFT of one generated token)."""
+    engine.generate(prompt, max_new_tokens=1, mode=mode)
+    return [engine.generate(prompt, max_new_tokens=1, mode=mode) for _ in range(repeats)]
+
+
+def measure_shape(engine: Engine, shape: Shape, repeats: int, seed: int) -> ShapeResult:
+    """Cache the shape's documents, then the median TTFT of hypic and of full recompute."""
+    documents = documents_for(engine, shape, seed)
+    prompt = build_prompt(documents, engine.pic_separator)
+    start = time.perf_counter()
+    engine.warmup(documents)
+    check_all_hit(engine.generate(prompt, max_new_tokens=1, mode="hypic"), shape.num_docs)
+    warmup_s = time.perf_counter() - start
+    hypic_runs = timed_runs(engine, prompt, "hypic", repeats)
+    for result in hypic_runs:
+        check_all_hit(result, shape.num_docs)
+    full_runs = timed_runs(engine, prompt, "full", repeats)
+    hypic_ms = [r.ttft_s * 1e3 for r in hypic_runs]
+    full_ms = [r.ttft_s * 1e3 for r in full_runs]
+    hypic_median, full_median = statistics.median(hypic_ms), statistics.median(full_ms)
+    last = hypic_runs[-1]
+    return ShapeResult(
+        label=shape.label, sweeps=list(shape.sweeps), num_docs=shape.num_docs, doc_tokens=shape.doc_tokens,
+        prompt_tokens=last.prompt_tokens, full_ttft_ms=full_median, hypic_ttft_ms=hypic_median,
+        speedup=full_median / hypic_median, segments_hit=last.segments_hit, hypic_cached_tokens=last.cached_tokens,
+        hypic_recomputed_tokens=last.recomputed_tokens, hypic_combine_tokens=last.stats.combine_tokens,
+        full_recomputed_tokens=full_runs[-1].recomputed_tokens, warmup_s=warmup_s,
+        full_samples_ms=full_ms, hypic_samples_ms=hypic_ms,
+    )
+
+
+def least_squares_slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Slope of the least-squares line through (xs, ys); None with fewer than two distinct xs."""
+    if len(set(xs)) < 2:
+        return None
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    covariance = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+    return covariance / sum((x - mean_x) ** 2 for x in xs)
+
+
+def document_slopes(results: list[ShapeResult]) -> dict[str, float | None]:
+    """Sweep (b): ms per extra document for each mode and the ratio full / hypic."""
+    sweep = [r for r in results if "b" in r.sweeps]
+    counts = [r.num_docs for r in sweep]
+    full = least_squares_slope(counts, [r.full_ttft_ms for r in sweep])
+    hypic_slope = least_squares_slope(counts, [r.hypic_ttft_ms for r in sweep])
+    ratio = None
+    if full is not None and hypic_slope is not None:
+        ratio = full / hypic_slope if hypic_slope > 0 else float("inf")  # flat or noise-negative: no growth
+    return {"full_ms_per_doc": full, "hypic_ms_per_doc": hypic_slope, "ratio": ratio}
+
+
+def evaluate_targets(results: list[ShapeResult], slopes: dict[str, float | None]) -> list[Target]:
+    """Speedup at the longest prompt(s) and the per-document slope ratio against their bars."""
+    longest = max(r.prompt_tokens for r in results)
+    at_longest = [r for r in results if r.prompt_tokens == longest]
+    worst = min(at_longest, key=lambda r: r.speedup)
+    shapes = ", ".join(f"{r.label} {r.speedup:.1f}x" for r in at_longest)
+    targets = [Target(f"speedup at the longest prompt ({longest} tokens)", worst.speedup, SPEEDUP_TARGET,
+                      worst.speedup >= SPEEDUP_TARGET, shapes)]
+    ratio = slopes["ratio"]
+    detail = ("sweep (b) needs two or more document counts" if ratio is None else
+              f"full {slopes['full_ms_per_doc']:.1f} ms/doc vs hypic {slopes['hypic_ms_per_doc']:.2f} ms/doc")
+    targets.append(Target("per-extra-document cost, full / hypic", ratio, SLOPE_RATIO_TARGET,
+                          ratio is not None and ratio >= SLOPE_RATIO_TARGET, detail))
+    return targets
+
+
+def format_table(results: list[ShapeResult]) -> str:
+    """Per-sweep rows: shape, prompt tokens, full TTFT ms, hypic TTFT ms, speedup."""
+    header = f"{'sweep':<6}{'shape':<8}{'prompt tok':>11}{'hypic recomp':>13}{'full ms':>11}{'hypic ms':>10}{'speedup':>9}"
+    lines = [header, "-" * len(header)]
+    for sweep in ("a", "b"):
+        for r in (r for r in results if sweep in r.sweeps):
+            lines.append(f"({sweep})   {r.label:<8}{r.prompt_tokens:>11}{r.hypic_recomputed_tokens:>13}"
+                         f"{r.full_ttft_ms:>11.1f}{r.hypic_ttft_ms:>10.1f}{r.speedup:>8.1f}x")
+    return "\n".join(lines)
+
+
+def format_slopes(slopes: dict[str, float | None]) -> str:
+    """The incremental per-document cost lines of sweep (b)."""
+    if slopes["ratio"] is None:
+        return "sweep (b): fewer than two document counts, no per-document slope"
+    ratio = slopes["ratio"]
+    ratio_text = "inf (hypic flat)" if ratio == float("inf") else f"{ratio:.1f}x"
+    return (f"sweep (b) cost per extra document (least-squares slope): full {slopes['full_ms_per_doc']:.1f} ms/doc, "
+            f"hypic {slopes['hypic_ms_per_doc']:.2f} ms/doc, ratio {ratio_text}")
+
+
+def format_targets(targets: list[Target]) -> str:
+    """One PASS/FAIL line per target."""
+    lines = []
+    for t in targets:
+        value = "n/a" if t.value is None else ("inf" if t.value == float("inf") else f"{t.value:.1f}x")
+        lines.append(f"{'PASS' if t.passed else 'FAIL'}: {t.name} = {value} (target >= {t.threshold:.0f}x; {t.detail})")
+    return "\n".join(lines)
+
+
+def environment(args: argparse.Namespace, model: str, engine: Engine) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    config = engine.model.config
+    return {
+        "model": model, "python": platform.python_version(), "torch": torch.__version__,
+        "hypic": hypic.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "device": str(engine.model.device), "dtype": str(engine.model.dtype), "seam_width": engine.seam_width,
+        "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
+        "layer_types": list(config.layer_types), "repeats": args.repeats, "seed": args.seed, "quick": args.quick,
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    """inf -> the string "inf" (JSON has no infinity)."""
+    if isinstance(value, float) and value == float("inf"):
+        return "inf"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def run_benchmark(args: argparse.Namespace, model_dir: Path, model_label: str) -> dict[str, Any]:
+    """Load the engine, measure every shape, and assemble the results."""
+    engine = Engine.from_pretrained(model_dir, seam_width=args.seam_width, private_pool_bytes=0)
+    shapes = build_shapes(args)
+    seams = engine.seams
+    if any(seams.interior(shape.doc_tokens) is None for shape in shapes):
+        raise SystemExit(f"every document must be longer than its two seams ({seams.head} + {seams.tail} tokens)")
+    results = []
+    progress = tqdm(shapes, desc="shapes", unit="shape", disable=args.no_progress, file=sys.stderr)
+    for shape in progress:
+        progress.set_postfix_str(shape.label)
+        results.append(measure_shape(engine, shape, args.repeats, args.seed))
+    slopes = document_slopes(results)
+    targets = evaluate_targets(results, slopes)
+    return {
+        "environment": environment(args, model_label, engine),
+        "shapes": [asdict(r) for r in results],
+        "slopes": slopes,
+        "targets": [asdict(t) for t in targets],
+        "all_passed": all(t.passed for t in targets),
+        "strict": args.strict,
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    """The printed summary: environment line, table, slopes and targets."""
+    env = results["environment"]
+    shapes = [ShapeResult(**r) for r in results["shapes"]]
+    targets = [Target(**t) for t in results["targets"]]
+    head = (f"HYPIC composition scaling (paper Fig. 12) - model {env['model']}, hidden {env['hidden_size']}, "
+            f"{env['layers']} layers, {env['device']} {env['dtype'].removeprefix('torch.')}, "
+            f"{env['threads']} thread(s), w={env['seam_width']}, median of {env['repeats']}, "
+            f"wall {results['wall_s']:.0f} s")
+    return "\n".join([head, "", format_table(shapes), "", format_slopes(results["slopes"]), "",
+                      format_targets(targets)])
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the sweeps, print the report, optionally write JSON; returns the results dict."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    if args.model is not None:
+        results = run_benchmark(args, args.model, str(args.model))
+    else:
+        longest = max(s.num_docs * s.doc_tokens for s in build_shapes(args)) + 2 * len(QUESTION) + 2 * len(LEADING)
+        with tempfile.TemporaryDirectory(prefix="hypic-bench-") as workdir:
+            model_dir = random_model_dir(args, Path(workdir), longest)
+            results = run_benchmark(args, model_dir, "random qwen3_5_text")
+    results["wall_s"] = time.perf_counter() - start
+    print(report(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        print(f"results written to {args.json}")
+    return results
