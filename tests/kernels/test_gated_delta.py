@@ -182,13 +182,22 @@ def test_heads_first_carries_a_batch_dim() -> None:
 
 
 def _transformers_fallback():
-    """transformers' own PyTorch chunked rule (FLA hidden so the module imports on CPU)."""
+    """transformers' own PyTorch chunked rule (FLA hidden so the module imports on CPU), given q and k
+    already expanded to the value heads: transformers 5.17's rule wants equal head counts (its layer
+    expands them first), later versions also take fewer key heads. The expansion is inside autograd,
+    so the gradients of q and k are those of the unexpanded inputs."""
     import sys
     import inspect
     sys.modules.setdefault("fla", None)
     from transformers.models.qwen3_5 import modeling_qwen3_5
     # With FLA installed on a GPU machine transformers binds FLA's kernel; unwrap to its own code.
-    return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+    def expanded(query, key, value, *args, **kwargs):
+        ratio = value.shape[2] // query.shape[2]
+        return rule(query.repeat_interleave(ratio, 2), key.repeat_interleave(ratio, 2), value, *args, **kwargs)
+
+    return expanded
 
 
 def _layout_inputs(steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
