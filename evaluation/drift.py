@@ -13,19 +13,15 @@ from hypic import Engine
 from hypic.state import LinearLayerState
 
 from .data import Sample
-from .methods import Method
+from .methods import Method, fresh_engine
 from .metrics import state_drift
 from .results import ResultLog
+from .studies import pyplot, by_dataset_and_method, save_figure
 
 
 def final_states(base: Engine, sample: Sample, method: Method, warm: bool) -> list[torch.Tensor]:
     """The recurrent state of every linear layer after ``method``'s prefill of the sample (fresh pools)."""
-    engine = Engine(base.model, base.tokenizer, base.fingerprint, seam_width=method.seam_width,
-                    pic_separator=base.pic_separator)
-    if warm and method.mode in ("hypic", "naive"):
-        engine.warmup(list(sample.documents), method.mode)
-    elif warm and method.mode == "prefix":
-        engine.prefill(engine.parse(sample.prefix_prompt(engine.pic_separator)), "prefix")
+    engine = fresh_engine(base, sample, method, warm)
     prefill = engine.prefill(engine.parse(sample.prompt(engine.pic_separator)), method.mode)
     return [layer.recurrent for layer in prefill.state.layers if isinstance(layer, LinearLayerState)]
 
@@ -50,13 +46,10 @@ def run_drift(base: Engine, samples: Sequence[Sample], methods: Sequence[Method]
 
 def summarize_drift(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per dataset and method: the mean relative L2 error (%) and angle (degrees) at every linear layer."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for record in records:
-        groups.setdefault((record["dataset"], record["method"]), []).append(record)
     return [{"dataset": dataset, "method": method, "n": len(group), "layers": group[0]["layers"],
              "rel_l2_pct": (100 * np.mean([r["rel_l2"] for r in group], axis=0)).tolist(),
              "angle_deg": np.mean([r["angle_deg"] for r in group], axis=0).tolist()}
-            for (dataset, method), group in groups.items()]
+            for (dataset, method), group in by_dataset_and_method(records).items()]
 
 
 def format_drift(rows: Sequence[dict[str, Any]]) -> str:
@@ -72,8 +65,7 @@ def format_drift(rows: Sequence[dict[str, Any]]) -> str:
 
 def drift_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Relative L2 error (%, log scale) against the linear layer, one line per method."""
-    from .studies import _pyplot, save_figure
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.5, 4))
     for r in rows:
         axes.plot(r["layers"], [max(v, 1e-6) for v in r["rel_l2_pct"]], marker="o", label=f"{r['method']} ({r['dataset']})")

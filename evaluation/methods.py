@@ -44,13 +44,20 @@ def parse_method(text: str) -> Method:
     return Method(mode, int(width))
 
 
-def run_sample(base: Engine, sample: Sample, method: Method, warm: bool) -> GenerationResult:
-    """One greedy request of ``sample`` under ``method`` on fresh pools (sharing ``base``'s weights)."""
+def fresh_engine(base: Engine, sample: Sample, method: Method, warm: bool) -> Engine:
+    """An engine on ``base``'s weights with empty pools and ``method``'s seam width, warmed for
+    ``sample`` as the warm-up policy says (the sample's timed request not yet made)."""
     engine = Engine(base.model, base.tokenizer, base.fingerprint, seam_width=method.seam_width,
                     pic_separator=base.pic_separator)
     if warm and method.mode in ("hypic", "naive"):
         engine.warmup(list(sample.documents), method.mode)
     elif warm and method.mode == "prefix":
         engine.generate(sample.prefix_prompt(engine.pic_separator), mode="prefix", max_new_tokens=1)
+    return engine
+
+
+def run_sample(base: Engine, sample: Sample, method: Method, warm: bool) -> GenerationResult:
+    """One greedy request of ``sample`` under ``method`` on fresh pools (sharing ``base``'s weights)."""
+    engine = fresh_engine(base, sample, method, warm)
     return engine.generate(sample.prompt(engine.pic_separator), mode=method.mode,
                            max_new_tokens=sample.max_new_tokens, temperature=0.0)

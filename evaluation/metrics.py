@@ -9,13 +9,14 @@ from functools import cache
 import torch
 
 ARTICLES = re.compile(r"\b(a|an|the)\b")
+PUNCTUATION = frozenset(string.punctuation)
 
 
 def normalize(text: str) -> str:
     """SQuAD / LongBench normalisation: lower case, punctuation and the articles a, an, the removed,
     whitespace collapsed."""
     text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = "".join(ch for ch in text if ch not in PUNCTUATION)
     return " ".join(ARTICLES.sub(" ", text).split())
 
 

@@ -60,13 +60,18 @@ def _record(target: Target, sample: Sample, method: Method, warm: bool, full: di
             **{f"meta_{k}": v for k, v in sample.meta.items()}}
 
 
-def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per dataset and method: samples, mean score (percent), TTFT p50 / p90 (ms), agreement with full (%)."""
+def by_dataset_and_method(records: Sequence[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Records grouped by (dataset, method label), in first-seen order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in records:
         groups.setdefault((record["dataset"], record["method"]), []).append(record)
+    return groups
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per dataset and method: samples, mean score (percent), TTFT p50 / p90 (ms), agreement with full (%)."""
     rows = []
-    for (dataset, method), group in groups.items():
+    for (dataset, method), group in by_dataset_and_method(records).items():
         ttft = np.array([r["ttft_s"] for r in group]) * 1e3
         rows.append({"dataset": dataset, "method": method, "seam_width": group[0]["seam_width"], "n": len(group),
                      "metric": group[0]["metric"], "score": 100 * float(np.mean([r["score"] for r in group])),
@@ -94,7 +99,7 @@ def format_summary(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
@@ -105,12 +110,12 @@ def save_figure(figure: Any, path: Path) -> None:
     """Write ``figure`` as a PNG and free it."""
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    _pyplot().close(figure)
+    pyplot().close(figure)
 
 
 def pareto_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Score against p50 TTFT (log scale), one point per method and dataset."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
     for marker, dataset in zip("osD^v<>p", sorted({r["dataset"] for r in rows})):
         for r in (r for r in rows if r["dataset"] == dataset):
@@ -123,7 +128,7 @@ def pareto_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 def seam_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Score and p50 TTFT against the seam width; full recompute as a dashed line."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, (score, ttft) = plt.subplots(1, 2, figsize=(9, 3.8))
     for dataset in sorted({r["dataset"] for r in rows}):
         mine = [r for r in rows if r["dataset"] == dataset]

@@ -94,7 +94,7 @@ def _conv_windows(mixer: GatedDeltaNet, pre_conv: torch.Tensor, pieces: list[Pie
     """Each run's conv window (the k-1 inputs before it: the previous run's, or a spliced interior's
     cached tail; then its own), as views of one tensor, and the post-conv rows of all runs [N, C].
     One convolution covers every window laid end to end; the rows straddling two windows are dropped."""
-    parts, rows, offset, start = [], [], 0, 0
+    parts, lengths, offset, width = [], [], 0, mixer.kernel - 1
     for piece in pieces:
         if isinstance(piece, Splice):
             cached = entries[piece.segment].layers[index]
@@ -103,16 +103,17 @@ def _conv_windows(mixer: GatedDeltaNet, pre_conv: torch.Tensor, pieces: list[Pie
         else:
             own = pre_conv[offset : offset + piece.length]
             parts += [conv.to(pre_conv.dtype), own]
-            rows.append(torch.arange(start, start + piece.length))
-            conv = (own if piece.length >= mixer.kernel - 1 else torch.cat([conv.to(pre_conv.dtype), own]))[-(mixer.kernel - 1) :]
-            start, offset = start + piece.length + mixer.kernel - 1, offset + piece.length
+            lengths.append(piece.length)
+            conv = (own if piece.length >= width else torch.cat([conv.to(pre_conv.dtype), own]))[-width:]
+            offset += piece.length
     stacked = torch.cat(parts)
-    windows, lo = [], 0
-    for run in rows:
-        windows.append(stacked[lo : lo + len(run) + mixer.kernel - 1])
-        lo += len(run) + mixer.kernel - 1
-    post_conv = mixer.convolve(stacked)
-    return windows, (post_conv if len(rows) == 1 else post_conv[torch.cat(rows).to(post_conv.device)])
+    starts = [sum(lengths[:i]) + i * width for i in range(len(lengths))]  # each window's first row
+    windows = [stacked[lo : lo + n + width] for lo, n in zip(starts, lengths)]
+    post_conv = mixer.convolve(stacked)  # row j: the token at window row j + width
+    if len(lengths) == 1:
+        return windows, post_conv
+    rows = torch.cat([torch.arange(lo, lo + n) for lo, n in zip(starts, lengths)])
+    return windows, post_conv[rows.to(post_conv.device)]
 
 
 def runs_batched(device: torch.device) -> bool:

@@ -82,6 +82,9 @@ def test_longbench_fixture_scores_with_f1(tmp_path: Path) -> None:
     records = _lines(tmp_path / "pareto.jsonl")
     assert len(records) == 4 and {r["metric"] for r in records} == {"f1"}
     assert all(0.0 <= r["score"] <= 1.0 for r in records)
+    # the fixture marks 3 and 2 passages: each a document, each cached before hypic's request
+    assert [r["segments_hit"] for r in records if r["method"] == "hypic:8"] == [3, 2]
+    assert [r["cached_tokens"] for r in records if r["method"] == "full"] == [0, 0]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -134,12 +137,18 @@ def test_drift_is_zero_for_full_exact_at_hypics_first_layer_and_large_for_naive(
     assert main([*args, "--url", "http://127.0.0.1:9"]) == 2
 
 
-def test_scaling_study_runs_the_fig12_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
-    """``hypic eval scaling`` hands its options to the sweeps (a tiny random model here)."""
+def test_scaling_study_runs_the_fig12_sweeps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hypic eval scaling`` hands its options to the sweeps (a tiny random model here): the shapes and
+    the model it measured are the ones asked for, and hypic recomputed only L, the seams and Q."""
+    out = tmp_path / "scaling.json"
     assert main(["eval", "scaling", "--hidden-size", "64", "--layers", "4", "--repeats", "1", "--no-progress",
-                 "--doc-lengths", "64", "--doc-counts", "2", "3", "--fixed-count", "2", "--fixed-length", "64"]) == 0
-    printed = capsys.readouterr().out
-    assert "speedup" in printed and "ms/doc" in printed
+                 "--doc-lengths", "64", "--doc-counts", "2", "3", "--fixed-count", "2", "--fixed-length", "64",
+                 "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert [(s["num_docs"], s["doc_tokens"]) for s in written["shapes"]] == [(2, 64), (3, 64)]
+    assert written["environment"]["hidden_size"] == 64 and written["environment"]["layers"] == 4
+    assert all(s["hypic_recomputed_tokens"] == 32 + s["num_docs"] * 16 + 32 for s in written["shapes"])
+    assert "speedup" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "scaling", "--repeats", "0"])
     assert exit_info.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err

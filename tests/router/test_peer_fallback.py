@@ -21,13 +21,18 @@ class BrokenPeers:
         return {"workers": [0], "lost_workers": [1]}
 
 
-def test_a_broken_peer_path_falls_back_to_the_local_engine(pic_prompt: Callable[[list[int], str], str]) -> None:
-    engine = Engine.from_pretrained("default")
+def _started_loop() -> tuple[EngineLoop, ServerInfo]:
+    """A running engine loop on the default model and the server info that describes it."""
     template, from_model = load_chat_template(default_model_path())
     info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
                       DEFAULT_SEPARATOR, 256, 8, None, None, "cpu", "float32")
-    loop = EngineLoop(engine, "hypic")
+    loop = EngineLoop(Engine.from_pretrained("default"), "hypic")
     loop.start()
+    return loop, info
+
+
+def test_a_broken_peer_path_falls_back_to_the_local_engine(pic_prompt: Callable[[list[int], str], str]) -> None:
+    loop, info = _started_loop()
     try:
         client = TestClient(build_app(loop, info, BrokenPeers()))
         prompt = pic_prompt([0, 1, 2], "Where was the badger born?")
@@ -43,12 +48,7 @@ def test_a_broken_peer_path_falls_back_to_the_local_engine(pic_prompt: Callable[
 def test_bad_warmup_is_refused_before_planning_and_shutdown_stops_peer_waits() -> None:
     """A document holding the separator is refused before the peers plan anything; the app's shutdown
     closes the threads that wait on peers (nothing more can be queued there)."""
-    engine = Engine.from_pretrained("default")
-    template, from_model = load_chat_template(default_model_path())
-    info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
-                      DEFAULT_SEPARATOR, 256, 8, None, None, "cpu", "float32")
-    loop = EngineLoop(engine, "hypic")
-    loop.start()
+    loop, info = _started_loop()
     app = build_app(loop, info, BrokenPeers())
     try:
         with TestClient(app) as client:
