@@ -7,15 +7,16 @@ with an ``InteriorCapture``), the HYPIC combine pass (runs and splices) and deco
 import itertools
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from .composition import Family, Transition, compose_states, naive_addition
-from .kernels.gated_delta import gated_delta_rule_varlen, gated_delta_rule_with_transition
+from .composition import Transition, compose_states, naive_addition
+from .kernels.gated_delta import gated_delta_rule_varlen
 from .models import HybridModel
 from .models.attention import GatedAttention
-from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs, RunRecurrence
+from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs
+from .models.linear import LinearMixer, RunRecurrence, last_rows
 from .models.rope import RotaryEmbedding
 from .segments import Piece, Run, Splice, chunk_pieces
 from .state import AttentionLayerState, LinearLayerState, RequestState
@@ -32,9 +33,9 @@ class InteriorCapture:
     transitions: bool = True
     layers: dict[int, InteriorLayer] = field(default_factory=dict)
     entry_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its state at ``lo``
-    running: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> T of the interior so far
+    running: dict[int, Transition] = field(default_factory=dict)  # layer -> T of the interior so far
 
-    def recur(self, mixer: GatedDeltaNet, index: int, start: int, inputs: RecurrenceInputs, state: torch.Tensor,
+    def recur(self, mixer: LinearMixer, index: int, start: int, inputs: Any, state: torch.Tensor,
               window: torch.Tensor) -> RunRecurrence:
         """The recurrence of one run (positions from ``start``) that also folds its interior tokens
         into (T_I, S_I|0), continuing what earlier runs of a chunked prefill folded. The run reaching
@@ -45,7 +46,7 @@ class InteriorCapture:
             return mixer.recur(inputs, state)
         head = mixer.recur(inputs.slice(0, lo - start), state)
         self.entry_states.setdefault(index, head.state)
-        output, state = self._interior(index, inputs.slice(lo - start, hi - start), head.state, hi == self.hi)
+        output, state = self._interior(mixer, index, inputs.slice(lo - start, hi - start), head.state, hi == self.hi)
         tail = mixer.recur(inputs.slice(hi - start, end - start), state)
         if start < self.hi <= end:
             layer = self.layers[index]
@@ -53,16 +54,16 @@ class InteriorCapture:
             layer.conv_tail = window[self.hi - start : self.hi - start + mixer.kernel - 1].clone()
         return RunRecurrence(torch.cat([head.output, output, tail.output]), tail.state, [])
 
-    def _interior(self, index: int, part: RecurrenceInputs, state: torch.Tensor,
+    def _interior(self, mixer: LinearMixer, index: int, part: Any, state: torch.Tensor,
                   last: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The run over interior tokens that also returns its transition; chained onto the
         transition of earlier chunks, T_I. At the interior's end S_I|0 = S_hi - T_I S_lo (the naive
         baseline keeps S_I|0 only)."""
-        output, state, transition = gated_delta_rule_with_transition(part.q, part.k, part.v, part.g, part.beta, state)
+        output, state, transition = mixer.recur_with_transition(part, state)
         earlier = self.running.get(index)
-        total = self.running[index] = transition if earlier is None else transition @ earlier
-        zero = state - total @ self.entry_states[index] if last else torch.empty(0)
-        kept = Transition(Family.DENSE, total) if self.transitions else None
+        total = self.running[index] = transition if earlier is None else earlier.then(transition)
+        zero = state - total.apply(self.entry_states[index]) if last else torch.empty(0)
+        kept = total if self.transitions else None
         self.layers[index] = LinearInterior(kept, zero, state.new_zeros(0))
         return output, state
 
@@ -89,7 +90,7 @@ def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
     return torch.cat(runs).to(device)
 
 
-def _conv_windows(mixer: GatedDeltaNet, pre_conv: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
+def _conv_windows(mixer: LinearMixer, pre_conv: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
                   index: int, conv: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each run's conv window (the k-1 inputs before it: the previous run's, or a spliced interior's
     cached tail; then its own), as views of one tensor, and the post-conv rows of all runs [N, C].
@@ -104,7 +105,7 @@ def _conv_windows(mixer: GatedDeltaNet, pre_conv: torch.Tensor, pieces: list[Pie
             own = pre_conv[offset : offset + piece.length]
             parts += [conv.to(pre_conv.dtype), own]
             lengths.append(piece.length)
-            conv = (own if piece.length >= width else torch.cat([conv.to(pre_conv.dtype), own]))[-width:]
+            conv = last_rows(own if piece.length >= width else torch.cat([conv.to(pre_conv.dtype), own]), width)
             offset += piece.length
     stacked = torch.cat(parts)
     starts = [sum(lengths[:i]) + i * width for i in range(len(lengths))]  # each window's first row
@@ -178,7 +179,7 @@ def _run_maps(inputs: RecurrenceInputs, lengths: list[int]) -> tuple[torch.Tenso
 
 
 def _linear_layer(
-    mixer: GatedDeltaNet, h: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
+    mixer: LinearMixer, h: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
     index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None, snapshots: dict[int, dict],
 ) -> tuple[torch.Tensor, LinearLayerState]:
     """Token-wise work runs once over all runs (varlen); per run only the recurrence, composing
@@ -186,13 +187,14 @@ def _linear_layer(
     ``snapshots[p]`` for every requested position p (inside or at the end of a piece)."""
     proj = mixer.project(h)
     windows, post_conv = _conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
-    inputs = mixer.recurrence_inputs(post_conv, proj.g, proj.beta)
+    inputs = mixer.recurrence_inputs(post_conv, proj)
     parts = sum(isinstance(piece, Run) for piece in pieces) + sum(
         piece.start < p < piece.start + piece.length for piece in pieces if isinstance(piece, Run) for p in snapshots)
-    if parts > 1 and capture is None and runs_batched(h.device):
+    if parts > 1 and capture is None and mixer.batched_runs and runs_batched(h.device):
+        assert isinstance(mixer, GatedDeltaNet)
         output, state = _batched_recurrence(mixer, inputs, pieces, entries, index, init.recurrent, naive, windows,
                                             snapshots)
-        return mixer.output(output, proj.z, h.dtype), LinearLayerState(state, windows[-1][-(mixer.kernel - 1) :])
+        return mixer.output(output, proj, h.dtype), LinearLayerState(state, last_rows(windows[-1], mixer.kernel - 1))
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
     compose = naive_addition if naive else compose_states
     runs_left = iter(windows)
@@ -211,11 +213,11 @@ def _linear_layer(
                 result = mixer.recur(run_inputs, state, cuts)
             for cut, cut_state in zip(cuts, result.cut_states):
                 snapshots[piece.start + cut][index] = LinearLayerState(cut_state, window[cut : cut + mixer.kernel - 1])
-            state, conv, offset = result.state, window[-(mixer.kernel - 1) :], offset + piece.length
+            state, conv, offset = result.state, last_rows(window, mixer.kernel - 1), offset + piece.length
             outputs.append(result.output)
         if end in snapshots:
             snapshots[end][index] = LinearLayerState(state, conv)
-    return mixer.output(torch.cat(outputs), proj.z, h.dtype), LinearLayerState(state, conv)
+    return mixer.output(torch.cat(outputs), proj, h.dtype), LinearLayerState(state, conv)
 
 
 def _attention_layer(
@@ -302,7 +304,7 @@ def combine(
         else:
             mixed, layer_state = _attention_layer(layer.mixer, model.rope, h, positions, pieces, entries, index,
                                                   init.layers[index], capture)
-        x = layer.feed_forward(x + mixed)
+        x = layer.feed_forward(layer.residual(x, h, mixed))
         layers.append(layer_state)
     logits = model.logits(x[-1:])[0] if need_logits else None
     taken = {p: states for p, states in snapshots.items() if states}

@@ -18,6 +18,12 @@ TINY_CONFIG: dict[str, Any] = dict(
 )
 MOE_CONFIG: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   shared_expert_intermediate_size=32)
+MINIMAX_CONFIG: dict[str, Any] = dict(  # Lightning attention every other layer, 4 routed experts, blocks of 16 tokens
+    vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
+    max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+)
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -37,7 +43,9 @@ def reference_classes(model_type: str) -> tuple[type, type]:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
     classes = {
+        "minimax": (MiniMaxConfig, MiniMaxForCausalLM),
         "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
         "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
         "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
@@ -62,7 +70,7 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
     """Save a seeded random model (config.json, model.safetensors) and a byte-level tokenizer."""
     path = Path(path)
     config_class, model_class = reference_classes(model_type)
-    fields = {**TINY_CONFIG, **overrides}
+    fields = {**(MINIMAX_CONFIG if model_type == "minimax" else TINY_CONFIG), **overrides}
     torch.manual_seed(seed)
     if model_type == "qwen3_5":
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=fields["hidden_size"])
@@ -91,7 +99,7 @@ def make_long_memory(path: str | Path) -> Path:
     for name, tensor in tensors.items():
         if name.endswith("A_log"):
             tensors[name] = torch.full_like(tensor, math.log(LONG_MEMORY_DECAY))
-        elif name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight")):
+        elif name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "self_attn.out_proj.weight")):
             tensors[name] = tensor * LONG_MEMORY_OUTPUT_GAIN
     save_file(tensors, str(weights), metadata={"format": "pt"})
     return Path(path)
@@ -109,4 +117,9 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "qwen3_next-ratio3": ("qwen3_next", dict(num_experts=0, linear_num_value_heads=6)),
     "qwen3_5_moe_text": ("qwen3_5_moe_text", dict(MOE_CONFIG)),
     "qwen3_5-wrapper": ("qwen3_5", {}),
+    "minimax": ("minimax", {}),
+    "minimax-residual-scales": ("minimax", dict(linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3,
+                                                full_attn_alpha_factor=1.1, full_attn_beta_factor=0.9,
+                                                mlp_alpha_factor=0.8, mlp_beta_factor=1.2)),
 }
+REFERENCE_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "minimax")  # hypic_reference runs these

@@ -4,7 +4,8 @@ from typing import Any
 
 from .errors import UnsupportedModel
 
-TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax")
+LINEAR_FAMILIES = ("gated_delta", "lightning")
 WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # multimodal wrappers: text_config inside
 
 
@@ -16,6 +17,16 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0
     rope_type: str = "default"
     factor: float = 1.0  # position scaling of rope_type "linear"
+
+
+@dataclass(frozen=True)
+class ResidualScales:
+    """Scaled residuals around post-norm sublayers (MiniMax): out = alpha * normed_input + beta *
+    sublayer(normed_input), with (alpha, beta) per sublayer kind."""
+
+    linear: tuple[float, float] = (1.0, 1.0)
+    full: tuple[float, float] = (1.0, 1.0)
+    mlp: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,10 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    linear_family: str = "gated_delta"  # the linear layers' token mixer: one of LINEAR_FAMILIES
+    attention_output_gate: bool = True  # Qwen's sigmoid gate on the attention output (and q/k RMSNorm)
+    rms_norm_unit_offset: bool = True  # Qwen's zero-centred norms (1 + w); False: plain w
+    residual_scales: ResidualScales | None = None  # None: pre-norm residuals x + f(norm(x))
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -65,6 +80,12 @@ class ModelConfig:
     def linear_value_ratio(self) -> int:
         """Value heads per key head in the linear layers (GQA of Gated DeltaNet)."""
         return self.linear_num_value_heads // self.linear_num_key_heads
+
+    @property
+    def linear_transition_shape(self) -> tuple[int, ...]:
+        """Shape of a cached T_C per linear layer: dense [Hv, K, K] (Gated DeltaNet), scalar [Hv] (Lightning)."""
+        heads, dk = self.linear_num_value_heads, self.linear_key_head_dim
+        return (heads,) if self.linear_family == "lightning" else (heads, dk, dk)
 
     def is_moe_layer(self, index: int) -> bool:
         """Qwen3-Next's rule: MoE unless listed as MLP-only or off the sparse step."""
@@ -124,9 +145,58 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
+def _minimax_layer_types(text: dict[str, Any]) -> tuple[str, ...]:
+    """``layer_types``, or the original checkpoints' ``attn_type_list`` (0: lightning, 1: softmax)."""
+    if text.get("layer_types") is None and text.get("attn_type_list") is not None:
+        kinds = {0: "linear_attention", 1: "full_attention"}
+        return _layer_types({**text, "layer_types": [kinds.get(int(t), str(t)) for t in text["attn_type_list"]]})
+    if text.get("layer_types") is None:  # transformers' default: full attention first, then alternating
+        types = ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(int(text["num_hidden_layers"]))]
+        return _layer_types({**text, "layer_types": types})
+    return _layer_types(text)
+
+
+def minimax_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
+    """MiniMax-Text-01 (``minimax``): Lightning attention layers (one state of head_dim x head_dim
+    per attention head, no conv), plain softmax attention with full rotary, a routed MoE in every
+    layer, post-norm residuals scaled by the config's alpha / beta factors."""
+    if text.get("sliding_window") is not None:
+        raise UnsupportedModel("minimax with sliding_window is not supported (sliding-window hybrids are not served yet)")
+    if text.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"minimax with hidden_act {text['hidden_act']!r} is not supported (silu)")
+    heads, hidden = int(text["num_attention_heads"]), int(text["hidden_size"])
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    factor = lambda name: float(text.get(name, 1))  # noqa: E731
+    params = dict(text.get("rope_parameters") or {})
+    return ModelConfig(
+        model_type="minimax", vocab_size=int(text["vocab_size"]), hidden_size=hidden,
+        num_hidden_layers=int(text["num_hidden_layers"]), layer_types=_minimax_layer_types(text),
+        num_attention_heads=heads, num_key_value_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
+        linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim, linear_conv_kernel_dim=1, intermediate_size=int(text["intermediate_size"]),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096 * 32)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+        rope=RopeConfig(theta=float(params.get("rope_theta", text.get("rope_theta", 1e6))), partial_rotary_factor=1.0),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        num_experts=int(text["num_local_experts"]), num_experts_per_tok=int(text["num_experts_per_tok"]),
+        moe_intermediate_size=int(text["intermediate_size"]), norm_topk_prob=True,
+        eos_token_ids=_eos_ids(text.get("eos_token_id")), linear_family="lightning", attention_output_gate=False,
+        rms_norm_unit_offset=False,
+        residual_scales=ResidualScales((factor("linear_attn_alpha_factor"), factor("linear_attn_beta_factor")),
+                                       (factor("full_attn_alpha_factor"), factor("full_attn_beta_factor")),
+                                       (factor("mlp_alpha_factor"), factor("mlp_beta_factor"))),
+        raw=raw,
+    )
+
+
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """Build a ``ModelConfig`` from a loaded ``config.json``; raises ``UnsupportedModel``."""
     text = _text_config(raw)
+    if text["model_type"] == "minimax":
+        try:
+            return minimax_config(text, raw)
+        except KeyError as missing:
+            raise UnsupportedModel(f"config.json lacks the field {missing.args[0]!r}") from None
     try:
         heads = int(text["num_attention_heads"])
         return ModelConfig(

@@ -6,34 +6,21 @@ lengths differ, loops over requests, each over a view of its own KV buffer (the 
 are written in place: nothing the request already holds is copied).
 """
 import torch
-import torch.nn.functional as F
 
 from .models import HybridModel
 from .models.attention import GatedAttention
-from .models.gated_deltanet import GatedDeltaNet
+from .models.linear import LinearMixer
 from .models.rope import RotaryEmbedding
 from .state import AttentionLayerState, LinearLayerState, RequestState
 
 
-def delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One gated delta rule step for B requests: state [B, H, K, V]; q, k [B, H, K]; v [B, H, V];
-    g, beta [B, H]. Returns o [B, H, V] and the new state (the naive kernel's formula, batched)."""
-    state = state * g.exp()[..., None, None]
-    recalled = torch.einsum("bhk,bhkv->bhv", k, state)
-    delta = (v - recalled) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("bhk,bhkv->bhv", q * k.shape[-1] ** -0.5, state), state
-
-
-def _linear_step(mixer: GatedDeltaNet, h: torch.Tensor, layers: list[LinearLayerState]) -> tuple[torch.Tensor, list[LinearLayerState]]:
+def _linear_step(mixer: LinearMixer, h: torch.Tensor,
+                 layers: list[LinearLayerState]) -> tuple[torch.Tensor, list[LinearLayerState]]:
     proj = mixer.project(h)
     window = torch.cat([torch.stack([s.conv for s in layers]).to(proj.pre_conv.dtype), proj.pre_conv[:, None]], dim=1)
-    post_conv = F.silu(torch.einsum("bkc,ck->bc", window, mixer.conv_weight))
-    inputs = mixer.recurrence_inputs(post_conv, proj.g, proj.beta)
-    states = torch.stack([s.recurrent for s in layers])
-    o, states = delta_rule_step(states, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-    out = mixer.output(o, proj.z, h.dtype)
+    inputs = mixer.recurrence_inputs(mixer.convolve_step(window), proj)
+    o, states = mixer.step(torch.stack([s.recurrent for s in layers]), inputs)
+    out = mixer.output(o, proj, h.dtype)
     return out, [LinearLayerState(states[b], window[b, 1:]) for b in range(h.shape[0])]
 
 
@@ -63,7 +50,7 @@ def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[in
                 state.layers[index] = layer_state
         else:
             mixed = _attention_step(layer.mixer, model.rope, h, positions, old)
-        x = layer.feed_forward(x + mixed)
+        x = layer.feed_forward(layer.residual(x, h, mixed))
     for state, token in zip(states, tokens):
         state.length += 1
         state.token_ids.append(token)

@@ -20,7 +20,8 @@ from .safetensors_reader import DTYPES, TensorReader
 
 log = logging.getLogger(__name__)
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-IGNORED = re.compile(r"^(model\.visual\.|visual\.|mtp\.|model\.mtp\.)")
+IGNORED = re.compile(r"^(model\.visual\.|visual\.|mtp\.|model\.mtp\.)"
+                     r"|\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$")  # MiniMax's derived buffers
 FINGERPRINT_SAMPLE = 1 << 20  # bytes read at each end of a weight file
 LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -176,6 +177,9 @@ def _linear_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> d
     return {f"{prefix}mixer.{name}": source for name, source in out.items()}
 
 
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen's; Mixtral's and MiniMax's
+
+
 def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
     """Sources of one MLP / MoE block: fused ``experts.gate_up_proj`` or per-expert tensors stacked."""
     out: dict[str, Source] = {("router.weight" if name == "gate.weight" else name): Direct(key)
@@ -184,9 +188,10 @@ def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
         out["gate_up_proj"], out["down_proj"] = Direct(keys["experts.gate_up_proj"]), Direct(keys["experts.down_proj"])
     ids = sorted({int(n.split(".")[1]) for n in keys if n.startswith("experts.") and n.split(".")[1].isdigit()})
     if ids:
+        gate, up, down = next((n for n in EXPERT_NAMES if f"experts.{ids[0]}.{n[0]}.weight" in keys), EXPERT_NAMES[0])
         pick = lambda e, proj: keys.get(f"experts.{e}.{proj}.weight", f"<experts.{e}.{proj}.weight>")  # noqa: E731
-        out["gate_up_proj"] = ExpertStack(tuple((pick(e, "gate_proj"), pick(e, "up_proj")) for e in ids))
-        out["down_proj"] = ExpertStack(tuple((pick(e, "down_proj"),) for e in ids))
+        out["gate_up_proj"] = ExpertStack(tuple((pick(e, gate), pick(e, up)) for e in ids))
+        out["down_proj"] = ExpertStack(tuple((pick(e, down),) for e in ids))
     return {f"{prefix}mlp.{name}": source for name, source in out.items()}
 
 
@@ -203,12 +208,15 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
             sources[short] = Direct(key)
             continue
         head, _, rest = match.group(2).partition(".")
+        head = "mlp" if head == "block_sparse_moe" else head  # Mixtral-style MoE names (MiniMax)
         group = head if head in ("linear_attn", "self_attn", "mlp") else ""
         per_layer.setdefault(int(match.group(1)), {}).setdefault(group, {})[rest if group else match.group(2)] = key
     for index, groups in per_layer.items():
         prefix = f"layers.{index}."
         sources.update({prefix + name: Direct(key) for name, key in groups.get("", {}).items()})
-        if config.layer_types[index] == "linear_attention":
+        if config.layer_types[index] == "linear_attention" and config.linear_family == "lightning":
+            sources.update({f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()})
+        elif config.layer_types[index] == "linear_attention":
             sources.update(_linear_sources(config, prefix, groups.get("linear_attn", {})))
         else:
             sources.update({f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()})

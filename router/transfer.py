@@ -51,7 +51,7 @@ def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
         kv = (config.num_key_value_heads, length, config.head_dim)
         return ("attention", kv, kv)
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    transition = None if role is Role.NAIVE_SEGMENT else (heads, dk, dk)
+    transition = None if role is Role.NAIVE_SEGMENT else config.linear_transition_shape
     conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)
     return ("linear", transition, (heads, dk, dv), conv_tail)
 

@@ -26,6 +26,15 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     return factory
 
 
+FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax")  # one tiny model per linear-attention family served
+
+
+@pytest.fixture(params=FAMILY_CHECKPOINTS)
+def family_checkpoint(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path]) -> Path:
+    """The tiny checkpoint of each linear-attention family (Gated DeltaNet: dense T; Lightning: scalar T)."""
+    return checkpoint_factory(request.param)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(checkpoint_factory: Callable[..., Path]) -> Path:
     """The default tiny Qwen3.5 text checkpoint (value/key head ratio 2, partial rotary 0.25)."""

@@ -1,4 +1,5 @@
-"""Gated full attention (Qwen3-Next / Qwen3.5): q/k RMSNorm, partial rotary, sigmoid output gate."""
+"""Full attention: Qwen3-Next / Qwen3.5's gated form (q/k RMSNorm, partial rotary, sigmoid output
+gate), or without gate and q/k norms (``config.attention_output_gate`` False: MiniMax)."""
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ class AttentionInputs:
     query: torch.Tensor  # [N, Hq, D], rotated
     key: torch.Tensor  # [N, Hkv, D], rotated
     value: torch.Tensor  # [N, Hkv, D]
-    gate: torch.Tensor  # [N, Hq * D]
+    gate: torch.Tensor | None  # [N, Hq * D]; None without an output gate
 
 
 class GatedAttention(nn.Module):
@@ -29,21 +30,25 @@ class GatedAttention(nn.Module):
         super().__init__()
         hidden, heads, kv_heads, dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim
-        self.q_proj = nn.Linear(hidden, heads * dim * 2, bias=config.attention_bias)
+        self.gated = config.attention_output_gate
+        self.q_proj = nn.Linear(hidden, heads * dim * (2 if self.gated else 1), bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=config.attention_bias)
-        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+        if self.gated:
+            self.q_norm = RMSNorm(dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(dim, config.rms_norm_eps)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> AttentionInputs:
         """x [N, hidden] at global positions [N] -> rotated q, k, v and the output gate."""
         n = x.shape[0]
+        key, value = self.k_proj(x).view(n, self.kv_heads, self.head_dim), self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if not self.gated:
+            query = self.q_proj(x).view(n, self.heads, self.head_dim)
+            return AttentionInputs(rope.apply(query, positions), rope.apply(key, positions), value, None)
         query, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = rope.apply(self.q_norm(query), positions)
-        key = rope.apply(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), positions)
-        value = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        return AttentionInputs(query, key, value, gate.reshape(n, -1))
+        return AttentionInputs(query, rope.apply(self.k_norm(key), positions), value, gate.reshape(n, -1))
 
     def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
                values: torch.Tensor) -> torch.Tensor:
@@ -62,5 +67,5 @@ class GatedAttention(nn.Module):
             lo += run
         return torch.cat(outputs).reshape(query.shape[0], -1)
 
-    def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attended * torch.sigmoid(gate))
+    def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return self.o_proj(attended if gate is None else attended * torch.sigmoid(gate))

@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..composition import Family, Transition
 from ..config import ModelConfig
-from ..kernels.gated_delta import gated_delta_rule
+from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_with_transition, gated_delta_step
+from .linear import RunRecurrence, recur_in_parts
 from .norm import GatedRMSNorm
 
 
@@ -34,15 +36,6 @@ class TokenProjections:
     beta: torch.Tensor  # [N, Hv] write strength, fp32
 
 
-@dataclass
-class RunRecurrence:
-    """The recurrence over one run: outputs, the state after it, and the states at requested cuts."""
-
-    output: torch.Tensor  # [n, Hv, V] fp32
-    state: torch.Tensor  # [Hv, K, V] fp32
-    cut_states: list[torch.Tensor]
-
-
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """FLA's l2norm: x / sqrt(sum x^2 + eps), in fp32."""
     x = x.float()
@@ -50,7 +43,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaNet(nn.Module):
-    """Canonical layout: ``in_proj_qkv`` -> [q | k | v] channels (the conv's order), z, b, a."""
+    """Canonical layout: ``in_proj_qkv`` -> [q | k | v] channels (the conv's order), z, b, a.
+    A ``linear.LinearMixer`` with dense transitions T = prod exp(g_t)(I - b_t k_t k_t^T)."""
+
+    family = Family.DENSE
+    batched_runs = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -92,25 +89,33 @@ class GatedDeltaNet(nn.Module):
             out = out.addcmul_(window[tap : tap + n], self.conv_weight[:, tap])
         return F.silu(out)
 
-    def recurrence_inputs(self, post_conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> RecurrenceInputs:
+    def convolve_step(self, window: torch.Tensor) -> torch.Tensor:
+        """One token of B requests: windows [B, k, C] (the last row the new token) -> [B, C]."""
+        return F.silu(torch.einsum("bkc,ck->bc", window, self.conv_weight))
+
+    def recurrence_inputs(self, post_conv: torch.Tensor, proj: TokenProjections) -> RecurrenceInputs:
         """Split the conv output into q, k, v (normalised, expanded to the value heads)."""
         n, ratio = post_conv.shape[0], self.value_heads // self.key_heads
         q, k, v = post_conv.split([self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim], -1)
         q = l2_normalize(q.view(n, self.key_heads, self.key_dim)).repeat_interleave(ratio, 1)
         k = l2_normalize(k.view(n, self.key_heads, self.key_dim)).repeat_interleave(ratio, 1)
-        return RecurrenceInputs(q, k, v.reshape(n, self.value_heads, self.value_dim).float(), g, beta)
+        return RecurrenceInputs(q, k, v.reshape(n, self.value_heads, self.value_dim).float(), proj.g, proj.beta)
 
     def recur(self, inputs: RecurrenceInputs, state: torch.Tensor, cuts: tuple[int, ...] = ()) -> RunRecurrence:
         """The gated delta rule over one run from ``state``; also the state after each offset in ``cuts``."""
-        outputs, cut_states, lo = [], [], 0
-        for hi in [*cuts, inputs.q.shape[0]]:
-            part = inputs.slice(lo, hi)
-            o, state = gated_delta_rule(part.q, part.k, part.v, part.g, part.beta, state)
-            outputs.append(o)
-            cut_states.append(state)
-            lo = hi
-        return RunRecurrence(torch.cat(outputs), state, cut_states[:-1])
+        return recur_in_parts(lambda p, s: gated_delta_rule(p.q, p.k, p.v, p.g, p.beta, s), inputs, state, cuts)
 
-    def output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Gated norm and output projection: o, z [N, Hv, V] -> [N, hidden]."""
-        return self.out_proj(self.norm(o.to(dtype), z).reshape(o.shape[0], -1))
+    def recur_with_transition(self, inputs: RecurrenceInputs,
+                              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Transition]:
+        """``recur`` over one run, also returning the run's dense transition T [Hv, K, K]."""
+        o, state, transition = gated_delta_rule_with_transition(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
+                                                                state)
+        return o, state, Transition(Family.DENSE, transition)
+
+    def step(self, states: torch.Tensor, inputs: RecurrenceInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of B requests (inputs of B rows) from states [B, Hv, K, V]."""
+        return gated_delta_step(states, inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+
+    def output(self, o: torch.Tensor, proj: TokenProjections, dtype: torch.dtype) -> torch.Tensor:
+        """Gated norm and output projection: o [N, Hv, V] -> [N, hidden]."""
+        return self.out_proj(self.norm(o.to(dtype), proj.z).reshape(o.shape[0], -1))

@@ -5,40 +5,63 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import GatedAttention
 from .gated_deltanet import GatedDeltaNet
+from .lightning import LightningAttention
 from .mlp import MLP, SparseMoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
+LINEAR_MIXERS = {  # config.linear_family -> (config, layer index) -> token mixer
+    "gated_delta": lambda config, index: GatedDeltaNet(config),
+    "lightning": LightningAttention,
+}
+
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: token mixer (linear or full attention), then MLP or MoE."""
+    """Token mixer (linear or full attention), then MLP or MoE; pre-norm residuals (x + f(norm(x))),
+    or MiniMax's scaled post-norm ones (alpha * norm(x) + beta * f(norm(x)))."""
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.is_linear = config.layer_types[index] == "linear_attention"
-        self.mixer: GatedDeltaNet | GatedAttention = GatedDeltaNet(config) if self.is_linear else GatedAttention(config)
+        self.mixer: GatedDeltaNet | LightningAttention | GatedAttention = (
+            LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else GatedAttention(config))
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                       config.shared_expert_intermediate_size, config.norm_topk_prob)
             if config.is_moe_layer(index) else MLP(config.hidden_size, config.intermediate_size)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
+        scales = config.residual_scales
+        self.mixer_scales = None if scales is None else scales.linear if self.is_linear else scales.full
+        self.mlp_scales = None if scales is None else scales.mlp
+
+    def residual(self, x: torch.Tensor, h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """The stream after the token mixer: x [N, hidden] the block's input, h its norm, ``mixed``
+        the mixer's output of h."""
+        if self.mixer_scales is None:
+            return x + mixed
+        alpha, beta = self.mixer_scales
+        return h * alpha + mixed * beta
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Residual MLP half of the block; x [N, hidden]."""
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.mlp_scales is None:
+            return x + self.mlp(h)
+        alpha, beta = self.mlp_scales
+        return h * alpha + self.mlp(h) * beta
 
 
 class HybridModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head of a Qwen3-Next / Qwen3.5 text model."""
+    """Embedding, decoder layers, final norm and LM head of a Qwen3-Next / Qwen3.5 / MiniMax text model."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config.rope, config.head_dim, "cpu")
 

@@ -20,7 +20,8 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next / Qwen3.5-MoE)."""
+    """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next / Qwen3.5-MoE); without the
+    shared expert when ``shared_size`` is 0 (MiniMax)."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, expert_size: int, shared_size: int, norm_topk: bool) -> None:
         super().__init__()
@@ -28,8 +29,9 @@ class SparseMoE(nn.Module):
         self.router = nn.Linear(hidden, experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * expert_size, hidden))
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, expert_size))
-        self.shared_expert = MLP(hidden, shared_size)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        if shared_size:
+            self.shared_expert = MLP(hidden, shared_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
@@ -49,6 +51,8 @@ class SparseMoE(nn.Module):
         routed = expert_outputs(x[tokens], counts, self.gate_up_proj, self.down_proj, grouped_mm_runs(x))
         routed *= weights.flatten()[order, None]
         out = torch.zeros_like(x).index_add_(0, tokens, routed)
+        if not hasattr(self, "shared_expert"):
+            return out
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 

@@ -1,19 +1,22 @@
-"""RMS norms of the Qwen3-Next / Qwen3.5 families."""
+"""RMS norms of the Qwen3-Next / Qwen3.5 and MiniMax families."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)``, computed in fp32."""
+    """Zero-centred RMSNorm ``x / rms(x) * (1 + w)`` computed in fp32 (Qwen3-Next / Qwen3.5), or with
+    ``unit_offset=False`` the plain ``w * (x / rms(x))``, the weight applied in x's dtype (MiniMax)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if not self.unit_offset:
+            return self.weight * y.type_as(x)
         return (y * (1.0 + self.weight.float())).type_as(x)
 
 

@@ -107,6 +107,17 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return torch.cat(outputs), torch.stack(finals)
 
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_varlen", "gated_delta_rule_with_transition", "chunk_gated_delta_rule",
+def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated delta rule step for B requests: state [B, H, K, V]; q, k [B, H, K]; v [B, H, V];
+    g, beta [B, H]. Returns o [B, H, V] and the new state (the naive kernel's formula, batched)."""
+    state = state * g.exp()[..., None, None]
+    recalled = torch.einsum("bhk,bhkv->bhv", k, state)
+    delta = (v - recalled) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q * k.shape[-1] ** -0.5, state), state
+
+
+__all__ = ["gated_delta_step", "gated_delta_rule", "gated_delta_rule_varlen", "gated_delta_rule_with_transition", "chunk_gated_delta_rule",
            "chunk_gated_delta_rule_heads_first", "chunk_gated_delta_rule_with_transition",
            "naive_gated_delta_rule", "naive_transition", "chunk_size_for"]

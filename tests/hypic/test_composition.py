@@ -108,3 +108,28 @@ def test_retnet_naive_addition_error_reproduces_table_2(gamma: float) -> None:
         error = (naive_addition(s_c1, segments) - truth).norm() / s_c1.norm()
         assert round(error.item(), 3) == expected
         assert _rel(compose_states(s_c1, segments), truth) < 1e-5
+
+
+class _CallLog(torch.overrides.TorchFunctionMode):
+    """Records the name of every torch function called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family, shape", [(Family.SCALAR, (4,)), (Family.DIAGONAL, (4, 8))])
+def test_scalar_and_diagonal_transitions_compose_elementwise(family: Family, shape: tuple[int, ...]) -> None:
+    """Applying and chaining a scalar or diagonal T_C is elementwise work: no matmul of any kind."""
+    state, zero = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    transition = Transition(family, torch.rand(shape))
+    with _CallLog() as log:
+        compose_states(state, [(transition, zero), (transition.then(transition), zero)])
+    assert log.names and not {n for n in log.names if any(m in n for m in ("matmul", "bmm", "mm", "einsum"))}
+    with _CallLog() as log:  # the log does see a dense transition's matmul
+        Transition(Family.DENSE, torch.rand(4, 8, 8)).apply(state)
+    assert any("matmul" in n for n in log.names)

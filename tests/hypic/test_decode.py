@@ -7,7 +7,8 @@ import torch
 
 from hypic import Engine
 from hypic.assembler import combine
-from hypic.decode import decode_batch, delta_rule_step
+from hypic.decode import decode_batch
+from hypic.kernels.gated_delta import gated_delta_step as delta_rule_step
 from hypic.kernels.gated_delta import naive_gated_delta_rule
 from hypic.models.mlp import SparseMoE
 from hypic.segments import Run

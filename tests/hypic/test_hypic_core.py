@@ -20,8 +20,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def engine(tiny_checkpoint: Path) -> Engine:
-    return Engine.from_pretrained(tiny_checkpoint, seam_width=8)
+def engine(family_checkpoint: Path) -> Engine:
+    return Engine.from_pretrained(family_checkpoint, seam_width=8)
 
 
 def _request(seed: int, documents: int = 4) -> tuple[str, list[str], str]:
@@ -30,10 +30,10 @@ def _request(seed: int, documents: int = 4) -> tuple[str, list[str], str]:
 
 
 @pytest.mark.parametrize("seam_width", [0, 1, 2, 3, 8])
-def test_layer0_composed_state_equals_full_recompute(tiny_checkpoint: Path, seam_width: int) -> None:
-    """Dense family (Gated DeltaNet): composing cached (T_C, S_C|0) is exact at layer 0 for every w,
-    the conv warm-up included (the head seam is at least k - 1 tokens)."""
-    engine = Engine.from_pretrained(tiny_checkpoint, seam_width=seam_width)
+def test_layer0_composed_state_equals_full_recompute(family_checkpoint: Path, seam_width: int) -> None:
+    """Every family (Gated DeltaNet: dense T_C; Lightning: scalar T_C): composing cached (T_C, S_C|0)
+    is exact at layer 0 for every w, the conv warm-up included (the head seam is at least k - 1 tokens)."""
+    engine = Engine.from_pretrained(family_checkpoint, seam_width=seam_width)
     for seed in range(3):
         leading, docs, query = _request(seed)
         prompt = leading + SEP + SEP.join(docs) + SEP + query
@@ -58,9 +58,9 @@ def test_naive_addition_differs_measurably_hypic_does_not(engine: Engine) -> Non
     assert errors["hypic"] <= 1e-5 and errors["naive"] >= 0.05
 
 
-def test_no_interior_means_hypic_is_full_recompute(tiny_checkpoint: Path) -> None:
+def test_no_interior_means_hypic_is_full_recompute(family_checkpoint: Path) -> None:
     """All segments shorter than 2w+1: nothing is spliced and the output equals full recompute."""
-    engine = Engine.from_pretrained(tiny_checkpoint, seam_width=64)
+    engine = Engine.from_pretrained(family_checkpoint, seam_width=64)
     leading, docs, query = _request(5)
     prompt = leading + SEP + SEP.join(d[:100] for d in docs) + SEP + query
     full = engine.generate(prompt, max_new_tokens=12, mode="full")

@@ -39,7 +39,8 @@ def test_full_prefill_logits_match_transformers(checkpoint_factory: Callable[...
     assert (ours - expected).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "qwen3_5-wrapper"])
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "qwen3_5-wrapper", "minimax",
+                                  "minimax-residual-scales"])
 def test_greedy_decode_matches_transformers(checkpoint_factory: Callable[..., Path], name: str) -> None:
     """32 greedy tokens identical, and each decode step's logits equal a full forward of the extended ids."""
     path = checkpoint_factory(name)

@@ -5,10 +5,12 @@ from pathlib import Path
 import pytest
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
+from hypic.composition import Family
 from hypic.config import ModelConfig
 from hypic.store import LinearInterior
 
 FP32 = 4
+TRANSITION_FAMILY = {"gated_delta": Family.DENSE, "lightning": Family.SCALAR}
 
 
 def _text(seed: int, n: int) -> str:
@@ -17,18 +19,20 @@ def _text(seed: int, n: int) -> str:
 
 
 def _entry_bytes(config: ModelConfig, interior: int, with_transition: bool) -> int:
-    """Closed form of a public-pool entry of an fp32 model: per linear layer S_C|0 [Hv, K, V] (and
-    T_C [Hv, K, K] with transitions) plus the conv tail [k-1, C]; per attention layer K and V."""
+    """Closed form of a public-pool entry of an fp32 model (paper Table 3): per linear layer S_C|0
+    [Hv, K, V], with transitions T_C ([Hv, K, K] dense, [Hv] scalar), plus the conv tail [k-1, C]
+    (none without a conv); per attention layer K and V of the interior."""
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     channels = 2 * config.linear_num_key_heads * dk + hv * dv
-    linear = hv * dk * dv + (config.linear_conv_kernel_dim - 1) * channels + (hv * dk * dk if with_transition else 0)
+    transition = {Family.DENSE: hv * dk * dk, Family.SCALAR: hv}[TRANSITION_FAMILY[config.linear_family]]
+    linear = hv * dk * dv + (config.linear_conv_kernel_dim - 1) * channels + (transition if with_transition else 0)
     attention = 2 * config.num_key_value_heads * interior * config.head_dim
     return FP32 * (len(config.linear_layers()) * linear + len(config.attention_layers()) * attention)
 
 
 @pytest.fixture
-def engine(tiny_checkpoint: Path) -> Engine:
-    return Engine.from_pretrained(tiny_checkpoint, seam_width=8)
+def engine(family_checkpoint: Path) -> Engine:
+    return Engine.from_pretrained(family_checkpoint, seam_width=8)
 
 
 def test_naive_entries_hold_no_transition(engine: Engine) -> None:
@@ -47,6 +51,8 @@ def test_hypic_entries_hold_transitions(engine: Engine) -> None:
     (entry,) = engine.store.entries.values()
     assert (entry.local_start, entry.length) == (8, 90 - 16)
     assert entry.nbytes == _entry_bytes(engine.model.config, 90 - 16, with_transition=True)
+    family = TRANSITION_FAMILY[engine.model.config.linear_family]
+    assert {layer.transition.family for layer in entry.layers if isinstance(layer, LinearInterior)} == {family}
 
 
 @pytest.mark.parametrize("mode", ["hypic", "naive"])

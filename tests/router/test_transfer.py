@@ -49,3 +49,18 @@ def test_wrong_shapes_are_refused(built) -> None:
     layers[linear] = dataclasses.replace(layers[linear], zero_start_state=torch.zeros(1, 2, 3))
     with pytest.raises(TransferError, match=f"layer {linear}"):
         _check(engine, dataclasses.replace(entry, layers=layers))
+
+
+def test_a_scalar_transition_entry_passes_and_a_dense_one_is_refused(checkpoint_factory) -> None:
+    """Lightning layers' T_C is [H]: an intact MiniMax entry passes; one carrying a [H, K, K] T does not."""
+    from hypic.composition import Family, Transition
+
+    engine = Engine.from_pretrained(checkpoint_factory("minimax"))
+    entry = engine.segment_entry(tuple(range(40, 100)), engine.policy("hypic"))[0]
+    _check(engine, entry)
+    linear = engine.model.config.linear_layers()[0]
+    heads, dim = engine.model.config.linear_num_value_heads, engine.model.config.linear_key_head_dim
+    layers = list(entry.layers)
+    layers[linear] = dataclasses.replace(layers[linear], transition=Transition(Family.DENSE, torch.eye(dim).repeat(heads, 1, 1)))
+    with pytest.raises(TransferError, match=f"layer {linear}"):
+        _check(engine, dataclasses.replace(entry, layers=layers))

@@ -5,6 +5,7 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from hypic import DEFAULT_SEPARATOR as SEP
 from hypic.segments import split_prompt
 from hypic.tokenizer import TextTokenizer
-from hypic.server.launch import ServerProcess
+from hypic.server.launch import ServerProcess, start_server
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
@@ -37,7 +38,19 @@ def hypic_server(launch) -> ServerProcess:
     return launch("--seam-width", "4")
 
 
-def test_warmup_then_reordered_documents_are_cached(hypic_server: ServerProcess) -> None:
+@pytest.fixture(scope="module", params=["qwen3_5_text-ratio2", "minimax"])
+def family_server(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path],
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A hypic server (w = 4) on the tiny checkpoint of each linear-attention family."""
+    log = tmp_path_factory.mktemp("family-server") / "server.log"
+    server = start_server(["--model", str(checkpoint_factory(request.param)), "--log-level", "warning",
+                           "--seam-width", "4"], log)
+    yield server
+    server.stop()
+
+
+def test_warmup_then_reordered_documents_are_cached(family_server: ServerProcess) -> None:
+    hypic_server = family_server
     a, b, c = _docs(1, 3)
     counts = hypic_server.post("/warmup", {"documents": [a, b]})["token_counts"]
     assert counts == [len(a.encode()), len(b.encode())]  # byte-level tokenizer

@@ -1,6 +1,6 @@
 """The reference's own reading of an HF checkpoint directory: config fields and fp32 tensors.
 
-Written from the published Qwen3-Next / Qwen3.5 layouts, sharing no code with ``hypic.loader``
+Written from the published Qwen3-Next / Qwen3.5 and MiniMax layouts, sharing no code with ``hypic.loader``
 or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
 """
 import json
@@ -37,6 +37,8 @@ class RefConfig:
     norm_topk: bool
     sparse_step: int
     mlp_only: tuple[int, ...]
+    lightning: bool = False  # MiniMax: Lightning linear layers, plain attention and norms, scaled post-norm residuals
+    scales: dict[str, float] | None = None  # MiniMax's residual factors by config name
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
@@ -46,9 +48,25 @@ def _text_fields(raw: dict) -> dict:
     return raw["text_config"] if raw["model_type"] in WRAPPERS else raw
 
 
+def _minimax_config(raw: dict) -> RefConfig:
+    """MiniMax: a Lightning layer has one head_dim x head_dim state per attention head, no conv."""
+    heads, head_dim = raw["num_attention_heads"], raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rope = raw.get("rope_parameters") or {}
+    names = [f"{kind}_{part}_factor" for kind in ("full_attn", "linear_attn", "mlp") for part in ("alpha", "beta")]
+    return RefConfig(
+        model_type="minimax", layer_types=tuple(raw["layer_types"]), heads=heads, kv_heads=raw["num_key_value_heads"],
+        head_dim=head_dim, key_heads=heads, value_heads=heads, key_dim=head_dim, value_dim=head_dim, conv_kernel=1,
+        eps=raw["rms_norm_eps"], rope_theta=rope.get("rope_theta", 1e6), rotary_dim=head_dim, rope_scale=1.0,
+        experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"], norm_topk=True, sparse_step=1, mlp_only=(),
+        lightning=True, scales={name: float(raw.get(name, 1)) for name in names},
+    )
+
+
 def read_config(path: Path) -> RefConfig:
     """Parse ``config.json`` (the multimodal wrappers' ``text_config`` for those)."""
     raw = _text_fields(json.loads((path / "config.json").read_text()))
+    if raw["model_type"] == "minimax":
+        return _minimax_config(raw)
     rope = raw.get("rope_parameters") or {}
     layers = raw["num_hidden_layers"]
     interval = raw.get("full_attention_interval", 4)

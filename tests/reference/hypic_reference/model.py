@@ -1,4 +1,4 @@
-"""A plain-PyTorch Qwen3.5 / Qwen3-Next forward with a token-loop recurrence: clarity over speed.
+"""A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax forward with a token-loop recurrence: clarity over speed.
 
 ``run`` feeds a run of new tokens through every layer, continuing a ``ReferenceState``: token-wise
 maps (projections, norms, MLP/MoE) act on the run's rows at once, the gated delta rule is a
@@ -20,13 +20,13 @@ class LinearInputs:
     """What n tokens feed a Gated DeltaNet layer: pre-conv channels and recurrence inputs."""
 
     pre_conv: torch.Tensor  # [n, C]
-    k: torch.Tensor  # [n, Hv, K] l2-normalised, key heads repeated to the value heads
+    k: torch.Tensor  # [n, Hv, K] l2-normalised, key heads repeated to the value heads (Lightning: silu(W x))
     v: torch.Tensor  # [n, Hv, V]
     g: torch.Tensor  # [n, Hv] log decay
-    beta: torch.Tensor  # [n, Hv]
+    beta: torch.Tensor | None  # [n, Hv] (Lightning: None, no delta rule)
 
     def rows(self, lo: int, hi: int) -> "LinearInputs":
-        return LinearInputs(*(x[lo:hi] for x in (self.pre_conv, self.k, self.v, self.g, self.beta)))
+        return LinearInputs(*(None if x is None else x[lo:hi] for x in (self.pre_conv, self.k, self.v, self.g, self.beta)))
 
 
 @dataclass
@@ -68,6 +68,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
 
 
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """MiniMax's RMSNorm: w * x / rms(x)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
@@ -98,17 +103,27 @@ class ReferenceModel:
         positions = torch.arange(state.length, state.length + len(tokens))
         x, fed = self.w["embed_tokens.weight"][tokens], []
         for index, memory in enumerate(state.layers):
-            h = rms_norm(x, self.w[f"layers.{index}.input_layernorm.weight"], self.config.eps)
+            h = self._norm(x, f"layers.{index}.input_layernorm.weight")
             if isinstance(memory, LinearMemory):
-                mixed, inputs = self._linear(index, h, memory)
+                mixed, inputs = self._lightning(index, h, memory) if self.config.lightning else self._linear(index, h, memory)
             else:
                 mixed, inputs = self._attention(index, h, positions, memory)
             fed.append(inputs)
-            x = x + mixed
-            post = rms_norm(x, self.w[f"layers.{index}.post_attention_layernorm.weight"], self.config.eps)
-            x = x + self._feed_forward(index, post)
+            x = self._residual(x, h, mixed, "linear_attn" if isinstance(memory, LinearMemory) else "full_attn")
+            post = self._norm(x, f"layers.{index}.post_attention_layernorm.weight")
+            x = self._residual(x, post, self._feed_forward(index, post), "mlp")
         state.length += len(tokens)
-        return rms_norm(x, self.w["norm.weight"], self.config.eps) @ self.w["lm_head.weight"].T, fed
+        return self._norm(x, "norm.weight") @ self.w["lm_head.weight"].T, fed
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        norm = plain_rms_norm if self.config.lightning else rms_norm
+        return norm(x, self.w[name], self.config.eps)
+
+    def _residual(self, x: torch.Tensor, normed: torch.Tensor, out: torch.Tensor, kind: str) -> torch.Tensor:
+        """Pre-norm: x + out. MiniMax: alpha * normed + beta * out, the factors of the sublayer's kind."""
+        if self.config.scales is None:
+            return x + out
+        return self.config.scales[f"{kind}_alpha_factor"] * normed + self.config.scales[f"{kind}_beta_factor"] * out
 
     @torch.inference_mode()
     def absorb(self, state: ReferenceState, frozen: LayerInputs) -> None:
@@ -120,7 +135,10 @@ class ReferenceModel:
             if isinstance(memory, LinearMemory):
                 assert isinstance(inputs, LinearInputs)
                 for t in range(n):
-                    self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
+                    if inputs.beta is None:
+                        self._decay_update(memory, inputs.k[t], inputs.v[t], inputs.g[t])
+                    else:
+                        self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
                 memory.conv_tail = torch.cat([memory.conv_tail, inputs.pre_conv])[n:]
             else:
                 assert isinstance(inputs, AttentionInputs)
@@ -170,6 +188,32 @@ class ReferenceModel:
         recalled = (k[:, None, :] @ s)[:, 0]  # k^T S per head
         memory.state = s + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]
 
+    # ----- Lightning attention (MiniMax) ------------------------------------------------------
+    def _slopes(self, index: int) -> torch.Tensor:
+        """Decay rate per head: ALiBi's geometric slopes 2^(-8 (h + 1) / H), shrunk linearly with depth."""
+        heads, layers = self.config.heads, len(self.config.layer_types)
+        depth = 1 - index / (layers - 1 + 1e-5) + 1e-5
+        return torch.tensor([2.0 ** (-8 * (h + 1) / heads) * depth for h in range(heads)])
+
+    def _lightning(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+        """S <- exp(-s) S + k v^T, o = q^T S per head, with q, k, v = silu(W x) split per head."""
+        c, p, n = self.config, f"layers.{index}.self_attn.", h.shape[0]
+        pre = h @ self.w[p + "qkv_proj.weight"].T
+        q, k, v = F.silu(pre).view(n, c.heads, 3 * c.head_dim).split(c.head_dim, dim=-1)
+        inputs = LinearInputs(pre, k, v, -self._slopes(index).expand(n, -1), None)
+        outputs = []
+        for t in range(n):
+            self._decay_update(memory, k[t], v[t], inputs.g[t])
+            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
+        o = torch.stack(outputs).flatten(1)
+        gate = torch.sigmoid(h @ self.w[p + "output_gate.weight"].T)
+        return (gate * plain_rms_norm(o, self.w[p + "norm.weight"], 1e-6)) @ self.w[p + "out_proj.weight"].T, inputs
+
+    @staticmethod
+    def _decay_update(memory: LinearMemory, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
+        """One token (k, v [H, D], g [H]): S <- exp(g) S + k v^T."""
+        memory.state = memory.state * g.exp()[:, None, None] + k[:, :, None] * v[:, None, :]
+
     # ----- gated full attention ------------------------------------------------------------
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE: row i of x [n, H, D] rotated for positions[i] on the first rotary_dim channels."""
@@ -183,9 +227,14 @@ class ReferenceModel:
     def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor,
                    memory: AttentionMemory) -> tuple[torch.Tensor, AttentionInputs]:
         c, p, eps, n = self.config, f"layers.{index}.self_attn.", self.config.eps, h.shape[0]
-        query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
-        query = self._rotate(rms_norm(query, self.w[p + "q_norm.weight"], eps), positions)
-        key = rms_norm((h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim), self.w[p + "k_norm.weight"], eps)
+        if c.lightning:  # MiniMax: no output gate, no q / k norms
+            query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, c.head_dim), None
+            key = (h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
+        else:
+            query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
+            query = rms_norm(query, self.w[p + "q_norm.weight"], eps)
+            key = rms_norm((h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim), self.w[p + "k_norm.weight"], eps)
+        query = self._rotate(query, positions)
         value = (h @ self.w[p + "v_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
         memory.keys = torch.cat([memory.keys, self._rotate(key, positions)])
         memory.values = torch.cat([memory.values, value])
@@ -195,7 +244,8 @@ class ReferenceModel:
         scores = query.transpose(0, 1) @ keys.transpose(1, 2) * c.head_dim**-0.5  # [H, n, T]
         visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]  # causal: keys at or before
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        attended = (weights @ values).transpose(0, 1).flatten(1) * torch.sigmoid(gate.flatten(1))
+        attended = (weights @ values).transpose(0, 1).flatten(1)
+        attended = attended if gate is None else attended * torch.sigmoid(gate.flatten(1))
         return attended @ self.w[p + "o_proj.weight"].T, AttentionInputs(key, value)
 
     # ----- feed-forward -------------------------------------------------------------------
@@ -207,7 +257,7 @@ class ReferenceModel:
     def _feed_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Dense SwiGLU, or top-k routed experts plus the sigmoid-gated shared expert; x [n, hidden].
         Every expert runs on every token and the routing weights (zero off the top k) mix them."""
-        prefix = f"layers.{index}.mlp."
+        prefix = f"layers.{index}.{'block_sparse_moe' if self.config.lightning else 'mlp'}."
         if not self.config.is_moe(index):
             return self._swiglu(prefix, x)
         probs = torch.softmax(x @ self.w[prefix + "gate.weight"].T, dim=-1)
@@ -216,6 +266,8 @@ class ReferenceModel:
             top = top / top.sum(-1, keepdim=True)
         mix = torch.zeros_like(probs).scatter(-1, chosen, top)  # [n, E]
         routed = sum(mix[:, e, None] * self._expert(prefix, e, x) for e in range(self.config.experts))
+        if prefix + "shared_expert_gate.weight" not in self.w:  # MiniMax: routed experts only
+            return routed
         shared = torch.sigmoid(x @ self.w[prefix + "shared_expert_gate.weight"].T) * self._swiglu(prefix + "shared_expert.", x)
         return routed + shared
 
@@ -223,4 +275,8 @@ class ReferenceModel:
         if prefix + "experts.gate_up_proj" in self.w:  # fused [E, 2I, H] / [E, H, I]
             gate, up = (x @ self.w[prefix + "experts.gate_up_proj"][expert].T).chunk(2, dim=-1)
             return (F.silu(gate) * up) @ self.w[prefix + "experts.down_proj"][expert].T
-        return self._swiglu(f"{prefix}experts.{expert}.", x)
+        names = f"{prefix}experts.{expert}."
+        if names + "w1.weight" in self.w:  # Mixtral's names: w1 gate, w3 up, w2 down
+            gate, up = x @ self.w[names + "w1.weight"].T, x @ self.w[names + "w3.weight"].T
+            return (F.silu(gate) * up) @ self.w[names + "w2.weight"].T
+        return self._swiglu(names, x)
