@@ -4,9 +4,11 @@ Writes ``OUT/STUDY.jsonl`` (one record per sample and method; a rerun computes o
 missing), ``OUT/STUDY_summary.json`` and ``OUT/STUDY.png``, and prints the summary table.
 """
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +30,24 @@ STUDIES = {
              "(paper Table 4; in-process only)",
 }
 
+SERVICE_STUDIES = {
+    "load": "TTFT p50/p90/p99 and token throughput against QPS on a Prod-RAG-like trace (paper Fig. 11)",
+    "parallel": "a cold request's TTFT against the number of Ray workers: dispatch, transfer, combine "
+                "(paper Fig. 14)",
+}
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's docstring as written, and every option's default."""
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def _doc(name: str) -> str:
+    return _module(name).__doc__ or ""
+
 
 def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     """``hypic eval`` and its studies, as subcommands of ``commands``."""
@@ -39,6 +59,10 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     scaling = studies.add_parser("scaling", add_help=False, help="TTFT of hypic and full recompute as document "
                                  "length and count grow, every document cached (paper Fig. 12); --help for its options")
     scaling.set_defaults(options=[])  # hypic.cli hands it every argument after the study's name
+    for name, module in (("load", "load"), ("parallel", "parallel")):
+        study = studies.add_parser(name, help=SERVICE_STUDIES[name], description=_doc(module),
+                                   formatter_class=_HelpFormatter)
+        _module(module).add_arguments(study)
     for name, text in STUDIES.items():
         study = studies.add_parser(name, help=text, description=text,
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -128,7 +152,10 @@ def eval_main(args: argparse.Namespace) -> int:
         outcome = scaling.main(args.options)
         return 1 if outcome["strict"] and not outcome["all_passed"] else 0
     try:
-        run_eval(args)
+        if args.study in SERVICE_STUDIES:
+            getattr(_module(args.study), f"run_{args.study}")(args)
+        else:
+            run_eval(args)
     except (DataError, MethodError, TargetError, HypicError) as err:
         print(f"hypic eval: error: {err}", file=sys.stderr)
         return 2

@@ -67,6 +67,10 @@ from tqdm import tqdm
 import hypic
 from hypic import DEFAULT_SEPARATOR, Engine, GenerationResult
 from hypic.checkpoints import write_random_checkpoint
+from hypic.store import LinearInterior
+from hypic.tokenizer import TextTokenizer
+
+from .results import ResultLog
 
 LEADING = "Answer from the documents below:"  # 32 tokens with the byte-level tokenizer
 QUESTION = "Question: what do they all say?\n"  # 32 tokens with the byte-level tokenizer
@@ -78,6 +82,11 @@ DEFAULT_MODEL: dict[str, Any] = dict(
     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
     linear_conv_kernel_dim=4,
 )
+MINIMAX_MODEL: dict[str, Any] = dict(  # the same widths with MiniMax's layers: Lightning heads = attention heads
+    hidden_size=256, num_hidden_layers=8, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=64, num_local_experts=4, num_experts_per_tok=2, block_size=64,
+)
+ARCHITECTURES = {"qwen3_5": ("qwen3_5_text", DEFAULT_MODEL), "minimax": ("minimax", MINIMAX_MODEL)}
 FULL_SWEEP = dict(lengths=(1024, 2048, 4096), counts=(4, 8, 16), fixed_count=4, fixed_length=1024)
 WORD_CHARS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -114,6 +123,8 @@ class ShapeResult:
     hypic_combine_tokens: int
     full_recomputed_tokens: int
     warmup_s: float
+    transition_bytes_per_doc: int = 0  # T_C of every linear layer of one cached document
+    entry_bytes_per_doc: int = 0  # the document's whole public-pool entry
     full_samples_ms: list[float] = field(default_factory=list)
     hypic_samples_ms: list[float] = field(default_factory=list)
 
@@ -143,6 +154,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None,
                         help="existing checkpoint directory (config.json, safetensors, tokenizer.json) instead of "
                              "the random default model; --hidden-size/--layers are then ignored")
+    parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="qwen3_5",
+                        help="layers of the random model: qwen3_5 (Gated DeltaNet, dense T_C) or minimax "
+                             "(Lightning attention, scalar T_C, MoE in every layer)")
     parser.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL["hidden_size"],
                         help="hidden size of the random model")
     parser.add_argument("--layers", type=int, default=DEFAULT_MODEL["num_hidden_layers"],
@@ -160,7 +174,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fixed-count", type=int, default=None, help="document count of sweep (a) (default 4)")
     parser.add_argument("--fixed-length", type=int, default=None,
                         help="per-document tokens of sweep (b) (default 1024)")
-    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--out", type=Path, default=Path("eval/runs"),
+                        help="folder of scaling.jsonl (one record per measured shape: a rerun measures only the "
+                             "missing ones), scaling_summary.json and scaling.png")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON here")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 if a target fails")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -188,12 +205,15 @@ def build_shapes(args: argparse.Namespace) -> list[Shape]:
 
 def random_model_dir(args: argparse.Namespace, workdir: Path, max_tokens: int) -> Path:
     """Write the seeded random default model (with --hidden-size/--layers) under ``workdir``."""
-    overrides = dict(DEFAULT_MODEL, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+    model_type, shapes = ARCHITECTURES[args.architecture]
+    overrides = dict(shapes, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                      max_position_embeddings=max(4096, max_tokens + 64))
-    return write_random_checkpoint(workdir / "model", "qwen3_5_text", args.seed, **overrides)
+    if model_type == "minimax":  # one full-attention layer every 4, as in the Qwen3.5 shapes
+        overrides["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
+    return write_random_checkpoint(workdir / "model", model_type, args.seed, **overrides)
 
 
-def make_document(engine: Engine, n_tokens: int, rng: random.Random) -> str:
+def make_document(tokenizer: TextTokenizer, n_tokens: int, rng: random.Random) -> str:
     """Random lowercase words of exactly ``n_tokens`` tokens with the byte-level tokenizer (close to it
     with another tokenizer: the text is cut at ``n_tokens`` ids and decoded)."""
     words: list[str] = []
@@ -203,18 +223,18 @@ def make_document(engine: Engine, n_tokens: int, rng: random.Random) -> str:
         words.append(word)
         length += len(word) + 1
     text = " ".join(words)[:n_tokens]
-    ids = engine.tokenizer.encode(text)
+    ids = tokenizer.encode(text)
     if len(ids) == n_tokens:
         return text
     while len(ids) < n_tokens:  # a tokenizer with multi-byte tokens: grow the text, then cut by ids
         text += " " + text
-        ids = engine.tokenizer.encode(text)
-    return engine.tokenizer.decode(ids[:n_tokens])
+        ids = tokenizer.encode(text)
+    return tokenizer.decode(ids[:n_tokens])
 
 
 def documents_for(engine: Engine, shape: Shape, seed: int) -> list[str]:
     """The shape's documents; document i of a given length is the same in every shape (fewer to cache)."""
-    return [make_document(engine, shape.doc_tokens, random.Random(f"{seed}-{shape.doc_tokens}-{i}"))
+    return [make_document(engine.tokenizer, shape.doc_tokens, random.Random(f"{seed}-{shape.doc_tokens}-{i}"))
             for i in range(shape.num_docs)]
 
 
@@ -252,12 +272,17 @@ def measure_shape(engine: Engine, shape: Shape, repeats: int, seed: int) -> Shap
     full_ms = [r.ttft_s * 1e3 for r in full_runs]
     hypic_median, full_median = statistics.median(hypic_ms), statistics.median(full_ms)
     last = hypic_runs[-1]
+    lo, hi = engine.seams.interior(shape.doc_tokens) or (0, 0)
+    entry = next(e for e in engine.store.entries.values() if e.length == hi - lo)
     return ShapeResult(
         label=shape.label, sweeps=list(shape.sweeps), num_docs=shape.num_docs, doc_tokens=shape.doc_tokens,
         prompt_tokens=last.prompt_tokens, full_ttft_ms=full_median, hypic_ttft_ms=hypic_median,
         speedup=full_median / hypic_median, segments_hit=last.segments_hit, hypic_cached_tokens=last.cached_tokens,
         hypic_recomputed_tokens=last.recomputed_tokens, hypic_combine_tokens=last.stats.combine_tokens,
         full_recomputed_tokens=full_runs[-1].recomputed_tokens, warmup_s=warmup_s,
+        transition_bytes_per_doc=sum(layer.transition.nbytes for layer in entry.layers
+                                     if isinstance(layer, LinearInterior) and layer.transition is not None),
+        entry_bytes_per_doc=entry.nbytes,
         full_samples_ms=full_ms, hypic_samples_ms=hypic_ms,
     )
 
@@ -300,13 +325,15 @@ def evaluate_targets(results: list[ShapeResult], slopes: dict[str, float | None]
 
 
 def format_table(results: list[ShapeResult]) -> str:
-    """Per-sweep rows: shape, prompt tokens, full TTFT ms, hypic TTFT ms, speedup."""
-    header = f"{'sweep':<6}{'shape':<8}{'prompt tok':>11}{'hypic recomp':>13}{'full ms':>11}{'hypic ms':>10}{'speedup':>9}"
+    """Per-sweep rows: shape, prompt tokens, full TTFT ms, hypic TTFT ms, speedup, T_C and entry bytes per document."""
+    header = (f"{'sweep':<6}{'shape':<8}{'prompt tok':>11}{'hypic recomp':>13}{'full ms':>11}{'hypic ms':>10}"
+              f"{'speedup':>9}{'T_C B/doc':>11}{'entry KiB/doc':>15}")
     lines = [header, "-" * len(header)]
     for sweep in ("a", "b"):
         for r in (r for r in results if sweep in r.sweeps):
             lines.append(f"({sweep})   {r.label:<8}{r.prompt_tokens:>11}{r.hypic_recomputed_tokens:>13}"
-                         f"{r.full_ttft_ms:>11.1f}{r.hypic_ttft_ms:>10.1f}{r.speedup:>8.1f}x")
+                         f"{r.full_ttft_ms:>11.1f}{r.hypic_ttft_ms:>10.1f}{r.speedup:>8.1f}x"
+                         f"{r.transition_bytes_per_doc:>11}{r.entry_bytes_per_doc / 1024:>15.1f}")
     return "\n".join(lines)
 
 
@@ -352,18 +379,36 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def run_key(args: argparse.Namespace, model_label: str) -> str:
+    """What a recorded shape was measured with: only records of the same key are reused."""
+    model = model_label if args.model is not None else f"{model_label} h{args.hidden_size} l{args.layers}"
+    return f"{model} seed{args.seed} w{args.seam_width} t{args.threads} r{args.repeats}"
+
+
+def measured_shapes(engine: Engine, shapes: list[Shape], args: argparse.Namespace, key: str) -> list[ShapeResult]:
+    """Each shape's result: from ``OUT/scaling.jsonl`` where recorded under ``key``, else measured and appended."""
+    log = ResultLog(args.out / "scaling.jsonl")
+    results = []
+    progress = tqdm(shapes, desc="shapes", unit="shape", disable=args.no_progress, file=sys.stderr)
+    for shape in progress:
+        progress.set_postfix_str(shape.label)
+        record = log.get((key, shape.label, f"hypic:{args.seam_width}"))
+        if record is None:
+            record = {"dataset": key, "sample": shape.label, "method": f"hypic:{args.seam_width}",
+                      "result": asdict(measure_shape(engine, shape, args.repeats, args.seed))}
+            log.add(record)
+        results.append(ShapeResult(**{**record["result"], "sweeps": list(shape.sweeps)}))
+    return results
+
+
 def run_benchmark(args: argparse.Namespace, model_dir: Path, model_label: str) -> dict[str, Any]:
-    """Load the engine, measure every shape, and assemble the results."""
+    """Load the engine, measure every shape not yet recorded, and assemble the results."""
     engine = Engine.from_pretrained(model_dir, seam_width=args.seam_width, private_pool_bytes=0)
     shapes = build_shapes(args)
     seams = engine.seams
     if any(seams.interior(shape.doc_tokens) is None for shape in shapes):
         raise SystemExit(f"every document must be longer than its two seams ({seams.head} + {seams.tail} tokens)")
-    results = []
-    progress = tqdm(shapes, desc="shapes", unit="shape", disable=args.no_progress, file=sys.stderr)
-    for shape in progress:
-        progress.set_postfix_str(shape.label)
-        results.append(measure_shape(engine, shape, args.repeats, args.seed))
+    results = measured_shapes(engine, shapes, args, run_key(args, model_label))
     slopes = document_slopes(results)
     targets = evaluate_targets(results, slopes)
     return {
@@ -374,6 +419,28 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path, model_label: str) -
         "all_passed": all(t.passed for t in targets),
         "strict": args.strict,
     }
+
+
+def scaling_figure(results: list[ShapeResult], path: Path) -> None:
+    """TTFT of full recompute and hypic against document length (sweep a) and count (sweep b), each
+    hypic point labelled with its speed-up."""
+    from .studies import pyplot, save_figure
+    plt = pyplot()
+    figure, panels = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    for axes, sweep, x_of, xlabel in ((panels[0], "a", lambda r: r.doc_tokens, "tokens per document"),
+                                      (panels[1], "b", lambda r: r.num_docs, "documents")):
+        mine = sorted((r for r in results if sweep in r.sweeps), key=x_of)
+        xs = [x_of(r) for r in mine]
+        axes.plot(xs, [r.full_ttft_ms for r in mine], marker="o", label="full recompute")
+        axes.plot(xs, [r.hypic_ttft_ms for r in mine], marker="o", label="hypic (documents cached)")
+        for x, r in zip(xs, mine):
+            axes.annotate(f"{r.speedup:.1f}x", (x, r.hypic_ttft_ms), textcoords="offset points", xytext=(0, 6),
+                          ha="center", fontsize=8)
+        fixed = f"{mine[0].num_docs} documents" if sweep == "a" and mine else (
+            f"{mine[0].doc_tokens} tokens each" if mine else "")
+        axes.set(xlabel=xlabel, ylabel="TTFT (ms)", title=f"({sweep}) {fixed}")
+    panels[0].legend(fontsize=8)
+    save_figure(figure, path)
 
 
 def report(results: dict[str, Any]) -> str:
@@ -401,9 +468,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         longest = max(s.num_docs * s.doc_tokens for s in build_shapes(args)) + 2 * len(QUESTION) + 2 * len(LEADING)
         with tempfile.TemporaryDirectory(prefix="hypic-bench-") as workdir:
             model_dir = random_model_dir(args, Path(workdir), longest)
-            results = run_benchmark(args, model_dir, "random qwen3_5_text")
+            results = run_benchmark(args, model_dir, f"random {ARCHITECTURES[args.architecture][0]}")
     results["wall_s"] = time.perf_counter() - start
     print(report(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scaling_summary.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+    scaling_figure([ShapeResult(**r) for r in results["shapes"]], args.out / "scaling.png")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(_json_safe(results), indent=2) + "\n")

@@ -106,6 +106,13 @@ def pyplot():
     return plt
 
 
+def plain_log_ticks(axis: Any) -> None:
+    """Tick labels of a log-scaled ``axis`` as plain numbers (0.5, 2, 10), not powers of ten."""
+    from matplotlib.ticker import FuncFormatter
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+
+
 def save_figure(figure: Any, path: Path) -> None:
     """Write ``figure`` as a PNG and free it."""
     figure.tight_layout()

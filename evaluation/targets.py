@@ -79,12 +79,12 @@ class ServerTarget:
     def run(self, sample: Sample, method: Method, warm: bool) -> Outcome:
         if not self.can_run(method):
             raise MethodError(f"the server at {self.url} serves {self.method.label}, not {method.label}")
-        self._call("POST", "/flush_cache")
+        self.flush()
         if warm and method.mode in ("hypic", "naive"):
             self._call("POST", "/warmup", {"documents": list(sample.documents)})
         elif warm and method.mode == "prefix":
-            self._generate(sample.prefix_prompt(self.separator), 1)
-        reply = self._generate(sample.prompt(self.separator), sample.max_new_tokens)
+            self.generate(sample.prefix_prompt(self.separator), 1)
+        reply = self.generate(sample.prompt(self.separator), sample.max_new_tokens)
         meta = reply["meta_info"]
         cached = int(meta.get("cached_tokens", 0))
         return Outcome(reply["text"], list(reply["output_ids"]), float(meta.get("ttft", meta.get("e2e_latency", 0.0))),
@@ -92,6 +92,11 @@ class ServerTarget:
                        int(meta.get("recomputed_tokens", int(meta["prompt_tokens"]) - cached)),
                        int(meta.get("segments_hit", 0)))
 
-    def _generate(self, text: str, max_new_tokens: int) -> dict[str, Any]:
+    def flush(self) -> None:
+        """Empty the server's pools (``/flush_cache``)."""
+        self._call("POST", "/flush_cache")
+
+    def generate(self, text: str, max_new_tokens: int) -> dict[str, Any]:
+        """One greedy ``/generate`` call: its JSON answer."""
         return self._call("POST", "/generate", {"text": text, "sampling_params": {
             "max_new_tokens": max_new_tokens, "temperature": 0.0}})

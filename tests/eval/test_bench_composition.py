@@ -20,7 +20,7 @@ TINY_ARGS = ["--hidden-size", "64", "--layers", "4", "--repeats", "1", "--no-pro
 
 def test_tiny_run_structure(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results.json"
-    results = bench.main(TINY_ARGS + ["--json", str(out)])
+    results = bench.main(TINY_ARGS + ["--json", str(out), "--out", str(tmp_path)])
 
     shapes = results["shapes"]
     assert [(s["num_docs"], s["doc_tokens"]) for s in shapes] == [(2, 64), (3, 64)]

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import hypic.evaluation.drift as drift
+import hypic.evaluation.scaling as scaling
 import hypic.evaluation.targets as targets
 from hypic.cli import main
 from hypic.data.synthetic_qa import GeneratorConfig, generate_example
@@ -124,8 +126,8 @@ def test_url_mode_gives_the_in_process_numbers(synthetic: Path, tmp_path: Path) 
     assert main([*common, "--url", server.url, "--out", str(tmp_path / "dead")]) == 2
 
 
-def test_drift_is_zero_for_full_exact_at_hypics_first_layer_and_large_for_naive(synthetic: Path, tmp_path: Path,
-                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_drift_is_zero_for_full_exact_at_hypics_first_layer_and_large_for_naive(
+        synthetic: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     args = ["eval", "drift", "--data", str(synthetic), "--limit", "1", "--methods", "full", "naive", "hypic:8",
             "--out", str(tmp_path), "--no-progress"]
     assert main(args) == 0
@@ -136,19 +138,40 @@ def test_drift_is_zero_for_full_exact_at_hypics_first_layer_and_large_for_naive(
     assert (tmp_path / "drift.png").is_file() and "layer 0" in capsys.readouterr().out
     assert main([*args, "--url", "http://127.0.0.1:9"]) == 2
 
+    def refuse(*_: object) -> None:
+        raise AssertionError("a finished sample ran again")
 
-def test_scaling_study_runs_the_fig12_sweeps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(drift, "final_states", refuse)
+    assert main(args) == 0 and {r["method"]: r for r in _lines(tmp_path / "drift.jsonl")} == records
+
+
+def test_scaling_study_runs_the_fig12_sweeps(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``hypic eval scaling`` hands its options to the sweeps (a tiny random model here): the shapes and
-    the model it measured are the ones asked for, and hypic recomputed only L, the seams and Q."""
+    the model it measured are the ones asked for, and hypic recomputed only L, the seams and Q; each
+    shape is a JSONL record, a rerun measures nothing, another model measures again."""
     out = tmp_path / "scaling.json"
-    assert main(["eval", "scaling", "--hidden-size", "64", "--layers", "4", "--repeats", "1", "--no-progress",
-                 "--doc-lengths", "64", "--doc-counts", "2", "3", "--fixed-count", "2", "--fixed-length", "64",
-                 "--json", str(out)]) == 0
+    args = ["eval", "scaling", "--hidden-size", "64", "--layers", "4", "--repeats", "1", "--no-progress",
+            "--doc-lengths", "64", "--doc-counts", "2", "3", "--fixed-count", "2", "--fixed-length", "64",
+            "--json", str(out), "--out", str(tmp_path)]
+    assert main(args) == 0
     written = json.loads(out.read_text())
     assert [(s["num_docs"], s["doc_tokens"]) for s in written["shapes"]] == [(2, 64), (3, 64)]
     assert written["environment"]["hidden_size"] == 64 and written["environment"]["layers"] == 4
     assert all(s["hypic_recomputed_tokens"] == 32 + s["num_docs"] * 16 + 32 for s in written["shapes"])
     assert "speedup" in capsys.readouterr().out
+    records = _lines(tmp_path / "scaling.jsonl")
+    assert [r["sample"] for r in records] == ["2x64", "3x64"]
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "scaling_summary.json").read_text())["shapes"] == written["shapes"]
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("a recorded shape was measured again")
+
+    monkeypatch.setattr(scaling, "measure_shape", refuse)
+    assert main(args) == 0 and _lines(tmp_path / "scaling.jsonl") == records
+    with pytest.raises(AssertionError, match="measured again"):  # a different model is not the recorded one
+        main([*args[:3], "96", *args[4:]])
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "scaling", "--repeats", "0"])
     assert exit_info.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
