@@ -86,7 +86,13 @@ MINIMAX_MODEL: dict[str, Any] = dict(  # the same widths with MiniMax's layers: 
     hidden_size=256, num_hidden_layers=8, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
     head_dim=64, num_local_experts=4, num_experts_per_tok=2, block_size=64,
 )
-ARCHITECTURES = {"qwen3_5": ("qwen3_5_text", DEFAULT_MODEL), "minimax": ("minimax", MINIMAX_MODEL)}
+GRANITE_MODEL: dict[str, Any] = dict(  # Mamba2 with the same state per head (64 x 64), 8 heads in 4 groups, dense MLP
+    hidden_size=256, num_hidden_layers=8, intermediate_size=512, shared_intermediate_size=512, num_local_experts=0,
+    num_attention_heads=4, num_key_value_heads=1, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
+    mamba_n_groups=4, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
+)
+ARCHITECTURES = {"qwen3_5": ("qwen3_5_text", DEFAULT_MODEL), "minimax": ("minimax", MINIMAX_MODEL),
+                 "granite": ("granitemoehybrid", GRANITE_MODEL)}
 FULL_SWEEP = dict(lengths=(1024, 2048, 4096), counts=(4, 8, 16), fixed_count=4, fixed_length=1024)
 WORD_CHARS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -155,8 +161,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="existing checkpoint directory (config.json, safetensors, tokenizer.json) instead of "
                              "the random default model; --hidden-size/--layers are then ignored")
     parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="qwen3_5",
-                        help="layers of the random model: qwen3_5 (Gated DeltaNet, dense T_C) or minimax "
-                             "(Lightning attention, scalar T_C, MoE in every layer)")
+                        help="layers of the random model: qwen3_5 (Gated DeltaNet, dense T_C), minimax "
+                             "(Lightning attention, scalar T_C, MoE in every layer) or granite (Mamba2, scalar T_C)")
     parser.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL["hidden_size"],
                         help="hidden size of the random model")
     parser.add_argument("--layers", type=int, default=DEFAULT_MODEL["num_hidden_layers"],
@@ -208,7 +214,9 @@ def random_model_dir(args: argparse.Namespace, workdir: Path, max_tokens: int) -
     model_type, shapes = ARCHITECTURES[args.architecture]
     overrides = dict(shapes, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                      max_position_embeddings=max(4096, max_tokens + 64))
-    if model_type == "minimax":  # one full-attention layer every 4, as in the Qwen3.5 shapes
+    if model_type == "granitemoehybrid":  # the Mamba2 inner width is mamba_expand x hidden
+        overrides["mamba_d_head"] = overrides["mamba_expand"] * args.hidden_size // overrides["mamba_n_heads"]
+    if model_type in ("minimax", "granitemoehybrid"):  # one full-attention layer every 4, as in the Qwen3.5 shapes
         overrides["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
     return write_random_checkpoint(workdir / "model", model_type, args.seed, **overrides)
 

@@ -294,7 +294,7 @@ def combine(
     snapshots: dict[int, dict] = {p: {} for p in snapshot_at or []}
     entries = entries or {}
     positions = _run_positions(pieces, model.device)
-    x = model.embed_tokens(torch.tensor(token_ids, device=model.device)[positions])
+    x = model.embed(torch.tensor(token_ids, device=model.device)[positions])
     layers = []
     for index, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)

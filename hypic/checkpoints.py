@@ -24,6 +24,14 @@ MINIMAX_CONFIG: dict[str, Any] = dict(  # Lightning attention every other layer,
     max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
 )
+GRANITE_CONFIG: dict[str, Any] = dict(  # Mamba2 layers (4 heads of 32 in 2 groups, state 16), routed + shared MLP
+    vocab_size=320, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    max_position_embeddings=4096, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+    mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
+    layer_types=["mamba", "attention", "mamba", "mamba"],
+)
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {"minimax": MINIMAX_CONFIG, "granitemoehybrid": GRANITE_CONFIG}
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -43,8 +51,9 @@ def reference_classes(model_type: str) -> tuple[type, type]:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, MiniMaxConfig, MiniMaxForCausalLM
     classes = {
+        "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
         "minimax": (MiniMaxConfig, MiniMaxForCausalLM),
         "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
         "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
@@ -59,7 +68,7 @@ def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
     everything within a few tokens: give norms noise and the linear layers long memory."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias")):
+            if name.endswith(("norm.weight", "dt_bias", "conv1d.bias", "mamba.D")):  # zero or one when initialised
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith("A_log"):
                 param.copy_(torch.empty(param.shape).uniform_(1e-3, 3e-2, generator=generator).log())
@@ -70,7 +79,7 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
     """Save a seeded random model (config.json, model.safetensors) and a byte-level tokenizer."""
     path = Path(path)
     config_class, model_class = reference_classes(model_type)
-    fields = {**(MINIMAX_CONFIG if model_type == "minimax" else TINY_CONFIG), **overrides}
+    fields = {**FAMILY_CONFIGS.get(model_type, TINY_CONFIG), **overrides}
     torch.manual_seed(seed)
     if model_type == "qwen3_5":
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=fields["hidden_size"])
@@ -99,7 +108,8 @@ def make_long_memory(path: str | Path) -> Path:
     for name, tensor in tensors.items():
         if name.endswith("A_log"):
             tensors[name] = torch.full_like(tensor, math.log(LONG_MEMORY_DECAY))
-        elif name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "self_attn.out_proj.weight")):
+        elif name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "self_attn.out_proj.weight",
+                            "mamba.out_proj.weight")):
             tensors[name] = tensor * LONG_MEMORY_OUTPUT_GAIN
     save_file(tensors, str(weights), metadata={"format": "pt"})
     return Path(path)
@@ -121,5 +131,10 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "minimax-residual-scales": ("minimax", dict(linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.3,
                                                 full_attn_alpha_factor=1.1, full_attn_beta_factor=0.9,
                                                 mlp_alpha_factor=0.8, mlp_beta_factor=1.2)),
+    "granitemoehybrid": ("granitemoehybrid", {}),
+    "granitemoehybrid-dense-nope": ("granitemoehybrid", dict(num_local_experts=0, position_embedding_type="nope",
+                                                             embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                             attention_multiplier=0.1, logits_scaling=2.0)),
 }
-REFERENCE_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "minimax")  # hypic_reference runs these
+REFERENCE_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "minimax",
+                         "granitemoehybrid")  # hypic_reference runs these

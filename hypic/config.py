@@ -4,8 +4,9 @@ from typing import Any
 
 from .errors import UnsupportedModel
 
-TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax")
-LINEAR_FAMILIES = ("gated_delta", "lightning")
+TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax", "granitemoehybrid")
+LINEAR_FAMILIES = ("gated_delta", "lightning", "mamba2")
+SCALAR_FAMILIES = ("lightning", "mamba2")  # T_C is one number per head
 WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # multimodal wrappers: text_config inside
 
 
@@ -27,6 +28,15 @@ class ResidualScales:
     linear: tuple[float, float] = (1.0, 1.0)
     full: tuple[float, float] = (1.0, 1.0)
     mlp: tuple[float, float] = (1.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Mamba2Options:
+    """What a Mamba2 layer needs beyond the shared linear-layer shapes (Granite-4.0-H)."""
+
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))  # dt is clamped into it after softplus
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,12 @@ class ModelConfig:
     attention_output_gate: bool = True  # Qwen's sigmoid gate on the attention output (and q/k RMSNorm)
     rms_norm_unit_offset: bool = True  # Qwen's zero-centred norms (1 + w); False: plain w
     residual_scales: ResidualScales | None = None  # None: pre-norm residuals x + f(norm(x))
+    residual_multiplier: float = 1.0  # pre-norm residuals x + m f(norm(x)) (Granite)
+    embedding_multiplier: float = 1.0  # embeddings scaled by it (Granite)
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    shared_expert_gated: bool = True  # Qwen's sigmoid gate on the shared expert; Granite's is ungated
+    mamba: Mamba2Options | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -85,7 +101,7 @@ class ModelConfig:
     def linear_transition_shape(self) -> tuple[int, ...]:
         """Shape of a cached T_C per linear layer: dense [Hv, K, K] (Gated DeltaNet), scalar [Hv] (Lightning)."""
         heads, dk = self.linear_num_value_heads, self.linear_key_head_dim
-        return (heads,) if self.linear_family == "lightning" else (heads, dk, dk)
+        return (heads,) if self.linear_family in SCALAR_FAMILIES else (heads, dk, dk)
 
     def is_moe_layer(self, index: int) -> bool:
         """Qwen3-Next's rule: MoE unless listed as MLP-only or off the sparse step."""
@@ -189,12 +205,70 @@ def minimax_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _json_float(value: Any) -> float:
+    """A float of config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
+GRANITE_LAYER_KINDS = {"mamba": "linear_attention", "attention": "full_attention",
+                       "linear_attention": "linear_attention", "full_attention": "full_attention"}
+
+
+def granite_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
+    """Granite-4.0-H (``granitemoehybrid``): Mamba2 layers (a state of d_state x head_dim per head, scalar
+    decay exp(dt A), B and C shared by head groups, conv with bias, D skip, grouped gated norm),
+    plain attention with RoPE or none, routed experts plus an ungated shared MLP (or the shared MLP
+    alone), Granite's embedding, residual, attention and logits multipliers."""
+    kinds = text.get("layer_types") or text.get("layers_block_type")
+    if kinds is None or any(kind not in GRANITE_LAYER_KINDS for kind in kinds):
+        raise UnsupportedModel(f"granitemoehybrid layer types {kinds!r}: expected mamba / attention per layer")
+    if text.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"granitemoehybrid with hidden_act {text['hidden_act']!r} is not supported (silu)")
+    hidden, heads, groups = int(text["hidden_size"]), int(text["mamba_n_heads"]), int(text["mamba_n_groups"])
+    head_dim, experts = int(text["mamba_d_head"]), int(text.get("num_local_experts") or 0)
+    if int(text.get("mamba_expand", 2) * hidden) != heads * head_dim or heads % groups:
+        raise UnsupportedModel("granitemoehybrid: mamba_expand x hidden_size must equal mamba_n_heads x mamba_d_head, "
+                               "and the heads must split evenly into mamba_n_groups")
+    rope = dict(text.get("rope_parameters") or {})
+    attention_heads = int(text["num_attention_heads"])
+    limit = tuple(_json_float(v) for v in (text.get("time_step_limit") or (0.0, float("inf"))))
+    return ModelConfig(
+        model_type="granitemoehybrid", vocab_size=int(text["vocab_size"]), hidden_size=hidden,
+        num_hidden_layers=int(text["num_hidden_layers"]),
+        layer_types=_layer_types({**text, "layer_types": [GRANITE_LAYER_KINDS[k] for k in kinds]}),
+        num_attention_heads=attention_heads, num_key_value_heads=int(text.get("num_key_value_heads") or attention_heads),
+        head_dim=int(text.get("head_dim") or hidden // attention_heads), linear_num_key_heads=groups,
+        linear_num_value_heads=heads, linear_key_head_dim=int(text["mamba_d_state"]), linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=int(text.get("mamba_d_conv", 4)),
+        intermediate_size=int(text["shared_intermediate_size"] if not experts else text["intermediate_size"]),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope=RopeConfig(theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+                        partial_rotary_factor=1.0 if text.get("position_embedding_type") == "rope" else 0.0),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)), num_experts=experts,
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0), moe_intermediate_size=int(text["intermediate_size"]),
+        shared_expert_intermediate_size=int(text["shared_intermediate_size"]), norm_topk_prob=True,
+        attention_bias=bool(text.get("attention_bias", False)), eos_token_ids=_eos_ids(text.get("eos_token_id")),
+        linear_family="mamba2", attention_output_gate=False, rms_norm_unit_offset=False,
+        residual_multiplier=float(text.get("residual_multiplier", 1.0)),
+        embedding_multiplier=float(text.get("embedding_multiplier", 1.0)),
+        logits_scaling=float(text.get("logits_scaling", 1.0)), attention_scale=float(text.get("attention_multiplier", 1.0)),
+        shared_expert_gated=False,
+        mamba=Mamba2Options(bool(text.get("mamba_conv_bias", True)), bool(text.get("mamba_proj_bias", False)),
+                            (limit[0], limit[1])),
+        raw=raw,
+    )
+
+
+FAMILY_CONFIGS = {"minimax": minimax_config, "granitemoehybrid": granite_config}
+
+
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """Build a ``ModelConfig`` from a loaded ``config.json``; raises ``UnsupportedModel``."""
     text = _text_config(raw)
-    if text["model_type"] == "minimax":
+    if text["model_type"] in FAMILY_CONFIGS:
         try:
-            return minimax_config(text, raw)
+            return FAMILY_CONFIGS[text["model_type"]](text, raw)
         except KeyError as missing:
             raise UnsupportedModel(f"config.json lacks the field {missing.args[0]!r}") from None
     try:

@@ -40,7 +40,7 @@ def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[in
     """Append ``tokens[b]`` to ``states[b]`` for every b, in place (each state must be its request's
     own: see ``RequestState.fork``); returns logits [B, vocab] fp32 and the states."""
     positions = torch.tensor([s.length for s in states], device=model.device)
-    x = model.embed_tokens(torch.tensor(tokens, device=model.device))
+    x = model.embed(torch.tensor(tokens, device=model.device))
     for index, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)
         old = [s.layers[index] for s in states]

@@ -97,6 +97,22 @@ class Direct:
 
 
 @dataclass(frozen=True)
+class RowHalf:
+    """One half (``first`` or not) of a tensor's rows: Granite's shared MLP packs [gate | up] in one."""
+
+    key: str
+    first: bool
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+        gate, up = reader.read(self.key).chunk(2, dim=0)
+        _copy(name, param, gate if self.first else up)
+
+
+@dataclass(frozen=True)
 class PackedPart:
     """Qwen3-Next packs q, k, v, z (and b, a) per key-head group; ``part`` of that, in conv order."""
 
@@ -138,7 +154,7 @@ class ExpertStack:
             _copy(f"{name}[{expert}]", param[expert], torch.cat([reader.read(k) for k in keys]))
 
 
-Source = Direct | PackedPart | ExpertStack
+Source = Direct | RowHalf | PackedPart | ExpertStack
 
 
 def _reshaped(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -178,11 +194,14 @@ def _linear_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> d
 
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen's; Mixtral's and MiniMax's
+RENAMED_MLP = {"gate.weight": "router.weight", "router.layer.weight": "router.weight",  # Granite: fused experts
+               "input_linear.weight": "gate_up_proj", "output_linear.weight": "down_proj"}
+RENAMED_MAMBA = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "norm.weight": "norm_weight"}
 
 
 def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
     """Sources of one MLP / MoE block: fused ``experts.gate_up_proj`` or per-expert tensors stacked."""
-    out: dict[str, Source] = {("router.weight" if name == "gate.weight" else name): Direct(key)
+    out: dict[str, Source] = {RENAMED_MLP.get(name, name): Direct(key)
                               for name, key in keys.items() if not name.startswith("experts.")}
     if "experts.gate_up_proj" in keys:
         out["gate_up_proj"], out["down_proj"] = Direct(keys["experts.gate_up_proj"]), Direct(keys["experts.down_proj"])
@@ -193,6 +212,28 @@ def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
         out["gate_up_proj"] = ExpertStack(tuple((pick(e, gate), pick(e, up)) for e in ids))
         out["down_proj"] = ExpertStack(tuple((pick(e, down),) for e in ids))
     return {f"{prefix}mlp.{name}": source for name, source in out.items()}
+
+
+def _shared_mlp_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """Granite's shared MLP ([gate | up] packed in ``input_linear``): the MoE's ungated shared expert,
+    or the whole feed-forward of a dense model."""
+    if not keys:
+        return {}
+    target = f"{prefix}mlp.shared_expert." if config.num_experts > 0 else f"{prefix}mlp."
+    return {target + "gate_proj.weight": RowHalf(keys["input_linear.weight"], True),
+            target + "up_proj.weight": RowHalf(keys["input_linear.weight"], False),
+            target + "down_proj.weight": Direct(keys["output_linear.weight"])}
+
+
+def _mixer_sources(config: ModelConfig, index: int, prefix: str, groups: dict[str, dict[str, str]]) -> dict[str, Source]:
+    """The token mixer's parameters: by the layer's kind and the model's linear family."""
+    if config.layer_types[index] != "linear_attention":
+        return {f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()}
+    if config.linear_family == "lightning":
+        return {f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()}
+    if config.linear_family == "mamba2":
+        return {f"{prefix}mixer.{RENAMED_MAMBA.get(n, n)}": Direct(k) for n, k in groups.get("mamba", {}).items()}
+    return _linear_sources(config, prefix, groups.get("linear_attn", {}))
 
 
 def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[dict[str, Source], list[str]]:
@@ -209,18 +250,14 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
             continue
         head, _, rest = match.group(2).partition(".")
         head = "mlp" if head == "block_sparse_moe" else head  # Mixtral-style MoE names (MiniMax)
-        group = head if head in ("linear_attn", "self_attn", "mlp") else ""
+        group = head if head in ("linear_attn", "self_attn", "mamba", "mlp", "shared_mlp") else ""
         per_layer.setdefault(int(match.group(1)), {}).setdefault(group, {})[rest if group else match.group(2)] = key
     for index, groups in per_layer.items():
         prefix = f"layers.{index}."
         sources.update({prefix + name: Direct(key) for name, key in groups.get("", {}).items()})
-        if config.layer_types[index] == "linear_attention" and config.linear_family == "lightning":
-            sources.update({f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()})
-        elif config.layer_types[index] == "linear_attention":
-            sources.update(_linear_sources(config, prefix, groups.get("linear_attn", {})))
-        else:
-            sources.update({f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()})
+        sources.update(_mixer_sources(config, index, prefix, groups))
         sources.update(_mlp_sources(prefix, groups.get("mlp", {})))
+        sources.update(_shared_mlp_sources(config, prefix, groups.get("shared_mlp", {})))
     if config.tie_word_embeddings and "embed_tokens.weight" in sources:
         sources.setdefault("lm_head.weight", sources["embed_tokens.weight"])
     used = {k for source in sources.values() for k in source.keys}

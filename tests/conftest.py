@@ -26,12 +26,13 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     return factory
 
 
-FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax")  # one tiny model per linear-attention family served
+FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax", "granitemoehybrid")  # one tiny model per linear family
 
 
 @pytest.fixture(params=FAMILY_CHECKPOINTS)
 def family_checkpoint(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path]) -> Path:
-    """The tiny checkpoint of each linear-attention family (Gated DeltaNet: dense T; Lightning: scalar T)."""
+    """The tiny checkpoint of each linear-attention family (Gated DeltaNet: dense T; Lightning and Mamba2:
+    scalar T)."""
     return checkpoint_factory(request.param)
 
 

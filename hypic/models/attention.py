@@ -31,6 +31,7 @@ class GatedAttention(nn.Module):
         hidden, heads, kv_heads, dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim
         self.gated = config.attention_output_gate
+        self.scale = dim**-0.5 if config.attention_scale is None else config.attention_scale
         self.q_proj = nn.Linear(hidden, heads * dim * (2 if self.gated else 1), bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
@@ -62,7 +63,7 @@ class GatedAttention(nn.Module):
             q = query[lo : lo + run].transpose(0, 1)[None]
             mask = causal_lower_right(run, end) if run > 1 else None
             out = F.scaled_dot_product_attention(q, keys[None, :, :end], values[None, :, :end], attn_mask=mask,
-                                                 scale=self.head_dim**-0.5, enable_gqa=self.heads != self.kv_heads)
+                                                 scale=self.scale, enable_gqa=self.heads != self.kv_heads)
             outputs.append(out[0].transpose(0, 1))
             lo += run
         return torch.cat(outputs).reshape(query.shape[0], -1)

@@ -8,7 +8,7 @@ from torch import nn
 from ..composition import Family, Transition
 from ..config import ModelConfig
 from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_with_transition, gated_delta_step
-from .linear import RunRecurrence, recur_in_parts
+from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts
 from .norm import GatedRMSNorm
 
 
@@ -81,17 +81,12 @@ class GatedDeltaNet(nn.Module):
         return torch.cat([conv_state.to(pre_conv.dtype), pre_conv])
 
     def convolve(self, window: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over a conv window [k-1 + n, C] -> post-conv [n, C]: the sum
-        over the k taps of a shifted slice times its weight (k small), no transposed copies."""
-        n = window.shape[0] - (self.kernel - 1)
-        out = window[:n] * self.conv_weight[:, 0]
-        for tap in range(1, self.kernel):
-            out = out.addcmul_(window[tap : tap + n], self.conv_weight[:, tap])
-        return F.silu(out)
+        """Causal depthwise conv + SiLU over a conv window [k-1 + n, C] -> post-conv [n, C]."""
+        return causal_conv(window, self.conv_weight)
 
     def convolve_step(self, window: torch.Tensor) -> torch.Tensor:
         """One token of B requests: windows [B, k, C] (the last row the new token) -> [B, C]."""
-        return F.silu(torch.einsum("bkc,ck->bc", window, self.conv_weight))
+        return causal_conv_step(window, self.conv_weight)
 
     def recurrence_inputs(self, post_conv: torch.Tensor, proj: TokenProjections) -> RecurrenceInputs:
         """Split the conv output into q, k, v (normalised, expanded to the value heads)."""

@@ -6,6 +6,7 @@ from ..config import ModelConfig
 from .attention import GatedAttention
 from .gated_deltanet import GatedDeltaNet
 from .lightning import LightningAttention
+from .mamba2 import Mamba2Mixer
 from .mlp import MLP, SparseMoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -13,6 +14,7 @@ from .rope import RotaryEmbedding
 LINEAR_MIXERS = {  # config.linear_family -> (config, layer index) -> token mixer
     "gated_delta": lambda config, index: GatedDeltaNet(config),
     "lightning": LightningAttention,
+    "mamba2": Mamba2Mixer,
 }
 
 
@@ -23,11 +25,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.is_linear = config.layer_types[index] == "linear_attention"
-        self.mixer: GatedDeltaNet | LightningAttention | GatedAttention = (
+        self.mixer: GatedDeltaNet | LightningAttention | Mamba2Mixer | GatedAttention = (
             LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else GatedAttention(config))
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                      config.shared_expert_intermediate_size, config.norm_topk_prob)
+                      config.shared_expert_intermediate_size, config.norm_topk_prob, config.shared_expert_gated)
             if config.is_moe_layer(index) else MLP(config.hidden_size, config.intermediate_size)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
@@ -35,12 +37,13 @@ class DecoderLayer(nn.Module):
         scales = config.residual_scales
         self.mixer_scales = None if scales is None else scales.linear if self.is_linear else scales.full
         self.mlp_scales = None if scales is None else scales.mlp
+        self.multiplier = config.residual_multiplier
 
     def residual(self, x: torch.Tensor, h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
         """The stream after the token mixer: x [N, hidden] the block's input, h its norm, ``mixed``
         the mixer's output of h."""
         if self.mixer_scales is None:
-            return x + mixed
+            return x + mixed * self.multiplier if self.multiplier != 1 else x + mixed
         alpha, beta = self.mixer_scales
         return h * alpha + mixed * beta
 
@@ -48,7 +51,7 @@ class DecoderLayer(nn.Module):
         """Residual MLP half of the block; x [N, hidden]."""
         h = self.post_attention_layernorm(x)
         if self.mlp_scales is None:
-            return x + self.mlp(h)
+            return x + self.mlp(h) * self.multiplier if self.multiplier != 1 else x + self.mlp(h)
         alpha, beta = self.mlp_scales
         return h * alpha + self.mlp(h) * beta
 
@@ -71,9 +74,15 @@ class HybridModel(nn.Module):
         self.rope = RotaryEmbedding(self.config.rope, self.config.head_dim, device)
         return self
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token ids [N] -> the residual stream's first rows [N, hidden]."""
+        x = self.embed_tokens(token_ids)
+        return x * self.config.embedding_multiplier if self.config.embedding_multiplier != 1 else x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in fp32."""
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden)).float()
+        return logits / self.config.logits_scaling if self.config.logits_scaling != 1 else logits
 
     @property
     def device(self) -> torch.device:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -37,6 +38,23 @@ def recur_in_parts(rule: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch
         cut_states.append(state)
         lo = hi
     return RunRecurrence(torch.cat(outputs), state, cut_states[:-1])
+
+
+def causal_conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over a window [k-1 + n, C] with weight [C, k] -> [n, C]: the sum
+    over the k taps of a shifted slice times its weight (k small), no transposed copies."""
+    kernel = weight.shape[1]
+    n = window.shape[0] - (kernel - 1)
+    out = window[:n] * weight[:, 0]
+    for tap in range(1, kernel):
+        out = out.addcmul_(window[tap : tap + n], weight[:, tap])
+    return F.silu(out if bias is None else out + bias)
+
+
+def causal_conv_step(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One token of B requests: windows [B, k, C] (the last row the new token) -> [B, C]."""
+    out = torch.einsum("bkc,ck->bc", window, weight)
+    return F.silu(out if bias is None else out + bias)
 
 
 def last_rows(x: torch.Tensor, count: int) -> torch.Tensor:

@@ -21,9 +21,10 @@ class MLP(nn.Module):
 
 class SparseMoE(nn.Module):
     """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next / Qwen3.5-MoE); without the
-    shared expert when ``shared_size`` is 0 (MiniMax)."""
+    shared expert when ``shared_size`` is 0 (MiniMax), or with an ungated one (Granite)."""
 
-    def __init__(self, hidden: int, experts: int, top_k: int, expert_size: int, shared_size: int, norm_topk: bool) -> None:
+    def __init__(self, hidden: int, experts: int, top_k: int, expert_size: int, shared_size: int, norm_topk: bool,
+                 shared_gated: bool = True) -> None:
         super().__init__()
         self.top_k, self.norm_topk = top_k, norm_topk
         self.router = nn.Linear(hidden, experts, bias=False)
@@ -31,6 +32,7 @@ class SparseMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, expert_size))
         if shared_size:
             self.shared_expert = MLP(hidden, shared_size)
+        if shared_size and shared_gated:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +55,8 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, tokens, routed)
         if not hasattr(self, "shared_expert"):
             return out
+        if not hasattr(self, "shared_expert_gate"):  # Granite: the shared MLP is added as it is
+            return out + self.shared_expert(x)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 

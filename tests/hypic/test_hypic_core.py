@@ -31,7 +31,7 @@ def _request(seed: int, documents: int = 4) -> tuple[str, list[str], str]:
 
 @pytest.mark.parametrize("seam_width", [0, 1, 2, 3, 8])
 def test_layer0_composed_state_equals_full_recompute(family_checkpoint: Path, seam_width: int) -> None:
-    """Every family (Gated DeltaNet: dense T_C; Lightning: scalar T_C): composing cached (T_C, S_C|0)
+    """Every family (Gated DeltaNet: dense T_C; Lightning, Mamba2: scalar T_C): composing cached (T_C, S_C|0)
     is exact at layer 0 for every w, the conv warm-up included (the head seam is at least k - 1 tokens)."""
     engine = Engine.from_pretrained(family_checkpoint, seam_width=seam_width)
     for seed in range(3):

@@ -10,7 +10,7 @@ from hypic.config import ModelConfig
 from hypic.store import LinearInterior
 
 FP32 = 4
-TRANSITION_FAMILY = {"gated_delta": Family.DENSE, "lightning": Family.SCALAR}
+TRANSITION_FAMILY = {"gated_delta": Family.DENSE, "lightning": Family.SCALAR, "mamba2": Family.SCALAR}
 
 
 def _text(seed: int, n: int) -> str:

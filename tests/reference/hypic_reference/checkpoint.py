@@ -39,6 +39,7 @@ class RefConfig:
     mlp_only: tuple[int, ...]
     lightning: bool = False  # MiniMax: Lightning linear layers, plain attention and norms, scaled post-norm residuals
     scales: dict[str, float] | None = None  # MiniMax's residual factors by config name
+    granite: dict[str, float] | None = None  # Granite: Mamba2 layers, multipliers, ungated shared MLP
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
@@ -62,11 +63,32 @@ def _minimax_config(raw: dict) -> RefConfig:
     )
 
 
+def _granite_config(raw: dict) -> RefConfig:
+    """Granite-4.0-H: a Mamba2 layer has a d_state x head_dim state per head; B and C per head group."""
+    heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
+    kinds = {"mamba": "linear_attention", "attention": "full_attention"}
+    rope = raw.get("rope_parameters") or {}
+    limit = [float(v["__float__"]) if isinstance(v, dict) else float(v) for v in raw["time_step_limit"]]
+    return RefConfig(
+        model_type="granitemoehybrid", layer_types=tuple(kinds.get(t, t) for t in raw["layer_types"]), heads=heads,
+        kv_heads=raw["num_key_value_heads"], head_dim=hidden // heads, key_heads=raw["mamba_n_groups"],
+        value_heads=raw["mamba_n_heads"], key_dim=raw["mamba_d_state"], value_dim=raw["mamba_d_head"],
+        conv_kernel=raw["mamba_d_conv"], eps=raw["rms_norm_eps"], rope_theta=rope.get("rope_theta", 10000.0),
+        rotary_dim=hidden // heads if raw.get("position_embedding_type") == "rope" else 0, rope_scale=1.0,
+        experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"], norm_topk=True, sparse_step=1, mlp_only=(),
+        granite={"embedding": raw["embedding_multiplier"], "residual": raw["residual_multiplier"],
+                 "attention": raw["attention_multiplier"], "logits": raw["logits_scaling"],
+                 "dt_min": limit[0], "dt_max": limit[1]},
+    )
+
+
 def read_config(path: Path) -> RefConfig:
     """Parse ``config.json`` (the multimodal wrappers' ``text_config`` for those)."""
     raw = _text_fields(json.loads((path / "config.json").read_text()))
     if raw["model_type"] == "minimax":
         return _minimax_config(raw)
+    if raw["model_type"] == "granitemoehybrid":
+        return _granite_config(raw)
     rope = raw.get("rope_parameters") or {}
     layers = raw["num_hidden_layers"]
     interval = raw.get("full_attention_interval", 4)

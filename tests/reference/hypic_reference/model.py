@@ -1,4 +1,5 @@
-"""A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax forward with a token-loop recurrence: clarity over speed.
+"""A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax / Granite-4.0-H forward with a token-loop recurrence:
+clarity over speed.
 
 ``run`` feeds a run of new tokens through every layer, continuing a ``ReferenceState``: token-wise
 maps (projections, norms, MLP/MoE) act on the run's rows at once, the gated delta rule is a
@@ -101,10 +102,12 @@ class ReferenceModel:
         """Feed ``tokens`` (at positions state.length, ...) through every layer, updating ``state``.
         Returns logits [n, vocab] and the inputs the tokens fed each layer."""
         positions = torch.arange(state.length, state.length + len(tokens))
-        x, fed = self.w["embed_tokens.weight"][tokens], []
+        x, fed = self.w["embed_tokens.weight"][tokens] * self._granite("embedding"), []
         for index, memory in enumerate(state.layers):
             h = self._norm(x, f"layers.{index}.input_layernorm.weight")
-            if isinstance(memory, LinearMemory):
+            if isinstance(memory, LinearMemory) and self.config.granite is not None:
+                mixed, inputs = self._mamba2(index, h, memory)
+            elif isinstance(memory, LinearMemory):
                 mixed, inputs = self._lightning(index, h, memory) if self.config.lightning else self._linear(index, h, memory)
             else:
                 mixed, inputs = self._attention(index, h, positions, memory)
@@ -113,16 +116,21 @@ class ReferenceModel:
             post = self._norm(x, f"layers.{index}.post_attention_layernorm.weight")
             x = self._residual(x, post, self._feed_forward(index, post), "mlp")
         state.length += len(tokens)
-        return self._norm(x, "norm.weight") @ self.w["lm_head.weight"].T, fed
+        return self._norm(x, "norm.weight") @ self.w["lm_head.weight"].T / self._granite("logits"), fed
+
+    def _granite(self, name: str) -> float:
+        """Granite's multiplier ``name`` (1 for the other models)."""
+        return 1.0 if self.config.granite is None else self.config.granite[name]
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        norm = plain_rms_norm if self.config.lightning else rms_norm
+        norm = plain_rms_norm if self.config.lightning or self.config.granite is not None else rms_norm
         return norm(x, self.w[name], self.config.eps)
 
     def _residual(self, x: torch.Tensor, normed: torch.Tensor, out: torch.Tensor, kind: str) -> torch.Tensor:
-        """Pre-norm: x + out. MiniMax: alpha * normed + beta * out, the factors of the sublayer's kind."""
+        """Pre-norm: x + m out (m = 1 but in Granite). MiniMax: alpha * normed + beta * out, the factors of
+        the sublayer's kind."""
         if self.config.scales is None:
-            return x + out
+            return x + self._granite("residual") * out
         return self.config.scales[f"{kind}_alpha_factor"] * normed + self.config.scales[f"{kind}_beta_factor"] * out
 
     @torch.inference_mode()
@@ -188,6 +196,32 @@ class ReferenceModel:
         recalled = (k[:, None, :] @ s)[:, 0]  # k^T S per head
         memory.state = s + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]
 
+    # ----- Mamba2 (Granite-4.0-H) -------------------------------------------------------------
+    def _mamba2(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+        """conv(+bias) and SiLU over [x | B | C]; per head S <- exp(dt A) S + B (dt x)^T, y = C^T S + D x;
+        then y * silu(z), RMS-normalised per group of heads, and the output projection."""
+        c, p, n = self.config, f"layers.{index}.mamba.", h.shape[0]
+        inner, grouped = c.value_heads * c.value_dim, c.key_heads * c.key_dim
+        z, pre_conv, dt = (h @ self.w[p + "in_proj.weight"].T).split([inner, inner + 2 * grouped, c.value_heads], -1)
+        window = torch.cat([memory.conv_tail, pre_conv])
+        weight = self.w[p + "conv1d.weight"][:, 0]
+        post = F.silu(sum(weight[:, j] * window[j : j + n] for j in range(c.conv_kernel)) + self.w[p + "conv1d.bias"])
+        memory.conv_tail = window[n:]
+        x, b, cc = post.split([inner, grouped, grouped], dim=-1)
+        x = x.view(n, c.value_heads, c.value_dim)
+        ratio = c.value_heads // c.key_heads
+        b = b.view(n, c.key_heads, c.key_dim).repeat_interleave(ratio, 1)
+        cc = cc.view(n, c.key_heads, c.key_dim).repeat_interleave(ratio, 1)
+        dt = F.softplus(dt + self.w[p + "dt_bias"]).clamp(c.granite["dt_min"], c.granite["dt_max"])
+        inputs = LinearInputs(pre_conv, b, x * dt[..., None], -self.w[p + "A_log"].exp() * dt, None)
+        outputs = []
+        for t in range(n):
+            self._decay_update(memory, inputs.k[t], inputs.v[t], inputs.g[t])
+            outputs.append((cc[t, :, None, :] @ memory.state)[:, 0] + self.w[p + "D"][:, None] * x[t])
+        y = (torch.stack(outputs).flatten(1) * F.silu(z)).view(n, c.key_heads, -1)
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + c.eps)).flatten(1) * self.w[p + "norm.weight"]
+        return y @ self.w[p + "out_proj.weight"].T, inputs
+
     # ----- Lightning attention (MiniMax) ------------------------------------------------------
     def _slopes(self, index: int) -> torch.Tensor:
         """Decay rate per head: ALiBi's geometric slopes 2^(-8 (h + 1) / H), shrunk linearly with depth."""
@@ -227,7 +261,7 @@ class ReferenceModel:
     def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor,
                    memory: AttentionMemory) -> tuple[torch.Tensor, AttentionInputs]:
         c, p, eps, n = self.config, f"layers.{index}.self_attn.", self.config.eps, h.shape[0]
-        if c.lightning:  # MiniMax: no output gate, no q / k norms
+        if c.lightning or c.granite is not None:  # MiniMax, Granite: no output gate, no q / k norms
             query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, c.head_dim), None
             key = (h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
         else:
@@ -241,7 +275,8 @@ class ReferenceModel:
         group = c.heads // c.kv_heads
         keys = memory.keys.repeat_interleave(group, 1).transpose(0, 1)  # [H, T, D]
         values = memory.values.repeat_interleave(group, 1).transpose(0, 1)
-        scores = query.transpose(0, 1) @ keys.transpose(1, 2) * c.head_dim**-0.5  # [H, n, T]
+        scale = c.granite["attention"] if c.granite is not None else c.head_dim**-0.5
+        scores = query.transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, n, T]
         visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]  # causal: keys at or before
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         attended = (weights @ values).transpose(0, 1).flatten(1)
@@ -257,6 +292,8 @@ class ReferenceModel:
     def _feed_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Dense SwiGLU, or top-k routed experts plus the sigmoid-gated shared expert; x [n, hidden].
         Every expert runs on every token and the routing weights (zero off the top k) mix them."""
+        if self.config.granite is not None:
+            return self._granite_feed_forward(index, x)
         prefix = f"layers.{index}.{'block_sparse_moe' if self.config.lightning else 'mlp'}."
         if not self.config.is_moe(index):
             return self._swiglu(prefix, x)
@@ -269,6 +306,25 @@ class ReferenceModel:
         if prefix + "shared_expert_gate.weight" not in self.w:  # MiniMax: routed experts only
             return routed
         shared = torch.sigmoid(x @ self.w[prefix + "shared_expert_gate.weight"].T) * self._swiglu(prefix + "shared_expert.", x)
+        return routed + shared
+
+    def _granite_feed_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed experts (fused [gate | up] per expert, softmax over the top-k logits) plus the shared
+        MLP, ungated; the shared MLP alone without experts."""
+        def packed(gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+            gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+            return (F.silu(gate) * up) @ down.T
+
+        shared = packed(self.w[f"layers.{index}.shared_mlp.input_linear.weight"],
+                        self.w[f"layers.{index}.shared_mlp.output_linear.weight"])
+        if not self.config.experts:
+            return shared
+        prefix = f"layers.{index}.block_sparse_moe."
+        top, chosen = (x @ self.w[prefix + "router.layer.weight"].T).topk(self.config.top_k, dim=-1)
+        mix = torch.zeros(x.shape[0], self.config.experts).scatter(-1, chosen, torch.softmax(top, dim=-1))
+        routed = sum(mix[:, e, None] * packed(self.w[prefix + "input_linear.weight"][e],
+                                              self.w[prefix + "output_linear.weight"][e])
+                     for e in range(self.config.experts))
         return routed + shared
 
     def _expert(self, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
