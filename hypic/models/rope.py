@@ -26,3 +26,16 @@ class RotaryEmbedding:
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         out = rot.float() * cos[:, None] + rotated_half.float() * sin[:, None]
         return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+    def rotate_state(self, state: torch.Tensor, delta: int) -> torch.Tensor:
+        """R(delta) on the key axis of linear states [..., H, K, V] (paper eq. 7: S_C|b = R(b - a) S_C|a for
+        a layer that rotates K inside a scalar-decay recurrence). The angles are formed in float64:
+        a cached state may move by tens of thousands of positions, where fp32 angles are off by ~1e-3."""
+        angles = float(delta) * self.inv_freq.double()
+        cos, sin = angles.cos().repeat(2).float(), angles.sin().repeat(2).float()
+        keys = state.transpose(-1, -2)  # [..., H, V, K]: every value column is a vector of the key space
+        rot, rest = keys[..., : self.rotary_dim], keys[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos.to(rot.device) + rotated_half * sin.to(rot.device), rest], dim=-1).transpose(-1, -2)
+
