@@ -179,13 +179,13 @@ def _run_maps(inputs: RecurrenceInputs, lengths: list[int]) -> tuple[torch.Tenso
 
 
 def _linear_layer(
-    mixer: LinearMixer, h: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
+    mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
     index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None, snapshots: dict[int, dict],
 ) -> tuple[torch.Tensor, LinearLayerState]:
     """Token-wise work runs once over all runs (varlen); per run only the recurrence, composing
     the interiors spliced since the previous run first. Records the layer's state in
     ``snapshots[p]`` for every requested position p (inside or at the end of a piece)."""
-    proj = mixer.project(h)
+    proj = mixer.project(h, positions)
     windows, post_conv = _conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
     inputs = mixer.recurrence_inputs(post_conv, proj)
     parts = sum(isinstance(piece, Run) for piece in pieces) + sum(
@@ -201,9 +201,8 @@ def _linear_layer(
     for piece in pieces:
         end = piece.start + piece.length
         if isinstance(piece, Splice):
-            cached = entries[piece.segment].layers[index]
-            assert isinstance(cached, LinearInterior)
-            state, conv = compose(state, [cached.for_compute()]), cached.conv_tail
+            state, conv = compose(state, [_spliced_transition(mixer, entries[piece.segment], index, piece.start)]), \
+                _conv_tail(entries[piece.segment], index)
         else:
             window, run_inputs = next(runs_left), inputs.slice(offset, offset + piece.length)
             cuts = tuple(p - piece.start for p in sorted(snapshots) if piece.start < p < end)
@@ -218,6 +217,24 @@ def _linear_layer(
         if end in snapshots:
             snapshots[end][index] = LinearLayerState(state, conv)
     return mixer.output(torch.cat(outputs), proj, h.dtype), LinearLayerState(state, conv)
+
+
+def _spliced_transition(mixer: LinearMixer, entry: SegmentEntry, index: int,
+                        start: int) -> tuple[Transition | None, torch.Tensor]:
+    """(T_C, S_C|0) of a cached interior in fp32 for a splice whose first token is at ``start``; a layer
+    with RoPE inside its state gets S_C|0 turned from the interior's local start (paper eq. 7)."""
+    cached = entry.layers[index]
+    assert isinstance(cached, LinearInterior)
+    transition, zero_start = cached.for_compute()
+    if mixer.rotates_state:
+        zero_start = mixer.rotate_state(zero_start, start - entry.local_start)
+    return transition, zero_start
+
+
+def _conv_tail(entry: SegmentEntry, index: int) -> torch.Tensor:
+    cached = entry.layers[index]
+    assert isinstance(cached, LinearInterior)
+    return cached.conv_tail
 
 
 def _attention_layer(
@@ -299,8 +316,8 @@ def combine(
     for index, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)
         if layer.is_linear:
-            mixed, layer_state = _linear_layer(layer.mixer, h, pieces, entries, index, init.layers[index], naive, capture,
-                                               snapshots)
+            mixed, layer_state = _linear_layer(layer.mixer, h, positions, pieces, entries, index, init.layers[index], naive,
+                                               capture, snapshots)
         else:
             mixed, layer_state = _attention_layer(layer.mixer, model.rope, h, positions, pieces, entries, index,
                                                   init.layers[index], capture)

@@ -94,6 +94,49 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
     return path
 
 
+NATIVE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # our own model types (hypic_hybrid): name -> (family, overrides)
+    "hypic_gla": ("gla", dict(linear_num_key_heads=4)),
+    "hypic_scalar_rope": ("scalar_rope", dict(linear_num_key_heads=4, linear_conv_kernel_dim=1, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+}
+
+
+def _init_native(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """transformers' initialisation in spirit: weights N(0, 0.02), conv taps U(-0.5, 0.5), norms
+    near their neutral value (0 for zero-centred ones, 1 for the gated output norm) with 0.1 noise."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_((param if name.endswith("mixer.norm.weight") else torch.zeros_like(param)) + 0.1 * noise)
+            elif name.endswith("conv_weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) - 0.5)
+            else:
+                param.copy_(0.02 * noise)
+
+
+def write_native_checkpoint(path: str | Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a seeded random ``hypic_hybrid`` model whose linear layers are ``family`` (gla, scalar_rope:
+    model types of ours, with no ``transformers`` class), in our own parameter names, with a
+    byte-level tokenizer."""
+    import json
+
+    from .config import parse_config
+    from .models import HybridModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fields = {**TINY_CONFIG, "model_type": "hypic_hybrid", "linear_family": family, "eos_token_id": 256, "rms_norm_eps": 1e-6,
+              "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"], **overrides}
+    model = HybridModel(parse_config(fields))
+    _init_native(model, torch.Generator().manual_seed(seed))
+    save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(fields, indent=2))
+    byte_level_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
 LONG_MEMORY_DECAY = 0.01  # A of every linear head: state decays by about exp(-0.01 * softplus) per token
 LONG_MEMORY_OUTPUT_GAIN = 5.0  # token mixers' output projections scaled so their output rules the residual
 
@@ -109,7 +152,7 @@ def make_long_memory(path: str | Path) -> Path:
         if name.endswith("A_log"):
             tensors[name] = torch.full_like(tensor, math.log(LONG_MEMORY_DECAY))
         elif name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "self_attn.out_proj.weight",
-                            "mamba.out_proj.weight")):
+                            "mamba.out_proj.weight", "mixer.out_proj.weight", "mixer.o_proj.weight")):
             tensors[name] = tensor * LONG_MEMORY_OUTPUT_GAIN
     save_file(tensors, str(weights), metadata={"format": "pt"})
     return Path(path)

@@ -4,9 +4,10 @@ from typing import Any
 
 from .errors import UnsupportedModel
 
-TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax", "granitemoehybrid")
-LINEAR_FAMILIES = ("gated_delta", "lightning", "mamba2")
-SCALAR_FAMILIES = ("lightning", "mamba2")  # T_C is one number per head
+TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax", "granitemoehybrid", "hypic_hybrid")
+LINEAR_FAMILIES = ("gated_delta", "lightning", "mamba2", "gla", "scalar_rope")
+SCALAR_FAMILIES = ("lightning", "mamba2", "scalar_rope")  # T_C is one number per head
+NATIVE_FAMILIES = ("gated_delta", "gla", "scalar_rope")  # what a hypic_hybrid config may name
 WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # multimodal wrappers: text_config inside
 
 
@@ -101,6 +102,8 @@ class ModelConfig:
     def linear_transition_shape(self) -> tuple[int, ...]:
         """Shape of a cached T_C per linear layer: dense [Hv, K, K] (Gated DeltaNet), scalar [Hv] (Lightning)."""
         heads, dk = self.linear_num_value_heads, self.linear_key_head_dim
+        if self.linear_family == "gla":
+            return (heads, dk)
         return (heads,) if self.linear_family in SCALAR_FAMILIES else (heads, dk, dk)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -293,7 +296,26 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             decoder_sparse_step=int(text.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
             attention_bias=bool(text.get("attention_bias", False)), eos_token_ids=_eos_ids(text.get("eos_token_id")),
-            raw=raw,
+            linear_family=_native_family(text), raw=raw,
         )
     except KeyError as missing:
         raise UnsupportedModel(f"config.json lacks the field {missing.args[0]!r}") from None
+
+
+def _native_family(text: dict[str, Any]) -> str:
+    """The linear family of a ``hypic_hybrid`` config (Qwen3.5's fields plus ``linear_family``): gla
+    wants a key head per value head; scalar_rope also equal key and value widths and no conv
+    (``linear_conv_kernel_dim`` 1). Other model types are Gated DeltaNet."""
+    if text["model_type"] != "hypic_hybrid":
+        return "gated_delta"
+    family = text.get("linear_family", "gated_delta")
+    if family not in NATIVE_FAMILIES:
+        raise UnsupportedModel(f"hypic_hybrid linear_family {family!r}: one of {', '.join(NATIVE_FAMILIES)}")
+    same_heads = text["linear_num_key_heads"] == text["linear_num_value_heads"]
+    if family == "gla" and not same_heads:
+        raise UnsupportedModel("hypic_hybrid with gla needs linear_num_key_heads == linear_num_value_heads")
+    if family == "scalar_rope" and not (same_heads and text["linear_key_head_dim"] == text["linear_value_head_dim"]
+                                        and text.get("linear_conv_kernel_dim") == 1):
+        raise UnsupportedModel("hypic_hybrid with scalar_rope needs equal key and value heads and widths and "
+                               "linear_conv_kernel_dim 1")
+    return family

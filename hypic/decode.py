@@ -14,9 +14,9 @@ from .models.rope import RotaryEmbedding
 from .state import AttentionLayerState, LinearLayerState, RequestState
 
 
-def _linear_step(mixer: LinearMixer, h: torch.Tensor,
+def _linear_step(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor,
                  layers: list[LinearLayerState]) -> tuple[torch.Tensor, list[LinearLayerState]]:
-    proj = mixer.project(h)
+    proj = mixer.project(h, positions)
     window = torch.cat([torch.stack([s.conv for s in layers]).to(proj.pre_conv.dtype), proj.pre_conv[:, None]], dim=1)
     inputs = mixer.recurrence_inputs(mixer.convolve_step(window), proj)
     o, states = mixer.step(torch.stack([s.recurrent for s in layers]), inputs)
@@ -45,7 +45,7 @@ def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[in
         h = layer.input_layernorm(x)
         old = [s.layers[index] for s in states]
         if layer.is_linear:
-            mixed, new = _linear_step(layer.mixer, h, old)
+            mixed, new = _linear_step(layer.mixer, h, positions, old)
             for state, layer_state in zip(states, new):
                 state.layers[index] = layer_state
         else:

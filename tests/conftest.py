@@ -5,7 +5,8 @@ from typing import Callable
 
 import pytest
 
-from hypic.checkpoints import TINY_VARIANTS, make_long_memory, write_random_checkpoint
+from hypic.checkpoints import (NATIVE_VARIANTS, TINY_VARIANTS, make_long_memory, write_native_checkpoint,
+                               write_random_checkpoint)
 from hypic_reference.model import ReferenceModel
 
 
@@ -17,22 +18,27 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
     def factory(name: str, seed: int = 0, long_memory: bool = False) -> Path:
         if (name, seed, long_memory) not in made:
-            model_type, overrides = TINY_VARIANTS[name]
             path = tmp_path_factory.mktemp(f"{name}-{seed}{'-long' if long_memory else ''}")
-            write_random_checkpoint(path, model_type, seed, **overrides)
+            if name in NATIVE_VARIANTS:
+                family, overrides = NATIVE_VARIANTS[name]
+                write_native_checkpoint(path, family, seed, **overrides)
+            else:
+                model_type, overrides = TINY_VARIANTS[name]
+                write_random_checkpoint(path, model_type, seed, **overrides)
             made[(name, seed, long_memory)] = make_long_memory(path) if long_memory else path
         return made[(name, seed, long_memory)]
 
     return factory
 
 
-FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax", "granitemoehybrid")  # one tiny model per linear family
+FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax", "granitemoehybrid", "hypic_gla",
+                      "hypic_scalar_rope")  # one tiny model per linear family
 
 
 @pytest.fixture(params=FAMILY_CHECKPOINTS)
 def family_checkpoint(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path]) -> Path:
-    """The tiny checkpoint of each linear-attention family (Gated DeltaNet: dense T; Lightning and Mamba2:
-    scalar T)."""
+    """The tiny checkpoint of each linear-attention family (Gated DeltaNet: dense T; Lightning, Mamba2 and
+    scalar decay with RoPE in the state: scalar T; GLA: diagonal T)."""
     return checkpoint_factory(request.param)
 
 

@@ -47,6 +47,7 @@ class GatedDeltaNet(nn.Module):
     A ``linear.LinearMixer`` with dense transitions T = prod exp(g_t)(I - b_t k_t k_t^T)."""
 
     family = Family.DENSE
+    rotates_state = False
     batched_runs = True
 
     def __init__(self, config: ModelConfig) -> None:
@@ -69,7 +70,7 @@ class GatedDeltaNet(nn.Module):
     def channels(self) -> int:
         return self.conv_weight.shape[0]
 
-    def project(self, x: torch.Tensor) -> TokenProjections:
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> TokenProjections:
         """Token-wise projections of x [N, hidden]; the same for any grouping of tokens into runs."""
         n = x.shape[0]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())

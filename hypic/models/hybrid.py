@@ -6,7 +6,9 @@ from ..config import ModelConfig
 from .attention import GatedAttention
 from .gated_deltanet import GatedDeltaNet
 from .lightning import LightningAttention
+from .gla import GatedLinearAttention
 from .mamba2 import Mamba2Mixer
+from .rotary_linear import RotaryLinearAttention
 from .mlp import MLP, SparseMoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -15,6 +17,8 @@ LINEAR_MIXERS = {  # config.linear_family -> (config, layer index) -> token mixe
     "gated_delta": lambda config, index: GatedDeltaNet(config),
     "lightning": LightningAttention,
     "mamba2": Mamba2Mixer,
+    "gla": GatedLinearAttention,
+    "scalar_rope": RotaryLinearAttention,
 }
 
 

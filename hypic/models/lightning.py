@@ -53,6 +53,7 @@ class LightningAttention(nn.Module):
     """A ``linear.LinearMixer`` with scalar transitions; ``kernel`` 1: the conv window is the token."""
 
     family = Family.SCALAR
+    rotates_state = False
     batched_runs = False
     kernel = 1
 
@@ -66,7 +67,7 @@ class LightningAttention(nn.Module):
         self.out_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.slopes = tuple(lightning_slopes(self.heads, index, config.num_hidden_layers).tolist())
 
-    def project(self, x: torch.Tensor) -> LightningProjections:
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> LightningProjections:
         g = -torch.tensor(self.slopes, device=x.device, dtype=torch.float32).expand(x.shape[0], -1)
         return LightningProjections(self.qkv_proj(x), self.output_gate(x), g)
 

@@ -3,13 +3,16 @@
 Every family (Gated DeltaNet: dense T; Lightning: scalar T) offers the same steps, token-wise work
 first, then the recurrence over runs of consecutive tokens:
 
-- ``project(x)``: per-token projections, with ``pre_conv`` [N, C] (the short conv's inputs);
+- ``project(x, positions)``: per-token projections, with ``pre_conv`` [N, C] (the short conv's inputs;
+  positions [N] matter only to a layer that rotates q and k inside its state);
 - ``convolve(window)``: a conv window [k-1 + n, C] -> post-conv [n, C] (``kernel`` = 1: no conv);
 - ``convolve_step(window)``: [B, k, C] -> [B, C], one token of B requests;
 - ``recurrence_inputs(post_conv, proj)``: what the recurrence consumes (``.q``, ``.slice``);
 - ``recur(inputs, state, cuts)`` and ``recur_with_transition(inputs, state)``: one run;
 - ``step(states, inputs)``: one token of B requests from states [B, H, K, V];
-- ``output(o, proj, dtype)``: [N, H, V] -> [N, hidden].
+- ``output(o, proj, dtype)``: [N, H, V] -> [N, hidden];
+- ``rotates_state``: whether a cached S_C|0 must be turned by ``rotate_state(S, delta)`` before it
+  is composed at another start (paper eq. 7: RoPE inside a scalar-decay state).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,8 +71,9 @@ class LinearMixer(Protocol):
 
     kernel: int
     batched_runs: bool
+    rotates_state: bool
 
-    def project(self, x: torch.Tensor) -> Any: ...
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Any: ...
 
     def convolve(self, window: torch.Tensor) -> torch.Tensor: ...
 

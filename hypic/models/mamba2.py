@@ -45,6 +45,7 @@ class Mamba2Mixer(nn.Module):
     """A ``linear.LinearMixer`` with scalar transitions and a short conv of ``kernel`` taps."""
 
     family = Family.SCALAR
+    rotates_state = False
     batched_runs = False
 
     def __init__(self, config: ModelConfig, index: int) -> None:
@@ -64,7 +65,7 @@ class Mamba2Mixer(nn.Module):
         self.eps = config.rms_norm_eps
         self.out_proj = nn.Linear(inner, config.hidden_size, bias=options.proj_bias)
 
-    def project(self, x: torch.Tensor) -> Mamba2Projections:
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Mamba2Projections:
         inner = self.heads * self.head_dim
         gate, pre_conv, dt = self.in_proj(x).split([inner, self.conv_weight.shape[0], self.heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)

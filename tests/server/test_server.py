@@ -38,7 +38,8 @@ def hypic_server(launch) -> ServerProcess:
     return launch("--seam-width", "4")
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text-ratio2", "minimax", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["qwen3_5_text-ratio2", "minimax", "granitemoehybrid", "hypic_gla",
+                                        "hypic_scalar_rope"])
 def family_server(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path],
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A hypic server (w = 4) on the tiny checkpoint of each linear-attention family."""

@@ -3,6 +3,7 @@
 Written from the published Qwen3-Next / Qwen3.5 and MiniMax layouts, sharing no code with ``hypic.loader``
 or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
 """
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ class RefConfig:
     lightning: bool = False  # MiniMax: Lightning linear layers, plain attention and norms, scaled post-norm residuals
     scales: dict[str, float] | None = None  # MiniMax's residual factors by config name
     granite: dict[str, float] | None = None  # Granite: Mamba2 layers, multipliers, ungated shared MLP
+    family: str = "gated_delta"  # hypic_hybrid: gla or scalar_rope linear layers, our own parameter names
+    linear_rotary_dim: int = 0  # scalar_rope: key channels rotated inside the linear state
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
@@ -85,10 +88,20 @@ def _granite_config(raw: dict) -> RefConfig:
 def read_config(path: Path) -> RefConfig:
     """Parse ``config.json`` (the multimodal wrappers' ``text_config`` for those)."""
     raw = _text_fields(json.loads((path / "config.json").read_text()))
+    if raw["model_type"] == "hypic_hybrid":
+        qwen = read_config_fields({**raw, "model_type": "qwen3_5_text"})
+        partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        return dataclasses.replace(qwen, model_type="hypic_hybrid", family=raw["linear_family"],
+                                   linear_rotary_dim=int(raw["linear_value_head_dim"] * partial))
     if raw["model_type"] == "minimax":
         return _minimax_config(raw)
     if raw["model_type"] == "granitemoehybrid":
         return _granite_config(raw)
+    return read_config_fields(raw)
+
+
+def read_config_fields(raw: dict) -> RefConfig:
+    """The Qwen3-Next / Qwen3.5 fields of a config dict."""
     rope = raw.get("rope_parameters") or {}
     layers = raw["num_hidden_layers"]
     interval = raw.get("full_attention_interval", 4)

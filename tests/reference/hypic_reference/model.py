@@ -69,6 +69,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
 
 
+def rotate_channels(x: torch.Tensor, angles: torch.Tensor, rd: int) -> torch.Tensor:
+    """Row i of x [n, H, D] rotated by angles[i] [rd / 2] on its first rd channels (rotate-half pairs)."""
+    cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], dim=-1)
+    return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+
+def c_is_native(config: RefConfig) -> bool:
+    """Our own model type: parameters named as in ``hypic.models`` (``layers.N.mixer.*``)."""
+    return config.model_type == "hypic_hybrid"
+
+
 def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """MiniMax's RMSNorm: w * x / rms(x)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -105,7 +118,11 @@ class ReferenceModel:
         x, fed = self.w["embed_tokens.weight"][tokens] * self._granite("embedding"), []
         for index, memory in enumerate(state.layers):
             h = self._norm(x, f"layers.{index}.input_layernorm.weight")
-            if isinstance(memory, LinearMemory) and self.config.granite is not None:
+            if isinstance(memory, LinearMemory) and self.config.family == "gla":
+                mixed, inputs = self._gla(index, h, memory)
+            elif isinstance(memory, LinearMemory) and self.config.family == "scalar_rope":
+                mixed, inputs = self._scalar_rope(index, h, positions, memory)
+            elif isinstance(memory, LinearMemory) and self.config.granite is not None:
                 mixed, inputs = self._mamba2(index, h, memory)
             elif isinstance(memory, LinearMemory):
                 mixed, inputs = self._lightning(index, h, memory) if self.config.lightning else self._linear(index, h, memory)
@@ -142,9 +159,10 @@ class ReferenceModel:
         for memory, inputs in zip(state.layers, frozen):
             if isinstance(memory, LinearMemory):
                 assert isinstance(inputs, LinearInputs)
+                keys = self._rotate_linear(inputs.k, positions) if self.config.family == "scalar_rope" else inputs.k
                 for t in range(n):
                     if inputs.beta is None:
-                        self._decay_update(memory, inputs.k[t], inputs.v[t], inputs.g[t])
+                        self._decay_update(memory, keys[t], inputs.v[t], inputs.g[t])
                     else:
                         self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
                 memory.conv_tail = torch.cat([memory.conv_tail, inputs.pre_conv])[n:]
@@ -196,6 +214,54 @@ class ReferenceModel:
         recalled = (k[:, None, :] @ s)[:, 0]  # k^T S per head
         memory.state = s + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]
 
+    # ----- our own families (hypic_hybrid) ---------------------------------------------------
+    def _gla(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+        """conv + SiLU over [q | k | v]; S <- diag(exp(g)) S + k v^T with g = logsigmoid(W_g x) / 16 per
+        key channel; o = K^-1/2 q^T S; Gated DeltaNet's output norm."""
+        c, p, n = self.config, f"layers.{index}.mixer.", h.shape[0]
+        pre = h @ self.w[p + "in_proj_qkv.weight"].T
+        window = torch.cat([memory.conv_tail, pre])
+        weight = self.w[p + "conv_weight"]
+        post = F.silu(sum(weight[:, j] * window[j : j + n] for j in range(c.conv_kernel)))
+        memory.conv_tail = window[n:]
+        keys = c.value_heads * c.key_dim
+        q, k, v = post.split([keys, keys, c.value_heads * c.value_dim], dim=-1)
+        q, k = q.view(n, c.value_heads, c.key_dim) * c.key_dim**-0.5, k.view(n, c.value_heads, c.key_dim)
+        g = F.logsigmoid(h @ self.w[p + "in_proj_g.weight"].T).view(n, c.value_heads, c.key_dim) / 16
+        inputs = LinearInputs(pre, k, v.view(n, c.value_heads, c.value_dim), g, None)
+        outputs = []
+        for t in range(n):
+            self._decay_update(memory, inputs.k[t], inputs.v[t], g[t])
+            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
+        o = torch.stack(outputs)
+        z = (h @ self.w[p + "in_proj_z.weight"].T).view(n, c.value_heads, c.value_dim)
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.w[p + "norm.weight"]
+        return (normed * F.silu(z)).flatten(1) @ self.w[p + "out_proj.weight"].T, inputs
+
+    def _rotate_linear(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE of the linear heads: row i of x [n, H, D] at positions[i] on the first linear_rotary_dim channels."""
+        rd = self.config.linear_rotary_dim
+        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)
+        return rotate_channels(x, positions.float()[:, None] * inv_freq[None], rd)
+
+    def _scalar_rope(self, index: int, h: torch.Tensor, positions: torch.Tensor,
+                     memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+        """Lightning's layer with q and k rotated at their absolute positions inside the state:
+        S <- exp(-s) S + R(t) k v^T, o = D^-1/2 (R(t) q)^T S. The inputs keep k unrotated (a spliced
+        token's k is rotated where it lands, as an attention key is)."""
+        c, p, n = self.config, f"layers.{index}.mixer.", h.shape[0]
+        pre = h @ self.w[p + "qkv_proj.weight"].T
+        q, k, v = F.silu(pre).view(n, c.value_heads, 3 * c.value_dim).split(c.value_dim, dim=-1)
+        inputs = LinearInputs(pre, k, v, -self._slopes(index, c.value_heads).expand(n, -1), None)
+        q, k = self._rotate_linear(q, positions) * c.value_dim**-0.5, self._rotate_linear(k, positions)
+        outputs = []
+        for t in range(n):
+            self._decay_update(memory, k[t], v[t], inputs.g[t])
+            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
+        o = torch.stack(outputs).flatten(1)
+        gate = torch.sigmoid(h @ self.w[p + "output_gate.weight"].T)
+        return (gate * rms_norm(o, self.w[p + "norm.weight"], 1e-6)) @ self.w[p + "out_proj.weight"].T, inputs
+
     # ----- Mamba2 (Granite-4.0-H) -------------------------------------------------------------
     def _mamba2(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
         """conv(+bias) and SiLU over [x | B | C]; per head S <- exp(dt A) S + B (dt x)^T, y = C^T S + D x;
@@ -223,9 +289,9 @@ class ReferenceModel:
         return y @ self.w[p + "out_proj.weight"].T, inputs
 
     # ----- Lightning attention (MiniMax) ------------------------------------------------------
-    def _slopes(self, index: int) -> torch.Tensor:
+    def _slopes(self, index: int, heads: int | None = None) -> torch.Tensor:
         """Decay rate per head: ALiBi's geometric slopes 2^(-8 (h + 1) / H), shrunk linearly with depth."""
-        heads, layers = self.config.heads, len(self.config.layer_types)
+        heads, layers = heads or self.config.heads, len(self.config.layer_types)
         depth = 1 - index / (layers - 1 + 1e-5) + 1e-5
         return torch.tensor([2.0 ** (-8 * (h + 1) / heads) * depth for h in range(heads)])
 
@@ -245,22 +311,20 @@ class ReferenceModel:
 
     @staticmethod
     def _decay_update(memory: LinearMemory, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
-        """One token (k, v [H, D], g [H]): S <- exp(g) S + k v^T."""
-        memory.state = memory.state * g.exp()[:, None, None] + k[:, :, None] * v[:, None, :]
+        """One token (k [H, K], v [H, V], g [H] or per key channel [H, K]): S <- diag(exp(g)) S + k v^T."""
+        decay = g.exp()[:, None, None] if g.dim() == 1 else g.exp()[:, :, None]
+        memory.state = memory.state * decay + k[:, :, None] * v[:, None, :]
 
     # ----- gated full attention ------------------------------------------------------------
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE: row i of x [n, H, D] rotated for positions[i] on the first rotary_dim channels."""
-        rd = self.config.rotary_dim
         angles = (positions.float() / self.config.rope_scale)[:, None] * self.inv_freq[None]
-        cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
-        rot, rest = x[..., :rd], x[..., rd:]
-        half = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], dim=-1)
-        return torch.cat([rot * cos + half * sin, rest], dim=-1)
+        return rotate_channels(x, angles, self.config.rotary_dim)
 
     def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor,
                    memory: AttentionMemory) -> tuple[torch.Tensor, AttentionInputs]:
-        c, p, eps, n = self.config, f"layers.{index}.self_attn.", self.config.eps, h.shape[0]
+        group = "mixer" if c_is_native(self.config) else "self_attn"
+        c, p, eps, n = self.config, f"layers.{index}.{group}.", self.config.eps, h.shape[0]
         if c.lightning or c.granite is not None:  # MiniMax, Granite: no output gate, no q / k norms
             query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, c.head_dim), None
             key = (h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim)

@@ -4,7 +4,8 @@ The rule: every interior token's per-layer inputs are frozen from its segment's 
 prefill (the segment alone, from position 0). At a linear layer an interior token feeds the
 recurrence its isolated k, v, g, beta (conv included) and leaves its isolated pre-conv input in
 the conv window of the tokens after it; at a full-attention layer it contributes its isolated
-key, rotated at its global position, and its isolated value. Every other token (L, the seams,
+key, rotated at its global position, and its isolated value (so does a linear layer that rotates
+its keys inside the state: its isolated k enters the state rotated at the global position). Every other token (L, the seams,
 segments without an interior, Q, generated tokens) is recomputed through every layer at its
 global position. With no interior this is the plain forward.
 
