@@ -189,10 +189,7 @@ class ReferenceModel:
     def _linear(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
         c, p, n = self.config, f"layers.{index}.linear_attn.", h.shape[0]
         pre_conv, z, b, a = self._linear_projections(index, h)
-        window = torch.cat([memory.conv_tail, pre_conv])  # row j: the input of token j - (k-1)
-        weight = self.w[p + "conv1d.weight"][:, 0]  # [C, k]
-        post = F.silu(sum(weight[:, j] * window[j : j + n] for j in range(c.conv_kernel)))
-        memory.conv_tail = window[n:]
+        post = self._convolve(memory, pre_conv, self.w[p + "conv1d.weight"][:, 0])
         q, k, v = post.split([c.key_heads * c.key_dim, c.key_heads * c.key_dim, c.value_heads * c.value_dim], dim=-1)
         ratio = c.value_heads // c.key_heads
         q = l2_normalize(q.view(n, c.key_heads, c.key_dim)).repeat_interleave(ratio, 1)
@@ -208,6 +205,26 @@ class ReferenceModel:
         return (normed * F.silu(z)).flatten(1) @ self.w[p + "out_proj.weight"].T, inputs
 
     @staticmethod
+    def _convolve(memory: LinearMemory, pre_conv: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal depthwise conv (weight [C, k]) + SiLU over the conv tail and ``pre_conv`` [n, C];
+        the tail keeps the last k - 1 inputs."""
+        n, kernel = pre_conv.shape[0], weight.shape[1]
+        window = torch.cat([memory.conv_tail, pre_conv])  # row j: the input of token j - (k-1)
+        out = sum(weight[:, j] * window[j : j + n] for j in range(kernel))
+        memory.conv_tail = window[n:]
+        return F.silu(out if bias is None else out + bias)
+
+    def _decay_scan(self, memory: LinearMemory, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    g: torch.Tensor) -> torch.Tensor:
+        """Token by token S <- diag(exp(g_t)) S + k_t v_t^T, then q_t^T S per head: outputs [n, H, V]."""
+        outputs = []
+        for t in range(q.shape[0]):
+            self._decay_update(memory, k[t], v[t], g[t])
+            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
+        return torch.stack(outputs)
+
+    @staticmethod
     def _delta_update(memory: LinearMemory, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         """One token (k [Hv, K], v [Hv, V], g and beta [Hv]): S <- exp(g) (I - beta k k^T) S + beta k v^T."""
         s = memory.state * g.exp()[:, None, None]
@@ -220,20 +237,13 @@ class ReferenceModel:
         key channel; o = K^-1/2 q^T S; Gated DeltaNet's output norm."""
         c, p, n = self.config, f"layers.{index}.mixer.", h.shape[0]
         pre = h @ self.w[p + "in_proj_qkv.weight"].T
-        window = torch.cat([memory.conv_tail, pre])
-        weight = self.w[p + "conv_weight"]
-        post = F.silu(sum(weight[:, j] * window[j : j + n] for j in range(c.conv_kernel)))
-        memory.conv_tail = window[n:]
+        post = self._convolve(memory, pre, self.w[p + "conv_weight"])
         keys = c.value_heads * c.key_dim
         q, k, v = post.split([keys, keys, c.value_heads * c.value_dim], dim=-1)
         q, k = q.view(n, c.value_heads, c.key_dim) * c.key_dim**-0.5, k.view(n, c.value_heads, c.key_dim)
         g = F.logsigmoid(h @ self.w[p + "in_proj_g.weight"].T).view(n, c.value_heads, c.key_dim) / 16
         inputs = LinearInputs(pre, k, v.view(n, c.value_heads, c.value_dim), g, None)
-        outputs = []
-        for t in range(n):
-            self._decay_update(memory, inputs.k[t], inputs.v[t], g[t])
-            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
-        o = torch.stack(outputs)
+        o = self._decay_scan(memory, q, inputs.k, inputs.v, g)
         z = (h @ self.w[p + "in_proj_z.weight"].T).view(n, c.value_heads, c.value_dim)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.w[p + "norm.weight"]
         return (normed * F.silu(z)).flatten(1) @ self.w[p + "out_proj.weight"].T, inputs
@@ -254,11 +264,7 @@ class ReferenceModel:
         q, k, v = F.silu(pre).view(n, c.value_heads, 3 * c.value_dim).split(c.value_dim, dim=-1)
         inputs = LinearInputs(pre, k, v, -self._slopes(index, c.value_heads).expand(n, -1), None)
         q, k = self._rotate_linear(q, positions) * c.value_dim**-0.5, self._rotate_linear(k, positions)
-        outputs = []
-        for t in range(n):
-            self._decay_update(memory, k[t], v[t], inputs.g[t])
-            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
-        o = torch.stack(outputs).flatten(1)
+        o = self._decay_scan(memory, q, k, v, inputs.g).flatten(1)
         gate = torch.sigmoid(h @ self.w[p + "output_gate.weight"].T)
         return (gate * rms_norm(o, self.w[p + "norm.weight"], 1e-6)) @ self.w[p + "out_proj.weight"].T, inputs
 
@@ -269,10 +275,7 @@ class ReferenceModel:
         c, p, n = self.config, f"layers.{index}.mamba.", h.shape[0]
         inner, grouped = c.value_heads * c.value_dim, c.key_heads * c.key_dim
         z, pre_conv, dt = (h @ self.w[p + "in_proj.weight"].T).split([inner, inner + 2 * grouped, c.value_heads], -1)
-        window = torch.cat([memory.conv_tail, pre_conv])
-        weight = self.w[p + "conv1d.weight"][:, 0]
-        post = F.silu(sum(weight[:, j] * window[j : j + n] for j in range(c.conv_kernel)) + self.w[p + "conv1d.bias"])
-        memory.conv_tail = window[n:]
+        post = self._convolve(memory, pre_conv, self.w[p + "conv1d.weight"][:, 0], self.w[p + "conv1d.bias"])
         x, b, cc = post.split([inner, grouped, grouped], dim=-1)
         x = x.view(n, c.value_heads, c.value_dim)
         ratio = c.value_heads // c.key_heads
@@ -280,11 +283,8 @@ class ReferenceModel:
         cc = cc.view(n, c.key_heads, c.key_dim).repeat_interleave(ratio, 1)
         dt = F.softplus(dt + self.w[p + "dt_bias"]).clamp(c.granite["dt_min"], c.granite["dt_max"])
         inputs = LinearInputs(pre_conv, b, x * dt[..., None], -self.w[p + "A_log"].exp() * dt, None)
-        outputs = []
-        for t in range(n):
-            self._decay_update(memory, inputs.k[t], inputs.v[t], inputs.g[t])
-            outputs.append((cc[t, :, None, :] @ memory.state)[:, 0] + self.w[p + "D"][:, None] * x[t])
-        y = (torch.stack(outputs).flatten(1) * F.silu(z)).view(n, c.key_heads, -1)
+        y = self._decay_scan(memory, cc, inputs.k, inputs.v, inputs.g) + self.w[p + "D"][:, None] * x
+        y = (y.flatten(1) * F.silu(z)).view(n, c.key_heads, -1)
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + c.eps)).flatten(1) * self.w[p + "norm.weight"]
         return y @ self.w[p + "out_proj.weight"].T, inputs
 
@@ -301,11 +301,7 @@ class ReferenceModel:
         pre = h @ self.w[p + "qkv_proj.weight"].T
         q, k, v = F.silu(pre).view(n, c.heads, 3 * c.head_dim).split(c.head_dim, dim=-1)
         inputs = LinearInputs(pre, k, v, -self._slopes(index).expand(n, -1), None)
-        outputs = []
-        for t in range(n):
-            self._decay_update(memory, k[t], v[t], inputs.g[t])
-            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
-        o = torch.stack(outputs).flatten(1)
+        o = self._decay_scan(memory, q, k, v, inputs.g).flatten(1)
         gate = torch.sigmoid(h @ self.w[p + "output_gate.weight"].T)
         return (gate * plain_rms_norm(o, self.w[p + "norm.weight"], 1e-6)) @ self.w[p + "out_proj.weight"].T, inputs
 
