@@ -91,8 +91,20 @@ GRANITE_MODEL: dict[str, Any] = dict(  # Mamba2 with the same state per head (64
     num_attention_heads=4, num_key_value_heads=1, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
     mamba_n_groups=4, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
 )
+KIMI_MODEL: dict[str, Any] = dict(  # KDA with 8 heads of 64 (the Qwen3.5 shapes' state), latent attention, dense MLP
+    hidden_size=256, num_hidden_layers=8, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    num_local_experts=4, num_experts_per_tok=2, pad_token_id=None, bos_token_id=None,
+    linear_attn_config={"head_dim": 64, "num_heads": 8, "short_conv_kernel_size": 4},
+)
+NEMOTRON_MODEL: dict[str, Any] = dict(  # Mamba2 as GRANITE_MODEL, each mixer block followed by a squared-ReLU MLP block
+    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+    mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=4, conv_kernel=4, n_routed_experts=0,
+    chunk_size=64, pad_token_id=None, bos_token_id=None,
+)
 ARCHITECTURES = {"qwen3_5": ("qwen3_5_text", DEFAULT_MODEL), "minimax": ("minimax", MINIMAX_MODEL),
-                 "granite": ("granitemoehybrid", GRANITE_MODEL)}
+                 "granite": ("granitemoehybrid", GRANITE_MODEL), "kimi": ("kimi_linear", KIMI_MODEL),
+                 "nemotron": ("nemotron_h", NEMOTRON_MODEL)}
 FULL_SWEEP = dict(lengths=(1024, 2048, 4096), counts=(4, 8, 16), fixed_count=4, fixed_length=1024)
 WORD_CHARS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -162,7 +174,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "the random default model; --hidden-size/--layers are then ignored")
     parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="qwen3_5",
                         help="layers of the random model: qwen3_5 (Gated DeltaNet, dense T_C), minimax "
-                             "(Lightning attention, scalar T_C, MoE in every layer) or granite (Mamba2, scalar T_C)")
+                             "(Lightning attention, scalar T_C, MoE in every layer), granite (Mamba2, scalar T_C), "
+                             "kimi (Kimi Delta Attention, dense T_C; latent attention) or nemotron (Mamba2 blocks "
+                             "and squared-ReLU MLP blocks, scalar T_C)")
     parser.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL["hidden_size"],
                         help="hidden size of the random model")
     parser.add_argument("--layers", type=int, default=DEFAULT_MODEL["num_hidden_layers"],
@@ -216,8 +230,15 @@ def random_model_dir(args: argparse.Namespace, workdir: Path, max_tokens: int) -
                      max_position_embeddings=max(4096, max_tokens + 64))
     if model_type == "granitemoehybrid":  # the Mamba2 inner width is mamba_expand x hidden
         overrides["mamba_d_head"] = overrides["mamba_expand"] * args.hidden_size // overrides["mamba_n_heads"]
-    if model_type in ("minimax", "granitemoehybrid"):  # one full-attention layer every 4, as in the Qwen3.5 shapes
-        overrides["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
+    if model_type == "nemotron_h":  # the Mamba2 inner width is 2 x hidden; a squared-ReLU MLP block after each mixer
+        overrides["mamba_head_dim"] = 2 * args.hidden_size // overrides["mamba_num_heads"]
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
+    if model_type in ("minimax", "granitemoehybrid", "kimi_linear"):  # one full-attention layer every 4, as in Qwen3.5's
+        overrides["layer_types"] = kinds
+    if model_type == "kimi_linear":  # dense MLPs, as the other shapes
+        overrides["mlp_layer_types"] = ["dense"] * args.layers
+    if model_type == "nemotron_h":
+        overrides["layers_block_type"] = [block for kind in kinds for block in (kind, "mlp")]
     return write_random_checkpoint(workdir / "model", model_type, args.seed, **overrides)
 
 

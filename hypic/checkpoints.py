@@ -31,7 +31,24 @@ GRANITE_CONFIG: dict[str, Any] = dict(  # Mamba2 layers (4 heads of 32 in 2 grou
     mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
     layer_types=["mamba", "attention", "mamba", "mamba"],
 )
-FAMILY_CONFIGS: dict[str, dict[str, Any]] = {"minimax": MINIMAX_CONFIG, "granitemoehybrid": GRANITE_CONFIG}
+KIMI_CONFIG: dict[str, Any] = dict(  # KDA (4 heads of 16) at layers 1, 3, 4; latent attention at 2; 4 experts in 2 groups
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+    topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None,
+    linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "full_attn_layers": [2],
+                        "kda_layers": [1, 3, 4]},
+)
+NEMOTRON_CONFIG: dict[str, Any] = dict(  # Mamba2 + MoE, attention (no RoPE), MLP, two Mamba2 in a row, Mamba2 + MoE
+    vocab_size=320, hidden_size=64, layers_block_type=["linear_attention", "moe", "full_attention", "mlp",
+                                                       "linear_attention", "linear_attention", "moe"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=4,
+    mamba_head_dim=32, ssm_state_size=16, n_groups=2, conv_kernel=4, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+    routed_scaling_factor=2.0, chunk_size=16, max_position_embeddings=4096, pad_token_id=None, bos_token_id=None,
+)
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {"minimax": MINIMAX_CONFIG, "granitemoehybrid": GRANITE_CONFIG,
+                                             "kimi_linear": KIMI_CONFIG, "nemotron_h": NEMOTRON_CONFIG}
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -52,7 +69,10 @@ def reference_classes(model_type: str) -> tuple[type, type]:
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, MiniMaxConfig, MiniMaxForCausalLM
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM, NemotronHConfig, NemotronHForCausalLM
     classes = {
+        "nemotron_h": (NemotronHConfig, NemotronHForCausalLM),
+        "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM),
         "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
         "minimax": (MiniMaxConfig, MiniMaxForCausalLM),
         "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
@@ -68,10 +88,13 @@ def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
     everything within a few tokens: give norms noise and the linear layers long memory."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias", "conv1d.bias", "mamba.D")):  # zero or one when initialised
+            if name.endswith(("norm.weight", "dt_bias", "conv1d.bias", "mamba.D", "mixer.D")):  # zero or one when initialised
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith("A_log"):
                 param.copy_(torch.empty(param.shape).uniform_(1e-3, 3e-2, generator=generator).log())
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # Kimi-Linear's router bias: zero would hide its use
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
 
 
 def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", seed: int = 0,
@@ -178,6 +201,12 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "granitemoehybrid-dense-nope": ("granitemoehybrid", dict(num_local_experts=0, position_embedding_type="nope",
                                                              embedding_multiplier=3.0, residual_multiplier=0.5,
                                                              attention_multiplier=0.1, logits_scaling=2.0)),
+    "kimi_linear": ("kimi_linear", {}),
+    "kimi_linear-dense-q-lora": ("kimi_linear", dict(first_k_dense_replace=4, q_lora_rank=24)),
+    "nemotron_h": ("nemotron_h", {}),
+    "nemotron_h-dense": ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "linear_attention",
+                                                               "full_attention", "mlp", "linear_attention", "mlp"],
+                                            n_routed_experts=0)),
 }
 REFERENCE_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "minimax",
-                         "granitemoehybrid")  # hypic_reference runs these
+                         "granitemoehybrid", "kimi_linear", "nemotron_h")  # hypic_reference runs these

@@ -4,8 +4,9 @@ from typing import Any
 
 from .errors import UnsupportedModel
 
-TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax", "granitemoehybrid", "hypic_hybrid")
-LINEAR_FAMILIES = ("gated_delta", "lightning", "mamba2", "gla", "scalar_rope")
+TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax", "granitemoehybrid", "kimi_linear",
+                    "nemotron_h", "hypic_hybrid")
+LINEAR_FAMILIES = ("gated_delta", "lightning", "mamba2", "gla", "scalar_rope", "kda")
 SCALAR_FAMILIES = ("lightning", "mamba2", "scalar_rope")  # T_C is one number per head
 NATIVE_FAMILIES = ("gated_delta", "gla", "scalar_rope")  # what a hypic_hybrid config may name
 WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # multimodal wrappers: text_config inside
@@ -38,6 +39,41 @@ class Mamba2Options:
     conv_bias: bool = True
     proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, float("inf"))  # dt is clamped into it after softplus
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V3's layout; Kimi-Linear's full-attention layers): keys
+    [k_nope (per head, from the kv latent) | k_rope (one part shared by the heads)], values from the
+    same latent. Kimi-Linear applies no RoPE to either part, so cached keys never need turning."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: a plain q_proj
+    nope_dim: int  # qk_nope_head_dim
+    rope_dim: int  # qk_rope_head_dim
+    value_dim: int  # v_head_dim
+
+
+@dataclass(frozen=True)
+class GroupedSigmoidRouting:
+    """DeepSeek-V3's router (Kimi-Linear): sigmoid scores; the choice adds a per-expert bias and keeps
+    only the ``top_groups`` best of ``groups`` expert groups; the chosen scores, renormalised when the
+    config says so, are scaled by ``scaling``."""
+
+    groups: int = 1
+    top_groups: int = 1
+    scaling: float = 1.0
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Nemotron-H's checkpoint holds one sublayer per block (Mamba2, attention, MLP or MoE, each
+    x + f(norm(x))); a token mixer and the feed-forward block after it are one layer of ours. Per
+    layer: the mixer's block index, the feed-forward block's (None: a mixer-only layer) and its kind."""
+
+    mixer_blocks: tuple[int, ...]
+    ffn_blocks: tuple[int | None, ...]
+    ffn_kinds: tuple[str | None, ...]  # "mlp" | "moe" | None
 
 
 @dataclass(frozen=True)
@@ -81,11 +117,21 @@ class ModelConfig:
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     shared_expert_gated: bool = True  # Qwen's sigmoid gate on the shared expert; Granite's is ungated
     mamba: Mamba2Options | None = None
+    latent_attention: LatentAttention | None = None  # Kimi-Linear's MLA instead of q/k/v projections
+    routing: GroupedSigmoidRouting | None = None  # None: softmax top-k
+    blocks: BlockLayout | None = None  # Nemotron-H: single-sublayer blocks grouped into layers
+    mlp_activation: str = "silu"  # "silu": SwiGLU (gate, up, down); "relu2": relu(up x)^2, then down (Nemotron-H)
+    moe_latent_size: int | None = None  # Nemotron-H's latent MoE: experts work in a narrower space
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def attention_value_dim(self) -> int:
+        """Width of a cached value head (keys: ``head_dim``); they differ under latent attention."""
+        return self.head_dim if self.latent_attention is None else self.latent_attention.value_dim
 
     @property
     def linear_conv_channels(self) -> int:
@@ -104,13 +150,19 @@ class ModelConfig:
         heads, dk = self.linear_num_value_heads, self.linear_key_head_dim
         if self.linear_family == "gla":
             return (heads, dk)
-        return (heads,) if self.linear_family in SCALAR_FAMILIES else (heads, dk, dk)
+        return (heads,) if self.linear_family in SCALAR_FAMILIES else (heads, dk, dk)  # dense: GDN and KDA
 
     def is_moe_layer(self, index: int) -> bool:
-        """Qwen3-Next's rule: MoE unless listed as MLP-only or off the sparse step."""
+        """Qwen3-Next's rule: MoE unless listed as MLP-only or off the sparse step (Nemotron-H: its block kind)."""
+        if self.blocks is not None:
+            return self.blocks.ffn_kinds[index] == "moe"
         if self.num_experts <= 0 or index in self.mlp_only_layers:
             return False
         return (index + 1) % self.decoder_sparse_step == 0
+
+    def has_feed_forward(self, index: int) -> bool:
+        """False for a Nemotron-H mixer block with no feed-forward block after it."""
+        return self.blocks is None or self.blocks.ffn_kinds[index] is not None
 
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
@@ -263,7 +315,140 @@ def granite_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-FAMILY_CONFIGS = {"minimax": minimax_config, "granitemoehybrid": granite_config}
+def _first(text: dict[str, Any], names: tuple[str, ...], default: Any = None) -> Any:
+    """The first of ``names`` set in ``text``: transformers saves some Kimi-Linear fields under their
+    attribute-map names (``num_experts`` for ``num_local_experts``), original checkpoints the others."""
+    return next((text[name] for name in names if text.get(name) is not None), default)
+
+
+def _kimi_layer_types(text: dict[str, Any], layers: int, linear: dict[str, Any]) -> tuple[str, ...]:
+    """``layer_types``, or the original ``linear_attn_config`` lists (1-indexed), or transformers' default."""
+    if text.get("layer_types") is None and "full_attn_layers" in linear:
+        full = {int(i) - 1 for i in linear["full_attn_layers"]}
+        types = ["full_attention" if i in full else "linear_attention" for i in range(layers)]
+        return _layer_types({**text, "layer_types": types})
+    if text.get("layer_types") is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+        return _layer_types({**text, "layer_types": types})
+    return _layer_types(text)
+
+
+def _kimi_dense_layers(text: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """Layers with a dense MLP: ``mlp_layer_types`` "dense", else the first ``first_k_dense_replace``."""
+    kinds = text.get("mlp_layer_types")
+    if kinds is None:
+        return tuple(range(min(layers, int(text.get("first_k_dense_replace", 1)))))
+    return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+
+
+def kimi_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
+    """Kimi-Linear (``kimi_linear``): Kimi Delta Attention layers (the delta rule with a decay per key
+    channel: dense T_C), multi-head latent attention without RoPE, DeepSeek-V3's sigmoid-routed
+    experts with an ungated shared expert (dense MLPs in the first layers), plain RMSNorm."""
+    if text.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"kimi_linear with hidden_act {text['hidden_act']!r} is not supported (silu)")
+    heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
+    if int(text.get("num_key_value_heads") or heads) != heads:
+        raise UnsupportedModel("kimi_linear: latent attention expands keys to every head (num_key_value_heads must "
+                               "equal num_attention_heads)")
+    linear = dict(text.get("linear_attn_config") or {})
+    linear_heads = int(linear.get("num_heads", text.get("linear_num_heads", 32)))
+    linear_dim = int(linear.get("head_dim", text.get("linear_head_dim", 128)))
+    latent = LatentAttention(int(text["kv_lora_rank"]), text.get("q_lora_rank"), int(text["qk_nope_head_dim"]),
+                             int(text["qk_rope_head_dim"]), int(text.get("v_head_dim") or text["qk_nope_head_dim"]))
+    experts = int(_first(text, ("num_experts", "num_local_experts"), 0))
+    expert_size = int(text["moe_intermediate_size"])
+    return ModelConfig(
+        model_type="kimi_linear", vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+        num_hidden_layers=layers, layer_types=_kimi_layer_types(text, layers, linear), num_attention_heads=heads,
+        num_key_value_heads=heads, head_dim=latent.nope_dim + latent.rope_dim, linear_num_key_heads=linear_heads,
+        linear_num_value_heads=linear_heads, linear_key_head_dim=linear_dim, linear_value_head_dim=linear_dim,
+        linear_conv_kernel_dim=int(linear.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4))),
+        intermediate_size=int(text["intermediate_size"]),
+        max_position_embeddings=int(_first(text, ("model_max_length", "max_position_embeddings"), 1 << 20)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)), rope=RopeConfig(partial_rotary_factor=0.0),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)), num_experts=experts,
+        num_experts_per_tok=int(_first(text, ("num_experts_per_token", "num_experts_per_tok"), 0)),
+        moe_intermediate_size=expert_size,
+        shared_expert_intermediate_size=expert_size * int(_first(text, ("num_shared_experts", "n_shared_experts"), 0)),
+        norm_topk_prob=bool(_first(text, ("moe_renormalize", "norm_topk_prob"), True)),
+        mlp_only_layers=_kimi_dense_layers(text, layers), attention_bias=bool(text.get("attention_bias", False)),
+        eos_token_ids=_eos_ids(text.get("eos_token_id")), linear_family="kda", attention_output_gate=False,
+        rms_norm_unit_offset=False, shared_expert_gated=False, latent_attention=latent,
+        routing=GroupedSigmoidRouting(int(_first(text, ("num_expert_group", "n_group"), 1)),
+                                      int(text.get("topk_group") or 1), float(text.get("routed_scaling_factor", 1.0))),
+        raw=raw,
+    )
+
+
+NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+NEMOTRON_MIXERS = ("linear_attention", "full_attention")
+
+
+def nemotron_layout(kinds: list[str]) -> BlockLayout:
+    """Group blocks into layers: each mixer block, with the feed-forward block right after it if any.
+    A feed-forward block with no mixer before it has no layer of ours to join: refused."""
+    mixers, ffns, ffn_kinds = [], [], []
+    for index, kind in enumerate(kinds):
+        if kind in NEMOTRON_MIXERS:
+            mixers.append(index)
+            ffns.append(None)
+            ffn_kinds.append(None)
+        elif kind in ("mlp", "moe") and mixers and ffns[-1] is None:  # the block before was a mixer
+            ffns[-1], ffn_kinds[-1] = index, kind
+        else:
+            raise UnsupportedModel(f"nemotron_h block {index} ({kind!r}) does not follow a Mamba2 or attention block: "
+                                   "HYPIC serves patterns where every MLP / MoE block follows a mixer block")
+    return BlockLayout(tuple(mixers), tuple(ffns), tuple(ffn_kinds))
+
+
+def nemotron_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
+    """Nemotron-H (``nemotron_h``): Mamba2 blocks (as Granite-4.0-H's), attention blocks without RoPE,
+    squared-ReLU MLP blocks and DeepSeek-V3-routed MoE blocks of squared-ReLU experts, one sublayer per
+    block (``BlockLayout`` groups them into our layers)."""
+    kinds = text.get("layers_block_type") or text.get("layer_types")
+    if kinds is None and text.get("hybrid_override_pattern"):
+        kinds = [NEMOTRON_PATTERN.get(ch, ch) for ch in text["hybrid_override_pattern"]]
+    if not kinds:
+        raise UnsupportedModel("nemotron_h config names no layers_block_type / hybrid_override_pattern")
+    for name, expected in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
+        if text.get(name, expected) != expected:
+            raise UnsupportedModel(f"nemotron_h with {name} {text[name]!r} is not supported ({expected})")
+    if text.get("sliding_window") is not None:
+        raise UnsupportedModel("nemotron_h with sliding_window is not supported (sliding-window hybrids are not served yet)")
+    layout = nemotron_layout(list(kinds))
+    hidden, heads, groups = int(text["hidden_size"]), int(text["mamba_num_heads"]), int(text.get("n_groups", 8))
+    if heads % groups:
+        raise UnsupportedModel("nemotron_h: mamba_num_heads must split evenly into n_groups")
+    attention_heads = int(text["num_attention_heads"])
+    limit = tuple(_json_float(v) for v in (text.get("time_step_limit") or (0.0, float("inf"))))
+    experts = int(_first(text, ("n_routed_experts", "num_local_experts"), 0))
+    return ModelConfig(
+        model_type="nemotron_h", vocab_size=int(text["vocab_size"]), hidden_size=hidden,
+        num_hidden_layers=len(layout.mixer_blocks), layer_types=tuple(kinds[i] for i in layout.mixer_blocks),
+        num_attention_heads=attention_heads, num_key_value_heads=int(text.get("num_key_value_heads") or attention_heads),
+        head_dim=int(text.get("head_dim") or hidden // attention_heads), linear_num_key_heads=groups,
+        linear_num_value_heads=heads, linear_key_head_dim=int(text["ssm_state_size"]),
+        linear_value_head_dim=int(text["mamba_head_dim"]), linear_conv_kernel_dim=int(text.get("conv_kernel", 4)),
+        intermediate_size=int(text["intermediate_size"]),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(text.get("layer_norm_epsilon", 1e-5)), rope=RopeConfig(partial_rotary_factor=0.0),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)), num_experts=experts,
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(text.get("moe_shared_expert_intermediate_size") or 0)
+        * int(text.get("n_shared_experts", 1)),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)), eos_token_ids=_eos_ids(text.get("eos_token_id")),
+        linear_family="mamba2", attention_output_gate=False, rms_norm_unit_offset=False, shared_expert_gated=False,
+        mamba=Mamba2Options(bool(text.get("use_conv_bias", True)), bool(text.get("use_bias", False)), (limit[0], limit[1])),
+        routing=GroupedSigmoidRouting(int(text.get("n_group", 1)), int(text.get("topk_group", 1)),
+                                      float(text.get("routed_scaling_factor", 1.0))),
+        blocks=layout, mlp_activation="relu2", moe_latent_size=text.get("moe_latent_size"), raw=raw,
+    )
+
+
+FAMILY_CONFIGS = {"minimax": minimax_config, "granitemoehybrid": granite_config, "kimi_linear": kimi_config,
+                  "nemotron_h": nemotron_config}
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:

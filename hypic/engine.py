@@ -217,7 +217,7 @@ class Engine:
         """Memory a request's state takes: KV of ``tokens`` tokens per sample in every attention
         layer, plus each sample's linear-layer states (the server's admission budget)."""
         config, size = self.model.config, torch.empty(0, dtype=self.model.dtype).element_size()
-        kv = 2 * config.num_key_value_heads * config.head_dim * size * len(config.attention_layers())
+        kv = config.num_key_value_heads * (config.head_dim + config.attention_value_dim) * size * len(config.attention_layers())
         recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
         linear = (recurrent + conv) * len(config.linear_layers())

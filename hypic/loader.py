@@ -19,7 +19,7 @@ from .models import HybridModel
 from .safetensors_reader import DTYPES, TensorReader
 
 log = logging.getLogger(__name__)
-TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "backbone.")  # backbone: Nemotron-H
 IGNORED = re.compile(r"^(model\.visual\.|visual\.|mtp\.|model\.mtp\.)"
                      r"|\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$")  # MiniMax's derived buffers
 FINGERPRINT_SAMPLE = 1 << 20  # bytes read at each end of a weight file
@@ -97,6 +97,20 @@ class Direct:
 
 
 @dataclass(frozen=True)
+class Concatenated:
+    """Tensors laid end to end along their rows: Kimi-Linear's q, k and v convs form our one conv."""
+
+    parts: tuple[str, ...]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.parts
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+        _copy(name, param, _reshaped(torch.cat([reader.read(k) for k in self.parts]), param))
+
+
+@dataclass(frozen=True)
 class RowHalf:
     """One half (``first`` or not) of a tensor's rows: Granite's shared MLP packs [gate | up] in one."""
 
@@ -154,7 +168,7 @@ class ExpertStack:
             _copy(f"{name}[{expert}]", param[expert], torch.cat([reader.read(k) for k in keys]))
 
 
-Source = Direct | RowHalf | PackedPart | ExpertStack
+Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack
 
 
 def _reshaped(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -195,18 +209,31 @@ def _linear_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> d
 
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen's; Mixtral's and MiniMax's
 RENAMED_MLP = {"gate.weight": "router.weight", "router.layer.weight": "router.weight",  # Granite: fused experts
-               "input_linear.weight": "gate_up_proj", "output_linear.weight": "down_proj"}
+               "input_linear.weight": "gate_up_proj", "output_linear.weight": "down_proj",
+               "gate.e_score_correction_bias": "router_bias"}  # Kimi-Linear (DeepSeek-V3's router)
 RENAMED_MAMBA = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "norm.weight": "norm_weight"}
+
+
+def _mlp_name(name: str) -> str:
+    """Our name of an MLP block's tensor (Kimi-Linear's ``shared_experts.`` is our ``shared_expert.``)."""
+    if name.startswith("shared_experts."):
+        return "shared_expert." + name.removeprefix("shared_experts.")
+    return RENAMED_MLP.get(name, name)
 
 
 def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
     """Sources of one MLP / MoE block: fused ``experts.gate_up_proj`` or per-expert tensors stacked."""
-    out: dict[str, Source] = {RENAMED_MLP.get(name, name): Direct(key)
-                              for name, key in keys.items() if not name.startswith("experts.")}
-    if "experts.gate_up_proj" in keys:
-        out["gate_up_proj"], out["down_proj"] = Direct(keys["experts.gate_up_proj"]), Direct(keys["experts.down_proj"])
+    out: dict[str, Source] = {_mlp_name(name): Direct(key) for name, key in keys.items() if not name.startswith("experts.")}
+    for up in ("gate_up_proj", "up_proj"):  # fused [gate | up] (SwiGLU) or up alone (Nemotron-H's squared ReLU)
+        if f"experts.{up}" in keys:
+            out[up], out["down_proj"] = Direct(keys[f"experts.{up}"]), Direct(keys["experts.down_proj"])
     ids = sorted({int(n.split(".")[1]) for n in keys if n.startswith("experts.") and n.split(".")[1].isdigit()})
-    if ids:
+    if ids and not any(f"experts.{ids[0]}.{names[0]}.weight" in keys for names in EXPERT_NAMES):  # ungated (Nemotron-H)
+        out["up_proj"] = ExpertStack(tuple((keys.get(f"experts.{e}.up_proj.weight", f"<experts.{e}.up_proj>"),)
+                                           for e in ids))
+        out["down_proj"] = ExpertStack(tuple((keys.get(f"experts.{e}.down_proj.weight", f"<experts.{e}.down_proj>"),)
+                                             for e in ids))
+    elif ids:
         gate, up, down = next((n for n in EXPERT_NAMES if f"experts.{ids[0]}.{n[0]}.weight" in keys), EXPERT_NAMES[0])
         pick = lambda e, proj: keys.get(f"experts.{e}.{proj}.weight", f"<experts.{e}.{proj}.weight>")  # noqa: E731
         out["gate_up_proj"] = ExpertStack(tuple((pick(e, gate), pick(e, up)) for e in ids))
@@ -225,15 +252,50 @@ def _shared_mlp_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) 
             target + "down_proj.weight": Direct(keys["output_linear.weight"])}
 
 
+KDA_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+def _kda_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """A Kimi Delta Attention layer: its three convs (q, k, v) are our one conv over [q | k | v]."""
+    out: dict[str, Source] = {f"{prefix}mixer.{n}": Direct(k) for n, k in keys.items() if n not in KDA_CONVS}
+    if all(name in keys for name in KDA_CONVS):
+        out[f"{prefix}mixer.conv_weight"] = Concatenated(tuple(keys[name] for name in KDA_CONVS))
+    return out
+
+
 def _mixer_sources(config: ModelConfig, index: int, prefix: str, groups: dict[str, dict[str, str]]) -> dict[str, Source]:
     """The token mixer's parameters: by the layer's kind and the model's linear family."""
     if config.layer_types[index] != "linear_attention":
         return {f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()}
+    if config.linear_family == "kda":
+        return _kda_sources(prefix, groups.get("self_attn", {}))
     if config.linear_family == "lightning":
         return {f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()}
     if config.linear_family == "mamba2":
         return {f"{prefix}mixer.{RENAMED_MAMBA.get(n, n)}": Direct(k) for n, k in groups.get("mamba", {}).items()}
     return _linear_sources(config, prefix, groups.get("linear_attn", {}))
+
+
+NEMOTRON_NAMES = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}
+NEMOTRON_GROUPS = {"linear_attention": "mamba", "full_attention": "self_attn"}
+
+
+def _block_name(config: ModelConfig, short: str) -> str:
+    """Nemotron-H's name of a tensor in ours: block b's ``norm`` / ``mixer`` become its layer's input
+    norm and token mixer, or post-attention norm and MLP (``config.blocks`` says which)."""
+    match = LAYER_KEY.match(short)
+    if config.blocks is None or not match:
+        return short if config.blocks is None else NEMOTRON_NAMES.get(short, short)
+    block, rest = int(match.group(1)), match.group(2)
+    layout = config.blocks
+    if block in layout.mixer_blocks:
+        layer = layout.mixer_blocks.index(block)
+        norm, group = "input_layernorm", NEMOTRON_GROUPS[config.layer_types[layer]]
+    elif block in layout.ffn_blocks:
+        layer, norm, group = layout.ffn_blocks.index(block), "post_attention_layernorm", "mlp"
+    else:
+        return short
+    return f"layers.{layer}.{norm}.weight" if rest == "norm.weight" else f"layers.{layer}.{group}.{rest.removeprefix('mixer.')}"
 
 
 def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[dict[str, Source], list[str]]:
@@ -243,7 +305,7 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
     for key in checkpoint_keys:
         if IGNORED.match(key):
             continue
-        short = _strip_prefix(key)
+        short = _block_name(config, _strip_prefix(key))
         match = LAYER_KEY.match(short)
         if not match:
             sources[short] = Direct(key)

@@ -25,13 +25,13 @@ class LinearLayerState:
 
 
 class AttentionLayerState:
-    """Keys (rotated at their global positions) and values [Hkv, T, D] of one full-attention layer,
+    """Keys (rotated at their global positions) [Hkv, T, Dk] and values [Hkv, T, Dv] of one full-attention layer,
     held in buffers of some capacity >= T that grow in place."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 0) -> None:
-        length = keys.shape[1]
-        shape = (keys.shape[0], max(capacity, length), keys.shape[2])
-        self._keys, self._values = keys.new_empty(shape), values.new_empty(shape)
+        length, room = keys.shape[1], max(capacity, keys.shape[1])
+        self._keys = keys.new_empty(keys.shape[0], room, keys.shape[2])
+        self._values = values.new_empty(values.shape[0], room, values.shape[2])  # narrower under latent attention
         self._keys[:, :length], self._values[:, :length] = keys, values
         self.length = length
 
@@ -130,8 +130,9 @@ class RequestState:
                 layers.append(LinearLayerState(recurrent, torch.zeros(config.linear_conv_kernel_dim - 1, channels,
                                                                       device=device, dtype=dtype)))
             else:
-                kv = torch.zeros(config.num_key_value_heads, 0, config.head_dim, device=device, dtype=dtype)
-                layers.append(AttentionLayerState(kv, kv))
+                keys = torch.zeros(config.num_key_value_heads, 0, config.head_dim, device=device, dtype=dtype)
+                values = torch.zeros(config.num_key_value_heads, 0, config.attention_value_dim, device=device, dtype=dtype)
+                layers.append(AttentionLayerState(keys, values))
         return cls(layers)
 
     def reserve(self, total: int) -> None:

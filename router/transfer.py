@@ -48,8 +48,8 @@ def install_entries(engine: Engine, entries: list[SegmentEntry], mode: str) -> t
 
 def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
     if config.layer_types[index] != "linear_attention":
-        kv = (config.num_key_value_heads, length, config.head_dim)
-        return ("attention", kv, kv)
+        heads = config.num_key_value_heads
+        return ("attention", (heads, length, config.head_dim), (heads, length, config.attention_value_dim))
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     transition = None if role is Role.NAIVE_SEGMENT else config.linear_transition_shape
     conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)

@@ -32,13 +32,13 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
 
 FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax", "granitemoehybrid", "hypic_gla",
-                      "hypic_scalar_rope")  # one tiny model per linear family
+                      "hypic_scalar_rope", "kimi_linear", "nemotron_h")  # one tiny model per linear family
 
 
 @pytest.fixture(params=FAMILY_CHECKPOINTS)
 def family_checkpoint(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path]) -> Path:
-    """The tiny checkpoint of each linear-attention family (Gated DeltaNet: dense T; Lightning, Mamba2 and
-    scalar decay with RoPE in the state: scalar T; GLA: diagonal T)."""
+    """The tiny checkpoint of each linear-attention family (Gated DeltaNet, Kimi Delta Attention: dense T;
+    Lightning, Mamba2 (Granite, Nemotron-H) and scalar decay with RoPE in the state: scalar T; GLA: diagonal T)."""
     return checkpoint_factory(request.param)
 
 

@@ -23,6 +23,24 @@ class AttentionInputs:
     gate: torch.Tensor | None  # [N, Hq * D]; None without an output gate
 
 
+def causal_attention(query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """query [N, Hq, Dk] in runs of consecutive positions, each given as (first position, length)
+    (host integers: no device sync); keys [Hkv, T, Dk], values [Hkv, T, Dv] at positions 0..T-1. Each
+    query sees the keys at positions <= its own: one causal (lower-right aligned) attention per run
+    over the keys up to its end. Returns [N, Hq * Dv]; GQA groups share their K/V without copies."""
+    outputs, lo = [], 0
+    for first, run in runs:
+        end = first + run
+        q = query[lo : lo + run].transpose(0, 1)[None]
+        mask = causal_lower_right(run, end) if run > 1 else None
+        out = F.scaled_dot_product_attention(q, keys[None, :, :end], values[None, :, :end], attn_mask=mask,
+                                             scale=scale, enable_gqa=query.shape[1] != keys.shape[0])
+        outputs.append(out[0].transpose(0, 1))
+        lo += run
+    return torch.cat(outputs).reshape(query.shape[0], -1)
+
+
 class GatedAttention(nn.Module):
     """The full-attention token mixer; attention itself runs over caller-assembled KV."""
 
@@ -53,20 +71,8 @@ class GatedAttention(nn.Module):
 
     def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
                values: torch.Tensor) -> torch.Tensor:
-        """query [N, Hq, D] in runs of consecutive positions, each given as (first position, length)
-        (host integers: no device sync); keys/values [Hkv, T, D] at positions 0..T-1. Each query sees
-        the keys at positions <= its own: one causal (lower-right aligned) attention per run over the
-        keys up to its end. Returns [N, Hq * D]; GQA groups share their K/V without copies."""
-        outputs, lo = [], 0
-        for first, run in runs:
-            end = first + run
-            q = query[lo : lo + run].transpose(0, 1)[None]
-            mask = causal_lower_right(run, end) if run > 1 else None
-            out = F.scaled_dot_product_attention(q, keys[None, :, :end], values[None, :, :end], attn_mask=mask,
-                                                 scale=self.scale, enable_gqa=self.heads != self.kv_heads)
-            outputs.append(out[0].transpose(0, 1))
-            lo += run
-        return torch.cat(outputs).reshape(query.shape[0], -1)
+        """``causal_attention`` with this layer's scale: [N, Hq, D] -> [N, Hq * D]."""
+        return causal_attention(query, runs, keys, values, self.scale)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         return self.o_proj(attended if gate is None else attended * torch.sigmoid(gate))

@@ -7,6 +7,8 @@ from .attention import GatedAttention
 from .gated_deltanet import GatedDeltaNet
 from .lightning import LightningAttention
 from .gla import GatedLinearAttention
+from .kimi_delta import KimiDeltaAttention
+from .latent_attention import LatentAttention
 from .mamba2 import Mamba2Mixer
 from .rotary_linear import RotaryLinearAttention
 from .mlp import MLP, SparseMoE
@@ -19,25 +21,39 @@ LINEAR_MIXERS = {  # config.linear_family -> (config, layer index) -> token mixe
     "mamba2": Mamba2Mixer,
     "gla": GatedLinearAttention,
     "scalar_rope": RotaryLinearAttention,
+    "kda": KimiDeltaAttention,
 }
 
 
+def full_attention(config: ModelConfig) -> GatedAttention | LatentAttention:
+    """The full-attention mixer: latent attention (Kimi-Linear) or q/k/v projections (the others)."""
+    return GatedAttention(config) if config.latent_attention is None else LatentAttention(config)
+
+
+def feed_forward(config: ModelConfig, index: int) -> MLP | SparseMoE | None:
+    """Layer ``index``'s MLP or MoE (None: a Nemotron-H mixer block with no feed-forward block after it)."""
+    if not config.has_feed_forward(index):
+        return None
+    if not config.is_moe_layer(index):
+        return MLP(config.hidden_size, config.intermediate_size, config.mlp_activation)
+    return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                     config.shared_expert_intermediate_size, config.norm_topk_prob, config.shared_expert_gated,
+                     config.routing, config.mlp_activation, config.moe_latent_size)
+
+
 class DecoderLayer(nn.Module):
-    """Token mixer (linear or full attention), then MLP or MoE; pre-norm residuals (x + f(norm(x))),
-    or MiniMax's scaled post-norm ones (alpha * norm(x) + beta * f(norm(x)))."""
+    """Token mixer (linear or full attention), then MLP or MoE (or none: Nemotron-H); pre-norm residuals
+    (x + f(norm(x))), or MiniMax's scaled post-norm ones (alpha * norm(x) + beta * f(norm(x)))."""
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.is_linear = config.layer_types[index] == "linear_attention"
-        self.mixer: GatedDeltaNet | LightningAttention | Mamba2Mixer | GatedAttention = (
-            LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else GatedAttention(config))
-        self.mlp: MLP | SparseMoE = (
-            SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                      config.shared_expert_intermediate_size, config.norm_topk_prob, config.shared_expert_gated)
-            if config.is_moe_layer(index) else MLP(config.hidden_size, config.intermediate_size)
-        )
+        self.mixer: GatedDeltaNet | LightningAttention | Mamba2Mixer | GatedAttention | LatentAttention = (
+            LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else full_attention(config))
+        self.mlp: MLP | SparseMoE | None = feed_forward(config, index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
+        if self.mlp is not None:
+            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
         scales = config.residual_scales
         self.mixer_scales = None if scales is None else scales.linear if self.is_linear else scales.full
         self.mlp_scales = None if scales is None else scales.mlp
@@ -53,6 +69,8 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Residual MLP half of the block; x [N, hidden]."""
+        if self.mlp is None:
+            return x
         h = self.post_attention_layernorm(x)
         if self.mlp_scales is None:
             return x + self.mlp(h) * self.multiplier if self.multiplier != 1 else x + self.mlp(h)
@@ -61,7 +79,7 @@ class DecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head of a Qwen3-Next / Qwen3.5 / MiniMax text model."""
+    """Embedding, decoder layers, final norm and LM head of a hybrid text model (every family of ``config``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

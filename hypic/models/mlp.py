@@ -1,46 +1,88 @@
-"""Feed-forward blocks: dense SwiGLU MLP and the sparse MoE with a gated shared expert."""
+"""Feed-forward blocks: the dense MLP (SwiGLU, or Nemotron-H's squared ReLU) and the sparse MoE."""
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import GroupedSigmoidRouting
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))``, or with ``activation`` "relu2" the ungated
+    ``down(relu(up(x))^2)`` (Nemotron-H)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        if activation == "silu":
+            self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "gate_proj"):
+            return self.down_proj(relu_squared(self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoE(nn.Module):
     """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next / Qwen3.5-MoE); without the
-    shared expert when ``shared_size`` is 0 (MiniMax), or with an ungated one (Granite)."""
+    shared expert when ``shared_size`` is 0 (MiniMax), or with an ungated one (Granite, Kimi-Linear).
+    Softmax routing, or ``routing``: DeepSeek-V3's grouped sigmoid router (Kimi-Linear, Nemotron-H).
+    ``activation`` "relu2": ungated squared-ReLU experts (``up_proj``, Nemotron-H), which with
+    ``latent_size`` work in a narrower space entered and left through two projections."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, expert_size: int, shared_size: int, norm_topk: bool,
-                 shared_gated: bool = True) -> None:
+                 shared_gated: bool = True, routing: GroupedSigmoidRouting | None = None, activation: str = "silu",
+                 latent_size: int | None = None) -> None:
         super().__init__()
-        self.top_k, self.norm_topk = top_k, norm_topk
+        self.top_k, self.norm_topk, self.routing, self.activation = top_k, norm_topk, routing, activation
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * expert_size, hidden))
-        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, expert_size))
+        if routing is not None:
+            self.router_bias = nn.Parameter(torch.zeros(experts))  # e_score_correction_bias: steers the choice only
+        width = hidden if latent_size is None else latent_size
+        if latent_size is not None:
+            self.fc1_latent_proj = nn.Linear(hidden, latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(latent_size, hidden, bias=False)
+        if activation == "silu":
+            self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * expert_size, width))
+        else:
+            self.up_proj = nn.Parameter(torch.zeros(experts, expert_size, width))
+        self.down_proj = nn.Parameter(torch.zeros(experts, width, expert_size))
         if shared_size:
-            self.shared_expert = MLP(hidden, shared_size)
+            self.shared_expert = MLP(hidden, shared_size, activation)
         if shared_size and shared_gated:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.routing is not None:
+            return self._route_grouped_sigmoid(x)
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+    def _route_grouped_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid scores in fp32; experts chosen by score + bias among the ``top_groups`` groups whose
+        two best biased scores sum highest; weights: the chosen unbiased scores (renormalised) x scaling."""
+        routing, experts = self.routing, self.router_bias.shape[0]
+        assert routing is not None
+        scores = F.linear(x.float(), self.router.weight.float()).sigmoid()
+        biased = scores + self.router_bias.float()
+        grouped = biased.view(-1, routing.groups, experts // routing.groups)
+        best_groups = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1).topk(routing.top_groups, dim=-1)[1]
+        allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = biased.masked_fill(~allowed.repeat_interleave(experts // routing.groups, dim=1), float("-inf"))
+        chosen = biased.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * routing.scaling).to(x.dtype), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]. Token-expert pairs are sorted by expert, so that each expert's
@@ -49,13 +91,16 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()  # pair p = token p // top_k, slot p % top_k
         order = flat.argsort(stable=True)
         tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-        routed = expert_outputs(x[tokens], counts, self.gate_up_proj, self.down_proj, grouped_mm_runs(x))
+        counts = torch.bincount(flat, minlength=self.down_proj.shape[0])
+        inner = self.fc1_latent_proj(x) if hasattr(self, "fc1_latent_proj") else x
+        up = self.gate_up_proj if self.activation == "silu" else self.up_proj
+        routed = expert_outputs(inner[tokens], counts, up, self.down_proj, grouped_mm_runs(x), self.activation)
         routed *= weights.flatten()[order, None]
-        out = torch.zeros_like(x).index_add_(0, tokens, routed)
+        out = torch.zeros_like(inner).index_add_(0, tokens, routed)
+        out = self.fc2_latent_proj(out) if hasattr(self, "fc2_latent_proj") else out
         if not hasattr(self, "shared_expert"):
             return out
-        if not hasattr(self, "shared_expert_gate"):  # Granite: the shared MLP is added as it is
+        if not hasattr(self, "shared_expert_gate"):  # Granite, Kimi-Linear: the shared MLP is added as it is
             return out + self.shared_expert(x)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
@@ -80,19 +125,28 @@ def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def expert_outputs(inputs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   grouped: bool) -> torch.Tensor:
-    """SwiGLU experts over inputs [P, hidden] sorted by expert (counts [E] rows each); gate_up
-    [E, 2I, hidden], down [E, hidden, I] -> [P, hidden]. ``grouped``: two grouped matmuls, no host
-    sync (one launch per projection instead of one per expert); else a loop over the experts."""
+def _expert_activation(projected: torch.Tensor, activation: str) -> torch.Tensor:
+    """SwiGLU of a [gate | up] projection, or the squared ReLU of an up projection."""
+    if activation == "silu":
+        gate, up = projected.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return relu_squared(projected)
+
+
+def expert_outputs(inputs: torch.Tensor, counts: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                   grouped: bool, activation: str = "silu") -> torch.Tensor:
+    """Experts over inputs [P, hidden] sorted by expert (counts [E] rows each); up [E, 2I, hidden]
+    ([gate | up], SwiGLU) or [E, I, hidden] (squared ReLU), down [E, hidden, I] -> [P, hidden].
+    ``grouped``: two grouped matmuls, no host sync (one launch per projection instead of one per
+    expert); else a loop over the experts."""
     if grouped:
         ends = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(inputs, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
+        hidden = _expert_activation(torch._grouped_mm(inputs, up.transpose(1, 2), offs=ends), activation)
+        return torch._grouped_mm(hidden, down.transpose(1, 2), offs=ends)
     routed, lo = torch.empty_like(inputs), 0
     for expert, count in enumerate(counts.tolist()):
         if count:
-            gate, up = F.linear(inputs[lo : lo + count], gate_up[expert]).chunk(2, dim=-1)
-            routed[lo : lo + count] = F.linear(F.silu(gate) * up, down[expert])
+            hidden = _expert_activation(F.linear(inputs[lo : lo + count], up[expert]), activation)
+            routed[lo : lo + count] = F.linear(hidden, down[expert])
             lo += count
     return routed

@@ -1,4 +1,4 @@
-"""RMS norms of the Qwen3-Next / Qwen3.5 and MiniMax families."""
+"""RMS norms of the Qwen3-Next / Qwen3.5, MiniMax and Kimi-Linear families."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,3 +33,16 @@ class GatedRMSNorm(nn.Module):
         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         y = self.weight * y.to(dtype)
         return (y * F.silu(gate.float())).to(dtype)
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """Output norm of Kimi Delta Attention: ``w * x / rms(x) * sigmoid(z)`` per head, all in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)

@@ -11,6 +11,7 @@ import itertools
 
 import torch
 
+from ..fla_calls import fla_run, fla_transition
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first, chunk_gated_delta_rule_with_transition
 from .naive import naive_gated_delta_rule, naive_transition
 
@@ -37,14 +38,6 @@ def _fla_ops():
     return chunk
 
 
-def _fla_gated_delta_rule(chunk, q, k, v, g, beta, initial_state, scale):
-    out, state = chunk(
-        q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
-        initial_state=None if initial_state is None else initial_state[None].float(), output_final_state=True,
-    )
-    return out[0].float(), state[0].float()
-
-
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,7 +54,7 @@ def gated_delta_rule(
         return naive_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
     chunk = _fla_ops() if q.is_cuda else None
     if chunk is not None:
-        return _fla_gated_delta_rule(chunk, q, k, v, g, beta, initial_state, scale)
+        return fla_run(chunk, q, k, v, g, beta, initial_state, scale)
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, scale, chunk_size_for(q.shape[0], q.device))
 
 
@@ -74,10 +67,8 @@ def gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.
     if q.shape[0] < SHORT_RUN:
         return (*naive_gated_delta_rule(q, k, v, g, beta, initial_state, scale), naive_transition(k, g, beta))
     chunk = _fla_ops() if q.is_cuda else None
-    if chunk is not None:  # T as the state from I under zero values (FLA's kernels bound the value width)
-        out, state = _fla_gated_delta_rule(chunk, q, k, v, g, beta, initial_state, scale)
-        eye = torch.eye(k.shape[-1], device=k.device).expand(k.shape[1], -1, -1)
-        return out, state, _fla_gated_delta_rule(chunk, q, k, torch.zeros_like(k), g, beta, eye, scale)[1]
+    if chunk is not None:
+        return (*fla_run(chunk, q, k, v, g, beta, initial_state, scale), fla_transition(chunk, q, k, g, beta, scale))
     return chunk_gated_delta_rule_with_transition(q, k, v, g, beta, initial_state, scale,
                                                   chunk_size_for(q.shape[0], q.device))
 

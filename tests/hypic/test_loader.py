@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from hypic import Engine, UnsupportedModel
 from hypic.checkpoints import write_random_checkpoint
+from hypic.config import parse_config
 
 PEAK_SCRIPT = """
 import re, sys
@@ -79,3 +80,24 @@ def test_dtype_auto_is_the_checkpoint_dtype_where_the_cpu_computes_it(tmp_path: 
     assert Engine.from_pretrained(path, dtype="bfloat16").model.dtype == torch.bfloat16
     state = Engine.from_pretrained(path, dtype="bfloat16").prefill(Engine.from_pretrained(path).parse("abc"), "full").state
     assert state.layers[0].recurrent.dtype == torch.float32  # linear states stay fp32
+
+
+NEMOTRON_FIELDS = dict(model_type="nemotron_h", vocab_size=320, hidden_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=32,
+                       ssm_state_size=16, n_groups=2, conv_kernel=4, n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=48)
+
+
+def test_nemotron_blocks_group_into_mixer_layers() -> None:
+    """Each Mamba2 / attention block starts a layer of ours; an MLP / MoE block right after it joins it."""
+    config = parse_config({**NEMOTRON_FIELDS, "hybrid_override_pattern": "M-*EMM-"})
+    assert config.layer_types == ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+    assert config.blocks.mixer_blocks == (0, 2, 4, 5) and config.blocks.ffn_blocks == (1, 3, None, 6)
+    assert [config.has_feed_forward(i) for i in range(4)] == [True, True, False, True]
+    assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+
+
+@pytest.mark.parametrize("pattern", ["-M", "M--", "MEE*"])
+def test_nemotron_feed_forward_without_a_mixer_before_it_is_refused(pattern: str) -> None:
+    with pytest.raises(UnsupportedModel, match="does not follow a Mamba2 or attention block"):
+        parse_config({**NEMOTRON_FIELDS, "hybrid_override_pattern": pattern})

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")
-PREFIXES = ("model.language_model.", "model.")
+PREFIXES = ("model.language_model.", "model.", "backbone.")  # backbone: Nemotron-H
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ class RefConfig:
     granite: dict[str, float] | None = None  # Granite: Mamba2 layers, multipliers, ungated shared MLP
     family: str = "gated_delta"  # hypic_hybrid: gla or scalar_rope linear layers, our own parameter names
     linear_rotary_dim: int = 0  # scalar_rope: key channels rotated inside the linear state
+    kimi: dict | None = None  # Kimi-Linear: KDA layers, latent attention without RoPE, sigmoid-routed experts
+    value_head_dim: int = 0  # width of an attention value head when it differs from head_dim (latent attention)
+    dt_limit: tuple[float, float] = (0.0, float("inf"))  # Mamba2's clamp of dt after softplus
+    nemotron_blocks: tuple[str, ...] = ()  # Nemotron-H: one sublayer per block, by kind (mixers are layer_types)
+    routing: dict | None = None  # DeepSeek-V3's sigmoid router: groups, top_groups, scaling (Kimi, Nemotron-H)
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
@@ -80,8 +85,46 @@ def _granite_config(raw: dict) -> RefConfig:
         rotary_dim=hidden // heads if raw.get("position_embedding_type") == "rope" else 0, rope_scale=1.0,
         experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"], norm_topk=True, sparse_step=1, mlp_only=(),
         granite={"embedding": raw["embedding_multiplier"], "residual": raw["residual_multiplier"],
-                 "attention": raw["attention_multiplier"], "logits": raw["logits_scaling"],
-                 "dt_min": limit[0], "dt_max": limit[1]},
+                 "attention": raw["attention_multiplier"], "logits": raw["logits_scaling"]},
+        dt_limit=(limit[0], limit[1]),
+    )
+
+
+def _nemotron_config(raw: dict) -> RefConfig:
+    """Nemotron-H: blocks of one sublayer each; Mamba2 mixers as Granite's, attention without RoPE."""
+    blocks = tuple(raw["layers_block_type"])
+    limit = [float(v["__float__"]) if isinstance(v, dict) else float(v) for v in raw["time_step_limit"]]
+    return RefConfig(
+        model_type="nemotron_h", layer_types=tuple(b for b in blocks if b.endswith("attention")),
+        heads=raw["num_attention_heads"], kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
+        key_heads=raw["n_groups"], value_heads=raw["mamba_num_heads"], key_dim=raw["ssm_state_size"],
+        value_dim=raw["mamba_head_dim"], conv_kernel=raw["conv_kernel"], eps=raw["layer_norm_epsilon"],
+        rope_theta=1.0, rotary_dim=0, rope_scale=1.0, experts=raw["n_routed_experts"],
+        top_k=raw["num_experts_per_tok"], norm_topk=raw["norm_topk_prob"], sparse_step=1, mlp_only=(),
+        dt_limit=(limit[0], limit[1]), nemotron_blocks=blocks,
+        routing={"groups": raw["n_group"], "top_groups": raw["topk_group"], "scaling": raw["routed_scaling_factor"]},
+    )
+
+
+def _kimi_config(raw: dict) -> RefConfig:
+    """Kimi-Linear as transformers saves it: some MoE fields under their attribute-map names."""
+    def pick(*names: str, default=None):
+        return next((raw[n] for n in names if raw.get(n) is not None), default)
+
+    heads, dim = raw["linear_attn_config"]["num_heads"], raw["linear_attn_config"]["head_dim"]
+    dense = tuple(i for i, kind in enumerate(raw["mlp_layer_types"]) if kind == "dense")
+    return RefConfig(
+        model_type="kimi_linear", layer_types=tuple(raw["layer_types"]), heads=raw["num_attention_heads"],
+        kv_heads=raw["num_attention_heads"], head_dim=raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"],
+        key_heads=heads, value_heads=heads, key_dim=dim, value_dim=dim,
+        conv_kernel=raw["linear_attn_config"]["short_conv_kernel_size"], eps=raw["rms_norm_eps"], rope_theta=1.0,
+        rotary_dim=0, rope_scale=1.0, experts=pick("num_experts", "num_local_experts", default=0),
+        top_k=pick("num_experts_per_token", "num_experts_per_tok"), norm_topk=pick("moe_renormalize", "norm_topk_prob"),
+        sparse_step=1, mlp_only=dense, value_head_dim=raw["v_head_dim"],
+        kimi={"kv_lora_rank": raw["kv_lora_rank"], "nope": raw["qk_nope_head_dim"], "rope": raw["qk_rope_head_dim"],
+              "value": raw["v_head_dim"]},
+        routing={"groups": pick("num_expert_group", "n_group"), "top_groups": raw["topk_group"],
+                 "scaling": raw["routed_scaling_factor"]},
     )
 
 
@@ -97,6 +140,10 @@ def read_config(path: Path) -> RefConfig:
         return _minimax_config(raw)
     if raw["model_type"] == "granitemoehybrid":
         return _granite_config(raw)
+    if raw["model_type"] == "kimi_linear":
+        return _kimi_config(raw)
+    if raw["model_type"] == "nemotron_h":
+        return _nemotron_config(raw)
     return read_config_fields(raw)
 
 

@@ -1,4 +1,4 @@
-"""A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax / Granite-4.0-H forward with a token-loop recurrence:
+"""A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax / Granite-4.0-H / Kimi-Linear forward with a token-loop recurrence:
 clarity over speed.
 
 ``run`` feeds a run of new tokens through every layer, continuing a ``ReferenceState``: token-wise
@@ -23,7 +23,7 @@ class LinearInputs:
     pre_conv: torch.Tensor  # [n, C]
     k: torch.Tensor  # [n, Hv, K] l2-normalised, key heads repeated to the value heads (Lightning: silu(W x))
     v: torch.Tensor  # [n, Hv, V]
-    g: torch.Tensor  # [n, Hv] log decay
+    g: torch.Tensor  # [n, Hv] log decay (GLA, KDA: [n, Hv, K], per key channel)
     beta: torch.Tensor | None  # [n, Hv] (Lightning: None, no delta rule)
 
     def rows(self, lo: int, hi: int) -> "LinearInputs":
@@ -106,7 +106,7 @@ class ReferenceModel:
         return ReferenceState([
             LinearMemory(torch.zeros(c.value_heads, c.key_dim, c.value_dim), torch.zeros(c.conv_kernel - 1, channels))
             if kind == "linear_attention" else AttentionMemory(torch.zeros(0, c.kv_heads, c.head_dim),
-                                                                 torch.zeros(0, c.kv_heads, c.head_dim))
+                                                                 torch.zeros(0, c.kv_heads, c.value_head_dim or c.head_dim))
             for kind in c.layer_types])
 
     # ----- runs of tokens ------------------------------------------------------------------
@@ -115,10 +115,14 @@ class ReferenceModel:
         """Feed ``tokens`` (at positions state.length, ...) through every layer, updating ``state``.
         Returns logits [n, vocab] and the inputs the tokens fed each layer."""
         positions = torch.arange(state.length, state.length + len(tokens))
+        if self.config.nemotron_blocks:
+            return self._nemotron_run(state, tokens, positions)
         x, fed = self.w["embed_tokens.weight"][tokens] * self._granite("embedding"), []
         for index, memory in enumerate(state.layers):
             h = self._norm(x, f"layers.{index}.input_layernorm.weight")
-            if isinstance(memory, LinearMemory) and self.config.family == "gla":
+            if isinstance(memory, LinearMemory) and self.config.kimi is not None:
+                mixed, inputs = self._kda(index, h, memory)
+            elif isinstance(memory, LinearMemory) and self.config.family == "gla":
                 mixed, inputs = self._gla(index, h, memory)
             elif isinstance(memory, LinearMemory) and self.config.family == "scalar_rope":
                 mixed, inputs = self._scalar_rope(index, h, positions, memory)
@@ -135,12 +139,32 @@ class ReferenceModel:
         state.length += len(tokens)
         return self._norm(x, "norm.weight") @ self.w["lm_head.weight"].T / self._granite("logits"), fed
 
+    def _nemotron_run(self, state: ReferenceState, tokens: list[int],
+                      positions: torch.Tensor) -> tuple[torch.Tensor, LayerInputs]:
+        """Nemotron-H: block b is x + f_b(norm_b(x)), f_b a Mamba2 mixer, attention (no RoPE), a
+        squared-ReLU MLP or a MoE; the mixers own the memories, in order."""
+        x, fed, memories = self.w["embeddings.weight"][tokens], [], iter(state.layers)
+        for block, kind in enumerate(self.config.nemotron_blocks):
+            h, prefix = self._norm(x, f"layers.{block}.norm.weight"), f"layers.{block}.mixer."
+            if kind == "linear_attention":
+                out, inputs = self._mamba2(block, h, next(memories), prefix)
+            elif kind == "full_attention":
+                out, inputs = self._attention(block, h, positions, next(memories), prefix)
+            else:
+                out, inputs = self._relu2_moe(prefix, h) if kind == "moe" else self._relu2(prefix, h), None
+            fed += [] if inputs is None else [inputs]
+            x = x + out
+        state.length += len(tokens)
+        return self._norm(x, "norm_f.weight") @ self.w["lm_head.weight"].T, fed
+
     def _granite(self, name: str) -> float:
         """Granite's multiplier ``name`` (1 for the other models)."""
         return 1.0 if self.config.granite is None else self.config.granite[name]
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        norm = plain_rms_norm if self.config.lightning or self.config.granite is not None else rms_norm
+        c = self.config
+        plain = c.lightning or c.granite is not None or c.kimi is not None or bool(c.nemotron_blocks)
+        norm = plain_rms_norm if plain else rms_norm
         return norm(x, self.w[name], self.config.eps)
 
     def _residual(self, x: torch.Tensor, normed: torch.Tensor, out: torch.Tensor, kind: str) -> torch.Tensor:
@@ -226,10 +250,48 @@ class ReferenceModel:
 
     @staticmethod
     def _delta_update(memory: LinearMemory, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
-        """One token (k [Hv, K], v [Hv, V], g and beta [Hv]): S <- exp(g) (I - beta k k^T) S + beta k v^T."""
-        s = memory.state * g.exp()[:, None, None]
+        """One token (k [Hv, K], v [Hv, V], beta [Hv], g [Hv] or per key channel [Hv, K]):
+        S <- (I - beta k k^T) diag(exp(g)) S + beta k v^T (a scalar g commutes with the projector)."""
+        s = memory.state * (g.exp()[:, None, None] if g.dim() == 1 else g.exp()[:, :, None])
         recalled = (k[:, None, :] @ s)[:, 0]  # k^T S per head
         memory.state = s + k[:, :, None] * (beta[:, None] * (v - recalled))[:, None, :]
+
+    # ----- Kimi Delta Attention (Kimi-Linear) ------------------------------------------------
+    def _kda(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+        """conv + SiLU over [q | k | v] (three projections); the delta rule with a log decay per key channel
+        g = -exp(A_log) softplus(f_b f_a x + dt_bias); o = K^-1/2 q^T S per head; RMS norm per head times
+        sigmoid(g_b g_a x); the output projection."""
+        c, p, n = self.config, f"layers.{index}.self_attn.", h.shape[0]
+        pre = torch.cat([h @ self.w[p + f"{name}_proj.weight"].T for name in "qkv"], dim=-1)
+        conv = torch.cat([self.w[p + f"{name}_conv1d.weight"][:, 0] for name in "qkv"])  # one conv per input
+        q, k, v = self._convolve(memory, pre, conv).chunk(3, dim=-1)
+        q, k, v = (x.reshape(n, c.value_heads, c.key_dim) for x in (q, k, v))
+        gate_in = h @ self.w[p + "f_a_proj.weight"].T @ self.w[p + "f_b_proj.weight"].T
+        g = -self.w[p + "A_log"].exp().view(1, -1, 1) * F.softplus(
+            (gate_in + self.w[p + "dt_bias"]).view(n, c.value_heads, c.key_dim))
+        inputs = LinearInputs(pre, l2_normalize(k), v, g, torch.sigmoid(h @ self.w[p + "b_proj.weight"].T))
+        q, outputs = l2_normalize(q) * c.key_dim**-0.5, []
+        for t in range(n):
+            self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
+            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
+        o = torch.stack(outputs)
+        z = (h @ self.w[p + "g_a_proj.weight"].T @ self.w[p + "g_b_proj.weight"].T).view(n, c.value_heads, c.value_dim)
+        normed = plain_rms_norm(o, self.w[p + "o_norm.weight"], c.eps) * torch.sigmoid(z)
+        return normed.flatten(1) @ self.w[p + "o_proj.weight"].T, inputs
+
+    def _latent_attention(self, index: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Kimi-Linear's MLA without RoPE: query [n, H, nope + rope]; key [n, H, nope + rope] = [per-head part
+        from the normalised latent | one part shared by the heads]; value [n, H, v] from the same latent."""
+        c, p, n, m = self.config, f"layers.{index}.self_attn.", h.shape[0], self.config.kimi
+        if p + "q_a_proj.weight" in self.w:  # low-rank query through a normalised latent
+            q_latent = plain_rms_norm(h @ self.w[p + "q_a_proj.weight"].T, self.w[p + "q_a_layernorm.weight"], 1e-6)
+            query = (q_latent @ self.w[p + "q_b_proj.weight"].T).view(n, c.heads, c.head_dim)
+        else:
+            query = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, c.head_dim)
+        latent, shared = (h @ self.w[p + "kv_a_proj_with_mqa.weight"].T).split([m["kv_lora_rank"], m["rope"]], dim=-1)
+        expanded = plain_rms_norm(latent, self.w[p + "kv_a_layernorm.weight"], 1e-6) @ self.w[p + "kv_b_proj.weight"].T
+        nope, value = expanded.view(n, c.heads, m["nope"] + m["value"]).split([m["nope"], m["value"]], dim=-1)
+        return query, torch.cat([nope, shared[:, None].expand(-1, c.heads, -1)], dim=-1), value
 
     # ----- our own families (hypic_hybrid) ---------------------------------------------------
     def _gla(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
@@ -269,10 +331,11 @@ class ReferenceModel:
         return (gate * rms_norm(o, self.w[p + "norm.weight"], 1e-6)) @ self.w[p + "out_proj.weight"].T, inputs
 
     # ----- Mamba2 (Granite-4.0-H) -------------------------------------------------------------
-    def _mamba2(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+    def _mamba2(self, index: int, h: torch.Tensor, memory: LinearMemory,
+                prefix: str | None = None) -> tuple[torch.Tensor, LinearInputs]:
         """conv(+bias) and SiLU over [x | B | C]; per head S <- exp(dt A) S + B (dt x)^T, y = C^T S + D x;
         then y * silu(z), RMS-normalised per group of heads, and the output projection."""
-        c, p, n = self.config, f"layers.{index}.mamba.", h.shape[0]
+        c, p, n = self.config, prefix or f"layers.{index}.mamba.", h.shape[0]
         inner, grouped = c.value_heads * c.value_dim, c.key_heads * c.key_dim
         z, pre_conv, dt = (h @ self.w[p + "in_proj.weight"].T).split([inner, inner + 2 * grouped, c.value_heads], -1)
         post = self._convolve(memory, pre_conv, self.w[p + "conv1d.weight"][:, 0], self.w[p + "conv1d.bias"])
@@ -281,7 +344,7 @@ class ReferenceModel:
         ratio = c.value_heads // c.key_heads
         b = b.view(n, c.key_heads, c.key_dim).repeat_interleave(ratio, 1)
         cc = cc.view(n, c.key_heads, c.key_dim).repeat_interleave(ratio, 1)
-        dt = F.softplus(dt + self.w[p + "dt_bias"]).clamp(c.granite["dt_min"], c.granite["dt_max"])
+        dt = F.softplus(dt + self.w[p + "dt_bias"]).clamp(*c.dt_limit)
         inputs = LinearInputs(pre_conv, b, x * dt[..., None], -self.w[p + "A_log"].exp() * dt, None)
         y = self._decay_scan(memory, cc, inputs.k, inputs.v, inputs.g) + self.w[p + "D"][:, None] * x
         y = (y.flatten(1) * F.silu(z)).view(n, c.key_heads, -1)
@@ -317,11 +380,13 @@ class ReferenceModel:
         angles = (positions.float() / self.config.rope_scale)[:, None] * self.inv_freq[None]
         return rotate_channels(x, angles, self.config.rotary_dim)
 
-    def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor,
-                   memory: AttentionMemory) -> tuple[torch.Tensor, AttentionInputs]:
+    def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor, memory: AttentionMemory,
+                   prefix: str | None = None) -> tuple[torch.Tensor, AttentionInputs]:
         group = "mixer" if c_is_native(self.config) else "self_attn"
-        c, p, eps, n = self.config, f"layers.{index}.{group}.", self.config.eps, h.shape[0]
-        if c.lightning or c.granite is not None:  # MiniMax, Granite: no output gate, no q / k norms
+        c, p, eps, n = self.config, prefix or f"layers.{index}.{group}.", self.config.eps, h.shape[0]
+        if c.kimi is not None:
+            (query, key, value), gate = self._latent_attention(index, h), None
+        elif c.lightning or c.granite is not None or c.nemotron_blocks:  # no output gate, no q / k norms
             query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, c.head_dim), None
             key = (h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
         else:
@@ -329,7 +394,8 @@ class ReferenceModel:
             query = rms_norm(query, self.w[p + "q_norm.weight"], eps)
             key = rms_norm((h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim), self.w[p + "k_norm.weight"], eps)
         query = self._rotate(query, positions)
-        value = (h @ self.w[p + "v_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
+        if c.kimi is None:
+            value = (h @ self.w[p + "v_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
         memory.keys = torch.cat([memory.keys, self._rotate(key, positions)])
         memory.values = torch.cat([memory.values, value])
         group = c.heads // c.kv_heads
@@ -354,7 +420,9 @@ class ReferenceModel:
         Every expert runs on every token and the routing weights (zero off the top k) mix them."""
         if self.config.granite is not None:
             return self._granite_feed_forward(index, x)
-        prefix = f"layers.{index}.{'block_sparse_moe' if self.config.lightning else 'mlp'}."
+        if self.config.kimi is not None and self.config.is_moe(index):
+            return self._kimi_feed_forward(index, x)
+        prefix = f"layers.{index}.{'block_sparse_moe' if self.config.lightning or self.config.kimi else 'mlp'}."
         if not self.config.is_moe(index):
             return self._swiglu(prefix, x)
         probs = torch.softmax(x @ self.w[prefix + "gate.weight"].T, dim=-1)
@@ -386,6 +454,39 @@ class ReferenceModel:
                                               self.w[prefix + "output_linear.weight"][e])
                      for e in range(self.config.experts))
         return routed + shared
+
+    def _kimi_feed_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Kimi-Linear's MoE: SwiGLU experts mixed by the sigmoid router, plus the ungated shared experts."""
+        prefix = f"layers.{index}.block_sparse_moe."
+        mix = self._sigmoid_routing(prefix, x)
+        routed = sum(mix[:, e, None] * self._expert(prefix, e, x) for e in range(self.config.experts))
+        return routed + self._swiglu(prefix + "shared_experts.", x)
+
+    def _relu2(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """Nemotron-H's MLP: down(relu(up x)^2)."""
+        return F.relu(x @ self.w[prefix + "up_proj.weight"].T).square() @ self.w[prefix + "down_proj.weight"].T
+
+    def _relu2_moe(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """Nemotron-H's MoE: squared-ReLU experts mixed by the sigmoid router, plus the squared-ReLU shared expert."""
+        mix = self._sigmoid_routing(prefix, x)
+        routed = sum(mix[:, e, None] * self._relu2(f"{prefix}experts.{e}.", x) for e in range(self.config.experts))
+        return routed + self._relu2(prefix + "shared_experts.", x)
+
+    def _sigmoid_routing(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """Mixing weights [n, E] (zero off the chosen experts) of DeepSeek-V3's router: sigmoid scores; the
+        choice ranks score + bias within the best groups (a group's merit: its two best biased scores);
+        weights are the chosen plain scores, renormalised, times the scaling factor."""
+        m = self.config.routing
+        scores = torch.sigmoid(x @ self.w[prefix + "gate.weight"].T)  # [n, E]
+        biased = scores + self.w[prefix + "gate.e_score_correction_bias"]
+        per_group = self.config.experts // m["groups"]
+        merit = biased.view(-1, m["groups"], per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(merit).scatter(1, merit.topk(m["top_groups"], dim=-1)[1], 1.0)
+        biased = biased.masked_fill(keep.repeat_interleave(per_group, 1) == 0, float("-inf"))
+        chosen = biased.topk(self.config.top_k, dim=-1)[1]
+        top = scores.gather(1, chosen)
+        top = top / (top.sum(-1, keepdim=True) + 1e-20) if self.config.norm_topk else top
+        return torch.zeros_like(scores).scatter(-1, chosen, top * m["scaling"])
 
     def _expert(self, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         if prefix + "experts.gate_up_proj" in self.w:  # fused [E, 2I, H] / [E, H, I]
