@@ -94,7 +94,7 @@ GRANITE_MODEL: dict[str, Any] = dict(  # Mamba2 with the same state per head (64
 KIMI_MODEL: dict[str, Any] = dict(  # KDA with 8 heads of 64 (the Qwen3.5 shapes' state), latent attention, dense MLP
     hidden_size=256, num_hidden_layers=8, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
     num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    num_local_experts=4, num_experts_per_tok=2, pad_token_id=None, bos_token_id=None,
+    num_local_experts=4, num_experts_per_tok=2, pad_token_id=None, bos_token_id=None, eos_token_id=256,
     linear_attn_config={"head_dim": 64, "num_heads": 8, "short_conv_kernel_size": 4},
 )
 NEMOTRON_MODEL: dict[str, Any] = dict(  # Mamba2 as GRANITE_MODEL, each mixer block followed by a squared-ReLU MLP block

@@ -36,6 +36,7 @@ KIMI_CONFIG: dict[str, Any] = dict(  # KDA (4 heads of 16) at layers 1, 3, 4; la
     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
     qk_nope_head_dim=16, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
     topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None,
+    eos_token_id=256,
     linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "full_attn_layers": [2],
                         "kda_layers": [1, 3, 4]},
 )

@@ -110,6 +110,7 @@ class ModelConfig:
     linear_family: str = "gated_delta"  # the linear layers' token mixer: one of LINEAR_FAMILIES
     attention_output_gate: bool = True  # Qwen's sigmoid gate on the attention output (and q/k RMSNorm)
     rms_norm_unit_offset: bool = True  # Qwen's zero-centred norms (1 + w); False: plain w
+    norm_weight_in_fp32: bool = False  # plain norms multiply w before casting back (Nemotron-H), not after
     residual_scales: ResidualScales | None = None  # None: pre-norm residuals x + f(norm(x))
     residual_multiplier: float = 1.0  # pre-norm residuals x + m f(norm(x)) (Granite)
     embedding_multiplier: float = 1.0  # embeddings scaled by it (Granite)
@@ -439,8 +440,8 @@ def nemotron_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
         shared_expert_intermediate_size=int(text.get("moe_shared_expert_intermediate_size") or 0)
         * int(text.get("n_shared_experts", 1)),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)), eos_token_ids=_eos_ids(text.get("eos_token_id")),
-        linear_family="mamba2", attention_output_gate=False, rms_norm_unit_offset=False, shared_expert_gated=False,
-        mamba=Mamba2Options(bool(text.get("use_conv_bias", True)), bool(text.get("use_bias", False)), (limit[0], limit[1])),
+        linear_family="mamba2", attention_output_gate=False, rms_norm_unit_offset=False, norm_weight_in_fp32=True,
+        shared_expert_gated=False, mamba=Mamba2Options(bool(text.get("use_conv_bias", True)), bool(text.get("use_bias", False)), (limit[0], limit[1])),
         routing=GroupedSigmoidRouting(int(text.get("n_group", 1)), int(text.get("topk_group", 1)),
                                       float(text.get("routed_scaling_factor", 1.0))),
         blocks=layout, mlp_activation="relu2", moe_latent_size=text.get("moe_latent_size"), raw=raw,

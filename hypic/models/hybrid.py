@@ -30,6 +30,12 @@ def full_attention(config: ModelConfig) -> GatedAttention | LatentAttention:
     return GatedAttention(config) if config.latent_attention is None else LatentAttention(config)
 
 
+def decoder_norm(config: ModelConfig) -> RMSNorm:
+    """A norm of the residual stream (before each sublayer, and the final one)."""
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset,
+                   config.norm_weight_in_fp32)
+
+
 def feed_forward(config: ModelConfig, index: int) -> MLP | SparseMoE | None:
     """Layer ``index``'s MLP or MoE (None: a Nemotron-H mixer block with no feed-forward block after it)."""
     if not config.has_feed_forward(index):
@@ -51,9 +57,9 @@ class DecoderLayer(nn.Module):
         self.mixer: GatedDeltaNet | LightningAttention | Mamba2Mixer | GatedAttention | LatentAttention = (
             LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else full_attention(config))
         self.mlp: MLP | SparseMoE | None = feed_forward(config, index)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
+        self.input_layernorm = decoder_norm(config)
         if self.mlp is not None:
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
+            self.post_attention_layernorm = decoder_norm(config)
         scales = config.residual_scales
         self.mixer_scales = None if scales is None else scales.linear if self.is_linear else scales.full
         self.mlp_scales = None if scales is None else scales.mlp
@@ -86,7 +92,7 @@ class HybridModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.rms_norm_unit_offset)
+        self.norm = decoder_norm(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config.rope, config.head_dim, "cpu")
 

@@ -6,15 +6,18 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm ``x / rms(x) * (1 + w)`` computed in fp32 (Qwen3-Next / Qwen3.5), or with
-    ``unit_offset=False`` the plain ``w * (x / rms(x))``, the weight applied in x's dtype (MiniMax)."""
+    ``unit_offset=False`` the plain ``w * (x / rms(x))``, the weight applied in x's dtype (MiniMax), or
+    with ``weight_in_fp32`` before the cast back (Nemotron-H: they differ in half precision)."""
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = True) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = True, weight_in_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
-        self.eps, self.unit_offset = eps, unit_offset
+        self.eps, self.unit_offset, self.weight_in_fp32 = eps, unit_offset, weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * y).type_as(x)
         if not self.unit_offset:
             return self.weight * y.type_as(x)
         return (y * (1.0 + self.weight.float())).type_as(x)

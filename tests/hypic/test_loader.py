@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from hypic import Engine, UnsupportedModel
 from hypic.checkpoints import write_random_checkpoint
 from hypic.config import parse_config
+from hypic.models import HybridModel
 
 PEAK_SCRIPT = """
 import re, sys
@@ -95,6 +96,9 @@ def test_nemotron_blocks_group_into_mixer_layers() -> None:
     assert config.blocks.mixer_blocks == (0, 2, 4, 5) and config.blocks.ffn_blocks == (1, 3, None, 6)
     assert [config.has_feed_forward(i) for i in range(4)] == [True, True, False, True]
     assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    model = HybridModel(config)  # Nemotron-H's norms multiply their weight in fp32 (tests/hypic/test_norms.py)
+    assert model.norm.weight_in_fp32 and model.layers[0].input_layernorm.weight_in_fp32
+    assert not hasattr(model.layers[2], "post_attention_layernorm") and model.layers[2].mlp is None
 
 
 @pytest.mark.parametrize("pattern", ["-M", "M--", "MEE*"])
