@@ -4,8 +4,9 @@ from .index import SegmentIndex
 from .lpt import lpt_assign, makespan
 from .peers import PeerPrefill
 from .plan import Plan, SegmentJob, make_plan
+from .prefix_index import PrefixIndex
 from .router import NoLiveWorkers, RoutedResult, Router
 from .transfer import TransferError, check_entry
 
-__all__ = ["NoLiveWorkers", "PeerPrefill", "Plan", "RoutedResult", "Router", "SegmentIndex", "SegmentJob", "TransferError", "check_entry",
+__all__ = ["NoLiveWorkers", "PeerPrefill", "Plan", "PrefixIndex", "RoutedResult", "Router", "SegmentIndex", "SegmentJob", "TransferError", "check_entry",
            "lpt_assign", "make_plan", "makespan"]

@@ -42,18 +42,23 @@ def combine_score(held: int, total: int, load: int, max_load: int, match_weight:
 
 
 def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int], combine: int | None = None,
-              match_weight: float = MATCH_WEIGHT) -> Plan:
-    """The combine node (unless given) has the best ``combine_score`` (ties: the lowest id);
-    documents no live worker holds are spread by LPT over every worker, counting the tokens each
-    already has queued (``loads``, live workers only)."""
+              match_weight: float = MATCH_WEIGHT, prefixes: dict[int, int] | None = None,
+              prompt_tokens: int = 0) -> Plan:
+    """The combine node (unless given) has the best ``combine_score`` (ties: the lowest id), what a
+    worker holds being its cached documents, or the prompt prefix it is believed to hold
+    (``prefixes``: worker -> tokens) if more; a prompt without documents is scored over its
+    ``prompt_tokens``. Documents no live worker holds are spread by LPT over every worker, counting
+    the tokens each already has queued (``loads``, live workers only)."""
     if not loads or (combine is not None and combine not in loads):
         raise ValueError("no live workers" if not loads else f"combine node {combine} is not live")
     unique = list({job.key: job for job in jobs}.values())
     live = set(loads)
     holders = {job.key: index.holders(job.key) & live for job in unique}
     held = {w: sum(job.tokens for job in unique if w in holders[job.key]) for w in loads}
+    total = sum(job.tokens for job in unique) or prompt_tokens
+    held = {w: min(total, max(tokens, (prefixes or {}).get(w, 0))) for w, tokens in held.items()}
     if combine is None:
-        total, busiest = sum(job.tokens for job in unique), max(loads.values())
+        busiest = max(loads.values())
         combine = min(loads, key=lambda w: (-combine_score(held[w], total, loads[w], busiest, match_weight), w))
     plan = Plan(combine)
     cold = [job for job in unique if not holders[job.key]]

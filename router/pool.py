@@ -10,6 +10,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from hypic.store import SegmentEntry
 
 from .index import SegmentIndex
+from .prefix_index import PrefixIndex
 from .plan import Plan
 from .serialization import register_tensor_serializer
 from .worker import Worker
@@ -41,6 +42,7 @@ class WorkerPool:
         actor = ray.remote(num_cpus=threads, max_restarts=0, max_concurrency=MAX_CALLS)(Worker)
         self.workers = {w: actor.remote(model, threads, options) for w in ids}
         self.index = SegmentIndex()
+        self.prefixes = PrefixIndex()  # prompt prefixes in the workers' private pools
         self.queued = {w: 0 for w in (*local, *ids)}  # tokens of cold documents dispatched, not done
         self.lost: list[int] = []
         self.lock = threading.RLock()
@@ -95,7 +97,7 @@ class WorkerPool:
         """Empty every actor's pools and the index; returns the entries dropped (lost workers skipped)."""
         with self.lock:
             refs = [(w, worker.flush.remote()) for w, worker in self.workers.items()]
-            self.index = SegmentIndex()
+            self.index, self.prefixes = SegmentIndex(), PrefixIndex()
         return sum(self.wait(refs, []))
 
     def wait(self, refs: list[tuple[int, ray.ObjectRef]], lost: list[int], forget: bool = True) -> list[Any]:
@@ -125,6 +127,7 @@ class WorkerPool:
             del self.workers[worker]
             del self.queued[worker]
             self.index.forget_worker(worker)
+            self.prefixes.forget_worker(worker)
             self.lost.append(worker)
 
     def finish(self, plan: Plan, lost: list[int]) -> None:
@@ -150,6 +153,7 @@ class WorkerPool:
     def status(self) -> dict[str, Any]:
         with self.lock:
             return {"workers": sorted(self.workers), "lost_workers": list(self.lost), "indexed_entries": len(self.index),
+                    "indexed_prefix_blocks": len(self.prefixes),
                     "held_entries": {w: len(self.index.keys_of(w)) for w in self.workers}, "queued_tokens": dict(self.queued)}
 
     def shutdown(self) -> None:

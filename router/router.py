@@ -2,8 +2,8 @@
 on one combine node (paper §3.3, §4.4).
 
 Per request: split and hash the documents as the engines do; the combine node is the worker
-with the best cache-aware score (its cached fraction of the request against its load, see
-``plan.combine_score``); cold documents go to workers by LPT, one task per
+with the best cache-aware score (its cached fraction of the request, documents or a prompt prefix
+it served before, against its load, see ``plan.combine_score``); cold documents go to workers by LPT, one task per
 document, so each is shipped as soon as it is done while its builder computes the next; the
 shipped entries (object refs handed to the combine node's ``install``) travel builder -> combine
 node through Ray's object store, not via the router; the combine node checks and stores them,
@@ -75,7 +75,10 @@ class Router:
         if not self.workers:
             raise NoLiveWorkers("every worker has died")
         parts = self.splitter.parse(prompt)
-        plan = make_plan(self.splitter.jobs(parts, mode), self.index, dict(self.pool.queued))
+        with self.pool.lock:
+            loads, prefixes = dict(self.pool.queued), self.pool.prefixes.matched(parts.token_ids)
+        plan = make_plan(self.splitter.jobs(parts, mode), self.index, loads, prefixes=prefixes,
+                         prompt_tokens=len(parts.token_ids))
         start, lost = time.perf_counter(), []
         combine = self.workers[plan.combine]
         builds, shipments = self.pool.dispatch(plan, mode)
@@ -86,6 +89,8 @@ class Router:
         transferred = time.perf_counter()
         try:
             result = ray.get(combine.generate.remote(prompt, mode, sampling))  # every install has run
+            with self.pool.lock:  # its engine keeps the prompt's prefix in its private pool
+                self.pool.prefixes.record(plan.combine, parts.token_ids)
         except WorkerLost:
             self.pool.forget(plan.combine)
             raise

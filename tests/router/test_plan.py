@@ -1,5 +1,5 @@
 """The global segment index and one request's plan: combine node, LPT builds, pulls."""
-from hypic.router import SegmentIndex, SegmentJob, make_plan
+from hypic.router import PrefixIndex, SegmentIndex, SegmentJob, make_plan
 
 
 def _job(name: str, tokens: int) -> SegmentJob:
@@ -51,3 +51,41 @@ def test_a_busy_holder_loses_the_combine_to_an_idle_worker_only_when_it_holds_li
     index.record(0, ["b"])  # now it holds everything
     assert make_plan(jobs, index, {0: 5000, 1: 0}).combine == 0  # 2.0 - 0.83 > 0
     assert make_plan(jobs, index, {0: 5000, 1: 0}, match_weight=0.5).combine == 1  # 0.5 - 0.83 < 0
+
+
+def test_prefix_index_matches_whole_leading_blocks_behind_the_same_prefix() -> None:
+    prefixes = PrefixIndex(block=64)
+    prompt = list(range(1000, 1200))  # three whole blocks of 64, then 8 tokens
+    prefixes.record(1, prompt)
+    assert prefixes.matched(prompt + [7, 8, 9]) == {1: 192}
+    assert prefixes.matched(prompt[:100]) == {1: 64}
+    assert prefixes.matched([0] + prompt[1:]) == {}  # block 2 alone matches nothing: the hash chains
+    assert prefixes.matched(prompt[:63]) == {}
+    prefixes.forget_worker(1)
+    assert prefixes.matched(prompt) == {} and len(prefixes) == 0
+
+
+def test_prefix_index_forgets_least_recently_used_blocks_first() -> None:
+    prefixes = PrefixIndex(block=4, max_blocks=3)
+    prefixes.record(0, list(range(8)))  # blocks a, b
+    prefixes.record(0, [9] * 8)  # blocks c, d: a, the oldest, goes
+    assert len(prefixes) == 3 and prefixes.matched(list(range(8))) == {}
+    assert prefixes.matched([9] * 8) == {0: 8}
+
+
+def test_a_prompt_without_documents_goes_where_its_prefix_is_unless_that_worker_is_swamped() -> None:
+    """Whole-request routing (seed 000): 2 x held fraction of the 600-token prompt - queued / (busiest + 600)."""
+    assert make_plan([], SegmentIndex(), {0: 0, 1: 0}, prefixes={1: 512}, prompt_tokens=600).combine == 1
+    assert make_plan([], SegmentIndex(), {0: 0, 1: 9000}, prefixes={1: 512}, prompt_tokens=600).combine == 1  # 1.71 - 0.94
+    assert make_plan([], SegmentIndex(), {0: 0, 1: 100}, prefixes={1: 64}, prompt_tokens=600).combine == 1  # 0.21 - 0.14
+    assert make_plan([], SegmentIndex(), {0: 0, 1: 9000}, prefixes={1: 64}, prompt_tokens=600).combine == 0  # 0.21 - 0.94
+    assert make_plan([], SegmentIndex(), {0: 0, 1: 0}, prompt_tokens=600).combine == 0  # nobody holds it: ties
+
+
+def test_a_prefix_served_again_is_kept_over_older_ones() -> None:
+    prefixes = PrefixIndex(block=4, max_blocks=3)
+    prefixes.record(0, list(range(8)))  # blocks a, b
+    prefixes.record(0, list(range(4)))  # a used again: b is now the oldest
+    prefixes.record(0, [9] * 4)
+    prefixes.record(0, [8] * 4)  # b goes
+    assert prefixes.matched(list(range(8))) == {0: 4}

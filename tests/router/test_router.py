@@ -84,3 +84,19 @@ def test_a_worker_builds_for_the_request_with_fewer_uncached_tokens_first(router
     first, _ = ray.wait([large, small], num_returns=1)
     assert first == [small]
     ray.get([busy, large])
+
+
+def test_a_plain_prompt_returns_to_the_worker_holding_its_prefix(router: Router, engine: Engine, docs: list[str]) -> None:
+    """A chat-like prompt without documents first lands on worker 1 (worker 0 looks busy); its next
+    turn, with equal loads, follows its prefix there and resumes it from that worker's private pool."""
+    first = " ".join(docs[:3]) + "\nQuestion: who was born in 1907?\nAnswer:"
+    router.pool.queued[0] += 10_000
+    try:
+        routed = router.generate(first, max_new_tokens=8)
+    finally:
+        router.pool.queued[0] -= 10_000
+    assert routed.plan.combine == 1
+    follow_up = first + engine.tokenizer.decode(routed.result.output_ids) + "\nQuestion: and in 1914?\nAnswer:"
+    routed = _same_as_engine(router, engine, follow_up)
+    assert routed.plan.combine == 1
+    assert routed.result.cached_tokens >= len(engine.tokenizer.encode(first)) - 1  # the first turn's prompt
