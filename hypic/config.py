@@ -415,6 +415,8 @@ def nemotron_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     for name, expected in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
         if text.get(name, expected) != expected:
             raise UnsupportedModel(f"nemotron_h with {name} {text[name]!r} is not supported ({expected})")
+    if text.get("mlp_bias"):
+        raise UnsupportedModel("nemotron_h with mlp_bias is not supported")
     if text.get("sliding_window") is not None:
         raise UnsupportedModel("nemotron_h with sliding_window is not supported (sliding-window hybrids are not served yet)")
     layout = nemotron_layout(list(kinds))

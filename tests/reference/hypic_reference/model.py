@@ -468,8 +468,10 @@ class ReferenceModel:
 
     def _relu2_moe(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         """Nemotron-H's MoE: squared-ReLU experts mixed by the sigmoid router, plus the squared-ReLU shared expert."""
-        mix = self._sigmoid_routing(prefix, x)
-        routed = sum(mix[:, e, None] * self._relu2(f"{prefix}experts.{e}.", x) for e in range(self.config.experts))
+        mix, latent = self._sigmoid_routing(prefix, x), prefix + "fc1_latent_proj.weight" in self.w
+        inner = x @ self.w[prefix + "fc1_latent_proj.weight"].T if latent else x  # latent MoE: experts in a narrower space
+        routed = sum(mix[:, e, None] * self._relu2(f"{prefix}experts.{e}.", inner) for e in range(self.config.experts))
+        routed = routed @ self.w[prefix + "fc2_latent_proj.weight"].T if latent else routed
         return routed + self._relu2(prefix + "shared_experts.", x)
 
     def _sigmoid_routing(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
