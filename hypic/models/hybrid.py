@@ -11,7 +11,7 @@ from .kimi_delta import KimiDeltaAttention
 from .latent_attention import LatentAttention
 from .mamba2 import Mamba2Mixer
 from .rotary_linear import RotaryLinearAttention
-from .mlp import MLP, SparseMoE
+from .mlp import MLP, ExpertOptions, SparseMoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -43,8 +43,8 @@ def feed_forward(config: ModelConfig, index: int) -> MLP | SparseMoE | None:
     if not config.is_moe_layer(index):
         return MLP(config.hidden_size, config.intermediate_size, config.mlp_activation)
     return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                     config.shared_expert_intermediate_size, config.norm_topk_prob, config.shared_expert_gated,
-                     config.routing, config.mlp_activation, config.moe_latent_size)
+                     config.shared_expert_intermediate_size, config.norm_topk_prob,
+                     ExpertOptions(config.shared_expert_gated, config.routing, config.mlp_activation, config.moe_latent_size))
 
 
 class DecoderLayer(nn.Module):

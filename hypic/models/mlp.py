@@ -1,5 +1,6 @@
 """Feed-forward blocks: the dense MLP (SwiGLU, or Nemotron-H's squared ReLU) and the sparse MoE."""
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +30,25 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@dataclass(frozen=True)
+class ExpertOptions:
+    """How a family's MoE differs from Qwen's (softmax top-k, SwiGLU experts, sigmoid-gated shared expert)."""
+
+    shared_gated: bool = True  # False: the shared expert is added as it is (Granite, Kimi-Linear, Nemotron-H)
+    routing: GroupedSigmoidRouting | None = None  # DeepSeek-V3's grouped sigmoid router (Kimi-Linear, Nemotron-H)
+    activation: str = "silu"  # "relu2": ungated squared-ReLU experts (Nemotron-H)
+    latent_size: int | None = None  # experts between two latent projections (Nemotron-H's latent MoE)
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next / Qwen3.5-MoE); without the
-    shared expert when ``shared_size`` is 0 (MiniMax), or with an ungated one (Granite, Kimi-Linear).
-    Softmax routing, or ``routing``: DeepSeek-V3's grouped sigmoid router (Kimi-Linear, Nemotron-H).
-    ``activation`` "relu2": ungated squared-ReLU experts (``up_proj``, Nemotron-H), which with
-    ``latent_size`` work in a narrower space entered and left through two projections."""
+    shared expert when ``shared_size`` is 0 (MiniMax); the other families' variants: ``ExpertOptions``
+    (squared-ReLU experts keep ``up_proj`` [E, I, H] instead of ``gate_up_proj`` [E, 2I, H])."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, expert_size: int, shared_size: int, norm_topk: bool,
-                 shared_gated: bool = True, routing: GroupedSigmoidRouting | None = None, activation: str = "silu",
-                 latent_size: int | None = None) -> None:
+                 options: ExpertOptions = ExpertOptions()) -> None:
         super().__init__()
+        routing, activation, latent_size = options.routing, options.activation, options.latent_size
         self.top_k, self.norm_topk, self.routing, self.activation = top_k, norm_topk, routing, activation
         self.router = nn.Linear(hidden, experts, bias=False)
         if routing is not None:
@@ -55,7 +64,7 @@ class SparseMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(experts, width, expert_size))
         if shared_size:
             self.shared_expert = MLP(hidden, shared_size, activation)
-        if shared_size and shared_gated:
+        if shared_size and options.shared_gated:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
