@@ -45,7 +45,8 @@ class Mamba2Options:
 class LatentAttention:
     """Multi-head latent attention (DeepSeek-V3's layout; Kimi-Linear's full-attention layers): keys
     [k_nope (per head, from the kv latent) | k_rope (one part shared by the heads)], values from the
-    same latent. Kimi-Linear applies no RoPE to either part, so cached keys never need turning."""
+    same latent; cached as the latent itself (one head of kv_lora_rank + rope_dim key channels and
+    kv_lora_rank value channels). Kimi-Linear applies no RoPE, so cached keys never need turning."""
 
     kv_lora_rank: int
     q_lora_rank: int | None  # None: a plain q_proj
@@ -131,8 +132,8 @@ class ModelConfig:
 
     @property
     def attention_value_dim(self) -> int:
-        """Width of a cached value head (keys: ``head_dim``); they differ under latent attention."""
-        return self.head_dim if self.latent_attention is None else self.latent_attention.value_dim
+        """Width of a cached value head (keys: ``head_dim``); latent attention caches the latent as values."""
+        return self.head_dim if self.latent_attention is None else self.latent_attention.kv_lora_rank
 
     @property
     def linear_conv_channels(self) -> int:
@@ -350,8 +351,8 @@ def kimi_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModel(f"kimi_linear with hidden_act {text['hidden_act']!r} is not supported (silu)")
     heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
     if int(text.get("num_key_value_heads") or heads) != heads:
-        raise UnsupportedModel("kimi_linear: latent attention expands keys to every head (num_key_value_heads must "
-                               "equal num_attention_heads)")
+        raise UnsupportedModel("kimi_linear: latent attention gives every head its own keys (num_key_value_heads "
+                               "must equal num_attention_heads)")
     linear = dict(text.get("linear_attn_config") or {})
     linear_heads = int(linear.get("num_heads", text.get("linear_num_heads", 32)))
     linear_dim = int(linear.get("head_dim", text.get("linear_head_dim", 128)))
@@ -359,10 +360,10 @@ def kimi_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
                              int(text["qk_rope_head_dim"]), int(text.get("v_head_dim") or text["qk_nope_head_dim"]))
     experts = int(_first(text, ("num_experts", "num_local_experts"), 0))
     expert_size = int(text["moe_intermediate_size"])
-    return ModelConfig(
+    return ModelConfig(  # the attention fields describe the cache: one latent head of kv_lora_rank + rope keys
         model_type="kimi_linear", vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
         num_hidden_layers=layers, layer_types=_kimi_layer_types(text, layers, linear), num_attention_heads=heads,
-        num_key_value_heads=heads, head_dim=latent.nope_dim + latent.rope_dim, linear_num_key_heads=linear_heads,
+        num_key_value_heads=1, head_dim=latent.kv_lora_rank + latent.rope_dim, linear_num_key_heads=linear_heads,
         linear_num_value_heads=linear_heads, linear_key_head_dim=linear_dim, linear_value_head_dim=linear_dim,
         linear_conv_kernel_dim=int(linear.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4))),
         intermediate_size=int(text["intermediate_size"]),

@@ -1,10 +1,12 @@
 """Multi-head latent attention (MLA) as Kimi-Linear's full-attention layers use it: DeepSeek-V3's
-projections without RoPE.
+projections without RoPE, run in the latent space (the "absorbed" form).
 
-Keys are [k_nope | k_rope]: k_nope per head from the normalised kv latent, k_rope one part shared by
-all heads; values come from the same latent. Kimi-Linear rotates neither part (its model has no
-rotary embedding), so keys are cached expanded per head and a cached interior spliced at another
-position needs no re-rotation (the model's RoPE has width 0).
+Keys are [k_nope | k_rope] with k_nope = W_uk c per head from the normalised kv latent c, k_rope one
+part shared by all heads; values are W_uv c. Folding W_uk into the query (q_nope W_uk per head) and
+W_uv after the attention makes the layer multi-query attention over one cached head [c | k_rope]
+(values: c): a token costs kv_lora_rank + rope key channels and kv_lora_rank value channels, not
+heads x (nope + rope + v). Kimi-Linear rotates neither part (its model has no rotary embedding), so a
+cached interior spliced at another position needs no re-rotation (the model's RoPE has width 0).
 """
 import torch
 from torch import nn
@@ -17,20 +19,20 @@ from .rope import RotaryEmbedding
 
 class LatentAttention(nn.Module):
     """The full-attention token mixer of Kimi-Linear; attention runs over caller-assembled KV
-    (keys [H, T, nope + rope], values [H, T, value_dim])."""
+    (keys [1, T, kv_lora_rank + rope], values [1, T, kv_lora_rank])."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         mla, hidden, heads = config.latent_attention, config.hidden_size, config.num_attention_heads
         assert mla is not None
-        self.heads, self.mla, self.head_dim = heads, mla, mla.nope_dim + mla.rope_dim
-        self.scale = self.head_dim**-0.5
+        self.heads, self.mla, self.query_dim = heads, mla, mla.nope_dim + mla.rope_dim
+        self.scale = self.query_dim**-0.5  # of the expanded form's scores, which the absorbed ones equal
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+            self.q_proj = nn.Linear(hidden, heads * self.query_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6, unit_offset=False)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * self.head_dim, bias=False)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * self.query_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.kv_lora_rank + mla.rope_dim, bias=config.attention_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6, unit_offset=False)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.nope_dim + mla.value_dim), bias=False)
@@ -41,20 +43,29 @@ class LatentAttention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_uk [H, nope, rank] and W_uv [H, v, rank]: kv_b_proj's rows per head."""
+        per_head = self.kv_b_proj.weight.view(self.heads, self.mla.nope_dim + self.mla.value_dim, -1)
+        return per_head[:, : self.mla.nope_dim], per_head[:, self.mla.nope_dim :]
+
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> AttentionInputs:
-        """x [N, hidden] -> query, key [N, H, nope + rope], value [N, H, value_dim]; no rotation
-        (``positions`` and ``rope`` are taken for the common interface)."""
+        """x [N, hidden] -> query [N, H, rank + rope] (q_nope folded through W_uk), key [N, 1, rank + rope]
+        = [c | k_rope], value [N, 1, rank] = c; no rotation (``positions``, ``rope``: the common interface)."""
         n, mla = x.shape[0], self.mla
         latent, shared_key = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.rope_dim], dim=-1)
-        key_nope, value = self.kv_b_proj(self.kv_a_layernorm(latent)).view(n, self.heads, -1).split(
-            [mla.nope_dim, mla.value_dim], dim=-1)
-        key = torch.cat([key_nope, shared_key[:, None].expand(n, self.heads, mla.rope_dim)], dim=-1)
-        return AttentionInputs(self._query(x).view(n, self.heads, self.head_dim), key, value.contiguous(), None)
+        latent = self.kv_a_layernorm(latent)
+        query_nope, query_rope = self._query(x).view(n, self.heads, self.query_dim).split(
+            [mla.nope_dim, mla.rope_dim], dim=-1)
+        absorbed = torch.einsum("nhd,hdr->nhr", query_nope, self._up_projections()[0])
+        key = torch.cat([latent, shared_key], dim=-1)[:, None]
+        return AttentionInputs(torch.cat([absorbed, query_rope], dim=-1), key, latent[:, None], None)
 
     def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
                values: torch.Tensor) -> torch.Tensor:
-        """``causal_attention`` at scale (nope + rope) ** -0.5: [N, H, Dk] -> [N, H * value_dim]."""
-        return causal_attention(query, runs, keys, values, self.scale)
+        """Multi-query ``causal_attention`` in the latent space, then W_uv per head:
+        [N, H, rank + rope] -> [N, H * value_dim]."""
+        latent = causal_attention(query, runs, keys, values, self.scale).view(query.shape[0], self.heads, -1)
+        return torch.einsum("nhr,hvr->nhv", latent, self._up_projections()[1]).flatten(1)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         return self.o_proj(attended)

@@ -22,16 +22,18 @@ def _text(seed: int, n: int) -> str:
 def _entry_bytes(config: ModelConfig, interior: int, with_transition: bool) -> int:
     """Closed form of a public-pool entry of an fp32 model (paper Table 3): per linear layer S_C|0
     [Hv, K, V], with transitions T_C ([Hv, K, K] dense, [Hv, K] diagonal, [Hv] scalar), plus the conv tail [k-1, C]
-    (none without a conv); per attention layer K and V of the interior (latent attention: keys of
-    nope + rope channels, values of v_head_dim, both per head)."""
+    (none without a conv); per attention layer K and V of the interior (latent attention: one head of
+    the normalised latent and the shared rope key part, the latent again as values)."""
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     channels = 2 * config.linear_num_key_heads * dk + hv * dv
     transition = {Family.DENSE: hv * dk * dk, Family.DIAGONAL: hv * dk, Family.SCALAR: hv}[
         TRANSITION_FAMILY[config.linear_family]]
     linear = hv * dk * dv + (config.linear_conv_kernel_dim - 1) * channels + (transition if with_transition else 0)
     mla = config.latent_attention
-    key, value = (config.head_dim, config.head_dim) if mla is None else (mla.nope_dim + mla.rope_dim, mla.value_dim)
-    attention = config.num_key_value_heads * interior * (key + value)
+    if mla is None:
+        attention = 2 * config.num_key_value_heads * interior * config.head_dim
+    else:
+        attention = interior * (mla.kv_lora_rank + mla.rope_dim + mla.kv_lora_rank)
     return FP32 * (len(config.linear_layers()) * linear + len(config.attention_layers()) * attention)
 
 

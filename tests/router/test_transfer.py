@@ -67,15 +67,15 @@ def test_a_scalar_transition_entry_passes_and_a_dense_one_is_refused(checkpoint_
 
 
 def test_a_latent_attention_entry_passes_and_wide_values_are_refused(checkpoint_factory) -> None:
-    """Kimi-Linear's cached values are v_head_dim wide, its keys nope + rope: an intact entry passes; one
-    whose values are as wide as its keys does not."""
+    """Kimi-Linear caches its latent: values kv_lora_rank wide, keys kv_lora_rank + rope: an intact entry
+    passes; one whose values are as wide as its keys does not."""
     engine = Engine.from_pretrained(checkpoint_factory("kimi_linear"))
     entry = engine.segment_entry(tuple(range(40, 100)), engine.policy("hypic"))[0]
     _check(engine, entry)
     index = engine.model.config.attention_layers()[0]
     layers = list(entry.layers)
     keys = layers[index].keys
-    assert layers[index].values.shape[-1] == engine.model.config.latent_attention.value_dim < keys.shape[-1]
+    assert layers[index].values.shape[-1] == engine.model.config.latent_attention.kv_lora_rank < keys.shape[-1]
     layers[index] = AttentionInterior(keys, torch.zeros_like(keys))
     with pytest.raises(TransferError, match=f"layer {index}"):
         _check(engine, dataclasses.replace(entry, layers=layers))
