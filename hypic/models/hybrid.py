@@ -9,6 +9,7 @@ from .lightning import LightningAttention
 from .gla import GatedLinearAttention
 from .kimi_delta import KimiDeltaAttention
 from .latent_attention import LatentAttention
+from .linear import LinearMixer
 from .mamba2 import Mamba2Mixer
 from .rotary_linear import RotaryLinearAttention
 from .mlp import MLP, ExpertOptions, SparseMoE
@@ -54,7 +55,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.is_linear = config.layer_types[index] == "linear_attention"
-        self.mixer: GatedDeltaNet | LightningAttention | Mamba2Mixer | GatedAttention | LatentAttention = (
+        self.mixer: LinearMixer | GatedAttention | LatentAttention = (
             LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else full_attention(config))
         self.mlp: MLP | SparseMoE | None = feed_forward(config, index)
         self.input_layernorm = decoder_norm(config)
