@@ -228,15 +228,14 @@ def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
         if f"experts.{up}" in keys:
             out[up], out["down_proj"] = Direct(keys[f"experts.{up}"]), Direct(keys["experts.down_proj"])
     ids = sorted({int(n.split(".")[1]) for n in keys if n.startswith("experts.") and n.split(".")[1].isdigit()})
-    if ids and not any(f"experts.{ids[0]}.{names[0]}.weight" in keys for names in EXPERT_NAMES):  # ungated (Nemotron-H)
-        out["up_proj"] = ExpertStack(tuple((keys.get(f"experts.{e}.up_proj.weight", f"<experts.{e}.up_proj>"),)
-                                           for e in ids))
-        out["down_proj"] = ExpertStack(tuple((keys.get(f"experts.{e}.down_proj.weight", f"<experts.{e}.down_proj>"),)
-                                             for e in ids))
-    elif ids:
-        gate, up, down = next((n for n in EXPERT_NAMES if f"experts.{ids[0]}.{n[0]}.weight" in keys), EXPERT_NAMES[0])
+    if ids:
         pick = lambda e, proj: keys.get(f"experts.{e}.{proj}.weight", f"<experts.{e}.{proj}.weight>")  # noqa: E731
-        out["gate_up_proj"] = ExpertStack(tuple((pick(e, gate), pick(e, up)) for e in ids))
+        names = next((n for n in EXPERT_NAMES if f"experts.{ids[0]}.{n[0]}.weight" in keys), None)
+        if names is None:  # ungated experts, up and down only (Nemotron-H's squared ReLU)
+            out["up_proj"] = ExpertStack(tuple((pick(e, "up_proj"),) for e in ids))
+        else:
+            out["gate_up_proj"] = ExpertStack(tuple((pick(e, names[0]), pick(e, names[1])) for e in ids))
+        down = "down_proj" if names is None else names[2]
         out["down_proj"] = ExpertStack(tuple((pick(e, down),) for e in ids))
     return {f"{prefix}mlp.{name}": source for name, source in out.items()}
 

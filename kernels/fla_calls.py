@@ -1,8 +1,22 @@
-"""Calls of FLA's chunked delta-rule kernels (gated delta rule, KDA) on one unbatched run: FLA wants a
-batch axis and fp32 gates and states; a run's dense transition is the state from I under zero values."""
+"""FLA's Triton kernels: found once per kernel (None without the package or a GPU), and the calls of
+its chunked delta-rule kernels (gated delta rule, KDA) on one unbatched run: FLA wants a batch axis
+and fp32 gates and states; a run's dense transition is the state from I under zero values."""
+import functools
+import importlib
 from collections.abc import Callable
 
 import torch
+
+
+@functools.cache
+def fla_kernel(module: str, name: str) -> Callable | None:
+    """``fla.ops.<module>.<name>``, or None when it cannot run (no package, or no GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return getattr(importlib.import_module(f"fla.ops.{module}"), name)
+    except (ImportError, AttributeError):  # no FLA, or one without this kernel
+        return None
 
 
 def fla_run(chunk: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

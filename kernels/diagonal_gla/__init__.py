@@ -5,26 +5,13 @@ FLA's ``chunk_gla`` on CUDA when installed, else the PyTorch chunked form; runs 
 ``SHORT_RUN`` tokens (decode) take the token loop. A run's transition is closed-form: a vector per
 head, exp(sum_t g_t) (``hypic.composition.diagonal_transition``).
 """
-import functools
-
 import torch
 
+from ..fla_calls import fla_kernel
 from .chunk import chunk_diagonal_gla
 from .naive import naive_diagonal_gla
 
 SHORT_RUN = 4
-
-
-@functools.cache
-def _fla_chunk():
-    """FLA's kernel, or None when it cannot run (no package, or no GPU)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from fla.ops.gla import chunk_gla
-    except ImportError:
-        return None
-    return chunk_gla
 
 
 def diagonal_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -32,7 +19,7 @@ def diagonal_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     """q, k, g [T, H, K]; v [T, H, V]; initial_state [H, K, V] -> o [T, H, V] fp32, final state fp32."""
     if q.shape[0] < SHORT_RUN:
         return naive_diagonal_gla(q, k, v, g, initial_state, scale)
-    chunk = _fla_chunk() if q.is_cuda else None
+    chunk = fla_kernel("gla", "chunk_gla") if q.is_cuda else None
     if chunk is not None:
         out, state = chunk(q[None], k[None], v[None], g[None].float(), scale=scale, output_final_state=True,
                            initial_state=None if initial_state is None else initial_state[None].float())

@@ -6,15 +6,15 @@ measured faster than 64 at every length). Shorter runs (decode): the token loop 
 FLA's fused-recurrent kernel is not used: on an H100 with FLA 0.6 / Triton 3.6 it returned
 states off by 300x from a carried initial state (GPU test of issue 4).
 """
-import functools
 import itertools
 
 import torch
 
-from ..fla_calls import fla_run, fla_transition
+from ..fla_calls import fla_kernel, fla_run, fla_transition
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first, chunk_gated_delta_rule_with_transition
 from .naive import naive_gated_delta_rule, naive_transition
 
+FLA_KERNEL = ("gated_delta_rule", "chunk_gated_delta_rule")  # fla.ops.<module>.<name>, on CUDA
 SHORT_RUN = 4  # below this the token loop beats the chunk form on CPU
 CPU_CHUNK = 32  # the CPU chunk size for long runs; 64 on CUDA (FLA's)
 
@@ -24,18 +24,6 @@ def chunk_size_for(steps: int, device: torch.device) -> int:
     if device.type == "cuda":
         return 64
     return min(CPU_CHUNK, 1 << max(steps - 1, 1).bit_length())
-
-
-@functools.cache
-def _fla_ops():
-    """FLA's kernels, or None when they cannot run (no package, or no GPU)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
-    except ImportError:
-        return None
-    return chunk
 
 
 def gated_delta_rule(
@@ -52,7 +40,7 @@ def gated_delta_rule(
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[0] < SHORT_RUN:
         return naive_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
-    chunk = _fla_ops() if q.is_cuda else None
+    chunk = fla_kernel(*FLA_KERNEL) if q.is_cuda else None
     if chunk is not None:
         return fla_run(chunk, q, k, v, g, beta, initial_state, scale)
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, scale, chunk_size_for(q.shape[0], q.device))
@@ -66,7 +54,7 @@ def gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[0] < SHORT_RUN:
         return (*naive_gated_delta_rule(q, k, v, g, beta, initial_state, scale), naive_transition(k, g, beta))
-    chunk = _fla_ops() if q.is_cuda else None
+    chunk = fla_kernel(*FLA_KERNEL) if q.is_cuda else None
     if chunk is not None:
         return (*fla_run(chunk, q, k, v, g, beta, initial_state, scale), fla_transition(chunk, q, k, g, beta, scale))
     return chunk_gated_delta_rule_with_transition(q, k, v, g, beta, initial_state, scale,
@@ -81,7 +69,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     sequence for all runs on CUDA (what the many short seam runs of a combine pass need: per-run
     calls are host-bound there); elsewhere ``gated_delta_rule`` run by run."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    chunk = _fla_ops() if q.is_cuda else None
+    chunk = fla_kernel(*FLA_KERNEL) if q.is_cuda else None
     if chunk is not None:
         ends = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
         out, finals = chunk(q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,

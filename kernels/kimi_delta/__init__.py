@@ -5,28 +5,15 @@ Runs of at least ``SHORT_RUN`` tokens: FLA's ``chunk_kda`` on CUDA when installe
 PyTorch chunked form. Shorter runs (decode): the token loop on every device. A run's transition
 is a dense K x K matrix per head: the final state of the same run from the identity under zero values.
 """
-import functools
-
 import torch
 
-from ..fla_calls import fla_run, fla_transition
+from ..fla_calls import fla_kernel, fla_run, fla_transition
 from .chunk import chunk_kimi_delta_rule, chunk_kimi_delta_rule_with_transition
 from .naive import naive_kimi_delta_rule, naive_kimi_transition
 
+FLA_KERNEL = ("kda", "chunk_kda")  # fla.ops.<module>.<name>, on CUDA
 SHORT_RUN = 4  # below this the token loop beats the chunk form on CPU
 CPU_CHUNK = 8  # the CPU chunk size: measured fastest from 8 to 2048 tokens, K = 64 and 128
-
-
-@functools.cache
-def _fla_ops():
-    """FLA's kernel, or None when it cannot run (no package, or no GPU)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError:
-        return None
-    return chunk_kda
 
 
 def kimi_delta_rule(
@@ -44,7 +31,7 @@ def kimi_delta_rule(
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[0] < SHORT_RUN:
         return naive_kimi_delta_rule(q, k, v, g, beta, initial_state, scale)
-    chunk = _fla_ops() if q.is_cuda else None
+    chunk = fla_kernel(*FLA_KERNEL) if q.is_cuda else None
     if chunk is not None:
         return fla_run(chunk, q, k, v, g, beta, initial_state, scale)
     return chunk_kimi_delta_rule(q, k, v, g, beta, initial_state, scale, CPU_CHUNK)
@@ -58,7 +45,7 @@ def kimi_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.T
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[0] < SHORT_RUN:
         return (*naive_kimi_delta_rule(q, k, v, g, beta, initial_state, scale), naive_kimi_transition(k, g, beta))
-    chunk = _fla_ops() if q.is_cuda else None
+    chunk = fla_kernel(*FLA_KERNEL) if q.is_cuda else None
     if chunk is not None:
         return (*fla_run(chunk, q, k, v, g, beta, initial_state, scale), fla_transition(chunk, q, k, g, beta, scale))
     return chunk_kimi_delta_rule_with_transition(q, k, v, g, beta, initial_state, scale, CPU_CHUNK)

@@ -5,26 +5,13 @@ FLA's ``chunk_simple_gla`` on CUDA when installed, else the PyTorch chunked form
 ``SHORT_RUN`` tokens (decode) take the token loop. A run's transition is closed-form: the product
 of its gates, exp(sum_t g_t) per head (``hypic.composition.scalar_transition``).
 """
-import functools
-
 import torch
 
+from ..fla_calls import fla_kernel
 from .chunk import chunk_scalar_gla
 from .naive import naive_scalar_gla
 
 SHORT_RUN = 4
-
-
-@functools.cache
-def _fla_chunk():
-    """FLA's kernel, or None when it cannot run (no package, or no GPU)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla
-    except ImportError:
-        return None
-    return chunk_simple_gla
 
 
 def scalar_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -33,7 +20,7 @@ def scalar_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     Returns o [T, H, V] fp32 and the final state [H, K, V] fp32."""
     if q.shape[0] < SHORT_RUN:
         return naive_scalar_gla(q, k, v, g, initial_state, scale)
-    chunk = _fla_chunk() if q.is_cuda else None
+    chunk = fla_kernel("simple_gla", "chunk_simple_gla") if q.is_cuda else None
     if chunk is not None:
         out, state = chunk(q[None], k[None], v[None], g[None].float(), scale=scale, output_final_state=True,
                            initial_state=None if initial_state is None else initial_state[None].float())

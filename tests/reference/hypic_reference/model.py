@@ -220,11 +220,7 @@ class ReferenceModel:
         k = l2_normalize(k.view(n, c.key_heads, c.key_dim)).repeat_interleave(ratio, 1)
         g = -self.w[p + "A_log"].exp() * F.softplus(a + self.w[p + "dt_bias"])
         inputs = LinearInputs(pre_conv, k, v.view(n, c.value_heads, c.value_dim), g, torch.sigmoid(b))
-        outputs = []
-        for t in range(n):
-            self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
-            outputs.append((q[t, :, None, :] * c.key_dim**-0.5 @ memory.state)[:, 0])  # q^T S per head
-        o = torch.stack(outputs)
+        o = self._delta_scan(memory, q * c.key_dim**-0.5, inputs)
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.w[p + "norm.weight"]
         return (normed * F.silu(z)).flatten(1) @ self.w[p + "out_proj.weight"].T, inputs
 
@@ -245,6 +241,14 @@ class ReferenceModel:
         outputs = []
         for t in range(q.shape[0]):
             self._decay_update(memory, k[t], v[t], g[t])
+            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
+        return torch.stack(outputs)
+
+    def _delta_scan(self, memory: LinearMemory, q: torch.Tensor, inputs: LinearInputs) -> torch.Tensor:
+        """Token by token the delta rule (``_delta_update``), then q_t^T S per head: outputs [n, H, V]."""
+        outputs = []
+        for t in range(q.shape[0]):
+            self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
             outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
         return torch.stack(outputs)
 
@@ -270,11 +274,7 @@ class ReferenceModel:
         g = -self.w[p + "A_log"].exp().view(1, -1, 1) * F.softplus(
             (gate_in + self.w[p + "dt_bias"]).view(n, c.value_heads, c.key_dim))
         inputs = LinearInputs(pre, l2_normalize(k), v, g, torch.sigmoid(h @ self.w[p + "b_proj.weight"].T))
-        q, outputs = l2_normalize(q) * c.key_dim**-0.5, []
-        for t in range(n):
-            self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
-            outputs.append((q[t, :, None, :] @ memory.state)[:, 0])
-        o = torch.stack(outputs)
+        o = self._delta_scan(memory, l2_normalize(q) * c.key_dim**-0.5, inputs)
         z = (h @ self.w[p + "g_a_proj.weight"].T @ self.w[p + "g_b_proj.weight"].T).view(n, c.value_heads, c.value_dim)
         normed = plain_rms_norm(o, self.w[p + "o_norm.weight"], c.eps) * torch.sigmoid(z)
         return normed.flatten(1) @ self.w[p + "o_proj.weight"].T, inputs
