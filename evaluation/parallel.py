@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts measured")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per worker")
     parser.add_argument("--repeats", type=int, default=3, help="requests per point (median)")
+    parser.add_argument("--transfer", choices=["torch", "ray"], default="torch",
+                        help="how entries travel to the combine node: torch.distributed (gloo) or Ray's object store")
     parser.add_argument("--out", type=Path, default=Path("eval/runs"), help="folder of the JSONL, summary and figure")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -85,7 +87,7 @@ def measure_router(model: Path, workers: int, args: argparse.Namespace, results:
     progress.update(args.repeats - len(missing))
     if not missing:
         return
-    router = Router(str(model), workers=workers, threads=args.threads)
+    router = Router(str(model), workers=workers, threads=args.threads, transfer=args.transfer)
     try:
         router.generate(cold_prompt(tokenizer, 2, min(300, args.doc_tokens), "warm"), max_new_tokens=1)
         for repeat in missing:
@@ -201,7 +203,7 @@ def run_parallel(args: argparse.Namespace) -> dict[str, Any]:
     """The parallel study of ``args``: records, rows, simulation, and where they were written."""
     if args.docs < 1 or args.doc_tokens < 32 or args.repeats < 1 or args.threads < 1 or min(args.workers) < 1:
         raise DataError("--docs, --repeats, --threads and --workers must be >= 1, --doc-tokens >= 32")
-    shape = f"{args.model}:{args.docs}x{args.doc_tokens}:t{args.threads}"
+    shape = f"{args.model}:{args.docs}x{args.doc_tokens}:t{args.threads}:{args.transfer}"
     results = ResultLog(args.out / "parallel.jsonl")
     print(f"hypic eval parallel: {args.docs} cold documents x {args.doc_tokens} tokens, workers "
           f"{', '.join(map(str, args.workers))}, {args.threads} thread(s) each, {args.repeats} repeats; "

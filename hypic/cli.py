@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
                             "worker processes (the CPU threads are split between them; --threads sets each one's); "
                             "1: no Ray (default: 1)")
     serve.add_argument("--ray-address", help="join this Ray cluster for the workers instead of starting a local one")
+    serve.add_argument("--transfer", choices=["torch", "ray"], default="torch",
+                       help="how documents' cache entries travel between workers: torch = point-to-point over "
+                            "torch.distributed (gloo), rebuilt without a lost worker; ray = Ray's object store "
+                            "(default: torch)")
     serve.add_argument("--worker-timeout", type=float, default=300.0,
                        help="seconds a worker may take to ship a request's documents before it is declared lost, "
                             "killed and its documents recomputed here (default: 300)")
@@ -197,7 +201,7 @@ def _peers(args: argparse.Namespace, choice: ModelChoice) -> Any:
     try:
         return PeerPrefill(str(choice.path), args.workers, threads=args.threads, ray_address=args.ray_address,
                            seam_width=args.seam_width, timeout_s=args.worker_timeout, separator=args.pic_separator,
-                           engine_options=options)
+                           engine_options=options, transfer=args.transfer)
     except Exception as err:  # Ray could not start or join, or a worker could not load the model
         raise HypicError(f"could not start {args.workers - 1} Ray worker(s): {type(err).__name__}: {err}") from err
 

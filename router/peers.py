@@ -4,6 +4,7 @@ actors that prefill the request's cold documents alongside it. The combine node 
 with the best cache-aware score (``plan.combine_score``; the server on ties): the server itself
 (peers ship their entries here), or a peer (everyone ships there; it runs the combine pass and
 sends back the request's state, which the server decodes)."""
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from hypic.store import SegmentEntry
 from .plan import Plan, make_plan
 from .pool import WorkerLost, WorkerPool, start_ray
 from .splitter import Splitter
-from .transfer import entries_of, install_entries
+from .transfer import ReceiveCounts, install_entries, receive_all
 
 LOCAL = 0  # the server's own engine
 
@@ -40,16 +41,17 @@ class PeerPrefill:
 
     def __init__(self, model: str, workers: int, *, threads: int = 1, ray_address: str | None = None,
                  seam_width: int = 8, timeout_s: float = 300.0, separator: str = DEFAULT_SEPARATOR,
-                 engine_options: dict[str, Any] | None = None) -> None:
+                 engine_options: dict[str, Any] | None = None, transfer: str = "torch") -> None:
         if not isinstance(workers, int) or workers < 2:
             raise ValueError(f"peer prefill needs at least 2 workers, got {workers!r}")
         start_ray((workers - 1) * threads, ray_address)
         peers = list(range(1, workers))
         self.pool = WorkerPool(model, peers, threads, {**(engine_options or {}), "seam_width": seam_width}, (LOCAL,),
-                               timeout_s)
+                               timeout_s, transfer)
         self.splitter = Splitter.for_model(model, seam_width, separator)
         if any(f != self.splitter.fingerprint for f in self.pool.fingerprints()):
             raise RuntimeError("the workers loaded a different model than the server")
+        self.received = ReceiveCounts()  # entries this server received as combine node
 
     def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool],
              combine: int | None = None) -> Plan:
@@ -90,9 +92,21 @@ class PeerPrefill:
         lost: list[int] = []
         try:
             self.pool.wait(dispatch.builds, lost)
-            return entries_of(self.pool.wait(dispatch.shipments, lost, forget=False))
+            return self._receive(dispatch)
         finally:
             self.pool.finish(dispatch.plan, lost)
+
+    def _receive(self, dispatch: Dispatch) -> list[SegmentEntry]:
+        """Each shipment's entries as it arrives (parcels received point-to-point into buffers sized
+        by their checked headers); a failed transfer breaks the group and its entries are left out."""
+        group, check, entries = self.pool.group, self.splitter.entry_check(dispatch.mode), []
+        for shipment in dispatch.shipments:
+            for batch in self.pool.wait([shipment], [], forget=False):
+                received, counts = receive_all(group.channel if group else None, batch, check)
+                entries += received
+                self.received.add(counts)
+                self.pool.note_receipt(counts)
+        return entries
 
     @staticmethod
     def local_shipment(plan: Plan) -> list[str]:
@@ -109,7 +123,7 @@ class PeerPrefill:
         installs = self.pool.install_on(plan.combine, dispatch.shipments, dispatch.mode, local_entries)
         try:
             self.pool.wait(dispatch.builds, lost)
-            self.pool.wait(installs, lost, forget=False)
+            self.pool.wait_installs(installs, lost)
             return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from), timeout=self.pool.timeout_s)
         except (WorkerLost, GetTimeoutError):
             self.pool.forget(plan.combine, kill=True)
@@ -124,7 +138,7 @@ class PeerPrefill:
 
     def status(self) -> dict[str, Any]:
         status = self.pool.status()
-        return {**status, "workers": [LOCAL, *status["workers"]]}
+        return {**status, "workers": [LOCAL, *status["workers"]], "received_entries": dataclasses.asdict(self.received)}
 
     def shutdown(self) -> None:
         self.pool.shutdown()

@@ -9,12 +9,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from hypic.store import SegmentEntry
 
+from .group import BulkGroup
 from .index import SegmentIndex
 from .prefix_index import PrefixIndex
+from .transfer import ReceiveCounts
 from .plan import Plan
 from .serialization import register_tensor_serializer
 from .worker import Worker
 
+TRANSFERS = ("torch", "ray")  # bulk entries over torch.distributed (gloo), or through Ray's object store
 MAX_CALLS = 64  # a worker's calls in flight at once (they wait on its one work queue)
 WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskError: its worker lives on)
 
@@ -35,9 +38,11 @@ class WorkerPool:
     from several threads: the bookkeeping is under ``lock``, waits on Ray are not."""
 
     def __init__(self, model: str, ids: list[int], threads: int, options: dict[str, Any], local: tuple[int, ...] = (),
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, transfer: str = "torch") -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
         self.timeout_s = timeout_s  # a worker that has not answered a wait in this long is lost
         actor = ray.remote(num_cpus=threads, max_restarts=0, max_concurrency=MAX_CALLS)(Worker)
         self.workers = {w: actor.remote(model, threads, options) for w in ids}
@@ -46,6 +51,9 @@ class WorkerPool:
         self.queued = {w: 0 for w in (*local, *ids)}  # tokens of cold documents dispatched, not done
         self.lost: list[int] = []
         self.lock = threading.RLock()
+        self.group = BulkGroup(local[:1], timeout_s) if transfer == "torch" else None
+        if self.group is not None:
+            self.group.rebuild(self.workers)
 
     def fingerprints(self) -> list[str]:
         return ray.get([worker.fingerprint.remote() for worker in self.workers.values()])
@@ -57,11 +65,14 @@ class WorkerPool:
         per_worker, priority = {}, sum(plan.build_tokens().values())  # the request's uncached document tokens
         with self.lock:
             self._reserve(plan)
+            ship_to = self.destination(plan.combine)
             for worker, jobs in plan.builds.items():
                 if worker in self.workers:
-                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode, priority)
+                    to = None if worker == plan.combine else ship_to
+                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode, priority, to)
                                           for j in jobs]
-            pulls = [(w, self.workers[w].fetch.remote(keys)) for w, keys in plan.pulls.items() if w in self.workers]
+            pulls = [(w, self.workers[w].fetch.remote(keys, ship_to)) for w, keys in plan.pulls.items()
+                     if w in self.workers]
         builds = [(w, ref) for w, refs in per_worker.items() for ref in refs]
         rounds = max(map(len, per_worker.values()), default=0)
         shipments = [(w, refs[i]) for i in range(rounds) for w, refs in per_worker.items()
@@ -71,10 +82,32 @@ class WorkerPool:
     def install_on(self, combine: int, shipments: list[tuple[int, ray.ObjectRef]], mode: str,
                    extra: list[SegmentEntry] | None = None) -> list[tuple[int, ray.ObjectRef]]:
         """The combine node's install of each shipment, run as each one arrives, and of ``extra``
-        entries sent from this process."""
+        entries sent from this process (point-to-point when this process is in a live group)."""
         actor = self.workers[combine]
-        refs = [ref for _, ref in shipments] + ([ray.put(extra)] if extra else [])
+        refs = [ref for _, ref in shipments] + ([ray.put(self.ship(extra, combine))] if extra else [])
         return [(combine, actor.install.remote(mode, ref)) for ref in refs]
+
+    def destination(self, worker: int) -> tuple[int, int] | None:
+        """Where entries for ``worker`` go point-to-point: (rank, generation), or None (object store)."""
+        return None if self.group is None else self.group.destination(worker)
+
+    def ship(self, entries: list[SegmentEntry], worker: int) -> list[Any]:
+        """This process's ``entries`` for ``worker``: sent point-to-point (parcels), or as they are."""
+        destination, channel = self.destination(worker), self.group.channel if self.group else None
+        if destination is None or channel is None:
+            return list(entries)
+        return [channel.send(entry, destination[0]) for entry in entries]
+
+    def wait_installs(self, installs: list[tuple[int, ray.ObjectRef]], lost: list[int]) -> None:
+        """Wait for the combine node's installs (see ``note_receipt``)."""
+        for counts in self.wait(installs, lost, forget=False):
+            self.note_receipt(counts)
+
+    def note_receipt(self, counts: ReceiveCounts) -> None:
+        """A parcel that did not arrive, or an entry a sender shipped through the object store while
+        the group was live (its own end broke), breaks the group: it is rebuilt after the request."""
+        if self.group is not None and self.group.live and (counts.failed or counts.object_store):
+            self.group.mark_broken()
 
     def _reserve(self, plan: Plan) -> None:
         """Count the plan's documents as queued on their builders until ``finish``."""
@@ -129,6 +162,8 @@ class WorkerPool:
             self.index.forget_worker(worker)
             self.prefixes.forget_worker(worker)
             self.lost.append(worker)
+            if self.group is not None:
+                self.group.mark_broken()
 
     def finish(self, plan: Plan, lost: list[int]) -> None:
         """Release the plan's queued tokens and re-read what its actors hold (evictions included)."""
@@ -139,6 +174,13 @@ class WorkerPool:
             involved = ({plan.combine, *plan.builds, *plan.pulls} & set(self.workers)) - set(lost)
         for worker in involved:
             self.sync(worker)
+        self.rebuild_group_if_needed()
+
+    def rebuild_group_if_needed(self) -> None:
+        """After a loss or a failed transfer, a new bulk-transfer group over the live members."""
+        with self.lock:
+            if self.group is not None and self.group.needs_rebuild:
+                self.group.rebuild(self.workers)
 
     def sync(self, worker: int) -> None:
         """Re-read what ``worker`` holds into the index (a dead worker is forgotten)."""
@@ -154,7 +196,8 @@ class WorkerPool:
         with self.lock:
             return {"workers": sorted(self.workers), "lost_workers": list(self.lost), "indexed_entries": len(self.index),
                     "indexed_prefix_blocks": len(self.prefixes),
-                    "held_entries": {w: len(self.index.keys_of(w)) for w in self.workers}, "queued_tokens": dict(self.queued)}
+                    "held_entries": {w: len(self.index.keys_of(w)) for w in self.workers}, "queued_tokens": dict(self.queued),
+                    **(self.group.status() if self.group is not None else {"transfer": "ray object store"})}
 
     def shutdown(self) -> None:
         for worker in self.workers.values():

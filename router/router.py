@@ -5,8 +5,9 @@ Per request: split and hash the documents as the engines do; the combine node is
 with the best cache-aware score (its cached fraction of the request, documents or a prompt prefix
 it served before, against its load, see ``plan.combine_score``); cold documents go to workers by LPT, one task per
 document, so each is shipped as soon as it is done while its builder computes the next; the
-shipped entries (object refs handed to the combine node's ``install``) travel builder -> combine
-node through Ray's object store, not via the router; the combine node checks and stores them,
+shipped entries travel builder -> combine node point-to-point over ``torch.distributed`` (gloo),
+their headers as object refs handed to the combine node's ``install`` (``transfer="ray"``: the
+whole entries through Ray's object store), never via the router; the combine node checks and stores them,
 then runs the request's combine pass and decode. A builder that dies costs only its documents:
 the combine pass recomputes what did not arrive, and the router forgets the worker.
 """
@@ -44,12 +45,13 @@ class Router:
     """N workers (Ray actors), each owning an engine; ``generate`` as ``Engine.generate`` does."""
 
     def __init__(self, model: str = "default", workers: int = 2, *, threads: int = 1, ray_address: str | None = None,
-                 seam_width: int = 8, timeout_s: float = 300.0, engine_options: dict[str, Any] | None = None) -> None:
+                 seam_width: int = 8, timeout_s: float = 300.0, engine_options: dict[str, Any] | None = None,
+                 transfer: str = "torch") -> None:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         start_ray(workers * threads, ray_address)
         self.pool = WorkerPool(model, list(range(workers)), threads, {**(engine_options or {}), "seam_width": seam_width},
-                               timeout_s=timeout_s)
+                               timeout_s=timeout_s, transfer=transfer)
         self.splitter = Splitter.for_model(model, seam_width)
         if any(f != self.splitter.fingerprint for f in self.pool.fingerprints()):
             raise RuntimeError("the workers loaded a different model than the router split for")
@@ -85,7 +87,7 @@ class Router:
         installs = self.pool.install_on(plan.combine, shipments, mode)
         self.pool.wait(builds, lost)
         dispatched = time.perf_counter()
-        self.pool.wait(installs, lost, forget=False)  # a failed shipment is recomputed there
+        self.pool.wait_installs(installs, lost)  # a failed shipment is recomputed there
         transferred = time.perf_counter()
         try:
             result = ray.get(combine.generate.remote(prompt, mode, sampling))  # every install has run

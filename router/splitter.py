@@ -1,17 +1,20 @@
 """The router's view of a prompt: split and hashed exactly as the workers' engines do, without
 loading any weights."""
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from hypic import DEFAULT_SEPARATOR, default_model_path
+from hypic.config import ModelConfig
 from hypic.errors import InvalidRequest
 from hypic.loader import model_fingerprint, read_config
 from hypic.modes import mode_policy
 from hypic.segments import PromptParts, spliceable, split_prompt
-from hypic.store import entry_key
+from hypic.store import SegmentEntry, entry_key
 from hypic.tokenizer import TextTokenizer
 
 from .plan import SegmentJob
+from .transfer import entry_check
 
 
 @dataclass
@@ -24,13 +27,14 @@ class Splitter:
     conv_kernel: int
     max_positions: int
     separator: str = DEFAULT_SEPARATOR
+    config: ModelConfig | None = None
 
     @classmethod
     def for_model(cls, model: str, seam_width: int = 8, separator: str = DEFAULT_SEPARATOR) -> "Splitter":
         path = default_model_path() if model == "default" else Path(model)
         config = read_config(path)
         return cls(TextTokenizer.from_dir(path), model_fingerprint(path), seam_width, config.linear_conv_kernel_dim,
-                   config.max_position_embeddings, separator)
+                   config.max_position_embeddings, separator, config)
 
     def parse(self, prompt: str) -> PromptParts:
         if not isinstance(prompt, str):
@@ -40,6 +44,12 @@ class Splitter:
             raise InvalidRequest(f"the prompt has {len(parts.token_ids)} tokens, over the model's limit of "
                                  f"{self.max_positions}")
         return parts
+
+    def entry_check(self, mode: str) -> Callable[[SegmentEntry], None]:
+        """The check a received entry of ``mode``'s role must pass for this model."""
+        if self.config is None:
+            raise ValueError("this splitter was made without the model's config")
+        return entry_check(self.fingerprint, mode_policy(mode, self.seam_width, self.conv_kernel).role, self.config)
 
     def jobs(self, parts: PromptParts, mode: str) -> list[SegmentJob]:
         """The documents ``mode`` splices from the public pool, keyed as the engines key them."""

@@ -1,8 +1,13 @@
 """Checks on a segment entry that crossed a process boundary, before the receiver splices it."""
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from hypic.config import ModelConfig
 from hypic.engine import Engine
 from hypic.errors import HypicError
 from hypic.store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
+
+from .channel import BulkChannel, ChannelError, Parcel
 
 
 class TransferError(HypicError):
@@ -44,6 +49,45 @@ def install_entries(engine: Engine, entries: list[SegmentEntry], mode: str) -> t
         if engine.store.put(entry):
             kept.append(entry.key)
     return kept, refused
+
+
+def entry_check(fingerprint: str, role: Role, config: ModelConfig) -> Callable[[SegmentEntry], None]:
+    """``check_entry`` against one model and role."""
+    return lambda entry: check_entry(entry, fingerprint, role, config)
+
+
+@dataclass
+class ReceiveCounts:
+    """Entries a combine node received, by path, and parcels that did not arrive or were refused."""
+
+    point_to_point: int = 0
+    object_store: int = 0
+    failed: int = 0
+
+    def add(self, other: "ReceiveCounts") -> None:
+        self.point_to_point += other.point_to_point
+        self.object_store += other.object_store
+        self.failed += other.failed
+
+
+def receive_all(channel: BulkChannel | None, items: list[SegmentEntry | Parcel],
+                check: Callable[[SegmentEntry], None]) -> tuple[list[SegmentEntry], ReceiveCounts]:
+    """Entries as they are (they came through the object store), parcels received over ``channel``
+    (their headers ``check``-ed first); returns the entries and the counts."""
+    entries, counts = [], ReceiveCounts()
+    for item in items:
+        if not isinstance(item, Parcel):
+            entries.append(item)
+            counts.object_store += 1
+            continue
+        try:
+            if channel is None:
+                raise ChannelError("a parcel arrived but this process has no bulk-transfer group")
+            entries.append(channel.receive(item, check))
+            counts.point_to_point += 1
+        except (ChannelError, TransferError):
+            counts.failed += 1
+    return entries, counts
 
 
 def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:

@@ -8,8 +8,9 @@ from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
+from .channel import BulkChannel, GroupSpec, Parcel
 from .serialization import register_tensor_serializer
-from .transfer import entries_of, install_entries
+from .transfer import ReceiveCounts, entries_of, entry_check, install_entries, receive_all
 from .work_queue import WorkQueue
 
 
@@ -25,15 +26,34 @@ class Worker:
         self.engine = Engine.from_pretrained(model, **(options or {}))
         self.rejected_entries = 0
         self.queue = WorkQueue()
+        self.channel: BulkChannel | None = None  # bulk transfer to the other workers (None: Ray's object store)
+        self.received = ReceiveCounts()
+
+    def join_group(self, spec: GroupSpec, rank: int) -> int:
+        """Become rank ``rank`` of a new bulk-transfer group (returns when every member has joined)."""
+        old, self.channel = self.channel, BulkChannel(spec, rank)
+        if old is not None:
+            old.close()
+        return spec.generation
 
     def fingerprint(self) -> str:
         return self.engine.fingerprint
 
-    def build(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str, priority: float = 0) -> list[SegmentEntry]:
+    def build(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str, priority: float = 0,
+              ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
         """Each (key, token ids) prefilled alone unless this worker already holds it; the entries
-        stay in this worker's public pool (when they fit) and go back to the caller. ``priority``:
-        the tokens the request still needs built (fewer go first)."""
-        return self.queue.run(lambda: self._build_all(jobs, mode), priority)
+        stay in this worker's public pool (when they fit) and go back to the caller, or, with
+        ``ship_to`` = (rank, generation) of a live group, their bytes go there and parcels come
+        back. ``priority``: the tokens the request still needs built (fewer go first)."""
+        return self.queue.run(lambda: self.ship(self._build_all(jobs, mode), ship_to), priority)
+
+    def ship(self, entries: list[SegmentEntry], ship_to: tuple[int, int] | None) -> list[SegmentEntry | Parcel]:
+        """``entries`` sent point-to-point to ``ship_to`` (parcels back), or themselves when there is
+        no such group here (they go through Ray's object store)."""
+        channel = self.channel
+        if ship_to is None or channel is None or channel.broken or channel.generation != ship_to[1]:
+            return list(entries)
+        return [channel.send(entry, ship_to[0]) for entry in entries]
 
     def _build_all(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[SegmentEntry]:
         policy, entries = self.engine.policy(mode), []
@@ -51,23 +71,37 @@ class Worker:
     def _build(self, key: str, token_ids: tuple[int, ...], mode: str) -> SegmentEntry:
         return drain(self.engine.build_segment(key, token_ids, self.engine.policy(mode)))
 
-    def fetch(self, keys: list[str]) -> list[SegmentEntry]:
-        """The entries of ``keys`` this worker still holds (evicted ones are left out)."""
-        return self.queue.run(lambda: [e for e in (self.engine.store.entries.get(k) for k in keys) if e is not None])
+    def fetch(self, keys: list[str], ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
+        """The entries of ``keys`` this worker still holds (evicted ones are left out), shipped as ``build``'s."""
+        held = self.queue.run(lambda: [e for e in (self.engine.store.entries.get(k) for k in keys) if e is not None])
+        return self.ship(held, ship_to)
 
-    def install(self, mode: str, *batches: list[SegmentEntry]) -> list[str]:
-        """Check and store peers' entries (each batch: one peer's list); returns the keys kept. An
-        entry that fails the check is dropped (and counted): the combine pass recomputes it."""
-        def install() -> list[str]:
-            kept, refused = install_entries(self.engine, entries_of(list(batches)), mode)
-            self.rejected_entries += refused
-            return kept
+    def install(self, mode: str, *batches: list[SegmentEntry | Parcel]) -> ReceiveCounts:
+        """Receive, check and store peers' entries (each batch: one peer's list); returns how they
+        came. An entry that fails its check or does not arrive is dropped (and counted): the
+        combine pass recomputes it."""
+        check = entry_check(self.engine.fingerprint, self.engine.policy(mode).role, self.engine.model.config)
+        entries, counts = receive_all(self.channel, entries_of(list(batches)), check)
+
+        def install() -> ReceiveCounts:
+            refused = install_entries(self.engine, entries, mode)[1]
+            self.rejected_entries += refused + counts.failed
+            self.received.add(counts)
+            return counts
 
         return self.queue.run(install)
+
+    def receive_counts(self) -> ReceiveCounts:
+        """Entries received as combine node, by path (point-to-point, object store) and failed."""
+        return self.received
 
     def rejected(self) -> int:
         """How many received entries failed their check."""
         return self.rejected_entries
+
+    def channel_generation(self) -> int | None:
+        """The generation of this worker's live group (None: none, or broken)."""
+        return None if self.channel is None or self.channel.broken else self.channel.generation
 
     def prefill(self, parts: PromptParts, mode: str, logits_from: int | None = None) -> Prefill:
         """The request's combine pass on this worker (its combine node); the caller decodes the state."""
@@ -83,3 +117,4 @@ class Worker:
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""
         return self.queue.run(lambda: list(self.engine.store.entries))
+

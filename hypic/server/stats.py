@@ -69,4 +69,10 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     if workers is not None:
         metric("workers_live", "gauge", len(workers["workers"]), "workers serving (this process included)")
         metric("workers_lost_total", "counter", len(workers["lost_workers"]), "workers lost (died or timed out)")
+        for path, count in workers.get("received_entries", {}).items():
+            metric(f"peer_entries_received_{path}_total", "counter", count,
+                   f"peers' document entries this server received ({path.replace('_', ' ')})")
+        if "group_rebuilds" in workers:
+            metric("transfer_group_rebuilds_total", "counter", workers["group_rebuilds"],
+                   "torch.distributed transfer groups built (the first one included)")
     return "\n".join(lines) + "\n"

@@ -37,9 +37,15 @@ def test_a_builder_lost_before_dispatch_is_recomputed_elsewhere(router: Router, 
     assert 1 in routed.plan.builds and routed.lost_workers == [1]
     assert routed.result.output_ids == _expected(engine, prompt)
     assert 1 not in router.workers and router.index.keys_of(1) == set()
-    again = router.generate(pic_prompt([5, 4, 3, 2, 1, 0], "Who was born in 1914?"), max_new_tokens=8)
+    group = router.pool.group  # the gloo group did not survive the loss: rebuilt over the survivors
+    assert group.live and group.generation == 2 and group.ranks == {0: 0, 2: 1}
+    again = router.generate(pic_prompt([5, 4, 3, 2, 1, 0, 6, 7], "Who was born in 1914?"), max_new_tokens=8)
     assert set(again.plan.builds) | {again.plan.combine} <= {0, 2}
-    assert again.result.output_ids == _expected(engine, pic_prompt([5, 4, 3, 2, 1, 0], "Who was born in 1914?"))
+    assert again.result.output_ids == _expected(engine, pic_prompt([5, 4, 3, 2, 1, 0, 6, 7], "Who was born in 1914?"))
+    builder = ({0, 2} - {again.plan.combine}).pop()
+    counts = ray.get(router.workers[again.plan.combine].receive_counts.remote())
+    assert again.plan.builds.get(builder) and counts.point_to_point >= len(again.plan.builds[builder])
+    assert counts.failed == 0
 
 
 def test_a_builder_killed_mid_dispatch(router: Router, engine: Engine, pic_prompt: Prompt, docs: list[str]) -> None:

@@ -57,6 +57,8 @@ def test_the_peer_holding_most_documents_combines(served, pic_prompt: Prompt, do
     assert result["output_ids"] == expected.output_ids
     assert result["meta_info"]["cached_tokens"] == expected.cached_tokens  # every document a hit on the peer
     assert len(loop.engine.store.entries) == 1  # only its own build is here: it was shipped, not spliced here
+    counts = ray.get(peers.pool.workers[1].receive_counts.remote())  # ... from this process over gloo
+    assert (counts.point_to_point, counts.object_store, counts.failed) == (1, 0, 0)
     assert plan.builds[0][0].key in peers.pool.index.keys_of(1)
 
 

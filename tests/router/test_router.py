@@ -35,11 +35,18 @@ def _same_as_engine(router: Router, engine: Engine, prompt: str):
     return routed
 
 
+def _received(router: Router, worker: int) -> tuple[int, int, int]:
+    counts = ray.get(router.workers[worker].receive_counts.remote())
+    return counts.point_to_point, counts.object_store, counts.failed
+
+
 def test_cold_documents_are_spread_by_lpt(router: Router, engine: Engine, pic_prompt: Prompt) -> None:
     routed = _same_as_engine(router, engine, pic_prompt([0, 1, 2, 3], "Where was the otter born?"))
     assert set(routed.plan.builds) == {0, 1}
     assert sum(len(jobs) for jobs in routed.plan.builds.values()) == 4
     assert routed.result.segments_hit == 4  # built on the combine node or shipped to it
+    shipped = sum(len(jobs) for worker, jobs in routed.plan.builds.items() if worker != routed.plan.combine)
+    assert shipped and _received(router, routed.plan.combine) == (shipped, 0, 0)  # over torch.distributed
 
 
 def test_documents_warm_on_either_worker_are_pulled(router: Router, engine: Engine, pic_prompt: Prompt, docs: list[str]) -> None:

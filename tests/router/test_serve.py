@@ -41,7 +41,11 @@ def test_two_workers_answer_as_one_engine(server: ServerProcess, pic_prompt: Pro
     info = server.get("/get_server_info")
     assert info["workers"]["workers"] == [0, 1] and info["workers"]["lost_workers"] == []
     assert info["workers"]["held_entries"]["1"] >= 3  # LPT gave the peer half of the six cold documents
-    assert "hypic_workers_live 2" in server.get("/metrics")
+    received = info["workers"]["received_entries"]  # the peer's entries came point-to-point (gloo)
+    assert received["point_to_point"] >= 3 and received["object_store"] == received["failed"] == 0
+    metrics = server.get("/metrics")
+    assert "hypic_workers_live 2" in metrics
+    assert f"hypic_peer_entries_received_point_to_point_total {received['point_to_point']}" in metrics
 
 
 def test_every_endpoint_still_answers(server: ServerProcess, pic_prompt: Prompt) -> None:
