@@ -102,9 +102,14 @@ NEMOTRON_MODEL: dict[str, Any] = dict(  # Mamba2 as GRANITE_MODEL, each mixer bl
     mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=4, conv_kernel=4, n_routed_experts=0,
     chunk_size=64, pad_token_id=None, bos_token_id=None,
 )
+MIMO_MODEL: dict[str, Any] = dict(  # MiMo-V2-Flash's mix: window 129 (twice the KV heads), a full layer first and every 6th
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=96, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, sliding_window=129, pad_token_id=None,
+    bos_token_id=None,
+)
 ARCHITECTURES = {"qwen3_5": ("qwen3_5_text", DEFAULT_MODEL), "minimax": ("minimax", MINIMAX_MODEL),
                  "granite": ("granitemoehybrid", GRANITE_MODEL), "kimi": ("kimi_linear", KIMI_MODEL),
-                 "nemotron": ("nemotron_h", NEMOTRON_MODEL)}
+                 "nemotron": ("nemotron_h", NEMOTRON_MODEL), "mimo": ("mimo_v2_flash", MIMO_MODEL)}
 FULL_SWEEP = dict(lengths=(1024, 2048, 4096), counts=(4, 8, 16), fixed_count=4, fixed_length=1024)
 WORD_CHARS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -175,8 +180,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="qwen3_5",
                         help="layers of the random model: qwen3_5 (Gated DeltaNet, dense T_C), minimax "
                              "(Lightning attention, scalar T_C, MoE in every layer), granite (Mamba2, scalar T_C), "
-                             "kimi (Kimi Delta Attention, dense T_C; latent attention) or nemotron (Mamba2 blocks "
-                             "and squared-ReLU MLP blocks, scalar T_C)")
+                             "kimi (Kimi Delta Attention, dense T_C; latent attention), nemotron (Mamba2 blocks "
+                             "and squared-ReLU MLP blocks, scalar T_C) or mimo (MiMo-V2-Flash's sliding-window "
+                             "attention, window 129, a full layer first and every 6th; no linear layers)")
     parser.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL["hidden_size"],
                         help="hidden size of the random model")
     parser.add_argument("--layers", type=int, default=DEFAULT_MODEL["num_hidden_layers"],
@@ -239,6 +245,10 @@ def random_model_dir(args: argparse.Namespace, workdir: Path, max_tokens: int) -
         overrides["mlp_layer_types"] = ["dense"] * args.layers
     if model_type == "nemotron_h":
         overrides["layers_block_type"] = [block for kind in kinds for block in (kind, "mlp")]
+    if model_type == "mimo_v2_flash":  # its own layer mix (sliding-window, no linear layers); dense MLPs as the others
+        overrides["layer_types"] = ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                                    for i in range(args.layers)]
+        overrides["mlp_layer_types"] = ["dense"] * args.layers
     return write_random_checkpoint(workdir / "model", model_type, args.seed, **overrides)
 
 

@@ -19,7 +19,7 @@ from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs
 from .models.linear import LinearMixer, RunRecurrence, last_rows
 from .models.rope import RotaryEmbedding
 from .segments import Piece, Run, Splice, chunk_pieces
-from .state import AttentionLayerState, LinearLayerState, RequestState
+from .state import AttentionLayerState, LinearLayerState, RequestState, WindowLayerState
 from .store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntry
 
 
@@ -66,6 +66,15 @@ class InteriorCapture:
         kept = total if self.transitions else None
         self.layers[index] = LinearInterior(kept, zero, state.new_zeros(0))
         return output, state
+
+    def window(self, index: int, keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor,
+               window: int) -> None:
+        """A sliding-window layer keeps only its interior's last ``window`` tokens' K and V: no later
+        token sees further back (``key_positions`` [T]: the positions of keys / values [Hkv, T, D])."""
+        if index in self.layers or not bool((key_positions == self.hi - 1).any()):
+            return
+        wanted = (key_positions >= max(self.lo, self.hi - window)) & (key_positions < self.hi)
+        self.layers[index] = AttentionInterior(keys[:, wanted].clone(), values[:, wanted].clone())
 
     def attention(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep the interior's K and V once the keys (all positions so far) reach ``hi``."""
@@ -264,6 +273,50 @@ def _attention_layer(
     return mixer.output(attended, proj.gate), init
 
 
+def _window_layer(
+    mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
+    entries: dict[int, SegmentEntry], index: int, init: WindowLayerState, capture: InteriorCapture | None,
+    snapshots: dict[int, dict],
+) -> tuple[torch.Tensor, WindowLayerState]:
+    """A sliding-window layer: recompute tokens attend over the window's held keys, the spliced
+    interiors' (their last ``window`` tokens, re-rotated) and each other, masked by position; the
+    ring then keeps the newest ``window`` of them."""
+    proj = mixer.project(h, positions, rope)
+    spliced = _rerotated_interiors(rope, pieces, entries, index)
+    held_keys, held_values, held_positions = init.held()
+    keys, values, key_positions, offset = [held_keys], [held_values], [held_positions], 0
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            key, value = next(spliced)
+            end = piece.start + piece.length
+            key_positions.append(torch.arange(end - key.shape[1], end, device=positions.device))
+        else:
+            key = proj.key[offset : offset + piece.length].transpose(0, 1)
+            value = proj.value[offset : offset + piece.length].transpose(0, 1)
+            key_positions.append(positions[offset : offset + piece.length])
+            offset += piece.length
+        keys.append(key)
+        values.append(value)
+        init.write(key, value, int(key_positions[-1][0]) if key.shape[1] else piece.start + piece.length)
+    keys, values, key_positions = torch.cat(keys, dim=1), torch.cat(values, dim=1), torch.cat(key_positions)
+    if capture is not None:
+        capture.window(index, keys, values, key_positions, init.window)
+    _window_snapshots(snapshots, index, keys, values, key_positions, init.window, pieces)
+    attended = mixer.attend_at(proj.query, positions, keys, values, key_positions)
+    return mixer.output(attended, proj.gate), init
+
+
+def _window_snapshots(snapshots: dict[int, dict], index: int, keys: torch.Tensor, values: torch.Tensor,
+                      key_positions: torch.Tensor, window: int, pieces: list[Piece]) -> None:
+    """Record the layer's window (the keys and values of the last ``window`` positions) at every
+    requested position inside or at the end of these pieces, where all of them are at hand."""
+    lo, hi = pieces[0].start, pieces[-1].start + pieces[-1].length
+    for position in (p for p in snapshots if lo < p <= hi):
+        wanted = (key_positions >= position - window) & (key_positions < position)
+        if int(wanted.sum()) == min(position, window):
+            snapshots[position][index] = WindowLayerState(keys[:, wanted], values[:, wanted], window, position)
+
+
 def _rerotated_interiors(rope: RotaryEmbedding, pieces: list[Piece], entries: dict[int, SegmentEntry],
                          index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Keys and values [Hkv, n, D] of each spliced interior in order, the keys moved from their
@@ -279,7 +332,7 @@ def _rerotated_interiors(rope: RotaryEmbedding, pieces: list[Piece], entries: di
     if not cached:
         return iter(())
     deltas = torch.tensor([delta for delta, _ in shifts]).repeat_interleave(torch.tensor([n for _, n in shifts]))
-    keys = rope.apply(torch.cat([layer.keys for layer in cached], dim=1).transpose(0, 1), deltas).transpose(0, 1)
+    keys = rope.apply(torch.cat([layer.keys for layer in cached], dim=1).transpose(0, 1), deltas, scaled=False).transpose(0, 1)
     return zip(keys.split([n for _, n in shifts], dim=1), (layer.values for layer in cached))
 
 
@@ -319,8 +372,11 @@ def combine(
             mixed, layer_state = _linear_layer(layer.mixer, h, positions, pieces, entries, index, init.layers[index], naive,
                                                capture, snapshots)
         else:
-            mixed, layer_state = _attention_layer(layer.mixer, model.rope, h, positions, pieces, entries, index,
-                                                  init.layers[index], capture)
+            args = (layer.mixer, model.rope_of(index), h, positions, pieces, entries, index, init.layers[index], capture)
+            if isinstance(init.layers[index], WindowLayerState):
+                mixed, layer_state = _window_layer(*args, snapshots)
+            else:
+                mixed, layer_state = _attention_layer(*args)
         x = layer.feed_forward(layer.residual(x, h, mixed))
         layers.append(layer_state)
     logits = model.logits(x[-1:])[0] if need_logits else None

@@ -48,7 +48,21 @@ NEMOTRON_CONFIG: dict[str, Any] = dict(  # Mamba2 + MoE, attention (no RoPE), ML
     moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
     routed_scaling_factor=2.0, chunk_size=16, max_position_embeddings=4096, pad_token_id=None, bos_token_id=None,
 )
-FAMILY_CONFIGS: dict[str, dict[str, Any]] = {"minimax": MINIMAX_CONFIG, "granitemoehybrid": GRANITE_CONFIG,
+GPT_OSS_CONFIG: dict[str, Any] = dict(  # sliding (window 8) / full alternating, sinks everywhere, YaRN, 4 experts
+    vocab_size=320, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+    num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, max_position_embeddings=131072,
+    pad_token_id=None,
+)
+MIMO_CONFIG: dict[str, Any] = dict(  # full, sliding (window 8, 2 KV heads, sinks), sliding, full; K 24 wide, V 16
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=24, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=1, topk_group=1, sliding_window=8,
+    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], max_position_embeddings=4096, pad_token_id=None,
+    bos_token_id=None,
+)
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {"gpt_oss": GPT_OSS_CONFIG, "mimo_v2_flash": MIMO_CONFIG,
+                                             "minimax": MINIMAX_CONFIG, "granitemoehybrid": GRANITE_CONFIG,
                                              "kimi_linear": KIMI_CONFIG, "nemotron_h": NEMOTRON_CONFIG}
 
 
@@ -71,7 +85,10 @@ def reference_classes(model_type: str) -> tuple[type, type]:
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, MiniMaxConfig, MiniMaxForCausalLM
     from transformers import KimiLinearConfig, KimiLinearForCausalLM, NemotronHConfig, NemotronHForCausalLM
+    from transformers import GptOssConfig, GptOssForCausalLM, MiMoV2FlashConfig, MiMoV2FlashForCausalLM
     classes = {
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+        "mimo_v2_flash": (MiMoV2FlashConfig, MiMoV2FlashForCausalLM),
         "nemotron_h": (NemotronHConfig, NemotronHForCausalLM),
         "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM),
         "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
@@ -84,15 +101,21 @@ def reference_classes(model_type: str) -> tuple[type, type]:
     return classes[model_type]
 
 
-def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
+NOISY_BIASES = ("gpt_oss", "mimo_v2_flash")  # model types whose zero-initialised sinks and biases get noise
+
+
+def _randomize(model: torch.nn.Module, generator: torch.Generator, noisy_biases: bool = False) -> None:
     """Zero-initialised norms would hide layout bugs, and the default decays (A up to 16) forget
-    everything within a few tokens: give norms noise and the linear layers long memory."""
+    everything within a few tokens: give norms noise and the linear layers long memory (and, with
+    ``noisy_biases``, attention sinks and biases noise too)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "dt_bias", "conv1d.bias", "mamba.D", "mixer.D")):  # zero or one when initialised
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith("A_log"):
                 param.copy_(torch.empty(param.shape).uniform_(1e-3, 3e-2, generator=generator).log())
+            elif noisy_biases and name.endswith(("sinks", "bias")):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # Kimi-Linear's router bias: zero would hide its use
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
@@ -112,7 +135,7 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
         config = config_class(**fields)
     config.eos_token_id = 256
     model = model_class(config).eval()
-    _randomize(model, torch.Generator().manual_seed(seed))
+    _randomize(model, torch.Generator().manual_seed(seed), model_type in NOISY_BIASES)
     model.save_pretrained(path)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
     return path
@@ -205,10 +228,13 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "kimi_linear": ("kimi_linear", {}),
     "kimi_linear-dense-q-lora": ("kimi_linear", dict(first_k_dense_replace=4, q_lora_rank=24)),
     "nemotron_h": ("nemotron_h", {}),
+    "gpt_oss": ("gpt_oss", {}),
+    "gpt_oss-clamped": ("gpt_oss", dict(swiglu_limit=0.05)),  # the clamps bite on most expert activations
+    "mimo_v2_flash": ("mimo_v2_flash", {}),
     "nemotron_h-latent-moe": ("nemotron_h", dict(moe_latent_size=24)),
     "nemotron_h-dense": ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "linear_attention",
                                                                "full_attention", "mlp", "linear_attention", "mlp"],
                                             n_routed_experts=0)),
 }
 REFERENCE_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "minimax",
-                         "granitemoehybrid", "kimi_linear", "nemotron_h")  # hypic_reference runs these
+                         "granitemoehybrid", "kimi_linear", "nemotron_h", "gpt_oss", "mimo_v2_flash")  # hypic_reference runs these

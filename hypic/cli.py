@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="byte budget of the public pool of cached documents, e.g. 512M, 2G, none (default: 2G)")
     serve.add_argument("--private-pool-size", type=parse_size, default=parse_size("2G"),
                        help="byte budget of the private pool (prefix cache of request states) (default: 2G)")
+    serve.add_argument("--private-window-pool-size", type=parse_size, default=None,
+                       help="byte budget, within the private pool, of the sliding-window layers' tails kept at resume "
+                            "points (models with sliding-window attention); over it the least recently used resume "
+                            "points lose their tails and stop being hits (default: no separate limit)")
     serve.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="requests that may wait for a start; more are answered 503 (default: 256)")
@@ -170,7 +174,8 @@ def _serve(args: argparse.Namespace) -> None:
         args.threads = max(1, (os.cpu_count() or 1) // args.workers)
     choice = choose_model(args.model)
     engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size,
-                     chunk_tokens=args.chunked_prefill_size, snapshot_interval=args.snapshot_interval)
+                     private_window_bytes=args.private_window_pool_size, chunk_tokens=args.chunked_prefill_size,
+                     snapshot_interval=args.snapshot_interval)
     template, from_model = load_chat_template(choice.path)
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,

@@ -5,21 +5,45 @@ from typing import Any
 from .errors import UnsupportedModel
 
 TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax", "granitemoehybrid", "kimi_linear",
-                    "nemotron_h", "hypic_hybrid")
+                    "nemotron_h", "hypic_hybrid", "gpt_oss", "mimo_v2_flash")
 LINEAR_FAMILIES = ("gated_delta", "lightning", "mamba2", "gla", "scalar_rope", "kda")
 SCALAR_FAMILIES = ("lightning", "mamba2", "scalar_rope")  # T_C is one number per head
 NATIVE_FAMILIES = ("gated_delta", "gla", "scalar_rope")  # what a hypic_hybrid config may name
 WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # multimodal wrappers: text_config inside
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's frequency blend (gpt-oss): frequencies below the ``beta_slow`` ramp end are divided by
+    the rope factor, those above ``beta_fast`` kept; rotated channels are scaled by ``attention_factor``."""
+
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # round the ramp's ends to whole channels
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding of the full-attention layers."""
+    """Rotary embedding of the attention layers."""
 
     theta: float = 10000.0
     partial_rotary_factor: float = 1.0
     rope_type: str = "default"
-    factor: float = 1.0  # position scaling of rope_type "linear"
+    factor: float = 1.0  # position scaling of rope_type "linear" (and YaRN's factor)
+    yarn: YarnScaling | None = None
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Sliding-window attention layers (gpt-oss, MiMo-V2-Flash): a query at position i sees the keys at
+    positions i - size < j <= i. Their rope and KV heads may differ from the full layers'."""
+
+    size: int
+    kv_heads: int | None = None  # None: as the full layers
+    rope: RopeConfig | None = None  # None: as the full layers
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,13 @@ class ModelConfig:
     blocks: BlockLayout | None = None  # Nemotron-H: single-sublayer blocks grouped into layers
     mlp_activation: str = "silu"  # "silu": SwiGLU (gate, up, down); "relu2": relu(up x)^2, then down (Nemotron-H)
     moe_latent_size: int | None = None  # Nemotron-H's latent MoE: experts work in a narrower space
+    sliding_window: SlidingWindow | None = None  # the "sliding_attention" layers' window
+    attention_sinks: tuple[str, ...] = ()  # layer kinds whose heads have a learned sink logit (gpt-oss)
+    value_head_dim: int | None = None  # V narrower than K (MiMo-V2-Flash); None: head_dim
+    value_scale: float = 1.0  # values are scaled by it before caching (MiMo-V2-Flash)
+    output_bias: bool | None = None  # o_proj bias; None: as attention_bias
+    swiglu_clamp: tuple[float, float] | None = None  # gpt-oss experts: (alpha, limit) of the clamped SwiGLU
+    expert_bias: bool = False  # biases on the router and every expert projection (gpt-oss)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -133,7 +164,26 @@ class ModelConfig:
     @property
     def attention_value_dim(self) -> int:
         """Width of a cached value head (keys: ``head_dim``); latent attention caches the latent as values."""
-        return self.head_dim if self.latent_attention is None else self.latent_attention.kv_lora_rank
+        if self.latent_attention is not None:
+            return self.latent_attention.kv_lora_rank
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    def kv_heads(self, index: int) -> int:
+        """KV heads of attention layer ``index`` (MiMo-V2-Flash's sliding layers have more)."""
+        window = self.sliding_window
+        if self.layer_types[index] == "sliding_attention" and window is not None and window.kv_heads is not None:
+            return window.kv_heads
+        return self.num_key_value_heads
+
+    def window(self, index: int) -> int | None:
+        """Layer ``index``'s window (keys a query sees, itself included), None for full attention."""
+        return self.sliding_window.size if self.layer_types[index] == "sliding_attention" and self.sliding_window else None
+
+    def rope_of(self, kind: str) -> RopeConfig:
+        """The rotary embedding of one attention layer kind."""
+        if kind == "sliding_attention" and self.sliding_window is not None and self.sliding_window.rope is not None:
+            return self.sliding_window.rope
+        return self.rope
 
     @property
     def linear_conv_channels(self) -> int:
@@ -170,7 +220,11 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        """Layers that keep K/V: full and sliding-window attention."""
+        return [i for i, t in enumerate(self.layer_types) if t in ATTENTION_KINDS]
+
+    def window_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "sliding_attention"]
 
 
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -201,14 +255,14 @@ def _rope_config(text: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
+def _layer_types(text: dict[str, Any], kinds: tuple[str, ...] = ("linear_attention", "full_attention")) -> tuple[str, ...]:
     layers = int(text["num_hidden_layers"])
     types = text.get("layer_types")
     if types is None:
         interval = int(text.get("full_attention_interval", 4))
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
-        raise UnsupportedModel(f"layer_types {types!r} do not describe {layers} hybrid layers")
+    if len(types) != layers or set(types) - set(kinds):
+        raise UnsupportedModel(f"layer_types {types!r} do not describe {layers} layers of kinds {', '.join(kinds)}")
     return tuple(types)
 
 
@@ -451,7 +505,93 @@ def nemotron_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-FAMILY_CONFIGS = {"minimax": minimax_config, "granitemoehybrid": granite_config, "kimi_linear": kimi_config,
+def _rope_of(params: dict[str, Any], theta: float, partial: float = 1.0) -> RopeConfig:
+    """A rope config from HF ``rope_parameters`` (default, linear or YaRN)."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", "yarn"):
+        raise UnsupportedModel(f"rope_type {rope_type!r} is not supported (default, linear, yarn)")
+    yarn = None
+    if rope_type == "yarn":
+        yarn = YarnScaling(int(params["original_max_position_embeddings"]), float(params.get("beta_fast", 32.0)),
+                           float(params.get("beta_slow", 1.0)), bool(params.get("truncate", True)),
+                           params.get("attention_factor"))
+    return RopeConfig(theta=float(params.get("rope_theta", theta)),
+                      partial_rotary_factor=float(params.get("partial_rotary_factor", partial)), rope_type=rope_type,
+                      factor=float(params.get("factor", 1.0)), yarn=yarn)
+
+
+def gpt_oss_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
+    """gpt-oss (``gpt_oss``): alternating sliding-window and full attention (q/k/v/o biases, a learned
+    sink logit per head in every layer, YaRN rope), a softmax-routed MoE in every layer whose experts
+    use a clamped SwiGLU with biases; norms multiply their weight in fp32."""
+    heads, hidden, layers = int(text["num_attention_heads"]), int(text["hidden_size"]), int(text["num_hidden_layers"])
+    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    size = int(text["intermediate_size"])
+    return ModelConfig(
+        model_type="gpt_oss", vocab_size=int(text["vocab_size"]), hidden_size=hidden, num_hidden_layers=layers,
+        layer_types=_layer_types({**text, "layer_types": types}, ATTENTION_KINDS), num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads), head_dim=int(text.get("head_dim") or hidden // heads),
+        linear_num_key_heads=0, linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0,
+        linear_conv_kernel_dim=1, intermediate_size=size,
+        max_position_embeddings=int(text.get("max_position_embeddings", 131072)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)), rope=_rope_of(params, float(text.get("rope_theta", 150000.0))),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        num_experts=int(_first(text, ("num_local_experts", "num_experts"), 0)),
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0), moe_intermediate_size=size, norm_topk_prob=True,
+        attention_bias=bool(text.get("attention_bias", True)), eos_token_ids=_eos_ids(text.get("eos_token_id")),
+        attention_output_gate=False, rms_norm_unit_offset=False, norm_weight_in_fp32=True,
+        sliding_window=SlidingWindow(int(text["sliding_window"])), attention_sinks=ATTENTION_KINDS,
+        swiglu_clamp=(float(text.get("swiglu_alpha", 1.702)), float(text.get("swiglu_limit", 7.0))), expert_bias=True,
+        raw=raw,
+    )
+
+
+def _mimo_rope(text: dict[str, Any], kind: str) -> RopeConfig:
+    defaults = {"full_attention": 5e6, "sliding_attention": 1e4}
+    params = dict((text.get("rope_parameters") or {}).get(kind) or {})
+    return _rope_of(params, defaults[kind], 0.334)
+
+
+def mimo_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
+    """MiMo-V2-Flash (``mimo_v2_flash``): sliding-window attention (twice the KV heads, sink logits,
+    its own rope theta) with a full-attention layer first and every sixth; keys 192 wide (64 rotated),
+    values 128 wide and scaled by 0.707; DeepSeek-V3 sigmoid routing without shared experts, dense
+    MLP in the first layer."""
+    if text.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"mimo_v2_flash with hidden_act {text['hidden_act']!r} is not supported (silu)")
+    heads, hidden, layers = int(text["num_attention_heads"]), int(text["hidden_size"]), int(text["num_hidden_layers"])
+    types = text.get("layer_types") or ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                                        for i in range(layers)]
+    window = int(text["sliding_window_size"]) + 1 if text.get("sliding_window_size") is not None else int(text["sliding_window"])
+    kv_heads = int(text["num_key_value_heads"])
+    dense = text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    scale = text.get("attention_value_scale", 0.707)
+    return ModelConfig(
+        model_type="mimo_v2_flash", vocab_size=int(text["vocab_size"]), hidden_size=hidden, num_hidden_layers=layers,
+        layer_types=_layer_types({**text, "layer_types": types}, ATTENTION_KINDS), num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=int(text.get("head_dim") or hidden // heads),
+        linear_num_key_heads=0, linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0,
+        linear_conv_kernel_dim=1, intermediate_size=int(text["intermediate_size"]),
+        max_position_embeddings=int(text.get("max_position_embeddings", 131072)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)), rope=_mimo_rope(text, "full_attention"),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        num_experts=int(_first(text, ("n_routed_experts", "num_local_experts"), 0)),
+        num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        mlp_only_layers=tuple(i for i, kind in enumerate(dense) if kind == "dense"),
+        attention_bias=bool(text.get("attention_bias", False)), eos_token_ids=_eos_ids(text.get("eos_token_id")),
+        attention_output_gate=False, rms_norm_unit_offset=False, shared_expert_gated=False,
+        routing=GroupedSigmoidRouting(int(text.get("n_group") or 1), int(text.get("topk_group") or 1),
+                                      float(text.get("routed_scaling_factor") or 1.0)),
+        sliding_window=SlidingWindow(window, 2 * kv_heads, _mimo_rope(text, "sliding_attention")),
+        attention_sinks=("sliding_attention",), value_head_dim=int(text.get("v_head_dim") or text.get("head_dim")),
+        value_scale=1.0 if scale is None else float(scale), output_bias=False, raw=raw,
+    )
+
+
+FAMILY_CONFIGS = {"gpt_oss": gpt_oss_config, "mimo_v2_flash": mimo_config, "minimax": minimax_config, "granitemoehybrid": granite_config, "kimi_linear": kimi_config,
                   "nemotron_h": nemotron_config}
 
 

@@ -11,7 +11,7 @@ from .models import HybridModel
 from .models.attention import GatedAttention
 from .models.linear import LinearMixer
 from .models.rope import RotaryEmbedding
-from .state import AttentionLayerState, LinearLayerState, RequestState
+from .state import AttentionLayerState, LinearLayerState, RequestState, WindowLayerState
 
 
 def _linear_step(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor,
@@ -25,12 +25,19 @@ def _linear_step(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor,
 
 
 def _attention_step(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor,
-                    layers: list[AttentionLayerState]) -> torch.Tensor:
-    """Each request's new key and value appended in place, its query attending over its buffer."""
+                    layers: list[AttentionLayerState | WindowLayerState]) -> torch.Tensor:
+    """Each request's new key and value appended in place (a sliding-window layer's into its ring),
+    its query attending over its buffer."""
     proj = mixer.project(h, positions, rope)
     attended = []
     for b, layer in enumerate(layers):
-        layer.append(proj.key[b : b + 1].transpose(0, 1), proj.value[b : b + 1].transpose(0, 1))
+        key, value = proj.key[b : b + 1].transpose(0, 1), proj.value[b : b + 1].transpose(0, 1)
+        if isinstance(layer, WindowLayerState):
+            layer.write(key, value, layer.length)
+            keys, values, key_positions = layer.slots()
+            attended.append(mixer.attend_at(proj.query[b : b + 1], positions[b : b + 1], keys, values, key_positions))
+            continue
+        layer.append(key, value)
         attended.append(mixer.attend(proj.query[b : b + 1], [(layer.length - 1, 1)], layer.keys, layer.values))
     return mixer.output(torch.cat(attended), proj.gate)
 
@@ -49,7 +56,7 @@ def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[in
             for state, layer_state in zip(states, new):
                 state.layers[index] = layer_state
         else:
-            mixed = _attention_step(layer.mixer, model.rope, h, positions, old)
+            mixed = _attention_step(layer.mixer, model.rope_of(index), h, positions, old)
         x = layer.feed_forward(layer.residual(x, h, mixed))
     for state, token in zip(states, tokens):
         state.length += 1

@@ -106,12 +106,14 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "auto", seam_width: int = 8,
                         pic_separator: str = DEFAULT_SEPARATOR, public_pool_bytes: int | None = None,
-                        private_pool_bytes: int | None = None, chunk_tokens: int = 2048,
+                        private_pool_bytes: int | None = None, private_window_bytes: int | None = None,
+                        chunk_tokens: int = 2048,
                         snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, state_cache_dtype: str = "float32") -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         ``dtype``: float32, bfloat16, float16, or auto (the checkpoint's; float32 on a CPU that does
-        not multiply half precision natively). Pool budgets in bytes; None means unbounded."""
+        not multiply half precision natively). Pool budgets in bytes; None means unbounded
+        (``private_window_bytes``: the sliding-window tails within the private pool)."""
         if dtype not in (*DTYPE_NAMES, "auto"):
             raise InvalidRequest(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         path = default_model_path() if str(path) == "default" else Path(path)
@@ -120,7 +122,7 @@ class Engine:
         model = load_model(path, device, resolve_dtype(dtype, path, device))
         return cls(model, TextTokenizer.from_dir(path), model_fingerprint(path), seam_width=seam_width,
                    pic_separator=pic_separator, store=SegmentStore(public_pool_bytes),
-                   prefix_cache=PrefixCache(private_pool_bytes), chunk_tokens=chunk_tokens,
+                   prefix_cache=PrefixCache(private_pool_bytes, private_window_bytes), chunk_tokens=chunk_tokens,
                    snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype)
 
     # ----- caching -------------------------------------------------------------------------
@@ -214,14 +216,19 @@ class Engine:
         return policy, encoded
 
     def state_bytes(self, tokens: int, samples: int = 1) -> int:
-        """Memory a request's state takes: KV of ``tokens`` tokens per sample in every attention
-        layer, plus each sample's linear-layer states (the server's admission budget)."""
+        """Memory a request's state takes: KV of ``tokens`` tokens per sample in every full-attention
+        layer, a window's ring in every sliding-window layer, plus each sample's linear-layer states
+        (the server's admission budget)."""
         config, size = self.model.config, torch.empty(0, dtype=self.model.dtype).element_size()
-        kv = config.num_key_value_heads * (config.head_dim + config.attention_value_dim) * size * len(config.attention_layers())
+        kv = 0
+        for index in config.attention_layers():  # per token held: a ring holds ``window`` tokens at any length
+            window = config.window(index)
+            held = tokens if window is None else window
+            kv += held * config.kv_heads(index) * (config.head_dim + config.attention_value_dim) * size
         recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
         linear = (recurrent + conv) * len(config.linear_layers())
-        return samples * (tokens * kv + linear)
+        return samples * (kv + linear)
 
     def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:
         """About how many prompt tokens a prefill under ``mode`` would compute now: the prompt less its

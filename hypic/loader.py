@@ -168,7 +168,39 @@ class ExpertStack:
             _copy(f"{name}[{expert}]", param[expert], torch.cat([reader.read(k) for k in keys]))
 
 
-Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack
+@dataclass(frozen=True)
+class Deinterleaved:
+    """gpt-oss's fused experts: gate and up in alternating columns of [E, H, 2I] (weights, ``transposed``
+    into our [E, 2I, H]) or [E, 2I] (biases); ours hold [gate | up] rows."""
+
+    key: str
+    transposed: bool
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+        tensor = reader.read(self.key)
+        tensor = tensor.transpose(1, 2) if self.transposed else tensor
+        _copy(name, param, torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1))
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """A stack of matrices stored as x @ W ([E, I, H], gpt-oss's down projections): ours are [E, H, I]."""
+
+    key: str
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+        _copy(name, param, reader.read(self.key).transpose(1, 2))
+
+
+Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack | Deinterleaved | Transposed
 
 
 def _reshaped(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -221,9 +253,25 @@ def _mlp_name(name: str) -> str:
     return RENAMED_MLP.get(name, name)
 
 
-def _mlp_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+GPT_OSS_EXPERTS = {"experts.gate_up_proj": ("gate_up_proj", True), "experts.gate_up_proj_bias": ("gate_up_bias", False)}
+
+
+def _gpt_oss_experts(keys: dict[str, str]) -> dict[str, Source]:
+    """gpt-oss's fused experts: [E, H, 2I] interleaved gate / up, [E, I, H] down, and their biases."""
+    out: dict[str, Source] = {ours: Deinterleaved(keys[name], transposed)
+                              for name, (ours, transposed) in GPT_OSS_EXPERTS.items() if name in keys}
+    if "experts.down_proj" in keys:
+        out["down_proj"] = Transposed(keys["experts.down_proj"])
+    if "experts.down_proj_bias" in keys:
+        out["down_bias"] = Direct(keys["experts.down_proj_bias"])
+    return out
+
+
+def _mlp_sources(prefix: str, keys: dict[str, str], gpt_oss: bool = False) -> dict[str, Source]:
     """Sources of one MLP / MoE block: fused ``experts.gate_up_proj`` or per-expert tensors stacked."""
     out: dict[str, Source] = {_mlp_name(name): Direct(key) for name, key in keys.items() if not name.startswith("experts.")}
+    if gpt_oss:
+        return {f"{prefix}mlp.{name}": source for name, source in {**out, **_gpt_oss_experts(keys)}.items()}
     for up in ("gate_up_proj", "up_proj"):  # fused [gate | up] (SwiGLU) or up alone (Nemotron-H's squared ReLU)
         if f"experts.{up}" in keys:
             out[up], out["down_proj"] = Direct(keys[f"experts.{up}"]), Direct(keys["experts.down_proj"])
@@ -264,8 +312,9 @@ def _kda_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
 
 def _mixer_sources(config: ModelConfig, index: int, prefix: str, groups: dict[str, dict[str, str]]) -> dict[str, Source]:
     """The token mixer's parameters: by the layer's kind and the model's linear family."""
-    if config.layer_types[index] != "linear_attention":
-        return {f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()}
+    if config.layer_types[index] != "linear_attention":  # MiMo-V2-Flash's original name of the sinks
+        return {f"{prefix}mixer.{'sinks' if n == 'attention_sink_bias' else n}": Direct(k)
+                for n, k in groups.get("self_attn", {}).items()}
     if config.linear_family == "kda":
         return _kda_sources(prefix, groups.get("self_attn", {}))
     if config.linear_family == "lightning":
@@ -317,7 +366,7 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
         prefix = f"layers.{index}."
         sources.update({prefix + name: Direct(key) for name, key in groups.get("", {}).items()})
         sources.update(_mixer_sources(config, index, prefix, groups))
-        sources.update(_mlp_sources(prefix, groups.get("mlp", {})))
+        sources.update(_mlp_sources(prefix, groups.get("mlp", {}), config.model_type == "gpt_oss"))
         sources.update(_shared_mlp_sources(config, prefix, groups.get("shared_mlp", {})))
     if config.tie_word_embeddings and "embed_tokens.weight" in sources:
         sources.setdefault("lm_head.weight", sources["embed_tokens.weight"])

@@ -16,11 +16,28 @@ from itertools import count
 import torch
 
 from .segments import MARK_BITS
-from .state import AttentionLayerState, LayerState, LinearLayerState, RequestState, tensor_bytes
+from .state import AttentionLayerState, LayerState, LinearLayerState, RequestState, WindowLayerState, tensor_bytes
 
 MARK_MASK = (1 << MARK_BITS) - 1
 
-Snapshot = dict[int, LinearLayerState]  # linear layer index -> its state at a position
+# layer index -> its state at a position: a linear layer's recurrent state and conv window, a
+# sliding-window layer's last ``window`` keys and values (the only SWA KV the tree keeps)
+Snapshot = dict[int, LinearLayerState | WindowLayerState]
+
+
+def _snapshot_bytes(state: LinearLayerState | WindowLayerState) -> int:
+    return state.nbytes if isinstance(state, WindowLayerState) else tensor_bytes(state.recurrent, state.conv)
+
+
+def _window_bytes(node: "RadixNode") -> int:
+    """Bytes of the sliding-window layers' tails in ``node``'s snapshot."""
+    snapshot = node.snapshot or {}
+    return sum(s.nbytes for s in snapshot.values() if isinstance(s, WindowLayerState))
+
+
+def _kept(state: LinearLayerState | WindowLayerState) -> LinearLayerState | WindowLayerState:
+    """A copy the tree owns (a view would keep a larger tensor alive, uncounted)."""
+    return state.fork() if isinstance(state, WindowLayerState) else LinearLayerState(state.recurrent.clone(), state.conv.clone())
 
 
 @dataclass(eq=False)
@@ -40,7 +57,7 @@ class RadixNode:
     def nbytes(self) -> int:
         total = sum(tensor_bytes(k, v) for k, v in self.kv.values())
         if self.snapshot is not None:
-            total += sum(tensor_bytes(s.recurrent, s.conv) for s in self.snapshot.values())
+            total += sum(_snapshot_bytes(s) for s in self.snapshot.values())
         return total
 
 
@@ -66,15 +83,20 @@ def _common_length(a: tuple[int, ...], b: list[int], offset: int) -> int:
 
 
 class PrefixCache:
-    """Radix trees of request states under one byte budget, evicting least recently used leaves."""
+    """Radix trees of request states under one byte budget, evicting least recently used leaves.
+    Sliding-window layers keep no KV along the edges, only their last ``window`` tokens in each
+    snapshot (the SWA pool, O(window) per resume point); ``window_budget_bytes`` bounds those
+    apart from the full-attention KV: over it, the least recently used snapshots lose their
+    window tails, and with them their standing as resume points (a hit needs the window whole)."""
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
-        if budget_bytes is not None and budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int | None = None, window_budget_bytes: int | None = None) -> None:
+        for name, value in (("budget_bytes", budget_bytes), ("window_budget_bytes", window_budget_bytes)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        self.budget_bytes, self.window_budget_bytes = budget_bytes, window_budget_bytes
         self.roots: dict[str, RadixNode] = {}
-        self.nbytes = 0
-        self.hits = self.misses = self.evictions = 0
+        self.nbytes = self.window_nbytes = 0
+        self.hits = self.misses = self.evictions = self.window_evictions = 0
         self._clock = count(1)
 
     # ----- lookup -------------------------------------------------------------------------
@@ -118,6 +140,10 @@ class PrefixCache:
         for index, empty in enumerate(template.layers):
             if isinstance(empty, LinearLayerState):
                 layers.append(node.snapshot[index])
+            elif isinstance(empty, WindowLayerState):  # the request writes into its ring: its own copy
+                window = node.snapshot[index]
+                assert isinstance(window, WindowLayerState)
+                layers.append(window.fork())
             else:
                 layers.append(AttentionLayerState.concat([empty.keys] + [n.kv[index][0] for n in path],
                                                          [empty.values] + [n.kv[index][1] for n in path]))
@@ -129,17 +155,19 @@ class PrefixCache:
     def insert(self, namespace: str, state: RequestState, snapshots: dict[int, Snapshot]) -> None:
         """Add ``state``'s tokens (keyed with its marks) up to its last snapshot position, with the
         snapshots (position -> linear layer states) at their nodes. Existing nodes are kept as they are."""
-        positions = sorted(p for p in snapshots if 0 < p <= state.length)
-        if not positions or self.budget_bytes == 0:
+        needed = {i for i, layer in enumerate(state.layers) if not isinstance(layer, AttentionLayerState)}
+        positions = sorted(p for p in snapshots if 0 < p <= state.length and needed <= set(snapshots[p]))
+        if not positions or self.budget_bytes == 0:  # a position missing a layer's state is no resume point
             return
         node = self.roots.setdefault(namespace, RadixNode((), None, {}, 0))
         key, tick = cache_key(state.token_ids, state.marks), next(self._clock)
         for position in positions:
             node = self._extend(node, state, key, position, tick)
-            if node.snapshot is None:  # clones: a view would keep a larger tensor alive, uncounted
-                node.snapshot = {i: LinearLayerState(s.recurrent.clone(), s.conv.clone())
-                                 for i, s in snapshots[position].items()}
-                self.nbytes += sum(tensor_bytes(s.recurrent, s.conv) for s in node.snapshot.values())
+            if node.snapshot is None:
+                node.snapshot = {i: _kept(s) for i, s in snapshots[position].items() if i in needed}
+                self.nbytes += sum(_snapshot_bytes(s) for s in node.snapshot.values())
+                self.window_nbytes += _window_bytes(node)
+        self._evict_windows()
         self._evict()
 
     def _extend(self, node: RadixNode, state: RequestState, key: list[int], end: int, tick: int) -> RadixNode:
@@ -196,16 +224,34 @@ class PrefixCache:
             self._remove(min(leaves, key=lambda n: n.last_used))
             self.evictions += 1
 
+    def _evict_windows(self) -> None:
+        """Over the window budget: the least recently used snapshots holding windows are dropped,
+        the full-attention KV of their edges kept (deeper snapshots still need it)."""
+        if self.window_budget_bytes is None:
+            return
+        while self.window_nbytes > self.window_budget_bytes:
+            holders = [n for n in self._nodes() if _window_bytes(n)]
+            self._drop_snapshot(min(holders, key=lambda n: n.last_used))
+            self.window_evictions += 1
+
+    def _drop_snapshot(self, node: RadixNode) -> None:
+        """``node`` is no resume point any more (a window without its tail, or a state, never half of one)."""
+        assert node.snapshot is not None
+        self.window_nbytes -= _window_bytes(node)
+        self.nbytes -= sum(_snapshot_bytes(s) for s in node.snapshot.values())
+        node.snapshot = None
+
     def _remove(self, node: RadixNode) -> None:
         assert node.parent is not None
         self.nbytes -= node.nbytes
+        self.window_nbytes -= _window_bytes(node)
         del node.parent.children[node.edge[0]]
 
     def clear(self) -> int:
         """Drop every tree; returns how many nodes were dropped."""
         dropped = sum(1 for n in self._nodes() if n.parent is not None)
         self.roots.clear()
-        self.nbytes = 0
+        self.nbytes = self.window_nbytes = 0
         return dropped
 
     def __len__(self) -> int:

@@ -90,7 +90,81 @@ class AttentionLayerState:
         return self.keys, self.values
 
 
-LayerState = LinearLayerState | AttentionLayerState
+class WindowLayerState:
+    """Keys (rotated at their global positions) [Hkv, ., Dk] and values [Hkv, ., Dv] of a sliding-window
+    layer's last ``window`` positions: a ring of ``window`` slots (position p in slot p % window), so
+    a request's SWA KV never exceeds ``window`` tokens however long its context grows."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, window: int, length: int = 0) -> None:
+        """keys [Hkv, n <= window, Dk] and values of positions length - n .. length - 1."""
+        self._keys = keys.new_zeros(keys.shape[0], window, keys.shape[2])
+        self._values = values.new_zeros(values.shape[0], window, values.shape[2])
+        self.window, self.length = window, 0
+        if keys.shape[1]:
+            self.write(keys, values, length - keys.shape[1])
+        self.length = length
+
+    @property
+    def start(self) -> int:
+        """The first position held."""
+        return max(0, self.length - self.window)
+
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.length, device=self._keys.device)
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values and positions [T] of the held tokens, in position order (a copy)."""
+        positions = self.positions()
+        slots = positions % self.window
+        return self._keys[:, slots], self._values[:, slots], positions
+
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values and positions of the held tokens in slot order (views when the ring is full)."""
+        held = min(self.length, self.window)
+        slot_positions = torch.arange(held, device=self._keys.device)
+        positions = slot_positions + ((self.length - 1 - slot_positions) // self.window) * self.window
+        return self._keys[:, :held], self._values[:, :held], positions
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """Keys and values [Hkv, n, D] of positions first .. first + n - 1, the newest. A gap after the
+        held positions is allowed only where the window no longer reaches (n >= window)."""
+        count = keys.shape[1]
+        if first > self.length and count < self.window:
+            raise ValueError(f"positions {self.length}..{first - 1} would be missing from the window")
+        keep = min(count, self.window)
+        slots = torch.arange(first + count - keep, first + count, device=self._keys.device) % self.window
+        self._keys[:, slots], self._values[:, slots] = keys[:, count - keep:], values[:, count - keep:]
+        self.length = first + count
+
+    def fork(self) -> "WindowLayerState":
+        state = WindowLayerState(self._keys[:, :0], self._values[:, :0], self.window)
+        state._keys.copy_(self._keys)
+        state._values.copy_(self._values)
+        state.length = self.length
+        return state
+
+    def mark(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """What the next one-token write overwrites (to undo a decode step)."""
+        slot = self.length % self.window
+        return self.length, self._keys[:, slot].clone(), self._values[:, slot].clone()
+
+    def restore(self, mark: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        length, keys, values = mark
+        if self.length > length:
+            slot = length % self.window
+            self._keys[:, slot], self._values[:, slot] = keys, values
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring (``window`` tokens, whatever the context length)."""
+        return tensor_bytes(self._keys, self._values)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.held()[:2]
+
+
+LayerState = LinearLayerState | AttentionLayerState | WindowLayerState
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
@@ -105,6 +179,7 @@ class StateMark:
     length: int
     layers: list[LayerState]
     kv_lengths: list[int]
+    windows: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,9 +205,11 @@ class RequestState:
                 layers.append(LinearLayerState(recurrent, torch.zeros(config.linear_conv_kernel_dim - 1, channels,
                                                                       device=device, dtype=dtype)))
             else:
-                keys = torch.zeros(config.num_key_value_heads, 0, config.head_dim, device=device, dtype=dtype)
-                values = torch.zeros(config.num_key_value_heads, 0, config.attention_value_dim, device=device, dtype=dtype)
-                layers.append(AttentionLayerState(keys, values))
+                index = len(layers)
+                keys = torch.zeros(config.kv_heads(index), 0, config.head_dim, device=device, dtype=dtype)
+                values = torch.zeros(config.kv_heads(index), 0, config.attention_value_dim, device=device, dtype=dtype)
+                window = config.window(index)
+                layers.append(AttentionLayerState(keys, values) if window is None else WindowLayerState(keys, values, window))
         return cls(layers)
 
     def reserve(self, total: int) -> None:
@@ -144,7 +221,8 @@ class RequestState:
     def mark(self) -> "StateMark":
         """Where this state stands, to ``rollback`` a decode step that failed part way."""
         lengths = [layer.length if isinstance(layer, AttentionLayerState) else 0 for layer in self.layers]
-        return StateMark(self.length, list(self.layers), lengths)
+        windows = {i: layer.mark() for i, layer in enumerate(self.layers) if isinstance(layer, WindowLayerState)}
+        return StateMark(self.length, list(self.layers), lengths, windows)
 
     def rollback(self, mark: "StateMark") -> None:
         """Back to ``mark``: linear states put back, KV buffers cut to their marked length."""
@@ -152,13 +230,22 @@ class RequestState:
         for layer, length in zip(self.layers, mark.kv_lengths):
             if isinstance(layer, AttentionLayerState):
                 layer.length = length
+        for index, window in mark.windows.items():
+            layer = self.layers[index]
+            assert isinstance(layer, WindowLayerState)
+            layer.restore(window)
         del self.token_ids[mark.length:]
         self.length = mark.length
 
     def fork(self) -> "RequestState":
         """An independent copy (its KV buffers copied; linear states are never written in place)."""
-        layers = [layer.fork() if isinstance(layer, AttentionLayerState) else layer for layer in self.layers]
+        layers = [layer if isinstance(layer, LinearLayerState) else layer.fork() for layer in self.layers]
         return RequestState(layers, self.length, list(self.token_ids), dict(self.marks))
+
+    @property
+    def window_nbytes(self) -> int:
+        """The part of ``nbytes`` in sliding-window rings (the SWA pool; the rest grows with the context)."""
+        return sum(layer.nbytes for layer in self.layers if isinstance(layer, WindowLayerState))
 
     @property
     def nbytes(self) -> int:

@@ -91,9 +91,10 @@ def receive_all(channel: BulkChannel | None, items: list[SegmentEntry | Parcel],
 
 
 def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
-    if config.layer_types[index] != "linear_attention":
-        heads = config.num_key_value_heads
-        return ("attention", (heads, length, config.head_dim), (heads, length, config.attention_value_dim))
+    if config.layer_types[index] != "linear_attention":  # a sliding-window layer keeps its last window tokens
+        heads, window = config.kv_heads(index), config.window(index)
+        kept = length if window is None else min(length, window)
+        return ("attention", (heads, kept, config.head_dim), (heads, kept, config.attention_value_dim))
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     transition = None if role is Role.NAIVE_SEGMENT else config.linear_transition_shape
     conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)

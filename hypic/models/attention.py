@@ -12,7 +12,6 @@ from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 
-
 @dataclass
 class AttentionInputs:
     """Per-token projections of one full-attention layer for N tokens."""
@@ -41,27 +40,90 @@ def causal_attention(query: torch.Tensor, runs: list[tuple[int, int]], keys: tor
     return torch.cat(outputs).reshape(query.shape[0], -1)
 
 
-class GatedAttention(nn.Module):
-    """The full-attention token mixer; attention itself runs over caller-assembled KV."""
+QUERY_BLOCK = 512  # queries per block of the masked path (bounds its [Hq, block, T] scores)
 
-    def __init__(self, config: ModelConfig) -> None:
+
+def masked_attention(query: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     key_positions: torch.Tensor, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """query [N, Hq, Dk] at positions [N]; keys [Hkv, T, Dk] and values [Hkv, T, Dv] at positions [T]
+    (any order). A query at i sees the keys at j <= i, and j > i - window with a window; ``sinks``
+    [Hq]: a learned logit per head that joins every softmax with a zero value (gpt-oss). Scores in
+    fp32. Returns [N, Hq * Dv]. With a window and ascending key positions, each block of queries
+    only scores the keys its windows reach."""
+    group = query.shape[1] // keys.shape[0]
+    k = keys.float().repeat_interleave(group, 0).transpose(1, 2)
+    v = values.float().repeat_interleave(group, 0)
+    ascending = window is not None and bool((key_positions[1:] > key_positions[:-1]).all())
+    outputs = []
+    for lo, hi in _query_blocks(query_positions, QUERY_BLOCK if ascending else query.shape[0]):
+        at = query_positions[lo:hi, None]
+        first, last = 0, k.shape[-1]
+        if ascending:
+            first = int(torch.searchsorted(key_positions, at.min() - window + 1))
+            last = int(torch.searchsorted(key_positions, at.max(), right=True))
+        q, seen = query[lo:hi].transpose(0, 1).float(), key_positions[first:last]
+        allowed = seen[None] <= at
+        if window is not None:
+            allowed &= seen[None] > at - window
+        scores = (q @ k[..., first:last] * scale).masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, q.shape[1], 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        outputs.append((probs[..., : last - first] @ v[:, first:last]).transpose(0, 1))
+    return torch.cat(outputs).reshape(query.shape[0], -1).to(query.dtype)
+
+
+def _query_blocks(positions: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """Row ranges of at most ``size`` queries, cut where positions stop being consecutive (a seam run
+    ends): each block's windows then cover one stretch of keys."""
+    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    blocks = []
+    for lo, hi in zip([0, *breaks], [*breaks, positions.shape[0]]):
+        blocks += [(start, min(start + size, hi)) for start in range(lo, hi, size)]
+    return blocks
+
+
+class GatedAttention(nn.Module):
+    """The attention token mixer (full or sliding-window, ``window``); attention itself runs over
+    caller-assembled KV."""
+
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        hidden, heads, kv_heads, dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim
+        hidden, heads, dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        kv_heads, value_dim = config.kv_heads(index), config.attention_value_dim
+        self.heads, self.kv_heads, self.head_dim, self.value_dim = heads, kv_heads, dim, value_dim
         self.gated = config.attention_output_gate
         self.scale = dim**-0.5 if config.attention_scale is None else config.attention_scale
+        self.window, self.value_scale = config.window(index), config.value_scale
         self.q_proj = nn.Linear(hidden, heads * dim * (2 if self.gated else 1), bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(heads * dim, hidden, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * value_dim, bias=config.attention_bias)
+        output_bias = config.attention_bias if config.output_bias is None else config.output_bias
+        self.o_proj = nn.Linear(heads * value_dim, hidden, bias=output_bias)
         if self.gated:
             self.q_norm = RMSNorm(dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+        if config.layer_types[index] in config.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(heads))
+
+    @property
+    def positional(self) -> bool:
+        """Whether attention needs the masked path (a window or sinks) rather than causal SDPA."""
+        return self.window is not None or hasattr(self, "sinks")
+
+    def attend_at(self, query: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  key_positions: torch.Tensor) -> torch.Tensor:
+        """``masked_attention`` with this layer's scale, window and sinks: [N, Hq, D] -> [N, Hq * Dv]."""
+        return masked_attention(query, query_positions, keys, values, key_positions, self.scale, self.window,
+                                getattr(self, "sinks", None))
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding) -> AttentionInputs:
         """x [N, hidden] at global positions [N] -> rotated q, k, v and the output gate."""
         n = x.shape[0]
-        key, value = self.k_proj(x).view(n, self.kv_heads, self.head_dim), self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        key, value = self.k_proj(x).view(n, self.kv_heads, self.head_dim), self.v_proj(x).view(n, self.kv_heads, self.value_dim)
+        if self.value_scale != 1.0:
+            value = value * self.value_scale
         if not self.gated:
             query = self.q_proj(x).view(n, self.heads, self.head_dim)
             return AttentionInputs(rope.apply(query, positions), rope.apply(key, positions), value, None)
@@ -71,7 +133,11 @@ class GatedAttention(nn.Module):
 
     def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
                values: torch.Tensor) -> torch.Tensor:
-        """``causal_attention`` with this layer's scale: [N, Hq, D] -> [N, Hq * D]."""
+        """``causal_attention`` with this layer's scale over keys at positions 0..T-1: [N, Hq, D] -> [N, Hq * Dv]
+        (the masked path when the layer has sinks)."""
+        if self.positional:
+            positions = torch.cat([torch.arange(first, first + run) for first, run in runs]).to(keys.device)
+            return self.attend_at(query, positions, keys, values, torch.arange(keys.shape[1], device=keys.device))
         return causal_attention(query, runs, keys, values, self.scale)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

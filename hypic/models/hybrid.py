@@ -26,9 +26,9 @@ LINEAR_MIXERS = {  # config.linear_family -> (config, layer index) -> token mixe
 }
 
 
-def full_attention(config: ModelConfig) -> GatedAttention | LatentAttention:
-    """The full-attention mixer: latent attention (Kimi-Linear) or q/k/v projections (the others)."""
-    return GatedAttention(config) if config.latent_attention is None else LatentAttention(config)
+def full_attention(config: ModelConfig, index: int) -> GatedAttention | LatentAttention:
+    """The attention mixer: latent attention (Kimi-Linear) or q/k/v projections (the others, full or sliding-window)."""
+    return GatedAttention(config, index) if config.latent_attention is None else LatentAttention(config)
 
 
 def decoder_norm(config: ModelConfig) -> RMSNorm:
@@ -45,7 +45,8 @@ def feed_forward(config: ModelConfig, index: int) -> MLP | SparseMoE | None:
         return MLP(config.hidden_size, config.intermediate_size, config.mlp_activation)
     return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                      config.shared_expert_intermediate_size, config.norm_topk_prob,
-                     ExpertOptions(config.shared_expert_gated, config.routing, config.mlp_activation, config.moe_latent_size))
+                     ExpertOptions(config.shared_expert_gated, config.routing, config.mlp_activation, config.moe_latent_size,
+                                   config.swiglu_clamp, config.expert_bias))
 
 
 class DecoderLayer(nn.Module):
@@ -56,7 +57,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_linear = config.layer_types[index] == "linear_attention"
         self.mixer: LinearMixer | GatedAttention | LatentAttention = (
-            LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else full_attention(config))
+            LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else full_attention(config, index))
         self.mlp: MLP | SparseMoE | None = feed_forward(config, index)
         self.input_layernorm = decoder_norm(config)
         if self.mlp is not None:
@@ -85,6 +86,12 @@ class DecoderLayer(nn.Module):
         return h * alpha + self.mlp(h) * beta
 
 
+def _ropes(config: ModelConfig, device: torch.device | str) -> dict[str, RotaryEmbedding]:
+    """One rotary embedding per attention layer kind."""
+    return {kind: RotaryEmbedding(config.rope_of(kind), config.head_dim, device)
+            for kind in ("full_attention", "sliding_attention")}
+
+
 class HybridModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head of a hybrid text model (every family of ``config``)."""
 
@@ -95,12 +102,21 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = decoder_norm(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(config.rope, config.head_dim, "cpu")
+        self.ropes = _ropes(config, "cpu")
+
+    @property
+    def rope(self) -> RotaryEmbedding:
+        """The full-attention layers' rotary embedding."""
+        return self.ropes["full_attention"]
+
+    def rope_of(self, index: int) -> RotaryEmbedding:
+        """Layer ``index``'s rotary embedding (sliding-window layers may have their own)."""
+        return self.ropes.get(self.config.layer_types[index], self.rope)
 
     def to_device(self, device: torch.device | str, dtype: torch.dtype) -> "HybridModel":
         """Move weights; rotary frequencies stay fp32 on the same device."""
         self.to(device=device, dtype=dtype)
-        self.rope = RotaryEmbedding(self.config.rope, self.config.head_dim, device)
+        self.ropes = _ropes(self.config, device)
         return self
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,8 @@ class ExpertOptions:
     routing: GroupedSigmoidRouting | None = None  # DeepSeek-V3's grouped sigmoid router (Kimi-Linear, Nemotron-H)
     activation: str = "silu"  # "relu2": ungated squared-ReLU experts (Nemotron-H)
     latent_size: int | None = None  # experts between two latent projections (Nemotron-H's latent MoE)
+    clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of the clamped SwiGLU
+    bias: bool = False  # gpt-oss: biases on the router and on every expert's projections
 
 
 class SparseMoE(nn.Module):
@@ -50,7 +52,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         routing, activation, latent_size = options.routing, options.activation, options.latent_size
         self.top_k, self.norm_topk, self.routing, self.activation = top_k, norm_topk, routing, activation
-        self.router = nn.Linear(hidden, experts, bias=False)
+        self.router = nn.Linear(hidden, experts, bias=options.bias)
+        self.clamp = options.clamp
         if routing is not None:
             self.router_bias = nn.Parameter(torch.zeros(experts))  # e_score_correction_bias: steers the choice only
         width = hidden if latent_size is None else latent_size
@@ -62,6 +65,9 @@ class SparseMoE(nn.Module):
         else:
             self.up_proj = nn.Parameter(torch.zeros(experts, expert_size, width))
         self.down_proj = nn.Parameter(torch.zeros(experts, width, expert_size))
+        if options.bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * expert_size))
+            self.down_bias = nn.Parameter(torch.zeros(experts, width))
         if shared_size:
             self.shared_expert = MLP(hidden, shared_size, activation)
         if shared_size and options.shared_gated:
@@ -103,7 +109,9 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.down_proj.shape[0])
         inner = self.fc1_latent_proj(x) if hasattr(self, "fc1_latent_proj") else x
         up = self.gate_up_proj if self.activation == "silu" else self.up_proj
-        routed = expert_outputs(inner[tokens], counts, up, self.down_proj, grouped_mm_runs(x), self.activation)
+        biases = (self.gate_up_bias, self.down_bias, flat[order]) if hasattr(self, "gate_up_bias") else None
+        routed = expert_outputs(inner[tokens], counts, up, self.down_proj, grouped_mm_runs(x), self.activation,
+                                self.clamp, biases)
         routed *= weights.flatten()[order, None]
         out = torch.zeros_like(inner).index_add_(0, tokens, routed)
         out = self.fc2_latent_proj(out) if hasattr(self, "fc2_latent_proj") else out
@@ -134,28 +142,43 @@ def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def _expert_activation(projected: torch.Tensor, activation: str) -> torch.Tensor:
-    """SwiGLU of a [gate | up] projection, or the squared ReLU of an up projection."""
-    if activation == "silu":
-        gate, up = projected.chunk(2, dim=-1)
+def _expert_activation(projected: torch.Tensor, activation: str, clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """SwiGLU of a [gate | up] projection (gpt-oss's clamped form with ``clamp`` = (alpha, limit):
+    (clamp(up, +-limit) + 1) * g sigmoid(alpha g), g = min(gate, limit)), or the squared ReLU of an up projection."""
+    if activation != "silu":
+        return relu_squared(projected)
+    gate, up = projected.chunk(2, dim=-1)
+    if clamp is None:
         return F.silu(gate) * up
-    return relu_squared(projected)
+    alpha, limit = clamp
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+ExpertBiases = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # up bias [E, 2I], down bias [E, H], expert per row [P]
 
 
 def expert_outputs(inputs: torch.Tensor, counts: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                   grouped: bool, activation: str = "silu") -> torch.Tensor:
+                   grouped: bool, activation: str = "silu", clamp: tuple[float, float] | None = None,
+                   biases: ExpertBiases | None = None) -> torch.Tensor:
     """Experts over inputs [P, hidden] sorted by expert (counts [E] rows each); up [E, 2I, hidden]
     ([gate | up], SwiGLU) or [E, I, hidden] (squared ReLU), down [E, hidden, I] -> [P, hidden].
     ``grouped``: two grouped matmuls, no host sync (one launch per projection instead of one per
-    expert); else a loop over the experts."""
+    expert); else a loop over the experts. ``biases``: added after each projection (gpt-oss)."""
+    up_bias, down_bias = (biases[0][biases[2]], biases[1][biases[2]]) if biases is not None else (None, None)
     if grouped:
         ends = counts.cumsum(0).to(torch.int32)
-        hidden = _expert_activation(torch._grouped_mm(inputs, up.transpose(1, 2), offs=ends), activation)
-        return torch._grouped_mm(hidden, down.transpose(1, 2), offs=ends)
+        projected = torch._grouped_mm(inputs, up.transpose(1, 2), offs=ends)
+        hidden = _expert_activation(projected if up_bias is None else projected + up_bias, activation, clamp)
+        out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=ends)
+        return out if down_bias is None else out + down_bias
     routed, lo = torch.empty_like(inputs), 0
     for expert, count in enumerate(counts.tolist()):
         if count:
-            hidden = _expert_activation(F.linear(inputs[lo : lo + count], up[expert]), activation)
-            routed[lo : lo + count] = F.linear(hidden, down[expert])
+            rows = slice(lo, lo + count)
+            projected = F.linear(inputs[rows], up[expert])
+            hidden = _expert_activation(projected if up_bias is None else projected + up_bias[rows], activation, clamp)
+            out = F.linear(hidden, down[expert])
+            routed[rows] = out if down_bias is None else out + down_bias[rows]
             lo += count
     return routed

@@ -1,7 +1,36 @@
 """Rotary position embedding with partial rotary (also what moves cached keys: R(b - a) K_a = K_b)."""
+import math
+
 import torch
 
-from ..config import RopeConfig
+from ..config import RopeConfig, YarnScaling
+
+
+def yarn_inv_freq(rope: RopeConfig, yarn: YarnScaling, dim: int) -> torch.Tensor:
+    """YaRN's frequencies [dim / 2]: each channel pair blends the original frequency (fast channels)
+    and the one divided by the rope factor (slow channels) along a linear ramp between the channels
+    that turn ``beta_fast`` and ``beta_slow`` times over the original context."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    pos_freqs = rope.theta**exponents
+
+    def channel(turns: float) -> float:
+        return dim * math.log(yarn.original_max_positions / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = channel(yarn.beta_fast), channel(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    return (1.0 / (rope.factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """How much YaRN scales the rotated channels (1 without YaRN)."""
+    if rope.yarn is None:
+        return 1.0
+    if rope.yarn.attention_factor is not None:
+        return float(rope.yarn.attention_factor)
+    return 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
 
 
 class RotaryEmbedding:
@@ -9,8 +38,12 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> None:
         self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device="cpu") / self.rotary_dim
-        self.inv_freq = (1.0 / rope.theta**exponents / rope.factor).to(device)
+        if rope.yarn is not None:
+            self.inv_freq = yarn_inv_freq(rope, rope.yarn, self.rotary_dim).to(device)
+        else:
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device="cpu") / self.rotary_dim
+            self.inv_freq = (1.0 / rope.theta**exponents / rope.factor).to(device)
+        self.scale = attention_factor(rope)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] (may be negative: a re-rotation delta) -> cos, sin [N, rotary_dim] fp32."""
@@ -18,9 +51,12 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, H, D] rotated for positions [N] (``R(p) x``)."""
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, scaled: bool = True) -> torch.Tensor:
+        """x [N, H, D] rotated for positions [N] (``R(p) x``), the rotated channels times YaRN's
+        attention factor when ``scaled`` (projections; a re-rotation by a delta is not scaled again)."""
         cos, sin = self.cos_sin(positions)
+        if scaled and self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)

@@ -426,9 +426,13 @@ class EngineLoop:
         return {
             **self.stats.as_dict(), "waiting_requests": len(self.waiting), "running_requests": len(self.running),
             "held_state_bytes": self._held_bytes(), "max_state_bytes": self.max_state_bytes,
+            "running_state_bytes": {"full": sum(s.nbytes - s.window_nbytes for j in self.running for s in j.states),
+                                    "sliding_window": sum(s.window_nbytes for j in self.running for s in j.states)},
             "public_pool": {"bytes": store.nbytes, "budget_bytes": store.budget_bytes, "entries": len(store),
                             "hits": store.hits, "misses": store.misses, "evictions": store.evictions,
                             "rejected": store.rejected, "pinned": sum(1 for k in store.pins if k in store.entries)},
             "private_pool": {"bytes": prefix.nbytes, "budget_bytes": prefix.budget_bytes, "hits": prefix.hits,
-                             "misses": prefix.misses, "evictions": prefix.evictions},
+                             "misses": prefix.misses, "evictions": prefix.evictions,
+                             "window_bytes": prefix.window_nbytes, "window_budget_bytes": prefix.window_budget_bytes,
+                             "window_evictions": prefix.window_evictions},
         }

@@ -60,6 +60,13 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     for pool in ("public_pool", "private_pool"):
         metric(f"{pool}_bytes", "gauge", snapshot[pool]["bytes"], f"exact tensor bytes held by the {pool.replace('_', ' ')}")
         metric(f"{pool}_evictions_total", "counter", snapshot[pool]["evictions"], f"{pool.replace('_', ' ')} evictions")
+    for pool, value in snapshot.get("running_state_bytes", {}).items():
+        metric(f"running_state_{pool}_bytes", "gauge", value,
+               f"bytes of the running requests' states in {pool.replace('_', ' ')} layers")
+    metric("private_pool_window_bytes", "gauge", snapshot["private_pool"]["window_bytes"],
+           "bytes of sliding-window tails held by the private pool (included in private_pool_bytes)")
+    metric("private_pool_window_evictions_total", "counter", snapshot["private_pool"]["window_evictions"],
+           "resume points that lost their sliding-window tails to the window budget")
     lines += ["# HELP hypic_time_to_first_token_seconds time to first token", "# TYPE hypic_time_to_first_token_seconds histogram"]
     for bound, count in zip(TTFT_BUCKETS, snapshot["ttft_buckets"]):
         lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="{bound}"}} {count}')

@@ -28,7 +28,7 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.;:!?0123456789"
 MODELS = ["qwen3_5_text-ratio1", "qwen3_5_text-ratio2", "qwen3_5_text-ratio3", "qwen3_5_text-full-rotary",
           "qwen3_next-moe", "qwen3_next-dense", "qwen3_next-ratio3", "qwen3_5_moe_text", "qwen3_5-wrapper", "minimax",
           "minimax-residual-scales", "granitemoehybrid", "granitemoehybrid-dense-nope", "hypic_gla", "hypic_scalar_rope",
-          "kimi_linear", "kimi_linear-dense-q-lora", "nemotron_h", "nemotron_h-dense"]
+          "kimi_linear", "kimi_linear-dense-q-lora", "nemotron_h", "nemotron_h-dense", "gpt_oss", "mimo_v2_flash"]
 
 
 @dataclass(frozen=True)

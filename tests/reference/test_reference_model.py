@@ -1,6 +1,7 @@
 """The reference forward equals ``transformers``' models, so it can stand as the oracle of HYPIC's
 semantics: every position's logits of a full forward, and greedy decoding run by the reference
-one token at a time (its state carried between runs)."""
+one token at a time (its state carried between runs). The 150-token prompt is many windows of the
+sliding-window hybrids (window 8), so their masks, sinks and per-kind RoPE are all exercised."""
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,8 @@ from hypic.checkpoints import REFERENCE_MODEL_TYPES, TINY_VARIANTS, reference_cl
 from hypic_reference.model import ReferenceModel
 
 TOLERANCE = 1e-4
+SLIDING_WINDOW_TYPES = ("gpt_oss", "mimo_v2_flash")  # run by hypic_reference too (not yet in REFERENCE_MODEL_TYPES)
+CHECKED_TYPES = frozenset(REFERENCE_MODEL_TYPES) | frozenset(SLIDING_WINDOW_TYPES)
 
 
 def _transformers_model(path: Path) -> torch.nn.Module:
@@ -24,7 +27,7 @@ def _prompt(seed: int, length: int = 150) -> list[int]:
 
 
 @pytest.mark.parametrize("long_memory", [False, True])
-@pytest.mark.parametrize("name", sorted(n for n, (t, _) in TINY_VARIANTS.items() if t in REFERENCE_MODEL_TYPES))
+@pytest.mark.parametrize("name", sorted(n for n, (t, _) in TINY_VARIANTS.items() if t in CHECKED_TYPES))
 def test_reference_forward_equals_transformers(checkpoint_factory: Callable[..., Path], name: str,
                                                long_memory: bool) -> None:
     """All positions' logits, with the prompt fed in three runs of different lengths."""
@@ -38,7 +41,8 @@ def test_reference_forward_equals_transformers(checkpoint_factory: Callable[...,
     assert (ours - expected).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "qwen3_5-wrapper"])
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "qwen3_5-wrapper", "gpt_oss-clamped",
+                                  "mimo_v2_flash"])
 def test_reference_greedy_decode_equals_transformers(checkpoint_factory: Callable[..., Path], name: str) -> None:
     path = checkpoint_factory(name, long_memory=True)
     oracle, model = _transformers_model(path), ReferenceModel(path)

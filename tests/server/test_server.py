@@ -39,10 +39,11 @@ def hypic_server(launch) -> ServerProcess:
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_text-ratio2", "minimax", "granitemoehybrid", "hypic_gla",
-                                        "hypic_scalar_rope", "kimi_linear", "nemotron_h"])
+                                        "hypic_scalar_rope", "kimi_linear", "nemotron_h", "gpt_oss", "mimo_v2_flash"])
 def family_server(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path],
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A hypic server (w = 4) on the tiny checkpoint of each linear-attention family."""
+    """A hypic server (w = 4) on the tiny checkpoint of each linear-attention family and each
+    sliding-window hybrid."""
     log = tmp_path_factory.mktemp("family-server") / "server.log"
     server = start_server(["--model", str(checkpoint_factory(request.param)), "--log-level", "warning",
                            "--seam-width", "4"], log)
@@ -63,6 +64,9 @@ def test_warmup_then_reordered_documents_are_cached(family_server: ServerProcess
     assert meta["cached_tokens"] == sum(len(d.encode()) - 2 * 4 for d in (a, b, c)) > 0
     assert meta["cached_tokens"] == meta["prompt_tokens"] - meta["recomputed_tokens"]
     assert meta["completion_tokens"] == len(out["output_ids"]) == 8
+    private = hypic_server.get("/get_server_info")["private_pool"]  # the SWA pool is reported apart
+    windows = hypic_server.get("/get_model_info").get("model_type") in ("gpt_oss", "mimo_v2_flash")
+    assert (private["window_bytes"] > 0) == windows and private["window_bytes"] <= private["bytes"]
 
 
 def test_no_interior_hypic_equals_full_recompute(launch) -> None:

@@ -1,7 +1,7 @@
 """The reference's own reading of an HF checkpoint directory: config fields and fp32 tensors.
 
-Written from the published Qwen3-Next / Qwen3.5 and MiniMax layouts, sharing no code with ``hypic.loader``
-or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
+Written from the published Qwen3-Next / Qwen3.5, MiniMax, gpt-oss and MiMo-V2-Flash layouts, sharing no code
+with ``hypic.loader`` or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
 """
 import dataclasses
 import json
@@ -47,10 +47,21 @@ class RefConfig:
     value_head_dim: int = 0  # width of an attention value head when it differs from head_dim (latent attention)
     dt_limit: tuple[float, float] = (0.0, float("inf"))  # Mamba2's clamp of dt after softplus
     nemotron_blocks: tuple[str, ...] = ()  # Nemotron-H: one sublayer per block, by kind (mixers are layer_types)
-    routing: dict | None = None  # DeepSeek-V3's sigmoid router: groups, top_groups, scaling (Kimi, Nemotron-H)
+    routing: dict | None = None  # DeepSeek-V3's sigmoid router: groups, top_groups, scaling (Kimi, Nemotron-H, MiMo)
+    window: int = 0  # sliding_attention layers: query i sees keys j with i - window < j <= i (gpt-oss, MiMo-V2-Flash)
+    sliding_kv_heads: int = 0  # KV heads of the sliding layers where they differ from kv_heads (MiMo-V2-Flash)
+    rope_by_kind: dict[str, tuple[float, int]] | None = None  # (theta, rotary_dim) per layer kind (MiMo-V2-Flash)
+    yarn: dict | None = None  # gpt-oss: YaRN's factor, beta_fast, beta_slow, original_max_position_embeddings, ...
+    value_scale: float = 1.0  # MiMo-V2-Flash: values are multiplied by it before they are cached
+    swiglu: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU experts
+    plain_norm: bool = False  # RMSNorm as w * x / rms(x) rather than zero-centred (1 + w) (gpt-oss, MiMo)
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
+
+    def kv_heads_of(self, kind: str) -> int:
+        """KV heads of an attention layer of ``kind`` (``full_attention`` or ``sliding_attention``)."""
+        return self.sliding_kv_heads if kind == "sliding_attention" and self.sliding_kv_heads else self.kv_heads
 
 
 def _text_fields(raw: dict) -> dict:
@@ -128,6 +139,55 @@ def _kimi_config(raw: dict) -> RefConfig:
     )
 
 
+def _gpt_oss_config(raw: dict) -> RefConfig:
+    """gpt-oss: attention in every layer (sliding at even layers by default), sinks, YaRN on the whole head,
+    clamped SwiGLU experts in every layer. The hub's ``rope_scaling`` + ``rope_theta`` is the same dict."""
+    layers, head_dim = raw["num_hidden_layers"], raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    hub_rope = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 150000.0)}
+    rope = raw.get("rope_parameters") or hub_rope
+    assert rope.get("rope_type", rope.get("type")) == "yarn", rope
+    return RefConfig(
+        model_type="gpt_oss", layer_types=tuple(types), heads=raw["num_attention_heads"],
+        kv_heads=raw["num_key_value_heads"], head_dim=head_dim, key_heads=0, value_heads=0, key_dim=0, value_dim=0,
+        conv_kernel=1, eps=raw.get("rms_norm_eps", 1e-5), rope_theta=rope["rope_theta"], rotary_dim=head_dim,
+        rope_scale=1.0,
+        experts=raw.get("num_local_experts") or raw["num_experts"], top_k=raw["num_experts_per_tok"], norm_topk=True,
+        sparse_step=1, mlp_only=(), window=raw["sliding_window"], yarn=rope,
+        swiglu=(raw.get("swiglu_alpha", 1.702), raw.get("swiglu_limit", 7.0)), plain_norm=True,
+    )
+
+
+def _mimo_config(raw: dict) -> RefConfig:
+    """MiMo-V2-Flash as transformers reads it: sliding layers with twice the KV heads (hard-coded: the hub's
+    ``swa_num_key_value_heads`` is not read) and their own rope theta, a dense MLP in the "dense" layers. A
+    ``sliding_window_size`` S means a window of S + 1 (the S previous tokens and the query itself)."""
+    layers, kv_heads = raw["num_hidden_layers"], raw["num_key_value_heads"]
+    types = raw.get("layer_types") or ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                                       for i in range(layers)]
+    mlp_types = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    rope = raw.get("rope_parameters") or {"full_attention": {"rope_theta": 5e6, "partial_rotary_factor": 0.334},
+                                          "sliding_attention": {"rope_theta": 1e4, "partial_rotary_factor": 0.334}}
+    head_dim = raw["head_dim"]
+    by_kind = {kind: (float(r["rope_theta"]), int(head_dim * r.get("partial_rotary_factor", 1.0)))
+               for kind, r in rope.items()}
+    window = raw["sliding_window_size"] + 1 if raw.get("sliding_window_size") is not None else raw["sliding_window"]
+    scale = raw.get("attention_value_scale", 0.707)
+    return RefConfig(
+        model_type="mimo_v2_flash", layer_types=tuple(types), heads=raw["num_attention_heads"], kv_heads=kv_heads,
+        head_dim=head_dim, key_heads=0, value_heads=0, key_dim=0, value_dim=0, conv_kernel=1,
+        eps=raw.get("rms_norm_eps", 1e-5),  # the hub's "layernorm_epsilon" is not read by transformers
+        rope_theta=by_kind["full_attention"][0], rotary_dim=by_kind["full_attention"][1], rope_scale=1.0,
+        experts=raw.get("n_routed_experts") or raw.get("num_local_experts") or 0, top_k=raw["num_experts_per_tok"],
+        norm_topk=raw.get("norm_topk_prob", True), sparse_step=1,
+        mlp_only=tuple(i for i, kind in enumerate(mlp_types) if kind == "dense"), value_head_dim=raw["v_head_dim"],
+        routing={"groups": raw.get("n_group", 1), "top_groups": raw.get("topk_group", 1),
+                 "scaling": raw.get("routed_scaling_factor") or 1.0},
+        window=window, sliding_kv_heads=2 * kv_heads, rope_by_kind=by_kind,
+        value_scale=1.0 if scale is None else scale, plain_norm=True,
+    )
+
+
 def read_config(path: Path) -> RefConfig:
     """Parse ``config.json`` (the multimodal wrappers' ``text_config`` for those)."""
     raw = _text_fields(json.loads((path / "config.json").read_text()))
@@ -144,6 +204,10 @@ def read_config(path: Path) -> RefConfig:
         return _kimi_config(raw)
     if raw["model_type"] == "nemotron_h":
         return _nemotron_config(raw)
+    if raw["model_type"] == "gpt_oss":
+        return _gpt_oss_config(raw)
+    if raw["model_type"] == "mimo_v2_flash":
+        return _mimo_config(raw)
     return read_config_fields(raw)
 
 

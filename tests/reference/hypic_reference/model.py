@@ -1,12 +1,14 @@
-"""A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax / Granite-4.0-H / Kimi-Linear forward with a token-loop recurrence:
-clarity over speed.
+"""A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax / Granite-4.0-H / Kimi-Linear / Nemotron-H / gpt-oss /
+MiMo-V2-Flash forward with a token-loop recurrence: clarity over speed.
 
 ``run`` feeds a run of new tokens through every layer, continuing a ``ReferenceState``: token-wise
 maps (projections, norms, MLP/MoE) act on the run's rows at once, the gated delta rule is a
-loop over tokens, attention is an explicit softmax over every key so far. ``absorb`` appends
+loop over tokens, attention is an explicit softmax over every key so far (a sliding-window layer
+keeps every key too and masks those out of its window). ``absorb`` appends
 tokens whose per-layer inputs were computed elsewhere (nothing of them is recomputed): that is
 how the HYPIC reference splices cached segment interiors.
 """
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,16 +34,17 @@ class LinearInputs:
 
 @dataclass
 class AttentionInputs:
-    """What n tokens feed a full-attention layer: keys before RoPE and values."""
+    """What n tokens feed an attention layer (full or sliding-window): keys before RoPE and values."""
 
-    key: torch.Tensor  # [n, Hkv, D] after k_norm, not rotated
-    value: torch.Tensor  # [n, Hkv, D]
+    key: torch.Tensor  # [n, Hkv, D] after k_norm, not rotated (nor scaled by YaRN's attention factor)
+    value: torch.Tensor  # [n, Hkv, Dv] as cached (MiMo-V2-Flash: times attention_value_scale)
 
     def rows(self, lo: int, hi: int) -> "AttentionInputs":
         return AttentionInputs(self.key[lo:hi], self.value[lo:hi])
 
 
 LayerInputs = list[LinearInputs | AttentionInputs]  # one entry per layer
+ATTENTION_KINDS = ("full_attention", "sliding_attention")  # layer_types of attention layers
 
 
 @dataclass
@@ -52,8 +55,8 @@ class LinearMemory:
 
 @dataclass
 class AttentionMemory:
-    keys: torch.Tensor  # [T, Hkv, D] rotated at each token's position
-    values: torch.Tensor  # [T, Hkv, D]
+    keys: torch.Tensor  # [T, Hkv, D] rotated at each token's position; every token, even out of a sliding window
+    values: torch.Tensor  # [T, Hkv, Dv]
 
 
 @dataclass
@@ -69,12 +72,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
 
 
-def rotate_channels(x: torch.Tensor, angles: torch.Tensor, rd: int) -> torch.Tensor:
-    """Row i of x [n, H, D] rotated by angles[i] [rd / 2] on its first rd channels (rotate-half pairs)."""
-    cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
+def rotate_channels(x: torch.Tensor, angles: torch.Tensor, rd: int, factor: float = 1.0) -> torch.Tensor:
+    """Row i of x [n, H, D] rotated by angles[i] [rd / 2] on its first rd channels (rotate-half pairs), those
+    channels also multiplied by ``factor`` (YaRN's attention factor, folded into cos and sin)."""
+    cos, sin = (factor * angles.cos()).repeat(1, 2)[:, None], (factor * angles.sin()).repeat(1, 2)[:, None]
     rot, rest = x[..., :rd], x[..., rd:]
     half = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], dim=-1)
     return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+
+def inverse_frequencies(theta: float, rd: int) -> torch.Tensor:
+    """RoPE's 1 / theta^(2i / rd), i < rd / 2."""
+    return 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)
+
+
+def yarn_frequencies(yarn: dict, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): inverse frequencies [dim / 2] ramping linearly, over the channels between the correction
+    dims of beta_fast and beta_slow rotations in the original context, from RoPE's (fast channels, kept) to
+    RoPE's / factor (slow channels, interpolated); and the attention factor that multiplies cos and sin."""
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:  # the channel pair turning that often in the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.get("beta_fast") or 32), correction_dim(yarn.get("beta_slow") or 1)
+    if yarn.get("truncate", True):  # transformers' default when the key is missing
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    base = inverse_frequencies(theta, dim)
+    assert not yarn.get("mscale_all_dim"), "DeepSeek's variant of the attention factor is not modelled"
+    attention = yarn.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return base / factor * ramp + base * (1 - ramp), attention
 
 
 def c_is_native(config: RefConfig) -> bool:
@@ -98,16 +127,24 @@ class ReferenceModel:
         self.config: RefConfig = read_config(Path(path))
         self.w = read_tensors(Path(path))
         c = self.config
-        self.inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim)
+        # per attention-layer kind: (inverse frequencies [rd / 2], rotary dim rd, factor on cos and sin)
+        kinds = c.rope_by_kind or {kind: (c.rope_theta, c.rotary_dim) for kind in ATTENTION_KINDS}
+        self.rope = {kind: (inverse_frequencies(theta, rd), rd, 1.0) for kind, (theta, rd) in kinds.items()}
+        if c.yarn is not None:  # gpt-oss: one YaRN table for both kinds
+            inv_freq, factor = yarn_frequencies(c.yarn, c.rope_theta, c.rotary_dim)
+            self.rope = {kind: (inv_freq, c.rotary_dim, factor) for kind in self.rope}
 
     def empty_state(self) -> ReferenceState:
         c = self.config
         channels = 2 * c.key_heads * c.key_dim + c.value_heads * c.value_dim
+
+        def attention(kind: str) -> AttentionMemory:  # MiMo's sliding layers have more KV heads
+            heads, value_dim = c.kv_heads_of(kind), c.value_head_dim or c.head_dim
+            return AttentionMemory(torch.zeros(0, heads, c.head_dim), torch.zeros(0, heads, value_dim))
+
         return ReferenceState([
             LinearMemory(torch.zeros(c.value_heads, c.key_dim, c.value_dim), torch.zeros(c.conv_kernel - 1, channels))
-            if kind == "linear_attention" else AttentionMemory(torch.zeros(0, c.kv_heads, c.head_dim),
-                                                                 torch.zeros(0, c.kv_heads, c.value_head_dim or c.head_dim))
-            for kind in c.layer_types])
+            if kind == "linear_attention" else attention(kind) for kind in c.layer_types])
 
     # ----- runs of tokens ------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,7 +168,7 @@ class ReferenceModel:
             elif isinstance(memory, LinearMemory):
                 mixed, inputs = self._lightning(index, h, memory) if self.config.lightning else self._linear(index, h, memory)
             else:
-                mixed, inputs = self._attention(index, h, positions, memory)
+                mixed, inputs = self._attention(index, h, positions, memory, kind=self.config.layer_types[index])
             fed.append(inputs)
             x = self._residual(x, h, mixed, "linear_attn" if isinstance(memory, LinearMemory) else "full_attn")
             post = self._norm(x, f"layers.{index}.post_attention_layernorm.weight")
@@ -163,7 +200,7 @@ class ReferenceModel:
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         c = self.config
-        plain = c.lightning or c.granite is not None or c.kimi is not None or bool(c.nemotron_blocks)
+        plain = c.lightning or c.granite is not None or c.kimi is not None or bool(c.nemotron_blocks) or c.plain_norm
         norm = plain_rms_norm if plain else rms_norm
         return norm(x, self.w[name], self.config.eps)
 
@@ -180,7 +217,7 @@ class ReferenceModel:
         memory (the recurrence over their k, v, g, beta; keys rotated at their new positions)."""
         n = frozen[0].value.shape[0] if isinstance(frozen[0], AttentionInputs) else frozen[0].k.shape[0]
         positions = torch.arange(state.length, state.length + n)
-        for memory, inputs in zip(state.layers, frozen):
+        for memory, inputs, kind in zip(state.layers, frozen, self.config.layer_types):
             if isinstance(memory, LinearMemory):
                 assert isinstance(inputs, LinearInputs)
                 keys = self._rotate_linear(inputs.k, positions) if self.config.family == "scalar_rope" else inputs.k
@@ -191,8 +228,8 @@ class ReferenceModel:
                         self._delta_update(memory, inputs.k[t], inputs.v[t], inputs.g[t], inputs.beta[t])
                 memory.conv_tail = torch.cat([memory.conv_tail, inputs.pre_conv])[n:]
             else:
-                assert isinstance(inputs, AttentionInputs)
-                memory.keys = torch.cat([memory.keys, self._rotate(inputs.key, positions)])
+                assert isinstance(inputs, AttentionInputs)  # sliding layers too: the mask hides a key out of the window
+                memory.keys = torch.cat([memory.keys, self._rotate(inputs.key, positions, kind)])
                 memory.values = torch.cat([memory.values, inputs.value])
         state.length += n
 
@@ -374,40 +411,67 @@ class ReferenceModel:
         decay = g.exp()[:, None, None] if g.dim() == 1 else g.exp()[:, :, None]
         memory.state = memory.state * decay + k[:, :, None] * v[:, None, :]
 
-    # ----- gated full attention ------------------------------------------------------------
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE: row i of x [n, H, D] rotated for positions[i] on the first rotary_dim channels."""
-        angles = (positions.float() / self.config.rope_scale)[:, None] * self.inv_freq[None]
-        return rotate_channels(x, angles, self.config.rotary_dim)
+    # ----- attention: gated full, plain, sliding-window with sinks -----------------------------
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, kind: str = "full_attention") -> torch.Tensor:
+        """RoPE of a layer of ``kind``: row i of x [n, H, D] rotated for positions[i] on its first rotary channels
+        (times YaRN's attention factor, gpt-oss)."""
+        inv_freq, rd, factor = self.rope[kind]
+        angles = (positions.float() / self.config.rope_scale)[:, None] * inv_freq[None]
+        return rotate_channels(x, angles, rd, factor)
+
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, plus the bias where the checkpoint has one (gpt-oss: q, k, v and o)."""
+        out = x @ self.w[name + ".weight"].T
+        return out + self.w[name + ".bias"] if name + ".bias" in self.w else out
 
     def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor, memory: AttentionMemory,
-                   prefix: str | None = None) -> tuple[torch.Tensor, AttentionInputs]:
+                   prefix: str | None = None, kind: str = "full_attention") -> tuple[torch.Tensor, AttentionInputs]:
         group = "mixer" if c_is_native(self.config) else "self_attn"
         c, p, eps, n = self.config, prefix or f"layers.{index}.{group}.", self.config.eps, h.shape[0]
+        kv_heads = c.kv_heads_of(kind)
         if c.kimi is not None:
             (query, key, value), gate = self._latent_attention(index, h), None
-        elif c.lightning or c.granite is not None or c.nemotron_blocks:  # no output gate, no q / k norms
-            query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, c.head_dim), None
-            key = (h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
+        elif c.lightning or c.granite is not None or c.nemotron_blocks or c.window:  # no output gate, no q / k norms
+            query, gate = self._project(p + "q_proj", h).view(n, c.heads, c.head_dim), None
+            key = self._project(p + "k_proj", h).view(n, kv_heads, c.head_dim)
         else:
-            query, gate = (h @ self.w[p + "q_proj.weight"].T).view(n, c.heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
+            query, gate = self._project(p + "q_proj", h).view(n, c.heads, 2 * c.head_dim).split(c.head_dim, dim=-1)
             query = rms_norm(query, self.w[p + "q_norm.weight"], eps)
-            key = rms_norm((h @ self.w[p + "k_proj.weight"].T).view(n, c.kv_heads, c.head_dim), self.w[p + "k_norm.weight"], eps)
-        query = self._rotate(query, positions)
+            key = self._project(p + "k_proj", h).view(n, kv_heads, c.head_dim)
+            key = rms_norm(key, self.w[p + "k_norm.weight"], eps)
+        query = self._rotate(query, positions, kind)
         if c.kimi is None:
-            value = (h @ self.w[p + "v_proj.weight"].T).view(n, c.kv_heads, c.head_dim)
-        memory.keys = torch.cat([memory.keys, self._rotate(key, positions)])
+            value = self._project(p + "v_proj", h).view(n, kv_heads, c.value_head_dim or c.head_dim) * c.value_scale
+        memory.keys = torch.cat([memory.keys, self._rotate(key, positions, kind)])
         memory.values = torch.cat([memory.values, value])
-        group = c.heads // c.kv_heads
+        group = c.heads // kv_heads
         keys = memory.keys.repeat_interleave(group, 1).transpose(0, 1)  # [H, T, D]
-        values = memory.values.repeat_interleave(group, 1).transpose(0, 1)
-        scale = c.granite["attention"] if c.granite is not None else c.head_dim**-0.5
+        values = memory.values.repeat_interleave(group, 1).transpose(0, 1)  # [H, T, Dv]
+        scale = c.granite["attention"] if c.granite is not None else c.head_dim**-0.5  # the q / k width (MiMo: not Dv)
         scores = query.transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, n, T]
-        visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]  # causal: keys at or before
-        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        weights = self._attention_weights(scores, positions, kind, self._sinks(p))
         attended = (weights @ values).transpose(0, 1).flatten(1)
         attended = attended if gate is None else attended * torch.sigmoid(gate.flatten(1))
-        return attended @ self.w[p + "o_proj.weight"].T, AttentionInputs(key, value)
+        return self._project(p + "o_proj", attended), AttentionInputs(key, value)
+
+    def _sinks(self, prefix: str) -> torch.Tensor | None:
+        """The layer's attention sinks [H] (gpt-oss: every layer; MiMo: sliding layers, saved in the hub's name)."""
+        return self.w.get(prefix + "sinks", self.w.get(prefix + "attention_sink_bias"))
+
+    def _attention_weights(self, scores: torch.Tensor, positions: torch.Tensor, kind: str,
+                           sinks: torch.Tensor | None) -> torch.Tensor:
+        """Softmax of scores [H, n, T] over the keys query i sees: j <= i, and i - window < j in a sliding layer
+        (the memory holds every token from position 0, so key j sits at position j). A sink is one more logit
+        per head, unscaled and never masked, whose value is zero: it only adds exp(sink_h) to the denominator."""
+        key_positions, query_positions = torch.arange(scores.shape[-1])[None, :], positions[:, None]
+        visible = key_positions <= query_positions
+        if kind == "sliding_attention":
+            visible = visible & (key_positions > query_positions - self.config.window)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            return torch.softmax(scores, dim=-1)
+        with_sink = torch.cat([scores, sinks[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+        return torch.softmax(with_sink, dim=-1)[..., :-1]  # the sink's share is dropped, not renormalised away
 
     # ----- feed-forward -------------------------------------------------------------------
     def _swiglu(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
@@ -420,11 +484,13 @@ class ReferenceModel:
         Every expert runs on every token and the routing weights (zero off the top k) mix them."""
         if self.config.granite is not None:
             return self._granite_feed_forward(index, x)
-        if self.config.kimi is not None and self.config.is_moe(index):
-            return self._kimi_feed_forward(index, x)
         prefix = f"layers.{index}.{'block_sparse_moe' if self.config.lightning or self.config.kimi else 'mlp'}."
         if not self.config.is_moe(index):
             return self._swiglu(prefix, x)
+        if self.config.swiglu is not None:
+            return self._clamped_moe(prefix, x)
+        if self.config.routing is not None:
+            return self._sigmoid_moe(prefix, x)
         probs = torch.softmax(x @ self.w[prefix + "gate.weight"].T, dim=-1)
         top, chosen = probs.topk(self.config.top_k, dim=-1)
         if self.config.norm_topk:
@@ -455,12 +521,32 @@ class ReferenceModel:
                      for e in range(self.config.experts))
         return routed + shared
 
-    def _kimi_feed_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Kimi-Linear's MoE: SwiGLU experts mixed by the sigmoid router, plus the ungated shared experts."""
-        prefix = f"layers.{index}.block_sparse_moe."
+    def _sigmoid_moe(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """Kimi-Linear's and MiMo-V2-Flash's MoE: SwiGLU experts mixed by the sigmoid router, plus the ungated
+        shared experts where there are (Kimi; MiMo has none)."""
         mix = self._sigmoid_routing(prefix, x)
         routed = sum(mix[:, e, None] * self._expert(prefix, e, x) for e in range(self.config.experts))
+        if prefix + "shared_experts.gate_proj.weight" not in self.w:
+            return routed
         return routed + self._swiglu(prefix + "shared_experts.", x)
+
+    def _clamped_moe(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's MoE, x [n, hidden]: a softmax over the top-k logits of the router (with bias) mixes the
+        chosen experts, each one's down bias included."""
+        top, chosen = self._project(prefix + "router", x).topk(self.config.top_k, dim=-1)
+        mix = torch.zeros(x.shape[0], self.config.experts).scatter(-1, chosen, torch.softmax(top, dim=-1))
+        return sum(mix[:, e, None] * self._clamped_expert(prefix + "experts.", e, x)
+                   for e in range(self.config.experts))
+
+    def _clamped_expert(self, prefix: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's expert e: x W + b with W [hidden, 2I] (x @ W, not nn.Linear's W^T) gives gate and up in
+        interleaved columns (even, odd); gate clamped above at the limit, up both ways;
+        (up + 1) * gate * sigmoid(alpha gate), then @ W_down [I, hidden] + b_down."""
+        alpha, limit = self.config.swiglu
+        both = x @ self.w[prefix + "gate_up_proj"][e] + self.w[prefix + "gate_up_proj_bias"][e]
+        gate, up = both[:, 0::2].clamp(max=limit), both[:, 1::2].clamp(-limit, limit)
+        hidden = (up + 1) * gate * torch.sigmoid(alpha * gate)  # the + 1: gpt-oss's own twist on SwiGLU
+        return hidden @ self.w[prefix + "down_proj"][e] + self.w[prefix + "down_proj_bias"][e]
 
     def _relu2(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         """Nemotron-H's MLP: down(relu(up x)^2)."""
