@@ -126,10 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--chunked-prefill-size", type=int, default=1024,
                        help="most prefill tokens run between two decode steps, so long prompts do not stall "
                             "running requests (default: 1024)")
-    serve.add_argument("--snapshot-interval", type=int, default=256,
-                       help="keep the linear layers' states every this many prompt tokens in the private pool, so "
-                            "prompts sharing a long plain prefix (a system prompt, a chat history) resume from it; "
-                            "0: only at document edges and before each prompt's last token (default: 256)")
+    serve.add_argument("--snapshot-interval", type=int, default=None,
+                       help="keep the linear layers' states (sliding-window layers' last window) every this many "
+                            "prompt tokens in the private pool, so prompts sharing a long plain prefix (a system "
+                            "prompt, a chat history) resume from it; 0: only at document edges and before each "
+                            "prompt's last token (default: 256; for sliding-window models, the tokens whose "
+                            "full-attention KV costs what one resume point's window tails cost, e.g. 1280 for "
+                            "MiMo-V2-Flash)")
     serve.add_argument("--max-segments", type=int, default=256, help="most PIC segments in one prompt (default: 256)")
     serve.add_argument("--workers", type=int, default=1,
                        help="engines prefilling a request's cold documents in parallel: this process and N-1 Ray "

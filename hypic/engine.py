@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .assembler import combine_chunked, drain
+from .config import ModelConfig
 from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
@@ -26,6 +27,20 @@ from .store import LinearInterior, SegmentEntry, SegmentStore, entry_key
 from .tokenizer import TextTokenizer
 
 DEFAULT_SNAPSHOT_INTERVAL = 256
+
+
+def default_snapshot_interval(config: ModelConfig) -> int:
+    """Tokens between private-pool resume points: 256, or, for a sliding-window model, as many tokens
+    as it takes their full-attention KV to cost what a resume point's window tails cost (rounded up
+    to 256; MiMo-V2-Flash: 1280), so the tails never dominate the pool (eval/results/swa_pool.md)."""
+    windows = config.window_layers()
+    full = [i for i in config.attention_layers() if i not in windows]
+    if not windows or not full:
+        return DEFAULT_SNAPSHOT_INTERVAL
+    token = lambda i: config.kv_heads(i) * (config.head_dim + config.attention_value_dim)  # noqa: E731
+    tails = sum((config.window(i) or 0) * token(i) for i in windows)
+    even = -(-tails // sum(token(i) for i in full))
+    return max(DEFAULT_SNAPSHOT_INTERVAL, -(-even // DEFAULT_SNAPSHOT_INTERVAL) * DEFAULT_SNAPSHOT_INTERVAL)
 
 
 @dataclass
@@ -82,7 +97,9 @@ class Engine:
     def __init__(self, model: HybridModel, tokenizer: TextTokenizer, fingerprint: str, *,
                  seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None,
                  prefix_cache: PrefixCache | None = None, chunk_tokens: int = 2048,
-                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, state_cache_dtype: str = "float32") -> None:
+                 snapshot_interval: int | None = None, state_cache_dtype: str = "float32") -> None:
+        if snapshot_interval is None:
+            snapshot_interval = default_snapshot_interval(model.config)
         if not isinstance(seam_width, int) or seam_width < 0:
             raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -108,7 +125,7 @@ class Engine:
                         pic_separator: str = DEFAULT_SEPARATOR, public_pool_bytes: int | None = None,
                         private_pool_bytes: int | None = None, private_window_bytes: int | None = None,
                         chunk_tokens: int = 2048,
-                        snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL, state_cache_dtype: str = "float32") -> "Engine":
+                        snapshot_interval: int | None = None, state_cache_dtype: str = "float32") -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         ``dtype``: float32, bfloat16, float16, or auto (the checkpoint's; float32 on a CPU that does

@@ -40,7 +40,8 @@ def causal_attention(query: torch.Tensor, runs: list[tuple[int, int]], keys: tor
     return torch.cat(outputs).reshape(query.shape[0], -1)
 
 
-QUERY_BLOCK = 512  # queries per block of the masked path (bounds its [Hq, block, T] scores)
+QUERY_BLOCK = 512  # queries per block of the masked path when a window bounds the keys it scores
+SCORE_BUDGET = 1 << 24  # most fp32 scores [Hq, block, T] one block of the masked path holds (64 MiB)
 
 
 def masked_attention(query: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -50,13 +51,16 @@ def masked_attention(query: torch.Tensor, query_positions: torch.Tensor, keys: t
     (any order). A query at i sees the keys at j <= i, and j > i - window with a window; ``sinks``
     [Hq]: a learned logit per head that joins every softmax with a zero value (gpt-oss). Scores in
     fp32. Returns [N, Hq * Dv]. With a window and ascending key positions, each block of queries
-    only scores the keys its windows reach."""
+    only scores the keys its windows reach; blocks are sized so their scores stay within
+    ``SCORE_BUDGET`` (full layers with sinks over a long context: few queries per block)."""
     group = query.shape[1] // keys.shape[0]
     k = keys.float().repeat_interleave(group, 0).transpose(1, 2)
     v = values.float().repeat_interleave(group, 0)
     ascending = window is not None and bool((key_positions[1:] > key_positions[:-1]).all())
+    reach = min(keys.shape[1], window + QUERY_BLOCK) if ascending else keys.shape[1]  # keys one block scores
+    block = max(1, min(QUERY_BLOCK, SCORE_BUDGET // max(1, query.shape[1] * reach)))
     outputs = []
-    for lo, hi in _query_blocks(query_positions, QUERY_BLOCK if ascending else query.shape[0]):
+    for lo, hi in _query_blocks(query_positions, block):
         at = query_positions[lo:hi, None]
         first, last = 0, k.shape[-1]
         if ascending:

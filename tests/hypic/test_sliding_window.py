@@ -10,10 +10,16 @@ import pytest
 import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
-from hypic.config import ModelConfig
+from hypic.config import ModelConfig, parse_config
+from hypic.engine import default_snapshot_interval
 from hypic.state import AttentionLayerState, WindowLayerState
 
 SWA_CHECKPOINTS = ("gpt_oss", "mimo_v2_flash")
+MIMO_V2_FLASH = dict(  # the fields of XiaomiMiMo/MiMo-V2-Flash's config.json that size its KV
+    model_type="mimo_v2_flash", vocab_size=152576, hidden_size=4096, intermediate_size=16384, moe_intermediate_size=2048,
+    num_hidden_layers=48, num_attention_heads=64, num_key_value_heads=4, head_dim=192, v_head_dim=128,
+    sliding_window_size=128, n_routed_experts=256, num_experts_per_tok=8,
+)
 FP32 = 4
 
 
@@ -119,3 +125,14 @@ def test_a_resume_point_without_its_window_tail_is_no_hit(checkpoint: Path, wind
     else:
         assert resumed.cached_tokens == 128  # the snapshot every 32 tokens within the shared 130
         assert pool.window_nbytes > 0 and pool.window_evictions == 0
+
+
+def test_resume_points_of_sliding_window_models_are_sparser() -> None:
+    """MiMo-V2-Flash: a resume point's tails are 39 sliding layers x 129 tokens x 8 heads x (192 + 128);
+    one token of full-attention KV is 9 layers x 4 heads x (192 + 128): 1118 tokens cost as much,
+    rounded up to 1280. Models without sliding layers keep 256."""
+    config = parse_config(MIMO_V2_FLASH)
+    assert (len(config.window_layers()), len(config.attention_layers())) == (39, 48)
+    assert -(-(39 * 129 * 8 * 320) // (9 * 4 * 320)) == 1118
+    assert default_snapshot_interval(config) == 1280
+    assert default_snapshot_interval(parse_config({**MIMO_V2_FLASH, "sliding_window_size": 12})) == 256
