@@ -79,3 +79,24 @@ def test_a_latent_attention_entry_passes_and_wide_values_are_refused(checkpoint_
     layers[index] = AttentionInterior(keys, torch.zeros_like(keys))
     with pytest.raises(TransferError, match=f"layer {index}"):
         _check(engine, dataclasses.replace(entry, layers=layers))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "mimo_v2_flash"])
+def test_a_sliding_window_entry_passes_and_a_whole_interior_is_refused(checkpoint_factory, name: str) -> None:
+    """A sliding layer ships its interior's last W tokens (MiMo: twice the KV heads, values narrower
+    than keys): an intact entry passes, one carrying the sliding layer's whole interior does not."""
+    engine = Engine.from_pretrained(checkpoint_factory(name))
+    config = engine.model.config
+    entry = engine.segment_entry(tuple(range(40, 100)), engine.policy("hypic"))[0]
+    _check(engine, entry)
+    index = config.window_layers()[0]
+    window = config.sliding_window.size
+    layer = entry.layers[index]
+    assert layer.keys.shape == (config.kv_heads(index), window, config.head_dim) and entry.length > window
+    assert layer.values.shape[-1] == config.attention_value_dim
+    layers = list(entry.layers)
+    heads = config.kv_heads(index)
+    layers[index] = AttentionInterior(torch.zeros(heads, entry.length, config.head_dim),
+                                      torch.zeros(heads, entry.length, config.attention_value_dim))
+    with pytest.raises(TransferError, match=f"layer {index}"):
+        _check(engine, dataclasses.replace(entry, layers=layers))
