@@ -74,11 +74,17 @@ class BulkChannel:
         return self.spec.generation
 
     def send(self, entry: SegmentEntry, destination: int) -> Parcel:
-        """Post ``entry``'s bytes to rank ``destination``; returns the parcel to hand it."""
+        """Post ``entry``'s bytes to rank ``destination``; returns the parcel to hand it. Raises
+        ``ChannelError`` (and the channel is broken) if the pair to ``destination`` is closed."""
         tag, flat = next(self._tags), pack(entry)
+        try:
+            work = self.group.send([flat], destination, tag)
+        except RuntimeError as err:  # the pair to ``destination`` is closed (a peer died or timed out)
+            self.broken = True
+            raise ChannelError(f"send to rank {destination} failed: {err}") from err
         with self._lock:
             self._in_flight += 1
-        self._outbox.put((self.group.send([flat], destination, tag), flat))
+        self._outbox.put((work, flat))
         return Parcel(header_of(entry), self.rank, tag, self.generation)
 
     def receive(self, parcel: Parcel, check: Callable[[SegmentEntry], None]) -> SegmentEntry:

@@ -8,7 +8,7 @@ from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
-from .channel import BulkChannel, GroupSpec, Parcel
+from .channel import BulkChannel, ChannelError, GroupSpec, Parcel
 from .serialization import register_tensor_serializer
 from .transfer import ReceiveCounts, entries_of, entry_check, install_entries, receive_all
 from .work_queue import WorkQueue
@@ -53,7 +53,7 @@ class Worker:
         channel = self.channel
         if ship_to is None or channel is None or channel.broken or channel.generation != ship_to[1]:
             return list(entries)
-        return [channel.send(entry, ship_to[0]) for entry in entries]
+        return [_send_or_keep(channel, entry, ship_to[0]) for entry in entries]
 
     def _build_all(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[SegmentEntry]:
         policy, entries = self.engine.policy(mode), []
@@ -118,3 +118,11 @@ class Worker:
         """Every key in this worker's public pool (the router's index syncs on it)."""
         return self.queue.run(lambda: list(self.engine.store.entries))
 
+
+
+def _send_or_keep(channel: BulkChannel, entry: SegmentEntry, rank: int) -> SegmentEntry | Parcel:
+    """The entry's parcel, or the entry itself (Ray's object store carries it) if the pair is closed."""
+    try:
+        return channel.send(entry, rank)
+    except ChannelError:
+        return entry

@@ -63,7 +63,15 @@ def _sender(port: int, entry: SegmentEntry, parcels: multiprocessing.Queue, done
     while channel.sends_in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     parcels.put((channel.sends_in_flight, channel.broken))
-    done.get(timeout=60)  # keep the group alive until the receiver is through
+    done.get(timeout=60)  # the receiver's timed-out receive has closed the pair
+    try:
+        channel.send(entry, 0)  # nobody takes it: refused at once, or its wait times out
+    except ChannelError:
+        pass
+    deadline = time.monotonic() + 2 * TIMEOUT_S
+    while not channel.broken and time.monotonic() < deadline:
+        time.sleep(0.05)
+    parcels.put(channel.broken)
 
 
 def test_entries_cross_processes_over_gloo(engine: Engine) -> None:
@@ -92,6 +100,8 @@ def test_entries_cross_processes_over_gloo(engine: Engine) -> None:
         assert channel.broken
         with pytest.raises(ChannelError, match="broken"):
             channel.receive(first, check)
+        done.put(True)
+        assert parcels.get(timeout=60) is True  # the sender's end knows too: it ships by the object store
     finally:
         done.put(True)
         sender.join(timeout=30)
