@@ -14,7 +14,7 @@ import torch
 from .composition import Transition, compose_states, naive_addition
 from .kernels.gated_delta import gated_delta_rule_varlen
 from .models import HybridModel
-from .models.attention import GatedAttention
+from .models.attention import AttentionInputs, GatedAttention
 from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs
 from .models.linear import LinearMixer, RunRecurrence, last_rows
 from .models.rope import RotaryEmbedding
@@ -253,17 +253,8 @@ def _attention_layer(
     """Recompute tokens attend causally over L's KV, re-rotated interiors and each other. The pieces'
     keys and values are appended to ``init`` in place (its buffers grow; nothing held is copied)."""
     proj = mixer.project(h, positions, rope)
-    spliced = _rerotated_interiors(rope, pieces, entries, index)
-    keys, values, offset = [], [], 0
-    for piece in pieces:
-        if isinstance(piece, Splice):
-            key, value = next(spliced)
-        else:
-            key = proj.key[offset : offset + piece.length].transpose(0, 1)
-            value = proj.value[offset : offset + piece.length].transpose(0, 1)
-            offset += piece.length
-        keys.append(key)
-        values.append(value)
+    pieces_kv = list(_pieces_kv(proj, rope, pieces, entries, index))
+    keys, values = [kv[1] for kv in pieces_kv], [kv[2] for kv in pieces_kv]
     init.reserve(init.length + sum(piece.length for piece in pieces))
     init.append(torch.cat(keys, dim=1), torch.cat(values, dim=1))  # one copy into the buffer
     if capture is not None:
@@ -282,22 +273,13 @@ def _window_layer(
     interiors' (their last ``window`` tokens, re-rotated) and each other, masked by position; the
     ring then keeps the newest ``window`` of them."""
     proj = mixer.project(h, positions, rope)
-    spliced = _rerotated_interiors(rope, pieces, entries, index)
     held_keys, held_values, held_positions = init.held()
-    keys, values, key_positions, offset = [held_keys], [held_values], [held_positions], 0
-    for piece in pieces:
-        if isinstance(piece, Splice):
-            key, value = next(spliced)
-            end = piece.start + piece.length
-            key_positions.append(torch.arange(end - key.shape[1], end, device=positions.device))
-        else:
-            key = proj.key[offset : offset + piece.length].transpose(0, 1)
-            value = proj.value[offset : offset + piece.length].transpose(0, 1)
-            key_positions.append(positions[offset : offset + piece.length])
-            offset += piece.length
+    keys, values, key_positions = [held_keys], [held_values], [held_positions]
+    for first, key, value in _pieces_kv(proj, rope, pieces, entries, index):
         keys.append(key)
         values.append(value)
-        init.write(key, value, int(key_positions[-1][0]) if key.shape[1] else piece.start + piece.length)
+        key_positions.append(torch.arange(first, first + key.shape[1], device=positions.device))
+        init.write(key, value, first)
     keys, values, key_positions = torch.cat(keys, dim=1), torch.cat(values, dim=1), torch.cat(key_positions)
     if capture is not None:
         capture.window(index, keys, values, key_positions, init.window)
@@ -315,6 +297,22 @@ def _window_snapshots(snapshots: dict[int, dict], index: int, keys: torch.Tensor
         wanted = (key_positions >= position - window) & (key_positions < position)
         if int(wanted.sum()) == min(position, window):
             snapshots[position][index] = WindowLayerState(keys[:, wanted], values[:, wanted], window, position)
+
+
+def _pieces_kv(proj: AttentionInputs, rope: RotaryEmbedding, pieces: list[Piece], entries: dict[int, SegmentEntry],
+               index: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Each piece's keys and values [Hkv, n, D] and the position of its first key: a run's from this
+    pass's projections, a splice's its cached interior re-rotated (a sliding layer's holds only the
+    interior's last tokens, so it starts later than the piece)."""
+    spliced, offset = _rerotated_interiors(rope, pieces, entries, index), 0
+    for piece in pieces:
+        if isinstance(piece, Splice):
+            key, value = next(spliced)
+            yield piece.start + piece.length - key.shape[1], key, value
+        else:
+            rows = slice(offset, offset + piece.length)
+            yield piece.start, proj.key[rows].transpose(0, 1), proj.value[rows].transpose(0, 1)
+            offset += piece.length
 
 
 def _rerotated_interiors(rope: RotaryEmbedding, pieces: list[Piece], entries: dict[int, SegmentEntry],

@@ -25,10 +25,6 @@ MARK_MASK = (1 << MARK_BITS) - 1
 Snapshot = dict[int, LinearLayerState | WindowLayerState]
 
 
-def _snapshot_bytes(state: LinearLayerState | WindowLayerState) -> int:
-    return state.nbytes if isinstance(state, WindowLayerState) else tensor_bytes(state.recurrent, state.conv)
-
-
 def _window_bytes(node: "RadixNode") -> int:
     """Bytes of the sliding-window layers' tails in ``node``'s snapshot."""
     snapshot = node.snapshot or {}
@@ -57,7 +53,7 @@ class RadixNode:
     def nbytes(self) -> int:
         total = sum(tensor_bytes(k, v) for k, v in self.kv.values())
         if self.snapshot is not None:
-            total += sum(_snapshot_bytes(s) for s in self.snapshot.values())
+            total += sum(s.nbytes for s in self.snapshot.values())
         return total
 
 
@@ -165,7 +161,7 @@ class PrefixCache:
             node = self._extend(node, state, key, position, tick)
             if node.snapshot is None:
                 node.snapshot = {i: _kept(s) for i, s in snapshots[position].items() if i in needed}
-                self.nbytes += sum(_snapshot_bytes(s) for s in node.snapshot.values())
+                self.nbytes += sum(s.nbytes for s in node.snapshot.values())
                 self.window_nbytes += _window_bytes(node)
         self._evict_windows()
         self._evict()
@@ -238,7 +234,7 @@ class PrefixCache:
         """``node`` is no resume point any more (a window without its tail, or a state, never half of one)."""
         assert node.snapshot is not None
         self.window_nbytes -= _window_bytes(node)
-        self.nbytes -= sum(_snapshot_bytes(s) for s in node.snapshot.values())
+        self.nbytes -= sum(s.nbytes for s in node.snapshot.values())
         node.snapshot = None
 
     def _remove(self, node: RadixNode) -> None:

@@ -23,6 +23,10 @@ class LinearLayerState:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.recurrent, self.conv
 
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.recurrent, self.conv)
+
 
 class AttentionLayerState:
     """Keys (rotated at their global positions) [Hkv, T, Dk] and values [Hkv, T, Dv] of one full-attention layer,
@@ -250,7 +254,4 @@ class RequestState:
     @property
     def nbytes(self) -> int:
         """Exact tensor bytes held by this state (KV buffers at their capacity)."""
-        total = 0
-        for layer in self.layers:
-            total += tensor_bytes(*layer.tensors()) if isinstance(layer, LinearLayerState) else layer.nbytes
-        return total
+        return sum(layer.nbytes for layer in self.layers)

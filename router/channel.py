@@ -87,6 +87,17 @@ class BulkChannel:
         self._outbox.put((work, flat))
         return Parcel(header_of(entry), self.rank, tag, self.generation)
 
+    def ship(self, entries: list[SegmentEntry], destination: int) -> list[SegmentEntry | Parcel]:
+        """Each entry sent to ``destination`` (its parcel), or the entry itself where the pair is closed
+        (Ray's object store then carries it, and the channel is broken)."""
+        shipped: list[SegmentEntry | Parcel] = []
+        for entry in entries:
+            try:
+                shipped.append(self.send(entry, destination))
+            except ChannelError:
+                shipped.append(entry)
+        return shipped
+
     def receive(self, parcel: Parcel, check: Callable[[SegmentEntry], None]) -> SegmentEntry:
         """The parcel's entry, ``check``-ed on its header first (a refused header's bytes are
         drained, so the pair stays usable). Raises ``ChannelError`` if the bytes do not arrive within

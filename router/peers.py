@@ -97,8 +97,9 @@ class PeerPrefill:
             self.pool.finish(dispatch.plan, lost)
 
     def _receive(self, dispatch: Dispatch) -> list[SegmentEntry]:
-        """Each shipment's entries as it arrives (parcels received point-to-point into buffers sized
-        by their checked headers); a failed transfer breaks the group and its entries are left out."""
+        """Each shipment's entries, in turn, once every build is done (parcels received point-to-point
+        into buffers sized by their checked headers); a failed transfer breaks the group and its
+        entries are left out."""
         group, check, entries = self.pool.group, self.splitter.entry_check(dispatch.mode), []
         for shipment in dispatch.shipments:
             for batch in self.pool.wait([shipment], [], forget=False):

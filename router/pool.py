@@ -96,7 +96,7 @@ class WorkerPool:
         destination, channel = self.destination(worker), self.group.channel if self.group else None
         if destination is None or channel is None:
             return list(entries)
-        return [channel.send(entry, destination[0]) for entry in entries]
+        return channel.ship(entries, destination[0])
 
     def wait_installs(self, installs: list[tuple[int, ray.ObjectRef]], lost: list[int]) -> None:
         """Wait for the combine node's installs (see ``note_receipt``)."""

@@ -8,7 +8,7 @@ from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
-from .channel import BulkChannel, ChannelError, GroupSpec, Parcel
+from .channel import BulkChannel, GroupSpec, Parcel
 from .serialization import register_tensor_serializer
 from .transfer import ReceiveCounts, entries_of, entry_check, install_entries, receive_all
 from .work_queue import WorkQueue
@@ -53,7 +53,7 @@ class Worker:
         channel = self.channel
         if ship_to is None or channel is None or channel.broken or channel.generation != ship_to[1]:
             return list(entries)
-        return [_send_or_keep(channel, entry, ship_to[0]) for entry in entries]
+        return channel.ship(entries, ship_to[0])
 
     def _build_all(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[SegmentEntry]:
         policy, entries = self.engine.policy(mode), []
@@ -99,10 +99,6 @@ class Worker:
         """How many received entries failed their check."""
         return self.rejected_entries
 
-    def channel_generation(self) -> int | None:
-        """The generation of this worker's live group (None: none, or broken)."""
-        return None if self.channel is None or self.channel.broken else self.channel.generation
-
     def prefill(self, parts: PromptParts, mode: str, logits_from: int | None = None) -> Prefill:
         """The request's combine pass on this worker (its combine node); the caller decodes the state."""
         return self.queue.run(lambda: self.engine.prefill(parts, mode, logits_from))
@@ -119,10 +115,3 @@ class Worker:
         return self.queue.run(lambda: list(self.engine.store.entries))
 
 
-
-def _send_or_keep(channel: BulkChannel, entry: SegmentEntry, rank: int) -> SegmentEntry | Parcel:
-    """The entry's parcel, or the entry itself (Ray's object store carries it) if the pair is closed."""
-    try:
-        return channel.send(entry, rank)
-    except ChannelError:
-        return entry
