@@ -3,6 +3,7 @@ processes: the receiver gets the sender's tensors bit for bit; a refused header,
 generation or a missing sender fail cleanly (the last one breaks the channel)."""
 import dataclasses
 import multiprocessing
+import pathlib
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from hypic.router.transfer import TransferError, entry_check
 from hypic.store import Role, SegmentEntry
 
 TIMEOUT_S = 3.0
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,10 @@ def _sender(port: int, entry: SegmentEntry, parcels: multiprocessing.Queue, done
     parcels.put(channel.broken)
 
 
-def test_entries_cross_processes_over_gloo(engine: Engine) -> None:
+def test_entries_cross_processes_over_gloo(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a spawned child imports ``_sender`` by module name; under importlib mode only the parent's sys.path,
+    # which the child inherits, can say where ``tests`` lives
+    monkeypatch.syspath_prepend(str(REPOSITORY))
     entry = _entry(engine)
     check = entry_check(engine.fingerprint, Role.SEGMENT, engine.model.config)
     store = master_store("127.0.0.1", 30)
