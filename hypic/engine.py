@@ -372,6 +372,34 @@ class Engine:
         """Prefill a parsed request under ``mode`` in one go."""
         return drain(self.prefill_steps(parts, mode, logits_from))
 
+    def held_head(self, parts: PromptParts, mode: str = "hypic") -> PromptParts | None:
+        """``parts`` cut after its longest run of leading documents whose spliced interiors the public
+        pool holds (no query), when that run stops short of the last document and holds a spliced
+        document past the request's private-pool resume point; else None (nothing to combine early)."""
+        policy = self.policy(mode)
+        if policy.seams is None or policy.namespace is None or self.prefix_cache.budget_bytes == 0:
+            return None
+        spliced, held = self._spliced(parts, policy, len(parts.token_ids)), 0
+        while held < len(parts.segments) and (held not in spliced or self.lookup_segment(
+                parts.segments[held], policy, peek=True)[0] is not None):
+            held += 1
+        head = PromptParts(parts.leading, parts.segments[:held], ())
+        if held == len(parts.segments) or not head.token_ids:
+            return None
+        key = cache_key(head.token_ids, layout_marks(head, [i for i in spliced if i < held]))
+        resume = self.prefix_cache.peek(policy.namespace, key, len(key) - 1)
+        return head if any(i < held and parts.segment_starts[i] >= resume for i in spliced) else None
+
+    def precombine(self, parts: PromptParts, mode: str = "hypic") -> int:
+        """The combine pass over ``held_head(parts)``, its state kept in the private pool, so the whole
+        request later resumes near that head's end (a combine node does this while its peers' last
+        documents are still on their way). Returns the head's tokens (0: nothing was run)."""
+        head = self.held_head(parts, mode)
+        if head is None:
+            return 0
+        self.prefill(head, mode)
+        return len(head.token_ids)
+
     def remember(self, state: RequestState, mode: str) -> None:
         """Keep a finished request's state in the private pool (multi-turn reuse of its whole text)."""
         namespace = self.policy(mode).namespace

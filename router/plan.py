@@ -43,12 +43,14 @@ def combine_score(held: int, total: int, load: int, max_load: int, match_weight:
 
 def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int], combine: int | None = None,
               match_weight: float = MATCH_WEIGHT, prefixes: dict[int, int] | None = None,
-              prompt_tokens: int = 0) -> Plan:
+              prompt_tokens: int = 0, combine_tokens: int = 0) -> Plan:
     """The combine node (unless given) has the best ``combine_score`` (ties: the lowest id), what a
     worker holds being its cached documents, or the prompt prefix it is believed to hold
     (``prefixes``: worker -> tokens) if more; a prompt without documents is scored over its
     ``prompt_tokens``. Documents no live worker holds are spread by LPT over every worker, counting
-    the tokens each already has queued (``loads``, live workers only)."""
+    the tokens each already has queued (``loads``, live workers only) and, on the combine node, the
+    request's own combine pass (``combine_tokens``): it builds less, and can combine the prompt's
+    head while its peers' last documents are still on their way."""
     if not loads or (combine is not None and combine not in loads):
         raise ValueError("no live workers" if not loads else f"combine node {combine} is not live")
     unique = list({job.key: job for job in jobs}.values())
@@ -63,7 +65,8 @@ def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int]
     plan = Plan(combine)
     cold = [job for job in unique if not holders[job.key]]
     workers = sorted(loads)
-    for job, slot in zip(cold, lpt_assign([job.tokens for job in cold], [loads[w] for w in workers])):
+    queued = [loads[w] + (combine_tokens if w == combine else 0) for w in workers]
+    for job, slot in zip(cold, lpt_assign([job.tokens for job in cold], queued)):
         plan.builds.setdefault(workers[slot], []).append(job)
     for job in unique:
         if holders[job.key] and combine not in holders[job.key]:

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 
 from hypic.engine import GenerationResult
+from hypic.segments import PromptParts
 
 from .index import SegmentIndex
 from .plan import Plan, make_plan
@@ -39,6 +41,7 @@ class RoutedResult:
     transfer_s: float  # until the combine node has checked and stored every shipped entry
     combine_s: float  # the request on the combine node: combine pass and decode
     lost_workers: list[int]
+    combined_early: int = 0  # prompt tokens combined while documents were still arriving (``Engine.precombine``)
 
 
 class Router:
@@ -80,11 +83,12 @@ class Router:
         with self.pool.lock:
             loads, prefixes = dict(self.pool.queued), self.pool.prefixes.matched(parts.token_ids)
         plan = make_plan(self.splitter.jobs(parts, mode), self.index, loads, prefixes=prefixes,
-                         prompt_tokens=len(parts.token_ids))
+                         prompt_tokens=len(parts.token_ids), combine_tokens=self.splitter.combine_tokens(parts, mode))
         start, lost = time.perf_counter(), []
         combine = self.workers[plan.combine]
         builds, shipments = self.pool.dispatch(plan, mode)
         installs = self.pool.install_on(plan.combine, shipments, mode)
+        early = self._combine_early(plan, parts, mode, builds, installs, lost)
         self.pool.wait(builds, lost)
         dispatched = time.perf_counter()
         self.pool.wait_installs(installs, lost)  # a failed shipment is recomputed there
@@ -99,7 +103,32 @@ class Router:
         finally:
             self.pool.finish(plan, lost)
         return RoutedResult(result, plan, dispatched - start, transferred - dispatched,
-                            time.perf_counter() - transferred, lost)
+                            time.perf_counter() - transferred, lost, self._early_tokens(early))
+
+    def _combine_early(self, plan: Plan, parts: PromptParts, mode: str, builds: list[tuple[int, ray.ObjectRef]],
+                       installs: list[tuple[int, ray.ObjectRef]], lost: list[int]) -> list[ray.ObjectRef]:
+        """Once the combine node's own builds are done, and again after each peer's entry arrives but
+        the last, it combines the head of the prompt it holds (``Worker.precombine``), so its combine
+        pass overlaps the peers' last builds; returns those calls' refs."""
+        if not installs:
+            return []
+        combine, deadline = self.workers[plan.combine], time.monotonic() + self.pool.timeout_s
+        self.pool.wait([build for build in builds if build[0] == plan.combine], lost)
+        refs, pending = [combine.precombine.remote(parts, mode)], [ref for _, ref in installs]
+        while len(pending) > 1:
+            ready, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            refs.append(combine.precombine.remote(parts, mode))
+        return refs
+
+    @staticmethod
+    def _early_tokens(refs: list[ray.ObjectRef]) -> int:
+        """The longest head combined early (a failed call counts nothing: the request ran regardless)."""
+        try:
+            return max(ray.get(refs, timeout=0), default=0)
+        except (RayError, GetTimeoutError):
+            return 0
 
     def shutdown(self) -> None:
         self.pool.shutdown()

@@ -51,6 +51,15 @@ class Splitter:
             raise ValueError("this splitter was made without the model's config")
         return entry_check(self.fingerprint, mode_policy(mode, self.seam_width, self.conv_kernel).role, self.config)
 
+    def combine_tokens(self, parts: PromptParts, mode: str) -> int:
+        """The tokens a combine pass of ``mode`` recomputes once every document is cached: the prompt
+        less the interiors it splices."""
+        policy = mode_policy(mode, self.seam_width, self.conv_kernel)
+        if policy.seams is None:
+            return len(parts.token_ids)
+        spans = [policy.seams.interior(len(parts.segments[i])) for i in spliceable(parts, policy.seams)]
+        return len(parts.token_ids) - sum(hi - lo for lo, hi in filter(None, spans))
+
     def jobs(self, parts: PromptParts, mode: str) -> list[SegmentJob]:
         """The documents ``mode`` splices from the public pool, keyed as the engines key them."""
         policy = mode_policy(mode, self.seam_width, self.conv_kernel)

@@ -103,6 +103,11 @@ class Worker:
         """The request's combine pass on this worker (its combine node); the caller decodes the state."""
         return self.queue.run(lambda: self.engine.prefill(parts, mode, logits_from))
 
+    def precombine(self, parts: PromptParts, mode: str) -> int:
+        """Combine the head of the request this worker already holds (``Engine.precombine``), while its
+        peers' last documents are on their way; returns the head's tokens (0: none)."""
+        return self.queue.run(lambda: self.engine.precombine(parts, mode))
+
     def generate(self, prompt: str, mode: str, sampling: dict[str, Any]) -> GenerationResult:
         return self.queue.run(lambda: self.engine.generate(prompt, mode=mode, **sampling))
 

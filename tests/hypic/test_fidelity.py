@@ -188,6 +188,24 @@ def test_private_pool_hit_then_pic_segments(setup: Setup, name: str) -> None:
     assert_same_generation(engine_generation(engine, prefill), oracle.generate(second))
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "gpt_oss", "mimo_v2_flash"])
+def test_precombined_head_then_the_rest(setup: Setup, name: str) -> None:
+    """A combine node holding the first two of three documents combines that head early
+    (``Engine.precombine``); once the third arrives, the request resumes at the head's last token."""
+    case = layout(9, [140, 2 * 8 - 1, 90, 120])  # the short second document has no interior: never waited for
+    engine, oracle = setup(name, True, 8)
+    engine.warmup([case.documents[0], case.documents[2]])
+    parts = engine.parse(case.text)
+    head = len(parts.leading) + sum(map(len, parts.segments[:3]))
+    assert engine.precombine(parts) == head
+    assert engine.precombine(parts) == 0  # its head is already combined
+    engine.warmup([case.documents[3]])
+    assert engine.held_head(parts) is None  # every document is held: the request runs whole
+    prefill = engine.prefill(parts)
+    assert prefill.stats.prefix_hit_tokens == head - 1 and prefill.stats.segments_hit == 1
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))
+
+
 def test_batched_decode_of_several_pic_requests(setup: Setup) -> None:
     engine, oracle = setup("qwen3_5_text-ratio2", True, 8)
     requests = [layout(6, [100, 40]), layout(7, [33, 180, 61]), layout(8, [250])]

@@ -89,3 +89,16 @@ def test_a_prefix_served_again_is_kept_over_older_ones() -> None:
     prefixes.record(0, [9] * 4)
     prefixes.record(0, [8] * 4)  # b goes
     assert prefixes.matched(list(range(8))) == {0: 4}
+
+
+def test_the_combine_pass_counts_as_load_on_the_combine_node() -> None:
+    """Eleven equal cold documents: without the combine pass LPT gives the combine node six, with
+    it the peer builds six and the combine node five (it combines the head while the sixth arrives)."""
+    jobs = [_job(f"d{i}", 2400) for i in range(11)]
+    plain = make_plan(jobs, SegmentIndex(), {0: 0, 1: 0})
+    assert plain.combine == 0 and plain.build_tokens() == {0: 6 * 2400, 1: 5 * 2400}
+    weighted = make_plan(jobs, SegmentIndex(), {0: 0, 1: 0}, combine_tokens=200)
+    assert weighted.combine == 0 and weighted.build_tokens() == {0: 5 * 2400, 1: 6 * 2400}
+    assert [j.key for j in weighted.builds[1]] == [f"d{i}" for i in range(0, 11, 2)]  # in prompt order
+    heavy = make_plan(jobs, SegmentIndex(), {0: 0, 1: 0}, combine_tokens=3 * 2400)
+    assert heavy.build_tokens() == {0: 4 * 2400, 1: 7 * 2400}
