@@ -97,6 +97,7 @@ def measure_router(model: Path, workers: int, args: argparse.Namespace, results:
             shipped = sum(len(jobs) for w, jobs in routed.plan.builds.items() if w != routed.plan.combine)
             results.add(_record(shape, workers, repeat, time.perf_counter() - start, dispatch_s=routed.dispatch_s,
                                 transfer_s=routed.transfer_s, combine_s=routed.combine_s, shipped_docs=shipped,
+                                combined_early=routed.combined_early,
                                 segments_missed=routed.result.segments_missed))
             progress.update()
     finally:
@@ -129,7 +130,7 @@ def summarize_parallel(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]
     for workers in sorted({r["workers"] for r in records}):
         mine = [r for r in records if r["workers"] == workers]
         row: dict[str, Any] = {"workers": workers, "n": len(mine)}
-        for key in ("ttft_s", "dispatch_s", "transfer_s", "combine_s", "shipped_docs"):
+        for key in ("ttft_s", "dispatch_s", "transfer_s", "combine_s", "shipped_docs", "combined_early"):
             values = [r[key] for r in mine if key in r]
             row[key] = statistics.median(values) if values else None
         rows.append(row)
