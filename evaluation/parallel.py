@@ -8,12 +8,15 @@ Each request has documents of its own, so nothing is cached; TTFT is ``max_new_t
 
 - dispatch: until the last cold document is prefilled on its builder (LPT over the workers);
 - transfer: until the combine node has received, checked and stored the peers' entries;
-- combine: the combine pass (seams, question, attention over the spliced KV) and the first token.
+- combine: what is left of the combine pass (seams, question, attention over the spliced KV) once
+  every entry is in, and the first token: the combine node combines the head of the prompt it
+  holds while the last documents are still on their way (``combined_early`` tokens).
 
 ``--model random`` (the default) is random weights with the shipped model's shapes and 32k
 positions and a byte-level tokenizer: timing does not depend on the weights. A simulator
-calibrated on the 1- and 2-worker points (per-token build cost, per-document transfer cost, a
-constant combine) predicts more workers: dispatch = the LPT makespan of the documents. Records
+calibrated on the 1- and 2-worker points (per-token build cost, per-document transfer cost, the
+combine pass) predicts more workers: LPT builds, the combine node combining each document once
+everything before it has arrived (``early_ttft``). Records
 go to ``OUT/parallel.jsonl`` one request at a time; a rerun measures only what is missing.
 """
 import argparse
@@ -142,22 +145,34 @@ def summarize_parallel(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]
 
 def simulate(rows: Sequence[dict[str, Any]], docs: int, doc_tokens: int,
              counts: Sequence[int] = SIMULATED_COUNTS) -> dict[int, float]:
-    """TTFT predicted per worker count from the measured 1- and 2-worker rows ({} without them)."""
-    from hypic.router import lpt_assign, makespan
+    """TTFT predicted per worker count from the measured rows ({} without the 1- and 2-worker ones):
+    per-token build cost and the whole combine pass from the 1-worker point (nothing overlaps
+    there), per-document transfer from the 2-worker one; the request then runs as ``early_ttft``."""
     by_workers = {r["workers"]: r for r in rows}
     if 1 not in by_workers or 2 not in by_workers:
         return {}
     costs = [doc_tokens] * docs
     per_token = by_workers[1]["dispatch_s"] / sum(costs)
     per_doc_transfer = by_workers[2]["transfer_s"] / max(by_workers[2]["shipped_docs"], 1)
-    combine = statistics.mean(by_workers[n]["combine_s"] for n in (1, 2))
-    predicted = {}
-    for n in counts:
-        assignment = lpt_assign(costs, [0] * n)
-        combine_node = max(range(n), key=assignment.count)
-        received = sum(1 for w in assignment if w != combine_node)
-        predicted[n] = per_token * makespan(costs, [0] * n, assignment) + per_doc_transfer * received + combine
-    return predicted
+    return {n: early_ttft(costs, n, per_token, per_doc_transfer, by_workers[1]["combine_s"]) for n in counts}
+
+
+def early_ttft(costs: Sequence[int], workers: int, per_token: float, per_doc_transfer: float, combine: float) -> float:
+    """A cold request's TTFT as the router runs it: documents by LPT with the combine pass counted
+    (in build tokens) on the combine node, worker 0; each worker builds its documents in prompt
+    order and ships each when done; once its own are built, the combine node combines each
+    document as soon as it and every one before it has arrived (the combine pass split evenly
+    over the documents: their seams cost alike)."""
+    from hypic.router import lpt_assign
+    loads = [round(combine / per_token)] + [0] * (workers - 1)
+    clock, arrivals = [0.0] * workers, []
+    for cost, worker in zip(costs, lpt_assign(costs, loads)):
+        clock[worker] += cost * per_token
+        arrivals.append(clock[worker] + (per_doc_transfer if worker else 0.0))
+    now = clock[0]
+    for arrival in arrivals:
+        now = max(now, arrival) + combine / len(costs)
+    return now
 
 
 def format_parallel(rows: Sequence[dict[str, Any]], predicted: dict[int, float]) -> str:

@@ -394,10 +394,14 @@ class Engine:
         """The combine pass over ``held_head(parts)``, its state kept in the private pool, so the whole
         request later resumes near that head's end (a combine node does this while its peers' last
         documents are still on their way). Returns the head's tokens (0: nothing was run)."""
+        return drain(self.precombine_steps(parts, mode))
+
+    def precombine_steps(self, parts: PromptParts, mode: str = "hypic") -> Generator[None, None, int]:
+        """``precombine`` one chunk per ``next()`` (the head is chosen at the first)."""
         head = self.held_head(parts, mode)
         if head is None:
             return 0
-        self.prefill(head, mode)
+        yield from self.prefill_steps(head, mode)
         return len(head.token_ids)
 
     def remember(self, state: RequestState, mode: str) -> None:

@@ -5,7 +5,7 @@ with the best cache-aware score (``plan.combine_score``; the server on ties): th
 (peers ship their entries here), or a peer (everyone ships there; it runs the combine pass and
 sends back the request's state, which the server decodes)."""
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,12 +55,15 @@ class PeerPrefill:
 
     def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool],
              combine: int | None = None) -> Plan:
-        """Documents the local engine holds are hits there; the rest go by LPT over every live worker.
-        The combine node is the best-scoring worker unless ``combine`` says."""
+        """Documents the local engine holds are hits there; the rest go by LPT over every live worker,
+        the request's combine pass counted on its combine node. The combine node is the best-scoring
+        worker unless ``combine`` says (a warm-up: nothing is combined)."""
         jobs = self.splitter.jobs(parts, mode)
+        combine_tokens = 0 if combine is not None else self.splitter.combine_tokens(parts, mode)
         with self.pool.lock:
             self.pool.index.sync(LOCAL, [job.key for job in jobs if held_locally(job.key)])
-            return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=combine)
+            return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=combine,
+                             combine_tokens=combine_tokens)
 
     def plan_documents(self, documents: list[str], mode: str,
                        held_locally: Callable[[str], bool]) -> tuple[Plan, list[int]]:
@@ -86,28 +89,23 @@ class PeerPrefill:
         builds, shipments = self.pool.dispatch(plan, mode)
         return Dispatch(plan, mode, builds, shipments)
 
-    def collect(self, dispatch: Dispatch) -> list[SegmentEntry]:
-        """Blocks until every peer's part of a local-combine plan is in: the entries it built or held
-        (a lost peer's are missing: the local combine pass recomputes them)."""
-        lost: list[int] = []
+    def arrivals(self, dispatch: Dispatch) -> Iterator[tuple[list[SegmentEntry], int]]:
+        """A local-combine plan's shipments as each arrives: its entries, received point-to-point into
+        buffers sized by their checked headers, and how many shipments are still to come (a failed
+        transfer breaks the group and its entries are left out; a lost peer's are missing: the local
+        combine pass recomputes them). The plan is finished when the iteration ends."""
+        group, check, lost = self.pool.group, self.splitter.entry_check(dispatch.mode), []
         try:
+            for index, shipment in enumerate(dispatch.shipments):
+                received: list[SegmentEntry] = []
+                for batch in self.pool.wait([shipment], lost):
+                    received, counts = receive_all(group.channel if group else None, batch, check)
+                    self.received.add(counts)
+                    self.pool.note_receipt(counts)
+                yield received, len(dispatch.shipments) - 1 - index
             self.pool.wait(dispatch.builds, lost)
-            return self._receive(dispatch)
         finally:
             self.pool.finish(dispatch.plan, lost)
-
-    def _receive(self, dispatch: Dispatch) -> list[SegmentEntry]:
-        """Each shipment's entries, in turn, once every build is done (parcels received point-to-point
-        into buffers sized by their checked headers); a failed transfer breaks the group and its
-        entries are left out."""
-        group, check, entries = self.pool.group, self.splitter.entry_check(dispatch.mode), []
-        for shipment in dispatch.shipments:
-            for batch in self.pool.wait([shipment], [], forget=False):
-                received, counts = receive_all(group.channel if group else None, batch, check)
-                entries += received
-                self.received.add(counts)
-                self.pool.note_receipt(counts)
-        return entries
 
     @staticmethod
     def local_shipment(plan: Plan) -> list[str]:
@@ -123,6 +121,7 @@ class PeerPrefill:
         combine = self.pool.workers[plan.combine]
         installs = self.pool.install_on(plan.combine, dispatch.shipments, dispatch.mode, local_entries)
         try:
+            self.pool.combine_early(plan, parts, dispatch.mode, dispatch.builds, installs, lost)
             self.pool.wait(dispatch.builds, lost)
             self.pool.wait_installs(installs, lost)
             return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from), timeout=self.pool.timeout_s)

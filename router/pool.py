@@ -7,6 +7,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
 from .group import BulkGroup
@@ -86,6 +87,31 @@ class WorkerPool:
         actor = self.workers[combine]
         refs = [ref for _, ref in shipments] + ([ray.put(self.ship(extra, combine))] if extra else [])
         return [(combine, actor.install.remote(mode, ref)) for ref in refs]
+
+    def combine_early(self, plan: Plan, parts: PromptParts, mode: str, builds: list[tuple[int, ray.ObjectRef]],
+                       installs: list[tuple[int, ray.ObjectRef]], lost: list[int]) -> list[ray.ObjectRef]:
+        """Once the combine node's own builds are done, and again after each peer's entry arrives but
+        the last, it combines the head of the prompt it holds (``Worker.precombine``), so its combine
+        pass overlaps the peers' last builds; returns those calls' refs."""
+        if not installs:
+            return []
+        combine, deadline = self.workers[plan.combine], time.monotonic() + self.timeout_s
+        self.wait([build for build in builds if build[0] == plan.combine], lost)
+        refs, pending = [combine.precombine.remote(parts, mode)], [ref for _, ref in installs]
+        while len(pending) > 1:
+            ready, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            refs.append(combine.precombine.remote(parts, mode))
+        return refs
+
+    @staticmethod
+    def early_tokens(refs: list[ray.ObjectRef]) -> int:
+        """The longest head combined early (a failed call counts nothing: the request ran regardless)."""
+        try:
+            return max(ray.get(refs, timeout=0), default=0)
+        except (RayError, GetTimeoutError):
+            return 0
 
     def destination(self, worker: int) -> tuple[int, int] | None:
         """Where entries for ``worker`` go point-to-point: (rank, generation), or None (object store)."""

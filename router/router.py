@@ -8,7 +8,10 @@ document, so each is shipped as soon as it is done while its builder computes th
 shipped entries travel builder -> combine node point-to-point over ``torch.distributed`` (gloo),
 their headers as object refs handed to the combine node's ``install`` (``transfer="ray"``: the
 whole entries through Ray's object store), never via the router; the combine node checks and stores them,
-then runs the request's combine pass and decode. A builder that dies costs only its documents:
+then runs the request's combine pass and decode. LPT counts that combine pass as load on the
+combine node, which therefore builds less and, once its own documents are done, combines the head
+of the prompt it already holds while the peers' last documents are on their way (the request then
+resumes near that head's end). A builder that dies costs only its documents:
 the combine pass recomputes what did not arrive, and the router forgets the worker.
 """
 import time
@@ -16,10 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
 
 from hypic.engine import GenerationResult
-from hypic.segments import PromptParts
 
 from .index import SegmentIndex
 from .plan import Plan, make_plan
@@ -88,7 +89,7 @@ class Router:
         combine = self.workers[plan.combine]
         builds, shipments = self.pool.dispatch(plan, mode)
         installs = self.pool.install_on(plan.combine, shipments, mode)
-        early = self._combine_early(plan, parts, mode, builds, installs, lost)
+        early = self.pool.combine_early(plan, parts, mode, builds, installs, lost)
         self.pool.wait(builds, lost)
         dispatched = time.perf_counter()
         self.pool.wait_installs(installs, lost)  # a failed shipment is recomputed there
@@ -103,32 +104,7 @@ class Router:
         finally:
             self.pool.finish(plan, lost)
         return RoutedResult(result, plan, dispatched - start, transferred - dispatched,
-                            time.perf_counter() - transferred, lost, self._early_tokens(early))
-
-    def _combine_early(self, plan: Plan, parts: PromptParts, mode: str, builds: list[tuple[int, ray.ObjectRef]],
-                       installs: list[tuple[int, ray.ObjectRef]], lost: list[int]) -> list[ray.ObjectRef]:
-        """Once the combine node's own builds are done, and again after each peer's entry arrives but
-        the last, it combines the head of the prompt it holds (``Worker.precombine``), so its combine
-        pass overlaps the peers' last builds; returns those calls' refs."""
-        if not installs:
-            return []
-        combine, deadline = self.workers[plan.combine], time.monotonic() + self.pool.timeout_s
-        self.pool.wait([build for build in builds if build[0] == plan.combine], lost)
-        refs, pending = [combine.precombine.remote(parts, mode)], [ref for _, ref in installs]
-        while len(pending) > 1:
-            ready, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            refs.append(combine.precombine.remote(parts, mode))
-        return refs
-
-    @staticmethod
-    def _early_tokens(refs: list[ray.ObjectRef]) -> int:
-        """The longest head combined early (a failed call counts nothing: the request ran regardless)."""
-        try:
-            return max(ray.get(refs, timeout=0), default=0)
-        except (RayError, GetTimeoutError):
-            return 0
+                            time.perf_counter() - transferred, lost, self.pool.early_tokens(early))
 
     def shutdown(self) -> None:
         self.pool.shutdown()

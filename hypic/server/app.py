@@ -5,7 +5,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -75,7 +75,7 @@ class Peers(Protocol):
     def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool]) -> Any: ...
     def dispatch(self, plan: Any, mode: str) -> Any: ...
     def local_segments(self, plan: Any) -> list[tuple[int, ...]]: ...
-    def collect(self, dispatch: Any) -> list[Any]: ...
+    def arrivals(self, dispatch: Any) -> Iterator[tuple[list[Any], int]]: ...
     def install(self, engine: Any, entries: list[Any], mode: str) -> list[str]: ...
     def local_shipment(self, plan: Any) -> list[str]: ...
     def prefill_remotely(self, dispatch: Any, parts: PromptParts, logits_from: int | None,
@@ -158,13 +158,27 @@ class Server:
         if local:
             await asyncio.wrap_future(self.loop.build(local))
         if plan.combine == 0:
-            entries = await asyncio.to_thread(self.peers.collect, dispatch)
-            if entries:
-                await asyncio.wrap_future(self.loop.call(lambda: self.peers.install(engine, entries, mode)))
+            await self._receive_combining_early(dispatch, parts, engine, mode)
             return None
         keys = self.peers.local_shipment(plan)
         shipped = await asyncio.wrap_future(self.loop.call(lambda: [e for k in keys if (e := store.entries.get(k))]))
         return self.remote_prefills.submit(self.peers.prefill_remotely, dispatch, parts, logits_from, shipped)
+
+    async def _receive_combining_early(self, dispatch: Any, parts: PromptParts, engine: Any, mode: str) -> None:
+        """Store the peers' entries here as each shipment arrives; after this engine's own builds and
+        after each arrival but the last, the loop combines the prompt's held head, so the request's
+        combine pass overlaps the peers' last builds (a failed early combine only loses that head)."""
+        assert self.peers is not None
+        arrivals, early = self.peers.arrivals(dispatch), [self.loop.precombine(parts)]
+        while (arrival := await asyncio.to_thread(next, arrivals, None)) is not None:
+            entries, still_coming = arrival
+            if entries:
+                await asyncio.wrap_future(self.loop.call(lambda: self.peers.install(engine, entries, mode)))
+            if still_coming:
+                early.append(self.loop.precombine(parts))
+        for done in asyncio.as_completed([asyncio.wrap_future(future) for future in early]):
+            with contextlib.suppress(Exception):
+                await done
 
     async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
         """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""

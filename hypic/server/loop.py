@@ -104,9 +104,10 @@ class Job:
 
 @dataclass(eq=False)
 class WarmupTask:
-    """Documents to cache, run in chunks between decode steps like a prefill."""
+    """Documents to cache (or a request's head to combine early), run in chunks between decode
+    steps like a prefill."""
 
-    steps: Generator[None, None, list[int]]
+    steps: Generator[None, None, Any]
     remaining: int
     future: Future = field(default_factory=Future)
     start: float = field(default_factory=time.perf_counter)
@@ -193,6 +194,14 @@ class EngineLoop:
     def build(self, segments: list[tuple[int, ...]]) -> Future:
         """Cache tokenized documents in the server's mode, in chunks like a warm-up."""
         task = WarmupTask(self.engine.build_steps(segments, self.mode), sum(map(len, segments)))
+        self._enqueue(task)
+        return task.future
+
+    def precombine(self, parts: PromptParts) -> Future:
+        """Combine the head of a request this engine already holds while its peers' last documents
+        are on their way (``Engine.precombine``), in chunks like a warm-up; the future holds the
+        head's tokens (0: nothing to combine early)."""
+        task = WarmupTask(self.engine.precombine_steps(parts, self.mode), len(parts.token_ids))
         self._enqueue(task)
         return task.future
 

@@ -110,7 +110,7 @@ def test_a_lost_peer_of_the_server_costs_only_its_documents(engine: Engine, pic_
         plan = peers.plan(parts, "hypic", lambda key: key in local.store.entries)
         assert set(plan.builds) == {0, 1, 2} and plan.combine == 0
         ray.kill(peers.pool.workers[1])
-        entries = peers.collect(peers.dispatch(plan, "hypic"))
+        entries = [entry for batch, _ in peers.arrivals(peers.dispatch(plan, "hypic")) for entry in batch]
         assert {e.key for e in entries} == {job.key for job in plan.builds[2]}
         assert peers.install(local, entries, "hypic") == [e.key for e in entries]
         assert peers.status()["workers"] == [0, 2] and peers.status()["lost_workers"] == [1]

@@ -55,7 +55,8 @@ def test_the_peer_holding_most_documents_combines(served, pic_prompt: Prompt, do
     expected = engine.generate(prompt, max_new_tokens=8)
     result = _generate(client, prompt)
     assert result["output_ids"] == expected.output_ids
-    assert result["meta_info"]["cached_tokens"] == expected.cached_tokens  # every document a hit on the peer
+    # every document a hit on the peer (or in the head it combined early, resumed from its private pool)
+    assert result["meta_info"]["segments_missed"] == 0 and result["meta_info"]["cached_tokens"] >= expected.cached_tokens
     assert len(loop.engine.store.entries) == 1  # only its own build is here: it was shipped, not spliced here
     counts = ray.get(peers.pool.workers[1].receive_counts.remote())  # ... from this process over gloo
     assert (counts.point_to_point, counts.object_store, counts.failed) == (1, 0, 0)
@@ -71,3 +72,26 @@ def test_a_lost_remote_combine_node_falls_back_here(served, pic_prompt: Prompt, 
     assert _generate(client, prompt)["output_ids"] == expected.output_ids
     assert client.get("/get_server_info").json()["workers"]["lost_workers"] == [1]
     assert _generate(client, pic_prompt([0, 1], "Who had a red coat?"))["output_ids"]  # the next one runs here
+
+
+def test_the_server_combines_its_held_head_while_the_peer_builds(served, pic_prompt: Prompt, docs: list[str]) -> None:
+    """The server holds the first two documents, the third is cold and goes to the peer, kept busy
+    first: the server's loop combines the two-document head before the third arrives, and the
+    request resumes at that head's last token with one engine's output."""
+    client, peers, loop = served
+    loop.warmup(docs[:2]).result(timeout=60)
+    busy_parts = peers.splitter.parse(DEFAULT_SEPARATOR.join(["", " ".join(docs * 3) + " Busy.", ""]))
+    busy = peers.pool.workers[1].build.remote([(j.key, j.token_ids) for j in peers.splitter.jobs(busy_parts, "hypic")],
+                                              "hypic", 0)
+    prompt = pic_prompt([0, 1, 2], "Who studied herons?")
+    engine = Engine.from_pretrained("default")
+    engine.warmup(docs[:3])
+    expected = engine.generate(prompt, max_new_tokens=8)
+    plan = peers.plan(loop.engine.parse(prompt), "hypic", lambda key: key in loop.engine.store.entries)
+    assert plan.combine == 0 and list(plan.builds) == [1]
+    result = _generate(client, prompt)
+    ray.get(busy)
+    parts = loop.engine.parse(prompt)
+    head = len(parts.leading) + len(parts.segments[0]) + len(parts.segments[1])
+    assert result["output_ids"] == expected.output_ids
+    assert result["meta_info"]["prefix_hit_tokens"] == head - 1 and result["meta_info"]["segments_missed"] == 0

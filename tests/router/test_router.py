@@ -110,3 +110,23 @@ def test_a_plain_prompt_returns_to_the_worker_holding_its_prefix(router: Router,
     routed = _same_as_engine(router, engine, follow_up)
     assert routed.plan.combine == 1
     assert routed.result.cached_tokens >= len(engine.tokenizer.encode(first)) - 1  # the first turn's prompt
+
+
+def test_the_combine_node_combines_its_held_head_while_a_peer_builds(router: Router, engine: Engine,
+                                                                     docs: list[str]) -> None:
+    """Worker 0 holds the first two documents; the third is cold and goes to worker 1, kept busy
+    first: worker 0 combines the two-document head before the third arrives, and the request
+    resumes at that head's last token with the single engine's output."""
+    held, cold = [docs[7] + " Early.", docs[8] + " Early."], docs[9] + " Late."
+    router.warmup(held, worker=0)
+    busy_doc = router.splitter.parse(DEFAULT_SEPARATOR.join(["", " ".join(docs * 3) + " Busy.", ""]))
+    busy_job = router.splitter.jobs(busy_doc, "hypic")[0]
+    busy = router.workers[1].build.remote([(busy_job.key, busy_job.token_ids)], "hypic", 0)
+    prompt = DEFAULT_SEPARATOR.join(["Answer from the records.", *held, cold, "Question: who was born in 1963?\nAnswer:"])
+    routed = _same_as_engine(router, engine, prompt)
+    ray.get(busy)
+    router.pool.sync(1)
+    parts = router.splitter.parse(prompt)
+    assert routed.plan.combine == 0 and list(routed.plan.builds) == [1]  # the combine pass counts as load on 0
+    assert routed.combined_early == len(parts.leading) + len(parts.segments[0]) + len(parts.segments[1])
+    assert routed.result.cached_tokens >= routed.combined_early - 1  # resumed there

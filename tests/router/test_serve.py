@@ -37,7 +37,8 @@ def test_two_workers_answer_as_one_engine(server: ServerProcess, pic_prompt: Pro
         engine.warmup([docs[i] for i in indices])
         expected = engine.generate(prompt, max_new_tokens=8)
         assert served["output_ids"] == expected.output_ids
-        assert served["meta_info"]["cached_tokens"] == expected.cached_tokens > 0
+        # every document a hit here (or in the head combined early here, resumed from the private pool)
+        assert served["meta_info"]["segments_missed"] == 0 and served["meta_info"]["cached_tokens"] >= expected.cached_tokens > 0
     info = server.get("/get_server_info")
     assert info["workers"]["workers"] == [0, 1] and info["workers"]["lost_workers"] == []
     assert info["workers"]["held_entries"]["1"] >= 3  # LPT gave the peer half of the six cold documents
@@ -77,7 +78,8 @@ def test_warmup_spreads_documents_and_requests_pull_them(server: ServerProcess, 
     prompt = pic_prompt([3, 1, 0, 2], "Who studied badgers?")
     expected = engine.generate(prompt, max_new_tokens=8)
     served = _generate(server, prompt)
-    assert served["output_ids"] == expected.output_ids and served["meta_info"]["cached_tokens"] == expected.cached_tokens
+    assert served["output_ids"] == expected.output_ids and served["meta_info"]["segments_missed"] == 0
+    assert served["meta_info"]["cached_tokens"] >= expected.cached_tokens  # more where a held head was combined early
 
 
 def test_concurrent_requests_under_eviction(server: ServerProcess, pic_prompt: Prompt) -> None:

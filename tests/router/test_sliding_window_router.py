@@ -22,7 +22,9 @@ def test_two_workers_answer_as_one_engine(checkpoint_factory: Callable[..., Path
             prompt = SEP.join(["lead", *(docs[i] for i in order), "q?"])
             routed = router.generate(prompt, max_new_tokens=8)
             assert routed.result.output_ids == engine.generate(prompt, max_new_tokens=8).output_ids
-            assert routed.result.segments_hit == 4
+            parts = router.splitter.parse(prompt)  # documents combined early are not looked up again
+            early = sum(start + len(doc) <= routed.combined_early for start, doc in zip(parts.segment_starts, parts.segments))
+            assert routed.result.segments_missed == 0 and routed.result.segments_hit + early == 4
         counts = ray.get(router.workers[routed.plan.combine].receive_counts.remote())
         assert counts.point_to_point >= 1 and counts.object_store == counts.failed == 0
     finally:
