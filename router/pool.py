@@ -16,6 +16,7 @@ from .prefix_index import PrefixIndex
 from .transfer import ReceiveCounts
 from .plan import Plan
 from .serialization import register_tensor_serializer
+from .work_queue import PROMPT_ORDER_TOKENS
 from .worker import Worker
 
 TRANSFERS = ("torch", "ray")  # bulk entries over torch.distributed (gloo), or through Ray's object store
@@ -70,8 +71,9 @@ class WorkerPool:
             for worker, jobs in plan.builds.items():
                 if worker in self.workers:
                     to = None if worker == plan.combine else ship_to
-                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode, priority, to)
-                                          for j in jobs]
+                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode,
+                                                                            priority + rank * PROMPT_ORDER_TOKENS, to)
+                                          for rank, j in enumerate(jobs)]
             pulls = [(w, self.workers[w].fetch.remote(keys, ship_to)) for w, keys in plan.pulls.items()
                      if w in self.workers]
         builds = [(w, ref) for w, refs in per_worker.items() for ref in refs]
@@ -90,19 +92,20 @@ class WorkerPool:
 
     def combine_early(self, plan: Plan, parts: PromptParts, mode: str, builds: list[tuple[int, ray.ObjectRef]],
                        installs: list[tuple[int, ray.ObjectRef]], lost: list[int]) -> list[ray.ObjectRef]:
-        """Once the combine node's own builds are done, and again after each peer's entry arrives but
-        the last, it combines the head of the prompt it holds (``Worker.precombine``), so its combine
-        pass overlaps the peers' last builds; returns those calls' refs."""
-        if not installs:
-            return []
-        combine, deadline = self.workers[plan.combine], time.monotonic() + self.timeout_s
+        """Once the combine node's own builds are done, and again as peers' entries arrive while some
+        are still on their way, it combines the head of the prompt it holds (``Worker.precombine``;
+        one call at a time, each after every arrival so far), so its combine pass overlaps the peers'
+        last builds; returns those calls' refs."""
+        combine, deadline = self.workers.get(plan.combine), time.monotonic() + self.timeout_s
         self.wait([build for build in builds if build[0] == plan.combine], lost)
-        refs, pending = [combine.precombine.remote(parts, mode)], [ref for _, ref in installs]
-        while len(pending) > 1:
-            ready, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+        refs: list[ray.ObjectRef] = []
+        pending = [ref for _, ref in installs]
+        while pending and combine is not None:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0)  # take every arrival so far
+            if pending and (not refs or ray.wait(refs[-1:], timeout=0)[0]):
+                refs.append(combine.precombine.remote(parts, mode))
+            if pending and not ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))[0]:
                 break
-            refs.append(combine.precombine.remote(parts, mode))
         return refs
 
     @staticmethod

@@ -11,6 +11,10 @@ from typing import Any, TypeVar
 from hypic.server.loop import WAIT_CREDIT_TOKENS_PER_S
 
 URGENT = -math.inf  # control work (checks, installs, lookups, combine passes) before any build
+# a request's builds on one worker carry its priority plus this per place in prompt order: they run
+# in that order (what the combine node combines early) whatever order Ray's threads queue them in,
+# up to 0.25 s of wait-credit jitter
+PROMPT_ORDER_TOKENS = 64.0
 Result = TypeVar("Result")
 
 

@@ -158,23 +158,27 @@ class Server:
         if local:
             await asyncio.wrap_future(self.loop.build(local))
         if plan.combine == 0:
-            await self._receive_combining_early(dispatch, parts, engine, mode)
+            from_peers = any(worker != 0 for worker in plan.builds) or bool(plan.pulls)
+            await self._receive_combining_early(dispatch, parts, engine, mode, from_peers)
             return None
         keys = self.peers.local_shipment(plan)
         shipped = await asyncio.wrap_future(self.loop.call(lambda: [e for k in keys if (e := store.entries.get(k))]))
         return self.remote_prefills.submit(self.peers.prefill_remotely, dispatch, parts, logits_from, shipped)
 
-    async def _receive_combining_early(self, dispatch: Any, parts: PromptParts, engine: Any, mode: str) -> None:
-        """Store the peers' entries here as each shipment arrives; after this engine's own builds and
-        after each arrival but the last, the loop combines the prompt's held head, so the request's
-        combine pass overlaps the peers' last builds (a failed early combine only loses that head)."""
-        assert self.peers is not None
-        arrivals, early = self.peers.arrivals(dispatch), [self.loop.precombine(parts)]
+    async def _receive_combining_early(self, dispatch: Any, parts: PromptParts, engine: Any, mode: str,
+                                       from_peers: bool) -> None:
+        """Store the peers' entries here as each shipment arrives; after this engine's own builds (if
+        anything is ``from_peers``) and after arrivals while more are to come (one at a time), the
+        loop combines the prompt's held head, so the request's combine pass overlaps the peers' last
+        builds (a failed early combine only loses that head)."""
+        peers = self.peers
+        assert peers is not None
+        arrivals, early = peers.arrivals(dispatch), [self.loop.precombine(parts)] if from_peers else []
         while (arrival := await asyncio.to_thread(next, arrivals, None)) is not None:
             entries, still_coming = arrival
             if entries:
-                await asyncio.wrap_future(self.loop.call(lambda: self.peers.install(engine, entries, mode)))
-            if still_coming:
+                await asyncio.wrap_future(self.loop.call(lambda: peers.install(engine, entries, mode)))
+            if still_coming and (not early or early[-1].done()):  # one at a time: the next covers more
                 early.append(self.loop.precombine(parts))
         for done in asyncio.as_completed([asyncio.wrap_future(future) for future in early]):
             with contextlib.suppress(Exception):

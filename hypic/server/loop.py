@@ -202,7 +202,10 @@ class EngineLoop:
         are on their way (``Engine.precombine``), in chunks like a warm-up; the future holds the
         head's tokens (0: nothing to combine early)."""
         task = WarmupTask(self.engine.precombine_steps(parts, self.mode), len(parts.token_ids))
-        self._enqueue(task)
+        if self._queued >= self.max_queued:  # never refused as a request would be: it is combined later instead
+            task.future.set_result(0)
+        else:
+            self._enqueue(task)
         return task.future
 
     def call(self, run: Callable[[], Any]) -> Future:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hypic.router.work_queue import URGENT, WorkQueue
+from hypic.router.work_queue import PROMPT_ORDER_TOKENS, URGENT, WorkQueue
 
 
 def _order(queue: WorkQueue, priorities: list[float]) -> list[int]:
@@ -27,6 +27,12 @@ def _order(queue: WorkQueue, priorities: list[float]) -> list[int]:
 
 def test_fewer_uncached_tokens_first_and_control_work_before_builds() -> None:
     assert _order(WorkQueue(), [3000, 100, URGENT, 2000]) == [2, 1, 3, 0]
+
+
+def test_a_requests_builds_run_in_prompt_order_whatever_order_they_were_queued_in() -> None:
+    """Ray's threads may queue one request's builds out of order (here 20 ms apart, 5 tokens of
+    credit each): their places in the prompt decide."""
+    assert _order(WorkQueue(), [2400 + rank * PROMPT_ORDER_TOKENS for rank in (3, 1, 0, 2)]) == [2, 1, 3, 0]
 
 
 def test_waiting_earns_credit() -> None:
