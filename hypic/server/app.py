@@ -174,12 +174,16 @@ class Server:
         peers = self.peers
         assert peers is not None
         arrivals, early = peers.arrivals(dispatch), [self.loop.precombine(parts)] if from_peers else []
-        while (arrival := await asyncio.to_thread(next, arrivals, None)) is not None:
-            entries, still_coming = arrival
-            if entries:
-                await asyncio.wrap_future(self.loop.call(lambda: peers.install(engine, entries, mode)))
-            if still_coming and (not early or early[-1].done()):  # one at a time: the next covers more
-                early.append(self.loop.precombine(parts))
+        try:
+            while (arrival := await asyncio.to_thread(next, arrivals, None)) is not None:
+                entries, still_coming = arrival
+                if entries:
+                    await asyncio.wrap_future(self.loop.call(lambda: peers.install(engine, entries, mode)))
+                if still_coming and (not early or early[-1].done()):  # one at a time: the next covers more
+                    early.append(self.loop.precombine(parts))
+        finally:
+            with contextlib.suppress(ValueError):  # still running in its thread: it finishes the plan there
+                arrivals.close()  # a broken install: the plan's queued tokens are released now
         for done in asyncio.as_completed([asyncio.wrap_future(future) for future in early]):
             with contextlib.suppress(Exception):
                 await done
