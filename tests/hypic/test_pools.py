@@ -173,3 +173,24 @@ def test_plain_prompts_sharing_a_long_prefix_resume_at_the_last_interval_snapsho
     again = engine.prefill(engine.parse(prompts[1]), "prefix")  # another namespace: nothing shared
     assert again.stats.prefix_hit_tokens == 0
     assert engine.prefill(engine.parse(prompts[1]), "prefix").stats.prefix_hit_tokens == 339
+
+
+def test_tree_keys_and_common_lengths_against_their_definitions() -> None:
+    """The vectorised key (id << MARK_BITS | marks; marks past the end ignored) and the halving
+    common-prefix length, against the per-token formulas on random cases."""
+    from hypic.prefix_cache import _common_length
+    from hypic.segments import MARK_BITS
+    rng = random.Random(3)
+    for _ in range(500):
+        ids = [rng.randrange(1 << 20) for _ in range(rng.randint(0, 60))]
+        marks = {rng.randint(0, len(ids) + 5): rng.randint(1, 15) for _ in range(rng.randint(0, 5))}
+        assert cache_key(ids, marks) == [token << MARK_BITS | marks.get(i, 0) for i, token in enumerate(ids)]
+        edge = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 40)))
+        key = [rng.randint(0, 2) for _ in range(rng.randint(0, 50))]
+        offset = rng.randint(0, len(key))
+        if rng.random() < 0.5:  # a long shared run, then maybe a difference
+            key[offset:offset + len(edge)] = list(edge)[:len(key) - offset]
+        n = 0
+        while n < min(len(edge), len(key) - offset) and edge[n] == key[offset + n]:
+            n += 1
+        assert _common_length(edge, key, offset) == n
