@@ -30,7 +30,7 @@ MIMO_V2_FLASH = dict(  # config.json of XiaomiMiMo/MiMo-V2-Flash as transformers
 
 def token_bytes(config: ModelConfig, index: int, size: int) -> int:
     """K and V of one token in attention layer ``index``."""
-    return config.kv_heads(index) * (config.head_dim + config.attention_value_dim) * size
+    return config.kv_elements(index) * size
 
 
 def pool_bytes(config: ModelConfig, size: int, tokens: int, resume_points: int, swa_pool: bool) -> int:

@@ -175,6 +175,10 @@ class ModelConfig:
             return window.kv_heads
         return self.num_key_value_heads
 
+    def kv_elements(self, index: int) -> int:
+        """Elements of one token's key and value in attention layer ``index``."""
+        return self.kv_heads(index) * (self.head_dim + self.attention_value_dim)
+
     def window(self, index: int) -> int | None:
         """Layer ``index``'s window (keys a query sees, itself included), None for full attention."""
         return self.sliding_window.size if self.layer_types[index] == "sliding_attention" and self.sliding_window else None

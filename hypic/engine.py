@@ -37,9 +37,8 @@ def default_snapshot_interval(config: ModelConfig) -> int:
     full = [i for i in config.attention_layers() if i not in windows]
     if not windows or not full:
         return DEFAULT_SNAPSHOT_INTERVAL
-    token = lambda i: config.kv_heads(i) * (config.head_dim + config.attention_value_dim)  # noqa: E731
-    tails = sum((config.window(i) or 0) * token(i) for i in windows)
-    even = -(-tails // sum(token(i) for i in full))
+    tails = sum((config.window(i) or 0) * config.kv_elements(i) for i in windows)
+    even = -(-tails // sum(config.kv_elements(i) for i in full))
     return max(DEFAULT_SNAPSHOT_INTERVAL, -(-even // DEFAULT_SNAPSHOT_INTERVAL) * DEFAULT_SNAPSHOT_INTERVAL)
 
 
@@ -241,7 +240,7 @@ class Engine:
         for index in config.attention_layers():  # per token held: a ring holds ``window`` tokens at any length
             window = config.window(index)
             held = tokens if window is None else window
-            kv += held * config.kv_heads(index) * (config.head_dim + config.attention_value_dim) * size
+            kv += held * config.kv_elements(index) * size
         recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
         linear = (recurrent + conv) * len(config.linear_layers())

@@ -84,16 +84,20 @@ def resolve_dtype(name: str, path: Path, device: str) -> torch.dtype:
 # ----- where each parameter comes from -------------------------------------------------------
 @dataclass(frozen=True)
 class Direct:
-    """The parameter is one checkpoint tensor (reshaped: conv1d weights drop their channel axis)."""
+    """The parameter is one checkpoint tensor (reshaped: conv1d weights drop their channel axis;
+    ``transposed``: a stack of matrices stored as x @ W, [E, I, H] as gpt-oss's down projections,
+    ours [E, H, I])."""
 
     key: str
+    transposed: bool = False
 
     @property
     def keys(self) -> tuple[str, ...]:
         return (self.key,)
 
     def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        _copy(name, param, _reshaped(reader.read(self.key), param))
+        tensor = reader.read(self.key)
+        _copy(name, param, _reshaped(tensor.transpose(1, 2) if self.transposed else tensor, param))
 
 
 @dataclass(frozen=True)
@@ -186,21 +190,7 @@ class Deinterleaved:
         _copy(name, param, torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1))
 
 
-@dataclass(frozen=True)
-class Transposed:
-    """A stack of matrices stored as x @ W ([E, I, H], gpt-oss's down projections): ours are [E, H, I]."""
-
-    key: str
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return (self.key,)
-
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        _copy(name, param, reader.read(self.key).transpose(1, 2))
-
-
-Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack | Deinterleaved | Transposed
+Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack | Deinterleaved
 
 
 def _reshaped(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -261,7 +251,7 @@ def _gpt_oss_experts(keys: dict[str, str]) -> dict[str, Source]:
     out: dict[str, Source] = {ours: Deinterleaved(keys[name], transposed)
                               for name, (ours, transposed) in GPT_OSS_EXPERTS.items() if name in keys}
     if "experts.down_proj" in keys:
-        out["down_proj"] = Transposed(keys["experts.down_proj"])
+        out["down_proj"] = Direct(keys["experts.down_proj"], transposed=True)
     if "experts.down_proj_bias" in keys:
         out["down_bias"] = Direct(keys["experts.down_proj_bias"])
     return out

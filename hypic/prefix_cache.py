@@ -67,7 +67,7 @@ class PrefixHit:
 
 def cache_key(token_ids: list[int], marks: Mapping[int, int]) -> list[int]:
     """The radix-tree key of a token sequence: each id with its layout marks in the low bits
-    (vectorised: a 26k-token prompt's key costs ~1 ms instead of ~20)."""
+    (vectorised: a 26k-token prompt's key costs ~5 ms instead of ~20)."""
     keys = torch.tensor(token_ids, dtype=torch.int64) << MARK_BITS
     placed = [(position, mark) for position, mark in marks.items() if position < len(keys)]
     if placed:

@@ -2,6 +2,7 @@
 each tensor) that says how to cut the buffer back into tensors. The header is small and travels
 with Ray; the buffer travels point-to-point (``router/channel.py``)."""
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def entry_tensors(entry: SegmentEntry) -> Iterator[Any]:
@@ -93,10 +94,3 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

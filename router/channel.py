@@ -5,7 +5,7 @@ header describes and receives into it.
 
 A gloo group does not survive a member's death, and a receive that times out closes its pair; so a
 failed transfer marks the channel broken (the caller recomputes what did not arrive) and the pool
-rebuilds the group among the live members before the next request (``WorkerPool.rebuild_group``).
+rebuilds the group among the live members before the next request (``WorkerPool.rebuild_group_if_needed``).
 Each group has a generation; a parcel from another generation is refused, never misread."""
 import datetime
 import itertools

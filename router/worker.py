@@ -118,5 +118,3 @@ class Worker:
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""
         return self.queue.run(lambda: list(self.engine.store.entries))
-
-
