@@ -1,12 +1,13 @@
 """``hypic eval load``: TTFT p50 / p90 / p99 and token throughput against QPS (paper Fig. 11).
 
 Each method is served by its own ``hypic serve --mode M --seam-width W`` process (started here,
-one at a time, on the same model and machine), or by the server at ``--url`` in the mode it was
-started with (another SGLang-compatible server counts as prefix caching). Each QPS level starts
-from flushed pools, sends ``--warm-requests`` requests of a separate slice of the trace one by one
-(the warm-up), then replays the level's ``--requests`` requests at their arrival times, all
-concurrently. TTFT is the server's (arrival to first token, queueing included) where it reports
-one; otherwise the client's end-to-end latency, and the record says so.
+one at a time, on the same model and machine, each on a free port or in turn on ``--port``), or by
+the server at ``--url`` in the mode it was started with (another SGLang-compatible server counts as
+prefix caching). Each QPS level starts from flushed pools, sends ``--warm-requests`` requests of a
+separate slice of the trace one by one (the warm-up), then replays the level's ``--requests``
+requests at their arrival times, all concurrently. TTFT is the server's (arrival to first token,
+queueing included) where it reports one; otherwise the client's end-to-end latency, and the record
+says so.
 
 A level's requests are appended to ``OUT/load.jsonl`` when the level ends: a rerun replays only
 levels with missing requests (a server is started only for a method that has one). A method's
@@ -42,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=["hypic:8", "prefix", "full"],
                         help="full, prefix, naive, hypic or hypic:W: one server each (ignored with --url)")
     parser.add_argument("--url", default=None, help="load the server at URL instead (its own mode only)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="port of the servers started here, on 127.0.0.1: one at a time, so each method's "
+                             "server listens on it in turn (to watch its /metrics, say); default: a free port "
+                             "for each. Not with --url, which holds the port of the server to load")
     parser.add_argument("--model", default="default", help="checkpoint directory, or default (the shipped model)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each started server")
     parser.add_argument("--max-running", type=int, default=64, help="started servers' --max-running-requests")
@@ -77,6 +82,11 @@ def _check(args: argparse.Namespace) -> None:
         raise DataError("--qps levels must be > 0, --requests and --output-tokens >= 1, --warm-requests >= 0")
     if args.slo <= 0 or args.stop_ttft <= 0:
         raise DataError("--slo and --stop-ttft must be > 0")
+    if args.port is not None and args.url is not None:
+        raise DataError("--port is the port of the servers `hypic eval load` starts; with --url nothing is "
+                        "started and the port is the URL's (e.g. --url http://127.0.0.1:30000)")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise DataError("--port must be in 1..65535")
 
 
 def sample_id(qps: float, index: int) -> str:
@@ -88,22 +98,27 @@ def level_done(results: ResultLog, workload: str, method: str, qps: float, count
 
 
 async def _request(client: httpx.AsyncClient, prompt: str, delay: float, output_tokens: int) -> dict[str, Any]:
+    """One streamed /generate: the TTFT this client saw (request sent -> first token's chunk) and
+    the one the server reports for it (from the request's arrival), the latency, the token counts."""
     await asyncio.sleep(delay)
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True}}
-    start = time.perf_counter()
+    body = {"text": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True}}
+    start, first, last = time.perf_counter(), None, None
     try:
-        response = await client.post("/generate", json=body)
+        async with client.stream("POST", "/generate", json=body) as response:
+            if response.status_code != 200:
+                return {"ok": False, "error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    first, last = first or time.perf_counter(), json.loads(line[len("data: "):])
     except httpx.HTTPError as err:
         return {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    latency = time.perf_counter() - start
-    if response.status_code != 200:
-        return {"ok": False, "error": f"HTTP {response.status_code}: {response.text[:200]}"}
-    meta = response.json()["meta_info"]
-    server_ttft = "ttft" in meta
-    return {"ok": True, "ttft_s": float(meta["ttft"] if server_ttft else latency),
-            "ttft_source": "server" if server_ttft else "client_e2e", "latency_s": latency,
-            "prompt_tokens": int(meta["prompt_tokens"]), "completion_tokens": int(meta["completion_tokens"]),
-            "cached_tokens": int(meta.get("cached_tokens", 0))}
+    if first is None or last is None or "error" in last:
+        return {"ok": False, "error": f"no token came back: {last}"}
+    meta = last["meta_info"]
+    return {"ok": True, "ttft_s": first - start, "ttft_source": "client", "server_ttft_s": meta.get("ttft"),
+            "latency_s": time.perf_counter() - start, "prompt_tokens": int(meta["prompt_tokens"]),
+            "completion_tokens": int(meta["completion_tokens"]), "cached_tokens": int(meta.get("cached_tokens", 0))}
 
 
 async def replay(url: str, prompts: Sequence[str], arrivals: Sequence[float],
@@ -135,16 +150,21 @@ def run_level(target: ServerTarget, method: Method, trace: Trace, qps: float, ar
 
 @contextlib.contextmanager
 def serving(method: Method, args: argparse.Namespace, logs: Path) -> Iterator[ServerTarget]:
-    """The server of ``method``: ``--url``'s, or a ``hypic serve`` started for it and stopped after."""
+    """The server of ``method``: ``--url``'s, or a ``hypic serve`` started for it (on ``--port`` or a
+    free port) and stopped after."""
     if args.url is not None:
         yield ServerTarget(args.url)
         return
-    from hypic.server.launch import start_server
+    from hypic.server.launch import port_in_use, start_server
+    if args.port is not None and port_in_use(args.port):  # else /health could be answered by whatever listens there
+        raise DataError(f"port {args.port} is in use: pass another --port, or --url http://127.0.0.1:{args.port} to "
+                        "load the server listening there")
     options = ["--mode", method.mode, "--seam-width", str(method.seam_width), "--log-level", "warning",
                "--max-running-requests", str(args.max_running)]
     options += [] if args.model == "default" else ["--model", str(args.model)]
+    log = logs / f"server-{method.label.replace(':', '-')}.log"
     try:
-        server = start_server(options, logs / f"server-{method.label.replace(':', '-')}.log", threads=args.threads)
+        server = start_server(options, log, threads=args.threads, port=args.port)
     except RuntimeError as err:
         raise DataError(f"could not start `hypic serve` for {method.label}: {err}") from None
     try:
@@ -255,8 +275,8 @@ def format_load(rows: Sequence[dict[str, Any]], capacity: dict[str, dict[str, An
     return "\n".join(lines)
 
 
-def load_figure(rows: Sequence[dict[str, Any]], slo: float, path: Path) -> None:
-    """p50 TTFT against QPS (log-log, the SLO dashed) and token throughput against QPS."""
+def draw_load(rows: Sequence[dict[str, Any]], slo: float) -> Any:
+    """The figure of p50 TTFT against QPS (log-log, the SLO dashed) and token throughput against QPS."""
     plt = pyplot()
     figure, (ttft, throughput) = plt.subplots(1, 2, figsize=(9.5, 3.8))
     for method in dict.fromkeys(r["method"] for r in rows):
@@ -271,7 +291,12 @@ def load_figure(rows: Sequence[dict[str, Any]], slo: float, path: Path) -> None:
     for axis in (ttft.xaxis, ttft.yaxis, throughput.xaxis):
         plain_log_ticks(axis)
     ttft.legend(fontsize=8)
-    save_figure(figure, path)
+    return figure
+
+
+def load_figure(rows: Sequence[dict[str, Any]], slo: float, path: Path) -> None:
+    """``draw_load``'s figure, written to ``path``."""
+    save_figure(draw_load(rows, slo), path)
 
 
 def run_load(args: argparse.Namespace) -> dict[str, Any]:
@@ -286,7 +311,8 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
     results = ResultLog(args.out / "load.jsonl")
     print(f"hypic eval load: {args.workload} trace, {args.requests} requests per level at QPS "
           f"{', '.join(f'{q:g}' for q in sorted(args.qps))}, burstiness {args.burstiness:g}; methods "
-          f"{', '.join(m.label for m in methods)}; warm-up: pools flushed, then {args.warm_requests} requests "
+          f"{', '.join(m.label for m in methods)}{'' if args.port is None else f' (servers on port {args.port})'}; "
+          f"warm-up: pools flushed, then {args.warm_requests} requests "
           f"before each level; {len(results.records)} records already in {results.path}", file=sys.stderr)
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as logs, \

@@ -5,6 +5,7 @@ against the seam width w (Fig. 13); full recompute is the reference line. Full r
 runs first on each sample: the other methods' agreement with its greedy output (the first token
 where they part) is part of every record.
 """
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from .results import ResultLog
 from .targets import Target
 
 FULL = Method("full")
+LOG_TICK_LADDER = ((1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 5), (1, 3), (1,))  # mantissas per decade, densest first
 
 
 def planned_methods(target: Target, methods: Sequence[Method]) -> list[Method]:
@@ -106,11 +108,47 @@ def pyplot():
     return plt
 
 
-def plain_log_ticks(axis: Any) -> None:
-    """Tick labels of a log-scaled ``axis`` as plain numbers (0.5, 2, 10), not powers of ten."""
-    from matplotlib.ticker import FuncFormatter
+def log_tick_values(low: float, high: float, most: int = 6) -> list[float]:
+    """Ticks of a log axis in [low, high]: the densest of 1-9, 1-2-5, 1-3 or 1 per decade with at most
+    ``most`` in range, else every k-th power of ten. Empty if none of them falls in a narrow range."""
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    for mantissas in LOG_TICK_LADDER:
+        ticks = [float(f"{m}e{e}") for e in range(first, last + 1) for m in mantissas]
+        inside = [t for t in ticks if low <= t <= high]
+        if len(inside) <= most:
+            return inside
+    stride = math.ceil((last - first + 1) / most)
+    return [float(f"1e{e}") for e in range(first, last + 1) if e % stride == 0 and low <= float(f"1e{e}") <= high]
+
+
+def _few_log_ticks(most: int) -> Any:
+    """A log locator placing ``log_tick_values``' ticks, or evenly spaced round ones where fewer than
+    two of those fall in a narrow view; it keeps ``LogLocator``'s handling of empty and non-positive
+    limits."""
+    from matplotlib.ticker import LogLocator, MaxNLocator
+
+    class FewLogTicks(LogLocator):
+        def tick_values(self, vmin: float, vmax: float) -> Any:
+            low, high = sorted((vmin, vmax))
+            if low <= 0:
+                return super().tick_values(vmin, vmax)
+            ticks = log_tick_values(low, high, most)
+            if len(ticks) >= 2:
+                return ticks
+            even = MaxNLocator(nbins=min(most, 4), steps=[1, 2, 2.5, 5, 10]).tick_values(low, high)
+            return [t for t in even if low <= t <= high]
+
+    return FewLogTicks()
+
+
+def plain_log_ticks(axis: Any, most: int = 6) -> None:
+    """At most ``most`` tick labels on a log-scaled ``axis``, as plain numbers (0.5, 2, 10), not powers
+    of ten; minor ticks unlabelled (their labels collide with each other and the major ones). Call it
+    after setting the scale, which resets the ticks."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    axis.set_major_locator(_few_log_ticks(most))
     axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def save_figure(figure: Any, path: Path) -> None:
@@ -120,17 +158,24 @@ def save_figure(figure: Any, path: Path) -> None:
     pyplot().close(figure)
 
 
-def pareto_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Score against p50 TTFT (log scale), one point per method and dataset."""
+def draw_pareto(rows: Sequence[dict[str, Any]]) -> Any:
+    """The figure of score against p50 TTFT (log scale, few plain tick labels), one point per method
+    and dataset."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
     for marker, dataset in zip("osD^v<>p", sorted({r["dataset"] for r in rows})):
         for r in (r for r in rows if r["dataset"] == dataset):
             axes.scatter(r["ttft_p50_ms"], r["score"], marker=marker, s=50, label=f"{r['method']} ({dataset})")
     axes.set_xscale("log")
+    plain_log_ticks(axes.xaxis)
     axes.set(xlabel="TTFT p50 (ms, log scale)", ylabel="score (%)", title="accuracy vs TTFT per method")
     axes.legend(fontsize=8)
-    save_figure(figure, path)
+    return figure
+
+
+def pareto_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """``draw_pareto``'s figure, written to ``path``."""
+    save_figure(draw_pareto(rows), path)
 
 
 def seam_figure(rows: Sequence[dict[str, Any]], path: Path) -> None:

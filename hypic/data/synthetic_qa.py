@@ -14,7 +14,8 @@ The remaining documents are distractors of the same kinds. Each example is gener
 its own random stream, seeded by (seed, split, index), so the same seed yields the same
 bytes and a split of N examples is a prefix of a split of M > N examples.
 
-Command line: ``python -m hypic.data.synthetic_qa --out datasets/synthetic_qa``.
+Command line: ``python -m hypic.data.synthetic_qa --out datasets/synthetic_qa`` (``--splits test``
+writes only the test split, the one the evaluations read: the same bytes as a full run's).
 """
 
 from __future__ import annotations
@@ -672,6 +673,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "each example (field extra_questions; a training aid, 0: none)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes drawing examples (the files are the same for any count)")
+    parser.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
+                        help="splits to write, e.g. --splits test for the evaluations alone; each split "
+                             "has its own seeded streams, so its file is the same whichever others are "
+                             "written, and files of splits left out are not touched")
     return parser.parse_args(argv)
 
 
@@ -686,12 +691,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                              multi_hop_fraction=args.multi_hop_fraction,
                              extra_questions=args.extra_questions)
     args.out.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", args.train), ("validation", args.validation),
-                         ("test", args.test)):
-        examples = tqdm(generate_split(config, split, count, args.workers), total=count, desc=split,
-                        unit="ex", file=sys.stderr)
+    counts = {"train": args.train, "validation": args.validation, "test": args.test}
+    chosen = [split for split in SPLITS if split in args.splits]  # the usual order, each once
+    for split in chosen:
+        examples = tqdm(generate_split(config, split, counts[split], args.workers), total=counts[split],
+                        desc=split, unit="ex", file=sys.stderr)
         write_split(args.out / f"{split}.jsonl", examples)
-    print(f"wrote {args.train}/{args.validation}/{args.test} examples to {args.out}")
+    written = ", ".join(f"{counts[split]} {split}" for split in chosen)
+    print(f"wrote {written} examples to {args.out}")
     return 0
 
 

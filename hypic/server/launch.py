@@ -64,9 +64,24 @@ class ServerProcess:
             self.process.kill()
 
 
-def start_server(args: list[str], log: Path, threads: int | None = 1, timeout_s: float = 180) -> ServerProcess:
-    """``hypic serve ARGS --port <free>``; returns once /health answers 200."""
-    port = free_port()
+def port_in_use(port: int) -> bool:
+    """Whether a socket holds 127.0.0.1:``port`` (one a stopped server left in TIME_WAIT is free)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def start_server(args: list[str], log: Path, threads: int | None = 1, timeout_s: float = 180,
+                 port: int | None = None) -> ServerProcess:
+    """``hypic serve ARGS --port PORT`` (a free port if None); returns once /health answers 200.
+    A ``port`` something already listens on is refused (its /health would answer for it)."""
+    if port is not None and port_in_use(port):
+        raise RuntimeError(f"port {port} is in use")
+    port = free_port() if port is None else port
     command = [shutil.which("hypic") or sys.executable, *([] if shutil.which("hypic") else ["-m", "hypic.cli"]),
                "serve", "--port", str(port), *args]
     env = dict(os.environ)

@@ -51,6 +51,23 @@ def test_same_seed_gives_identical_bytes(tmp_path: Path) -> None:
     assert all(first[name] != other[name] for name in first)
 
 
+def test_splits_option_writes_only_those_splits_with_a_full_runs_bytes(tmp_path: Path) -> None:
+    """``--splits test`` (what the evaluations read) writes test.jsonl alone, byte for byte the file
+    a run of all three splits writes with the same seed; files of other splits are left as they were."""
+    full = run_cli(tmp_path / "all", seed=5)
+    assert [full[f"{split}.jsonl"].count(b"\n") for split in ("train", "validation", "test")] == [12, 3, 4]
+    sizes = ["--train", "12", "--validation", "3", "--test", "4", "--seed", "5"]
+    only = tmp_path / "only"
+    main(["--out", str(only), *sizes, "--splits", "test"])
+    assert {p.name: p.read_bytes() for p in only.glob("*.jsonl")} == {"test.jsonl": full["test.jsonl"]}
+    main(["--out", str(only), *sizes, "--splits", "test", "validation"])
+    assert {p.name: p.read_bytes() for p in only.glob("*.jsonl")} == {
+        name: full[name] for name in ("test.jsonl", "validation.jsonl")}
+    (only / "test.jsonl").write_text("kept\n")
+    main(["--out", str(only), *sizes, "--splits", "validation"])
+    assert (only / "test.jsonl").read_text() == "kept\n"
+
+
 def test_worker_processes_give_the_same_bytes(tmp_path: Path) -> None:
     assert run_cli(tmp_path / "two", seed=5, workers=2) == run_cli(tmp_path / "one", seed=5)
 
@@ -160,7 +177,7 @@ def test_cli_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--out", "--train", "--validation", "--test", "--seed"):
+    for option in ("--out", "--train", "--validation", "--test", "--seed", "--splits"):
         assert option in text
 
 

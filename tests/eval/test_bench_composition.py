@@ -40,13 +40,13 @@ def test_tiny_run_structure(bench: ModuleType, tmp_path: Path, capsys: pytest.Ca
     slopes = results["slopes"]
     assert set(slopes) == {"full_ms_per_doc", "hypic_ms_per_doc", "ratio"}
     assert all(isinstance(v, float) for v in slopes.values())
-    assert [t["passed"] for t in results["targets"]] == [t["value"] >= t["threshold"] for t in results["targets"]]
-    assert results["all_passed"] == all(t["passed"] for t in results["targets"])
+    # 2-3 documents of 64 tokens are not the sizes the targets are defined for (16k-token prompts)
+    assert [t["passed"] for t in results["targets"]] == [None, None] and results["all_passed"] is False
     assert results["environment"]["threads"] == 1 and results["wall_s"] > 0
 
     printed = capsys.readouterr().out
     assert "speedup" in printed and "ms/doc" in printed
-    assert printed.count("PASS") + printed.count("FAIL") >= 2
+    assert printed.count("NOT JUDGED:") == 2 and "PASS:" not in printed and "FAIL:" not in printed
     written = json.loads(out.read_text())
     assert written["shapes"][0]["label"] == "2x64"
 

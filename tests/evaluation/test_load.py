@@ -1,15 +1,20 @@
 """``hypic eval load``: the trace's statistics in closed form, the capacity interpolation, and tiny
 runs against real ``hypic serve`` processes that resume without restarting servers."""
+import argparse
 import json
+import socket
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 import hypic.server.launch as launch
 from hypic import DEFAULT_SEPARATOR
 from hypic.cli import main
-from hypic.evaluation.load import capacities, capacity_ratios, qps_at_slo
+from hypic.evaluation.load import add_arguments, capacities, capacity_ratios, qps_at_slo, serving
+from hypic.evaluation.methods import Method
 from hypic.evaluation.trace import Trace, TraceConfig, TraceError
 
 
@@ -87,7 +92,9 @@ def test_load_runs_servers_records_every_request_and_resumes(tiny_checkpoint: Pa
     assert main(args) == 0
     assert [a[:4] for a in started] == [["--mode", "hypic", "--seam-width", "4"], ["--mode", "full", "--seam-width", "8"]]
     records = _lines(tmp_path / "load.jsonl")
-    assert len(records) == 2 * 2 * 4 and all(r["ok"] and r["ttft_source"] == "server" for r in records)
+    assert len(records) == 2 * 2 * 4 and all(r["ok"] and r["ttft_source"] == "client" for r in records)
+    for r in records:  # the server's TTFT (from the request's arrival) is the one its client saw
+        assert r["ttft_s"] - 0.05 <= r["server_ttft_s"] <= r["ttft_s"], r
     assert all(r["cached_tokens"] == 0 for r in records if r["method"] == "full")
     summary = json.loads((tmp_path / "load_summary.json").read_text())
     for row in summary["rows"]:
@@ -121,8 +128,52 @@ def test_load_against_a_running_server_uses_its_mode(tiny_checkpoint: Path, tmp_
     (["--docs-per-request", "99"], "--docs-per-request"),
     (["--methods", "fast"], "unknown method 'fast'"),
     (["--url", "http://127.0.0.1:9"], "cannot reach the server"),
+    (["--url", "http://127.0.0.1:9", "--port", "9"], "with --url nothing is started and the port is the URL's"),
+    (["--port", "0"], "--port must be in 1..65535"),
 ])
 def test_bad_load_input_is_a_clear_error(bad: list[str], message: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "load", "--out", str(tmp_path), "--no-progress", *bad]) == 2
     assert message in capsys.readouterr().err
+
+
+def _load_args(*options: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(options))
+
+
+def test_port_is_where_the_started_server_listens(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """``--port P``: the server started for a method answers on 127.0.0.1:P (asked there directly, not
+    through the study's client) in that method's mode, and nothing answers there once it is stopped."""
+    port = launch.free_port()
+    args = _load_args("--model", str(tiny_checkpoint), "--port", str(port))
+    assert args.port == port and _load_args().port is None  # default: a free port per server
+    with serving(Method("hypic", 2), args, tmp_path) as target:
+        assert target.url == f"http://127.0.0.1:{port}" and target.method == Method("hypic", 2)
+        info = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=30).json()
+        assert (info["mode"], info["seam_width"]) == ("hypic", 2)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+@pytest.fixture
+def listening_port() -> Iterator[int]:
+    """A port something else listens on for the test's duration."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_port_in_use_is_refused_before_a_server_starts(listening_port: int, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Another server there would answer the new one's health check: refused, pointing at --url."""
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("a server process was started")
+
+    monkeypatch.setattr("subprocess.Popen", refuse)
+    assert main(["eval", "load", "--port", str(listening_port), "--out", str(tmp_path), *LOAD]) == 2
+    err = capsys.readouterr().err
+    assert f"port {listening_port} is in use" in err and f"--url http://127.0.0.1:{listening_port}" in err
