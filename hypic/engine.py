@@ -16,6 +16,7 @@ from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
 from .modes import ModePolicy, mode_policy
+from .prefill_stats import BuiltForRequest, PrefillStats
 from .prefix_cache import PrefixCache, cache_key
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
@@ -40,23 +41,6 @@ def default_snapshot_interval(config: ModelConfig) -> int:
     tails = sum((config.window(i) or 0) * config.kv_elements(i) for i in windows)
     even = -(-tails // sum(config.kv_elements(i) for i in full))
     return max(DEFAULT_SNAPSHOT_INTERVAL, -(-even // DEFAULT_SNAPSHOT_INTERVAL) * DEFAULT_SNAPSHOT_INTERVAL)
-
-
-@dataclass
-class PrefillStats:
-    """What the prefill of one request reused and recomputed."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    segments_hit: int = 0
-    segments_missed: int = 0
-    combine_tokens: int = 0  # tokens run in the combine pass (seams, Q, unspliced segments)
-    prefix_hit_tokens: int = 0  # leading tokens resumed from the private pool (prefix cache)
-
-    @property
-    def recomputed_tokens(self) -> int:
-        """Every prompt token whose state was computed for this request."""
-        return self.prompt_tokens - self.cached_tokens
 
 
 @dataclass
@@ -280,34 +264,41 @@ class Engine:
             raise InvalidRequest(f"input_ids must be integers in [0, {vocab}), got {bad!r}")
         return PromptParts((), (), tuple(ids))
 
-    def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats) -> RequestState:
-        """The longest private-pool hit (never the whole prompt: the last token must be run)."""
+    def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats,
+                      built: BuiltForRequest) -> RequestState:
+        """The longest private-pool hit (never the whole prompt: the last token must be run); one at
+        the end of a head combined early for this request counts as that head's reuse."""
         empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
         if policy.namespace is None:
             return empty
         hit = self.prefix_cache.match(policy.namespace, key, len(key) - 1, empty)
         if hit is None:
             return empty
-        stats.cached_tokens += hit.length
-        stats.prefix_hit_tokens = hit.length
+        head = built.head_ending_at(hit.length)
+        if head is not None:
+            stats.resume_at_head(head)
+        else:
+            stats.cached_tokens += hit.length
+            stats.prefix_hit_tokens = hit.length
         return hit.state
 
-    def _snapshot_positions(self, parts: PromptParts, start: int) -> list[int]:
+    def _snapshot_positions(self, parts: PromptParts, start: int, end: bool = False) -> list[int]:
         """Where the private pool keeps this prompt's linear states (after ``start``): at document
-        edges, every ``snapshot_interval`` tokens (shared system prompts), and before the last token
-        (the same prompt sent again recomputes only that token). Positions inside a spliced interior
-        have no state and are skipped by the combine pass."""
+        edges, every ``snapshot_interval`` tokens (shared system prompts), before the last token
+        (the same prompt sent again recomputes only that token), and with ``end`` at its end.
+        Positions inside a spliced interior have no state and are skipped by the combine pass."""
         total = len(parts.token_ids)
-        points = {*document_boundaries(parts), total - 1}
+        points = {*document_boundaries(parts), total - 1, *([total] if end else [])}
         if self.snapshot_interval:
             points.update(range(self.snapshot_interval, total, self.snapshot_interval))
-        return sorted(p for p in points if start < p < total)
+        return sorted(p for p in points if start < p <= total)
 
     def _segment_entries(self, parts: PromptParts, indices: list[int], policy: ModePolicy, stats: PrefillStats,
-                         pinned: list[str]) -> Generator[None, None, dict[int, SegmentEntry]]:
+                         pinned: list[str], built: BuiltForRequest) -> Generator[None, None, dict[int, SegmentEntry]]:
         """The cached interior of each segment in ``indices``: a public-pool hit, or the segment
         prefilled alone (yielding between chunks). Each is pinned, and its key added to ``pinned``,
-        before any yield: other requests' inserts must not evict it."""
+        before any yield: other requests' inserts must not evict it. An entry ``built`` for this
+        request is a miss."""
         entries: dict[int, SegmentEntry] = {}
         for index in indices:
             segment = parts.segments[index]
@@ -318,36 +309,45 @@ class Engine:
                 entries[index] = yield from self.build_segment(key, segment, policy)
                 stats.segments_missed += 1
                 yield
+            elif key in built.keys:
+                entries[index] = entry
+                stats.segments_missed += 1
             else:
                 entries[index] = entry
                 stats.segments_hit += 1
                 stats.cached_tokens += entry.length
         return entries
 
-    def prefill_steps(self, parts: PromptParts, mode: str = "hypic",
-                      logits_from: int | None = None) -> Generator[None, None, Prefill]:
+    def prefill_steps(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None,
+                      built: BuiltForRequest = BuiltForRequest(), snapshot_end: bool = False,
+                      ) -> Generator[None, None, Prefill]:
         """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive), one unit of work per
         ``next()`` (a chunk of at most ``chunk_tokens`` of a cold segment's prefill or of the combine
         pass); returns the ``Prefill``. ``logits_from``: also the logits of every prompt position from
         there on, computed exactly (nothing after it is spliced or resumed from the private pool).
-        Public entries the request uses stay pinned until its combine pass is done."""
+        ``built``: what was computed for this request beforehand (its stats count it as computed).
+        ``snapshot_end``: the private pool also keeps the state at the prompt's end (a head combined
+        early: its request resumes there). Public entries the request uses stay pinned until its
+        combine pass is done."""
         policy = self.policy(mode)
         ids = parts.token_ids
-        stats = PrefillStats(prompt_tokens=len(ids))
+        stats = PrefillStats(prompt_tokens=len(ids), segments_built_remotely=built.remote_segments,
+                             remote_prefill_tokens=built.remote_tokens)
         exact_from = len(ids) if logits_from is None else logits_from
         spliced = self._spliced(parts, policy, exact_from)
         marks = layout_marks(parts, spliced)
-        init = self._resume_point(cache_key(ids[:exact_from + 1], marks), policy, stats)
+        init = self._resume_point(cache_key(ids[:exact_from + 1], marks), policy, stats, built)
         after_resume = [i for i in spliced if parts.segment_starts[i] >= init.length]
         pinned: list[str] = []
         try:
-            entries = yield from self._segment_entries(parts, after_resume, policy, stats, pinned)
+            entries = yield from self._segment_entries(parts, after_resume, policy, stats, pinned, built)
             keep = policy.namespace is not None and self.prefix_cache.budget_bytes != 0
             pieces = build_layout(parts, policy.seams, set(entries), init.length)
-            stats.combine_tokens = sum(p.length for p in pieces if isinstance(p, Run))
+            stats.combine_tokens += sum(p.length for p in pieces if isinstance(p, Run))  # after a head's own
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
                                                 naive=not policy.transitions,
-                                                snapshot_at=self._snapshot_positions(parts, init.length) if keep else [],
+                                                snapshot_at=self._snapshot_positions(parts, init.length, snapshot_end)
+                                                if keep else [],
                                                 logits_from=logits_from)
         finally:
             for key in pinned:
@@ -367,9 +367,10 @@ class Engine:
                 for i, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts))}
         return [i for i in spliceable(parts, policy.seams) if ends[i] <= exact_from]
 
-    def prefill(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None) -> Prefill:
+    def prefill(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None,
+                built: BuiltForRequest = BuiltForRequest()) -> Prefill:
         """Prefill a parsed request under ``mode`` in one go."""
-        return drain(self.prefill_steps(parts, mode, logits_from))
+        return drain(self.prefill_steps(parts, mode, logits_from, built))
 
     def held_head(self, parts: PromptParts, mode: str = "hypic") -> PromptParts | None:
         """``parts`` cut after its longest run of leading documents whose spliced interiors the public
@@ -389,19 +390,22 @@ class Engine:
         resume = self.prefix_cache.peek(policy.namespace, key, len(key) - 1)
         return head if any(i < held and parts.segment_starts[i] >= resume for i in spliced) else None
 
-    def precombine(self, parts: PromptParts, mode: str = "hypic") -> int:
+    def precombine(self, parts: PromptParts, mode: str = "hypic",
+                   built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
         """The combine pass over ``held_head(parts)``, its state kept in the private pool, so the whole
-        request later resumes near that head's end (a combine node does this while its peers' last
-        documents are still on their way). Returns the head's tokens (0: nothing was run)."""
-        return drain(self.precombine_steps(parts, mode))
+        request later resumes at that head's end (a combine node does this while its peers' last
+        documents are still on their way). Returns the head's stats (None: nothing was run); pass
+        them on in ``built.heads`` so the request's stats count the head as computed for it."""
+        return drain(self.precombine_steps(parts, mode, built))
 
-    def precombine_steps(self, parts: PromptParts, mode: str = "hypic") -> Generator[None, None, int]:
+    def precombine_steps(self, parts: PromptParts, mode: str = "hypic",
+                         built: BuiltForRequest = BuiltForRequest()) -> Generator[None, None, PrefillStats | None]:
         """``precombine`` one chunk per ``next()`` (the head is chosen at the first)."""
         head = self.held_head(parts, mode)
         if head is None:
-            return 0
-        yield from self.prefill_steps(head, mode)
-        return len(head.token_ids)
+            return None
+        prefill = yield from self.prefill_steps(head, mode, built=built, snapshot_end=True)
+        return prefill.stats
 
     def remember(self, state: RequestState, mode: str) -> None:
         """Keep a finished request's state in the private pool (multi-turn reuse of its whole text)."""
@@ -413,9 +417,10 @@ class Engine:
 
     # ----- generation ----------------------------------------------------------------------
     def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None) -> list[Sequence]:
-        """The ``params.n`` continuations of a prompt, checked against this model (token ids in its
-        vocabulary, the grammar compiles). ``logprobs``: None, or record each token's logprob and
-        its top-k alternatives. With a seed, sample i draws from ``seed + i``."""
+        """The ``params.n`` continuations of a prompt, checked against this model (prompt + max_new_tokens
+        within its positions, token ids in its vocabulary, the grammar compiles). ``logprobs``: None,
+        or record each token's logprob and its top-k alternatives. With a seed, sample i draws from ``seed + i``."""
+        params.check_context(len(prompt_ids), self.model.config.max_position_embeddings)
         vocab = self.model.config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
@@ -434,16 +439,18 @@ class Engine:
         logits, states = decode_batch(self.model, [state], [token])
         return logits[0], states[0]
 
-    def generate(self, prompt: str | list[int], *, mode: str = "hypic", **sampling: Any) -> GenerationResult:
+    def generate(self, prompt: str | list[int], *, mode: str = "hypic", built: BuiltForRequest = BuiltForRequest(),
+                 **sampling: Any) -> GenerationResult:
         """Prefill ``prompt`` (separators mark PIC segments) under ``mode`` and decode one continuation.
-        ``sampling``: any ``SamplingParams`` field (max_new_tokens=16, temperature=0, top_p, stop, ...)."""
+        ``sampling``: any ``SamplingParams`` field (max_new_tokens=16, temperature=0, top_p, stop, ...);
+        ``built``: what was computed for this request beforehand (see ``prefill_steps``)."""
         params = SamplingParams(**sampling)
         if params.n != 1:
             raise InvalidRequest("Engine.generate makes one continuation (n = 1); the server runs n > 1")
         start = time.perf_counter()
         parts = self.parse(prompt)
         (sequence,) = self.sequences(params, parts.token_ids)
-        prefill = self.prefill(parts, mode)
+        prefill = self.prefill(parts, mode, built=built)
         logits, state, ttft = prefill.logits, prefill.state, time.perf_counter() - start
         state.reserve(state.length + params.max_new_tokens)
         while not sequence.finished:

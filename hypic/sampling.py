@@ -68,6 +68,14 @@ class SamplingParams:
             (self.seed is None or integer(self.seed), f"seed must be an integer, got {self.seed!r}"),
         ]
 
+    def check_context(self, prompt_tokens: int, context: int) -> None:
+        """Prompt + max_new_tokens must fit the model's ``context`` positions (vLLM and SGLang refuse
+        the request likewise, instead of cutting its output short)."""
+        if prompt_tokens + self.max_new_tokens > context:
+            raise InvalidRequest(f"the prompt has {prompt_tokens} tokens and max_new_tokens asks for "
+                                 f"{self.max_new_tokens} more ({prompt_tokens + self.max_new_tokens} in all), over the "
+                                 f"model's context of {context} tokens: ask for at most {max(context - prompt_tokens, 0)}")
+
     @property
     def penalized(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1

@@ -14,6 +14,7 @@ from ray.exceptions import GetTimeoutError
 
 from hypic import DEFAULT_SEPARATOR
 from hypic.engine import Engine, Prefill
+from hypic.prefill_stats import BuiltForRequest
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
@@ -112,19 +113,25 @@ class PeerPrefill:
         """Keys the server must send to a remote combine node: what it builds and what it holds."""
         return [job.key for job in plan.builds.get(LOCAL, [])] + plan.pulls.get(LOCAL, [])
 
+    @staticmethod
+    def built_for_request(plan: Plan) -> BuiltForRequest:
+        """The documents ``plan`` builds for its request; remote: those the peers build."""
+        return plan.built_for_request(LOCAL)
+
     def prefill_remotely(self, dispatch: Dispatch, parts: PromptParts, logits_from: int | None,
-                         local_entries: list[SegmentEntry]) -> Prefill:
+                         local_entries: list[SegmentEntry], built: BuiltForRequest) -> Prefill:
         """Blocks until the remote combine node has received every entry and run the request's
-        combine pass; returns its ``Prefill`` (the state the server decodes). Raises if the combine
+        combine pass; returns its ``Prefill`` (the state the server decodes; its stats count
+        ``built`` and the heads combined early as computed for the request). Raises if the combine
         node is lost (it is forgotten; the caller prefills locally instead)."""
         plan, lost = dispatch.plan, []
         combine = self.pool.workers[plan.combine]
         installs = self.pool.install_on(plan.combine, dispatch.shipments, dispatch.mode, local_entries)
         try:
-            self.pool.combine_early(plan, parts, dispatch.mode, dispatch.builds, installs, lost)
+            built = self.pool.combine_early(plan, parts, dispatch.mode, dispatch.builds, installs, lost, built)
             self.pool.wait(dispatch.builds, lost)
             self.pool.wait_installs(installs, lost)
-            return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from), timeout=self.pool.timeout_s)
+            return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from, built), timeout=self.pool.timeout_s)
         except (WorkerLost, GetTimeoutError):
             self.pool.forget(plan.combine, kill=True)
             raise

@@ -2,6 +2,8 @@
 and the warm entries the combine node pulls from peers."""
 from dataclasses import dataclass, field
 
+from hypic.prefill_stats import BuiltForRequest
+
 from .index import SegmentIndex
 from .lpt import lpt_assign
 
@@ -29,6 +31,12 @@ class Plan:
 
     def build_tokens(self) -> dict[int, int]:
         return {worker: sum(job.tokens for job in jobs) for worker, jobs in self.builds.items()}
+
+    def built_for_request(self, home: int) -> BuiltForRequest:
+        """What this plan builds for its request (misses wherever they are built); remote: off ``home``."""
+        remote = [job for worker, jobs in self.builds.items() if worker != home for job in jobs]
+        return BuiltForRequest(frozenset(job.key for jobs in self.builds.values() for job in jobs), len(remote),
+                               sum(job.tokens for job in remote))
 
 
 MATCH_WEIGHT = 2.0  # how much a cached fraction of the request outweighs a normalised load

@@ -7,6 +7,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
@@ -91,30 +92,33 @@ class WorkerPool:
         return [(combine, actor.install.remote(mode, ref)) for ref in refs]
 
     def combine_early(self, plan: Plan, parts: PromptParts, mode: str, builds: list[tuple[int, ray.ObjectRef]],
-                       installs: list[tuple[int, ray.ObjectRef]], lost: list[int]) -> list[ray.ObjectRef]:
+                      installs: list[tuple[int, ray.ObjectRef]], lost: list[int], built: BuiltForRequest) -> BuiltForRequest:
         """Once the combine node's own builds are done, and again as peers' entries arrive while some
         are still on their way, it combines the head of the prompt it holds (``Worker.precombine``;
         one call at a time, each after every arrival so far), so its combine pass overlaps the peers'
-        last builds; returns those calls' refs."""
+        last builds. Returns ``built`` with those heads' stats (the request's own count them)."""
         combine, deadline = self.workers.get(plan.combine), time.monotonic() + self.timeout_s
         self.wait([build for build in builds if build[0] == plan.combine], lost)
-        refs: list[ray.ObjectRef] = []
+        last: ray.ObjectRef | None = None
         pending = [ref for _, ref in installs]
         while pending and combine is not None:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=0)  # take every arrival so far
-            if pending and (not refs or ray.wait(refs[-1:], timeout=0)[0]):
-                refs.append(combine.precombine.remote(parts, mode))
+            if pending and (last is None or ray.wait([last], timeout=0)[0]):
+                built = built.with_head(self._head(last, deadline))
+                last = combine.precombine.remote(parts, mode, built)
             if pending and not ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))[0]:
                 break
-        return refs
+        return built.with_head(self._head(last, deadline))
 
     @staticmethod
-    def early_tokens(refs: list[ray.ObjectRef]) -> int:
-        """The longest head combined early (a failed call counts nothing: the request ran regardless)."""
+    def _head(ref: ray.ObjectRef | None, deadline: float) -> PrefillStats | None:
+        """An early combine's head stats (a failed call counts nothing: the request runs regardless)."""
+        if ref is None:
+            return None
         try:
-            return max(ray.get(refs, timeout=0), default=0)
+            return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except (RayError, GetTimeoutError):
-            return 0
+            return None
 
     def destination(self, worker: int) -> tuple[int, int] | None:
         """Where entries for ``worker`` go point-to-point: (rank, generation), or None (object store)."""

@@ -42,7 +42,7 @@ class RoutedResult:
     transfer_s: float  # until the combine node has checked and stored every shipped entry
     combine_s: float  # the request on the combine node: combine pass and decode
     lost_workers: list[int]
-    combined_early: int = 0  # prompt tokens combined while documents were still arriving (``Engine.precombine``)
+    combined_early: int = 0  # the head of the prompt combined while documents were still arriving, and resumed
 
 
 class Router:
@@ -89,13 +89,13 @@ class Router:
         combine = self.workers[plan.combine]
         builds, shipments = self.pool.dispatch(plan, mode)
         installs = self.pool.install_on(plan.combine, shipments, mode)
-        early = self.pool.combine_early(plan, parts, mode, builds, installs, lost)
+        built = self.pool.combine_early(plan, parts, mode, builds, installs, lost, plan.built_for_request(plan.combine))
         self.pool.wait(builds, lost)
         dispatched = time.perf_counter()
         self.pool.wait_installs(installs, lost)  # a failed shipment is recomputed there
         transferred = time.perf_counter()
         try:
-            result = ray.get(combine.generate.remote(prompt, mode, sampling))  # every install has run
+            result = ray.get(combine.generate.remote(prompt, mode, sampling, built))  # every install has run
             with self.pool.lock:  # its engine keeps the prompt's prefix in its private pool
                 self.pool.prefixes.record(plan.combine, parts.token_ids)
         except WorkerLost:
@@ -104,7 +104,7 @@ class Router:
         finally:
             self.pool.finish(plan, lost)
         return RoutedResult(result, plan, dispatched - start, transferred - dispatched,
-                            time.perf_counter() - transferred, lost, self.pool.early_tokens(early))
+                            time.perf_counter() - transferred, lost, result.stats.combined_early_tokens)
 
     def shutdown(self) -> None:
         self.pool.shutdown()

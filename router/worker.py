@@ -5,6 +5,7 @@ import torch
 
 from hypic.assembler import drain
 from hypic.engine import Engine, GenerationResult, Prefill
+from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
@@ -99,17 +100,20 @@ class Worker:
         """How many received entries failed their check."""
         return self.rejected_entries
 
-    def prefill(self, parts: PromptParts, mode: str, logits_from: int | None = None) -> Prefill:
-        """The request's combine pass on this worker (its combine node); the caller decodes the state."""
-        return self.queue.run(lambda: self.engine.prefill(parts, mode, logits_from))
+    def prefill(self, parts: PromptParts, mode: str, logits_from: int | None = None,
+                built: BuiltForRequest = BuiltForRequest()) -> Prefill:
+        """The request's combine pass on this worker (its combine node); the caller decodes the state.
+        ``built``: what was computed for the request beforehand (its stats count it as computed)."""
+        return self.queue.run(lambda: self.engine.prefill(parts, mode, logits_from, built))
 
-    def precombine(self, parts: PromptParts, mode: str) -> int:
+    def precombine(self, parts: PromptParts, mode: str, built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
         """Combine the head of the request this worker already holds (``Engine.precombine``), while its
-        peers' last documents are on their way; returns the head's tokens (0: none)."""
-        return self.queue.run(lambda: self.engine.precombine(parts, mode))
+        peers' last documents are on their way; returns the head's stats (None: nothing combined)."""
+        return self.queue.run(lambda: self.engine.precombine(parts, mode, built))
 
-    def generate(self, prompt: str, mode: str, sampling: dict[str, Any]) -> GenerationResult:
-        return self.queue.run(lambda: self.engine.generate(prompt, mode=mode, **sampling))
+    def generate(self, prompt: str, mode: str, sampling: dict[str, Any],
+                 built: BuiltForRequest = BuiltForRequest()) -> GenerationResult:
+        return self.queue.run(lambda: self.engine.generate(prompt, mode=mode, built=built, **sampling))
 
     def flush(self) -> int:
         """Drop every cached entry and request state; returns the entries dropped."""

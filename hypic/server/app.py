@@ -16,12 +16,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import HypicError, InvalidRequest
+from ..prefill_stats import BuiltForRequest
 from ..segments import PromptParts
 from ..sequence import Sequence
 from .chat import chat_renderer
 from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull, input_logits_from
-from .protocol import (Completion, GenerationRequest, json_object, only_fields, parse_chat, parse_completion,
-                       parse_generate, parse_warmup)
+from .fields import check_fields
+from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_generate,
+                       parse_tokenize, parse_warmup)
 from .shapes import OpenAIStream, Shaper
 from .stats import prometheus_text
 
@@ -78,8 +80,9 @@ class Peers(Protocol):
     def arrivals(self, dispatch: Any) -> Iterator[tuple[list[Any], int]]: ...
     def install(self, engine: Any, entries: list[Any], mode: str) -> list[str]: ...
     def local_shipment(self, plan: Any) -> list[str]: ...
+    def built_for_request(self, plan: Any) -> BuiltForRequest: ...
     def prefill_remotely(self, dispatch: Any, parts: PromptParts, logits_from: int | None,
-                         local_entries: list[Any]) -> Any: ...
+                         local_entries: list[Any], built: BuiltForRequest) -> Any: ...
     def plan_documents(self, documents: list[str], mode: str,
                        held_locally: Callable[[str], bool]) -> tuple[Any, list[int]]: ...
     def cache(self, plan: Any, mode: str) -> None: ...
@@ -113,15 +116,17 @@ class Server:
         if len(parts.segments) > self.info.max_segments:
             raise InvalidRequest(f"the prompt has {len(parts.segments)} segments, over the limit of "
                                  f"{self.info.max_segments} (--max-segments)")
+        request = request.fitted(len(parts.token_ids), self.loop.engine.model.config.max_position_embeddings)
         if request.logprobs is not None:
             request.logprobs.input_from(len(parts.token_ids))
         top = request.logprobs.top if request.logprobs is not None else None
         return request, parts, self.loop.engine.sequences(request.params, parts.token_ids, top)
 
-    async def _submit(self, requests: list[GenerationRequest]) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
+    async def _submit(self, requests: list[GenerationRequest],
+                      arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
         """Queue every request (all checked first, off the event loop: tokenizing and compiling a
         grammar take time; a bad one in a batch starts none); their events arrive on one queue as
-        (position in the batch, event)."""
+        (position in the batch, event). ``arrived``: when the HTTP request came in (its TTFT starts there)."""
         prepared = [await asyncio.to_thread(self._prepare, request) for request in requests]
         remotes = [await self._prefill_on_peers(parts, input_logits_from(request, len(parts.token_ids)))
                    for request, parts, _ in prepared]
@@ -132,61 +137,72 @@ class Server:
             def emit(event: Event, position: int = position) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, (position, event))
 
-            jobs.append(self.loop.submit(parts, request, sequences, emit, remote=remotes[position]))
+            remote, built = remotes[position]
+            jobs.append(self.loop.submit(parts, request, sequences, emit, remote=remote, arrived=arrived, built=built))
         return jobs, events
 
-    async def _prefill_on_peers(self, parts: PromptParts, logits_from: int | None) -> Future | None:
+    async def _prefill_on_peers(self, parts: PromptParts,
+                                logits_from: int | None) -> tuple[Future | None, BuiltForRequest]:
         """With peers: the request's cold documents are prefilled here (in chunks, on the loop) and
         on the peers at once. If this server is the combine node, the peers' entries are stored here
-        (returns None); else its entries go to the peer that is, and the returned future will hold
-        that peer's ``Prefill``. If this breaks, the request runs here alone."""
+        (the future is None); else its entries go to the peer that is, and the returned future will
+        hold that peer's ``Prefill``. Also returns what was built for the request (its stats count
+        those documents as misses). If this breaks, the request runs here alone."""
         engine, mode = self.loop.engine, self.loop.mode
         if self.peers is None or not engine.policy(mode).caches_segments:
-            return None
+            return None, BuiltForRequest()
+        built = BuiltForRequest()
         try:
-            return await self._peer_prefill(parts, engine, mode, logits_from)
+            plan = await asyncio.to_thread(self.peers.plan, parts, mode, self._held_here)
+            built = self.peers.built_for_request(plan)
+            return await self._peer_prefill(plan, parts, mode, logits_from, built)
         except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
             self.peer_failures += 1
             log.warning("peer prefill failed (%s: %s); the request runs on this worker alone", type(err).__name__, err)
-            return None
+            return None, built
 
-    async def _peer_prefill(self, parts: PromptParts, engine: Any, mode: str, logits_from: int | None) -> Future | None:
-        store = engine.store
-        plan = self.peers.plan(parts, mode, lambda key: key in store.entries)
+    def _held_here(self, key: str) -> bool:
+        return key in self.loop.engine.store.entries
+
+    async def _peer_prefill(self, plan: Any, parts: PromptParts, mode: str, logits_from: int | None,
+                            built: BuiltForRequest) -> tuple[Future | None, BuiltForRequest]:
+        assert self.peers is not None
         dispatch = self.peers.dispatch(plan, mode)
         local = self.peers.local_segments(plan)
         if local:
             await asyncio.wrap_future(self.loop.build(local))
         if plan.combine == 0:
             from_peers = any(worker != 0 for worker in plan.builds) or bool(plan.pulls)
-            await self._receive_combining_early(dispatch, parts, engine, mode, from_peers)
-            return None
-        keys = self.peers.local_shipment(plan)
+            return None, await self._receive_combining_early(dispatch, parts, mode, from_peers, built)
+        store, keys = self.loop.engine.store, self.peers.local_shipment(plan)
         shipped = await asyncio.wrap_future(self.loop.call(lambda: [e for k in keys if (e := store.entries.get(k))]))
-        return self.remote_prefills.submit(self.peers.prefill_remotely, dispatch, parts, logits_from, shipped)
+        return self.remote_prefills.submit(self.peers.prefill_remotely, dispatch, parts, logits_from, shipped, built), built
 
-    async def _receive_combining_early(self, dispatch: Any, parts: PromptParts, engine: Any, mode: str,
-                                       from_peers: bool) -> None:
+    async def _receive_combining_early(self, dispatch: Any, parts: PromptParts, mode: str, from_peers: bool,
+                                       built: BuiltForRequest) -> BuiltForRequest:
         """Store the peers' entries here as each shipment arrives; after this engine's own builds (if
         anything is ``from_peers``) and after arrivals while more are to come (one at a time), the
         loop combines the prompt's held head, so the request's combine pass overlaps the peers' last
-        builds (a failed early combine only loses that head)."""
-        peers = self.peers
+        builds (a failed early combine only loses that head). Returns ``built`` with the heads' stats."""
+        peers, engine = self.peers, self.loop.engine
         assert peers is not None
-        arrivals, early = peers.arrivals(dispatch), [self.loop.precombine(parts)] if from_peers else []
+        arrivals, early = peers.arrivals(dispatch), [self.loop.precombine(parts, built)] if from_peers else []
         try:
             while (arrival := await asyncio.to_thread(next, arrivals, None)) is not None:
                 entries, still_coming = arrival
                 if entries:
                     await asyncio.wrap_future(self.loop.call(lambda: peers.install(engine, entries, mode)))
                 if still_coming and (not early or early[-1].done()):  # one at a time: the next covers more
-                    early.append(self.loop.precombine(parts))
+                    built = built.with_head(_head(early[-1]) if early else None)
+                    early.append(self.loop.precombine(parts, built))
         finally:
             with contextlib.suppress(ValueError):  # still running in its thread: it finishes the plan there
                 arrivals.close()  # a broken install: the plan's queued tokens are released now
-        for done in asyncio.as_completed([asyncio.wrap_future(future) for future in early]):
+        if early:
             with contextlib.suppress(Exception):
-                await done
+                await asyncio.wrap_future(early[-1])
+            built = built.with_head(_head(early[-1]))
+        return built
 
     async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
         """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""
@@ -242,9 +258,10 @@ class Server:
 
     # ----- endpoints -------------------------------------------------------------------------
     async def generate(self, http: Request) -> Any:
+        arrived = time.perf_counter()
         requests, batched = parse_generate(await _json_body(http))
         listed = batched or requests[0].params.n > 1
-        jobs, events = await self._submit(requests)
+        jobs, events = await self._submit(requests, arrived)
         if requests[0].stream:
             def shape(position: int, event: Event) -> list[Any]:
                 if not isinstance(event, ProgressEvent):
@@ -257,6 +274,7 @@ class Server:
         return self.shaper.sglang_body(completions, requests, listed)
 
     async def openai(self, http: Request, chat: bool) -> Any:
+        arrived = time.perf_counter()
         body = await _json_body(http)
         self.check_model(body.get("model") if isinstance(body, dict) else None)
         if chat:
@@ -264,7 +282,7 @@ class Server:
             requests = [request]
         else:
             requests, options = parse_completion(body)
-        jobs, events = await self._submit(requests)
+        jobs, events = await self._submit(requests, arrived)
         rid = jobs[0].rid
         if requests[0].stream:
             stream = OpenAIStream(self.shaper, rid, chat, options, requests[0].params.n)
@@ -293,23 +311,17 @@ class Server:
         """The ids ``/generate`` would prefill for a prompt (separators split it into parts, each
         tokenized alone and without special tokens, as prompts are)."""
         body = json_object(await _json_body(http))
-        only_fields(body, {"model", "prompt", "add_special_tokens"}, "/tokenize")
         self.check_model(body.get("model"))
-        if body.get("add_special_tokens") not in (None, False):
-            raise InvalidRequest("'add_special_tokens' = true is not supported: prompts are tokenized without them")
-        prompt = body.get("prompt")
-        prompts = prompt if isinstance(prompt, list) else [prompt]
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise InvalidRequest("'prompt' must be a string or a list of strings")
+        prompts, listed = parse_tokenize(body, self.render_chat)
         tokens = [self.loop.engine.parse(p).token_ids if p else [] for p in prompts]
         limit = self.loop.engine.model.config.max_position_embeddings
-        if isinstance(prompt, list):
+        if listed:
             return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": limit}
         return {"tokens": tokens[0], "count": len(tokens[0]), "max_model_len": limit}
 
     async def detokenize(self, http: Request) -> Any:
         body = json_object(await _json_body(http))
-        only_fields(body, {"model", "tokens", "skip_special_tokens"}, "/detokenize")
+        check_fields(body, {"model", "tokens", "skip_special_tokens"}, "/detokenize")
         self.check_model(body.get("model"))
         if body.get("skip_special_tokens") not in (None, True):
             raise InvalidRequest("'skip_special_tokens' = false is not supported: special tokens are never shown")
@@ -373,6 +385,11 @@ class Server:
                 "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval,
                 "workers": {**(self.peers.status() if self.peers is not None else {"workers": [0], "lost_workers": []}),
                             "peer_prefill_failures": self.peer_failures}}
+
+
+def _head(early: Future) -> Any:
+    """A finished early combine's head stats (None if it combined nothing or failed)."""
+    return None if early.exception() is not None else early.result()
 
 
 class ModelNotFound(HypicError):

@@ -24,6 +24,7 @@ import torch
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
 from ..errors import HypicError, InvalidRequest
+from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState
@@ -84,6 +85,7 @@ class Job:
     remaining: int = 0  # about how many prompt tokens its prefill still computes
     footprint: int = 0  # bytes of state its samples may hold (prompt + max_new_tokens each)
     remote: Future | None = None  # its Prefill computed elsewhere (another worker); None: here
+    built: BuiltForRequest = field(default_factory=BuiltForRequest)  # computed for it before its prefill
 
     @property
     def awaiting_remote(self) -> bool:
@@ -168,11 +170,16 @@ class EngineLoop:
         self.inbox.put(item)
 
     def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
-               emit: Callable[[Event], None], remote: Future | None = None) -> Job:
+               emit: Callable[[Event], None], remote: Future | None = None, arrived: float | None = None,
+               built: BuiltForRequest = BuiltForRequest()) -> Job:
         """Queue a validated request whose samples (``Engine.sequences``) are ready to run.
-        ``remote``: its ``Prefill``, being computed elsewhere (if that fails, it is prefilled here)."""
+        ``remote``: its ``Prefill``, being computed elsewhere (if that fails, it is prefilled here);
+        ``arrived``: when it reached the server (``time.perf_counter``; its TTFT and latency count
+        from there); ``built``: what peers and this engine computed for it beforehand."""
         job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit,
-                  remote=remote)
+                  remote=remote, built=built)
+        if arrived is not None:
+            job.start = arrived
         job.footprint = self.engine.state_bytes(len(parts.token_ids) + request.params.max_new_tokens, len(sequences))
         if self.max_state_bytes is not None and job.footprint > self.max_state_bytes:
             raise InvalidRequest(f"the request's state may take {job.footprint} bytes (KV of prompt + max_new_tokens "
@@ -197,13 +204,13 @@ class EngineLoop:
         self._enqueue(task)
         return task.future
 
-    def precombine(self, parts: PromptParts) -> Future:
+    def precombine(self, parts: PromptParts, built: BuiltForRequest) -> Future:
         """Combine the head of a request this engine already holds while its peers' last documents
         are on their way (``Engine.precombine``), in chunks like a warm-up; the future holds the
-        head's tokens (0: nothing to combine early)."""
-        task = WarmupTask(self.engine.precombine_steps(parts, self.mode), len(parts.token_ids))
+        head's ``PrefillStats`` (None: nothing to combine early)."""
+        task = WarmupTask(self.engine.precombine_steps(parts, self.mode, built), len(parts.token_ids))
         if self._queued >= self.max_queued:  # never refused as a request would be: it is combined later instead
-            task.future.set_result(0)
+            task.future.set_result(None)
         else:
             self._enqueue(task)
         return task.future
@@ -265,9 +272,12 @@ class EngineLoop:
 
     def _run_command(self, command: Command) -> None:
         try:
-            command.future.set_result(command.run())
+            result = command.run()
         except Exception as err:  # handed to the caller, who reports it
             command.future.set_exception(err)
+            return
+        self.snapshot = self._publish()  # whoever reads the counters once it is done sees it (a flush's empty pools)
+        command.future.set_result(result)
 
     # ----- scheduling -----------------------------------------------------------------------
     def _held_bytes(self) -> int:
@@ -339,7 +349,7 @@ class EngineLoop:
                 return job.remote.result()
             except Exception as err:  # a lost combine node: prefill here instead
                 log.warning("remote prefill of %s failed (%s: %s); prefilling here", job.rid, type(err).__name__, err)
-        return (yield from self.engine.prefill_steps(job.parts, job.mode, job.logits_from))
+        return (yield from self.engine.prefill_steps(job.parts, job.mode, job.logits_from, job.built))
 
     def _advance_prefill(self, job: Job) -> None:
         if job.steps is None:
@@ -410,18 +420,16 @@ class EngineLoop:
             self.engine.remember(state, job.mode)
         completion = self._completion(job)
         self.stats.add_finished(completion)
+        self.snapshot = self._publish()  # a client that reads the counters after its last chunk sees its request
         job.emit(DoneEvent(completion))
 
     def _completion(self, job: Job) -> Completion:
-        stats = job.prefill.stats if job.prefill is not None else None
         now = time.perf_counter()
         samples = [SampleResult(s.text, list(s.output_ids), s.finish_reason, s.matched_stop, list(s.logprobs))
                    for s in job.sequences]
         return Completion(
             rid=job.rid, samples=samples, prompt_ids=job.parts.token_ids,
-            cached_tokens=stats.cached_tokens if stats else 0, recomputed_tokens=stats.recomputed_tokens if stats else 0,
-            prefix_hit_tokens=stats.prefix_hit_tokens if stats else 0, segments_hit=stats.segments_hit if stats else 0,
-            segments_missed=stats.segments_missed if stats else 0, combine_tokens=stats.combine_tokens if stats else 0,
+            prefill=job.prefill.stats if job.prefill is not None else PrefillStats(),
             ttft_s=(job.first_token_at or now) - job.start, e2e_s=now - job.start, mode=job.mode,
             input_logprobs=job.input_logprobs)
 

@@ -2,29 +2,34 @@
 
 Every check raises ``InvalidRequest`` with a message naming the field, which the app turns into
 a 400; nothing here touches the engine. Each endpoint knows the fields it serves: any other field
-is refused by name, never accepted and ignored.
+is judged by its value (``fields.py``: refused by name when it asks for something).
 """
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InvalidRequest
+from ..prefill_stats import PrefillStats
 from ..sampling import SamplingParams
 from ..sequence import TokenLogprob
+from .fields import check_fields
 
 SGLANG_SAMPLING = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim",
                    "skip_special_tokens", "n", "regex", "json_schema", "ebnf", "logit_bias", "seed", "sampling_seed"}
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "rid"}
+                   "top_logprobs_num", "return_text_in_logprobs", "rid",
+                   "stream_options"}  # usage is in every chunk's meta_info: any include_usage is served
 OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
                  "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
                  # extensions SGLang and vLLM accept on their OpenAI endpoints
                  "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "no_stop_trim",
-                 "regex", "ebnf", "json_schema", "response_format", "skip_special_tokens"}
+                 "regex", "ebnf", "json_schema", "response_format", "skip_special_tokens", "include_stop_str_in_output"}
 COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = OPENAI_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+CHAT_FIELDS = OPENAI_COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 
 
@@ -55,6 +60,15 @@ class GenerationRequest:
     logprobs: LogprobRequest | None = None
     echo: bool = False  # OpenAI completions: the prompt (and its logprobs) come back before the output
     rid: str | None = None
+    to_context: bool = False  # max_new_tokens is the context the prompt leaves (set once it is tokenized)
+
+    def fitted(self, prompt_tokens: int, context: int) -> "GenerationRequest":
+        """This request, its output budget set to what the prompt leaves of the model's ``context``
+        positions if it asked for no budget."""
+        if not self.to_context:
+            return self
+        return replace(self, params=replace(self.params, max_new_tokens=max(context - prompt_tokens, 0)),
+                       to_context=False)
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class OpenAIOptions:
 
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs in the response
+    continuous_usage: bool = False  # usage so far in every stream chunk (vLLM's continuous_usage_stats)
 
 
 @dataclass
@@ -83,13 +98,8 @@ class Completion:
     rid: str
     samples: list[SampleResult]
     prompt_ids: list[int]
-    cached_tokens: int
-    recomputed_tokens: int
-    prefix_hit_tokens: int
-    segments_hit: int
-    segments_missed: int
-    combine_tokens: int
-    ttft_s: float
+    prefill: PrefillStats  # what its prefill reused, wherever it ran (zeros until it is prefilled)
+    ttft_s: float  # from the request's arrival at the server, like e2e_s
     e2e_s: float
     mode: str
     input_logprobs: list[TokenLogprob | None] | None = None  # from the requested start; None first
@@ -112,13 +122,6 @@ def json_object(body: Any, what: str = "the request body") -> dict:
     if not isinstance(body, dict):
         raise InvalidRequest(f"{what} must be a JSON object, got {type(body).__name__}")
     return body
-
-
-def only_fields(body: dict, allowed: set[str], where: str) -> None:
-    """Refuse, by name, every field of ``body`` not in ``allowed``."""
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise InvalidRequest(f"unsupported field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {where}")
 
 
 def _typed(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
@@ -180,17 +183,30 @@ def _special_tokens(body: dict) -> None:
         raise InvalidRequest("'skip_special_tokens' = false is not supported: special tokens are never shown")
 
 
-def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int, min_tokens_field: str,
-                    default_temperature: float = 1.0, json_schema: str | None = None) -> SamplingParams:
-    """SamplingParams from the fields of ``body`` (SGLang's sampling_params or an OpenAI body)."""
+def _budget(body: dict, name: str, default: int | None) -> int | None:
+    """The output budget: ``default`` when the field is absent, None (what the prompt leaves of the
+    context) when it is null, as SGLang and vLLM read it."""
+    if body.get(name, 0) is None:
+        return None
+    return _typed(body, name, (int,), default, "an integer >= 0")
+
+
+def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int | None, min_tokens_field: str,
+                    default_temperature: float = 1.0, json_schema: str | None = None) -> tuple[SamplingParams, bool]:
+    """SamplingParams from the fields of ``body`` (SGLang's sampling_params or an OpenAI body), and
+    whether max_new_tokens is left to the context (then it holds min_new_tokens until the prompt is known)."""
     _special_tokens(body)
     seed = body.get("seed", body.get("sampling_seed"))
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise InvalidRequest(f"'seed' must be an integer, got {seed!r}")
     number = (int, float)
+    budget = _budget(body, max_tokens_field, default_max_tokens)
+    least = _typed(body, min_tokens_field, (int,), 0, "an integer >= 0")
+    keep_stop = _typed(body, "no_stop_trim", (bool,), False, "a boolean") or \
+        _typed(body, "include_stop_str_in_output", (bool,), False, "a boolean")  # vLLM's name
     return SamplingParams(
-        max_new_tokens=_typed(body, max_tokens_field, (int,), default_max_tokens, "an integer >= 0"),
-        min_new_tokens=_typed(body, min_tokens_field, (int,), 0, "an integer >= 0"),
+        max_new_tokens=least if budget is None else budget,
+        min_new_tokens=least,
         temperature=_typed(body, "temperature", number, default_temperature, "a number >= 0"),
         top_p=_typed(body, "top_p", number, 1.0, "a number in (0, 1]"),
         top_k=_typed(body, "top_k", (int,), -1, "an integer"),
@@ -202,13 +218,13 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int, 
         stop=_stop_strings(body.get("stop")),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids")),
         ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
-        no_stop_trim=_typed(body, "no_stop_trim", (bool,), False, "a boolean"),
+        no_stop_trim=keep_stop,
         n=_typed(body, "n", (int,), 1, "an integer"),
         seed=seed,
         regex=_typed(body, "regex", (str,), None, "a string"),
         json_schema=json_schema if json_schema is not None else _schema(body.get("json_schema"), "json_schema"),
         ebnf=_typed(body, "ebnf", (str,), None, "a string"),
-    )
+    ), budget is None
 
 
 # ----- SGLang /generate ----------------------------------------------------------------------
@@ -248,7 +264,7 @@ def _generate_logprobs(body: dict) -> LogprobRequest | None:
 def parse_generate(body: Any) -> tuple[list[GenerationRequest], bool]:
     """SGLang-native ``/generate``: its requests (one per prompt of a batch) and whether it is a batch."""
     body = json_object(body)
-    only_fields(body, GENERATE_FIELDS, "/generate")
+    check_fields(body, GENERATE_FIELDS, "/generate")
     prompts, batched = _generate_prompts(body)
     params_body = body.get("sampling_params") or {}
     params_list = params_body if isinstance(params_body, list) else [params_body] * len(prompts)
@@ -256,12 +272,13 @@ def parse_generate(body: Any) -> tuple[list[GenerationRequest], bool]:
         raise InvalidRequest(f"'sampling_params' has {len(params_list)} entries for {len(prompts)} prompts")
     logprobs, stream = _generate_logprobs(body), _typed(body, "stream", (bool,), False, "a boolean")
     rid = _typed(body, "rid", (str,), None, "a string")
+    _stream_options(body)  # checked only: every chunk's meta_info carries the usage
     requests = []
     for index, (prompt, entry) in enumerate(zip(prompts, params_list)):
         entry = json_object(entry, "'sampling_params'")
-        only_fields(entry, SGLANG_SAMPLING, "sampling_params")
-        params = sampling_params(entry, "max_new_tokens", 128, "min_new_tokens")
-        requests.append(GenerationRequest(prompt, params, stream, logprobs,
+        check_fields(entry, SGLANG_SAMPLING, "sampling_params")
+        params, to_context = sampling_params(entry, "max_new_tokens", 128, "min_new_tokens")
+        requests.append(GenerationRequest(prompt, params, stream, logprobs, to_context=to_context,
                                           rid=None if rid is None else (f"{rid}_{index}" if batched else rid)))
     if len({r.params.n for r in requests}) > 1:
         raise InvalidRequest("'n' must be the same in every entry of 'sampling_params'")
@@ -287,25 +304,34 @@ def _response_format(body: dict) -> str | None:
     raise InvalidRequest(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}")
 
 
-def _openai_params(body: dict, max_tokens_default: int = 16) -> SamplingParams:
+def _openai_params(body: dict, max_tokens_default: int | None) -> tuple[SamplingParams, bool]:
     if body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    params = sampling_params(body, "max_tokens", max_tokens_default, "min_tokens", json_schema=_response_format(body))
+    params, to_context = sampling_params(body, "max_tokens", max_tokens_default, "min_tokens",
+                                         json_schema=_response_format(body))
     best_of = body.get("best_of")
     if best_of is not None and best_of != params.n:
         raise InvalidRequest(f"'best_of' = {best_of!r} is not supported (only best_of = n)")
-    return params
+    return params, to_context
 
 
-def _include_usage(body: dict) -> bool:
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """``stream_options``: (include_usage, continuous_usage_stats)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     options = json_object(options, "'stream_options'")
-    only_fields(options, {"include_usage", "continuous_usage_stats"}, "stream_options")
-    if options.get("continuous_usage_stats"):
-        raise InvalidRequest("'stream_options.continuous_usage_stats' is not supported")
-    return _typed(options, "include_usage", (bool,), False, "a boolean")
+    check_fields(options, {"include_usage", "continuous_usage_stats"}, "stream_options")
+    return (_typed(options, "include_usage", (bool,), False, "a boolean"),
+            _typed(options, "continuous_usage_stats", (bool,), False, "a boolean"))
+
+
+def _openai_stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats); stream options without a stream are refused, as OpenAI does."""
+    stream = _typed(body, "stream", (bool,), False, "a boolean")
+    if body.get("stream_options") is not None and not stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true")
+    return (stream, *_stream_options(body))
 
 
 def _completion_prompts(body: dict) -> list[str | list[int]]:
@@ -324,17 +350,19 @@ def _completion_prompts(body: dict) -> list[str | list[int]]:
 def parse_completion(body: Any) -> tuple[list[GenerationRequest], OpenAIOptions]:
     """OpenAI ``/v1/completions``: one request per prompt of ``prompt``."""
     body = json_object(body)
-    only_fields(body, COMPLETION_FIELDS, "/v1/completions")
-    params = _openai_params(body)
+    check_fields(body, COMPLETION_FIELDS, "/v1/completions")
+    params, to_context = _openai_params(body, 16)  # OpenAI's and vLLM's default for completions; null: the context
     top = _typed(body, "logprobs", (int,), None, "an integer in [0, 5]")
     if top is not None and not 0 <= top <= 5:
         raise InvalidRequest(f"'logprobs' must be in [0, 5], got {top}")
-    echo, stream = _typed(body, "echo", (bool,), False, "a boolean"), _typed(body, "stream", (bool,), False, "a boolean")
+    echo = _typed(body, "echo", (bool,), False, "a boolean")
+    stream, usage, continuous = _openai_stream(body)
     if echo and stream:
         raise InvalidRequest("'echo' with 'stream' is not supported")
     logprobs = LogprobRequest(top, 0 if echo else -1, True) if top is not None else None
-    requests = [GenerationRequest(prompt, params, stream, logprobs, echo) for prompt in _completion_prompts(body)]
-    return requests, OpenAIOptions(_include_usage(body), top)
+    requests = [GenerationRequest(prompt, params, stream, logprobs, echo, to_context=to_context)
+                for prompt in _completion_prompts(body)]
+    return requests, OpenAIOptions(usage, top, continuous)
 
 
 @dataclass(frozen=True)
@@ -343,8 +371,46 @@ class ChatMessage:
     content: str
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How messages become a prompt: the generation prompt after them, or the last message left
+    open for the model to continue (vLLM's ``continue_final_message``), and extra template variables."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+TEMPLATE_NAMES = {"messages", "add_generation_prompt", "bos_token", "eos_token"}  # set by the renderer itself
+
+
+def parse_chat_options(body: dict) -> ChatOptions:
+    """``add_generation_prompt`` (default true), ``continue_final_message`` and ``chat_template_kwargs``."""
+    continue_final = _typed(body, "continue_final_message", (bool,), False, "a boolean")
+    add = _typed(body, "add_generation_prompt", (bool,), not continue_final, "a boolean")
+    if add and continue_final:
+        raise InvalidRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    kwargs = json_object(body.get("chat_template_kwargs") or {}, "'chat_template_kwargs'")
+    reserved = sorted(TEMPLATE_NAMES & set(kwargs))
+    if reserved:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {', '.join(reserved)}")
+    return ChatOptions(add, continue_final, tuple(sorted(kwargs.items())))
+
+
+def _message_content(message: dict, index: int) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise InvalidRequest(f"messages[{index}].content parts must be text parts")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise InvalidRequest(f"messages[{index}].content must be a string")
+    return content
+
+
 def parse_chat_messages(body: Any) -> list[ChatMessage]:
-    """OpenAI ``/v1/chat/completions`` messages; content may be a string or a list of text parts."""
+    """OpenAI chat messages (roles system, developer, user, assistant); content may be a string or a
+    list of text parts."""
     messages = json_object(body).get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
@@ -352,24 +418,23 @@ def parse_chat_messages(body: Any) -> list[ChatMessage]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{index}] must be an object with a string 'role'")
-        only_fields(message, {"role", "content", "name"}, f"messages[{index}]")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise InvalidRequest(f"messages[{index}].content parts must be text parts")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{index}].content must be a string")
-        parsed.append(ChatMessage(message["role"], content))
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{index}].role = {message['role']!r} is not supported: use one of "
+                                 f"{', '.join(CHAT_ROLES)} (tool calling is not served)")
+        check_fields(message, {"role", "content", "name"}, f"messages[{index}]")
+        parsed.append(ChatMessage(message["role"], _message_content(message, index)))
     return parsed
 
 
-def parse_chat(body: Any, render: Callable[[list[ChatMessage]], str]) -> tuple[GenerationRequest, OpenAIOptions]:
+Render = Callable[[list[ChatMessage], ChatOptions], str]
+
+
+def parse_chat(body: Any, render: Render) -> tuple[GenerationRequest, OpenAIOptions]:
     """Messages rendered to one prompt by ``render`` (the model's chat template)."""
     body = json_object(body)
-    only_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+    check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     messages = parse_chat_messages(body)
-    params = _openai_params(body)
+    params, to_context = _openai_params(body, None)  # no max_tokens: what the prompt leaves, as vLLM and OpenAI
     wants = _typed(body, "logprobs", (bool,), False, "a boolean")
     top = _typed(body, "top_logprobs", (int,), 0, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
     if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -377,14 +442,33 @@ def parse_chat(body: Any, render: Callable[[list[ChatMessage]], str]) -> tuple[G
     if top and not wants:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     logprobs = LogprobRequest(top, -1, True) if wants else None
-    request = GenerationRequest(render(messages), params, _typed(body, "stream", (bool,), False, "a boolean"), logprobs)
-    return request, OpenAIOptions(_include_usage(body), top if wants else None)
+    stream, usage, continuous = _openai_stream(body)
+    prompt = render(messages, parse_chat_options(body))
+    request = GenerationRequest(prompt, params, stream, logprobs, to_context=to_context)
+    return request, OpenAIOptions(usage, top if wants else None, continuous)
+
+
+def parse_tokenize(body: Any, render: Render) -> tuple[list[str], bool]:
+    """``/tokenize``: its prompts (``messages`` rendered as a chat prompt, chat options applied) and
+    whether ``prompt`` was a list."""
+    body = json_object(body)
+    if body.get("messages") is not None:
+        if body.get("prompt") is not None:
+            raise InvalidRequest("give one of 'prompt' and 'messages'")
+        check_fields(body, {"model", "messages"} | CHAT_TEMPLATE_FIELDS, "/tokenize")
+        return [render(parse_chat_messages(body), parse_chat_options(body))], False
+    check_fields(body, {"model", "prompt"}, "/tokenize")
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise InvalidRequest("'prompt' must be a string or a list of strings (or give chat 'messages')")
+    return prompts, isinstance(prompt, list)
 
 
 def parse_warmup(body: Any) -> list[str]:
     """``/warmup``: ``{"documents": [str, ...]}``."""
     body = json_object(body)
-    only_fields(body, {"documents"}, "/warmup")
+    check_fields(body, {"documents"}, "/warmup")
     documents = body.get("documents")
     if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
         raise InvalidRequest("'documents' must be a non-empty list of strings")

@@ -53,12 +53,15 @@ class Shaper:
     def meta_info(self, c: Completion, index: int, request: GenerationRequest) -> dict[str, Any]:
         """SGLang's meta_info of sample ``index``, plus HYPIC's breakdown of what was reused."""
         sample = c.samples[index]
+        stats = c.prefill
         meta: dict[str, Any] = {
             "id": c.rid if len(c.samples) == 1 else f"{c.rid}_{index}", "finish_reason": _sglang_finish(sample),
-            "prompt_tokens": c.prompt_tokens, "completion_tokens": len(sample.output_ids), "cached_tokens": c.cached_tokens,
-            "ttft": c.ttft_s, "recomputed_tokens": c.recomputed_tokens, "prefix_hit_tokens": c.prefix_hit_tokens,
-            "segments_hit": c.segments_hit, "segments_missed": c.segments_missed, "combine_tokens": c.combine_tokens,
-            "mode": c.mode}
+            "prompt_tokens": c.prompt_tokens, "completion_tokens": len(sample.output_ids),
+            "cached_tokens": stats.cached_tokens, "ttft": c.ttft_s, "recomputed_tokens": stats.recomputed_tokens,
+            "prefix_hit_tokens": stats.prefix_hit_tokens, "segments_hit": stats.segments_hit,
+            "segments_missed": stats.segments_missed, "segments_built_remotely": stats.segments_built_remotely,
+            "remote_prefill_tokens": stats.remote_prefill_tokens, "combined_early_tokens": stats.combined_early_tokens,
+            "combine_tokens": stats.combine_tokens, "mode": c.mode}
         if sample.finish_reason is not None:
             meta["e2e_latency"] = c.e2e_s
         if request.logprobs is not None:
@@ -78,7 +81,7 @@ class Shaper:
         prompt = sum(c.prompt_tokens for c in completions)
         generated = sum(c.completion_tokens for c in completions)
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-                "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in completions)}}
+                "prompt_tokens_details": {"cached_tokens": sum(c.prefill.cached_tokens for c in completions)}}
 
     def _top_dict(self, lp: TokenLogprob, top: int) -> dict[str, float]:
         entries = {self.token_text(t): v for t, v in lp.top[:top]}
@@ -158,10 +161,15 @@ class OpenAIStream:
     sent_logprobs: dict[int, int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _chunk(self, choices: list[dict[str, Any]], so_far: Completion | None = None) -> dict[str, Any]:
+        """A chunk; with ``include_usage`` its usage is null, or, with ``continuous_usage_stats`` as
+        vLLM does, the usage of ``so_far`` (the prompt the choice belongs to, up to this token)."""
         chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.shaper.model_name, "choices": choices}
-        return {**chunk, "usage": None} if self.options.include_usage else chunk
+        if not self.options.include_usage:
+            return chunk
+        continuous = self.options.continuous_usage and so_far is not None
+        return {**chunk, "usage": self.shaper.usage([so_far]) if continuous else None}
 
     def progress(self, position: int, index: int, c: Completion) -> list[dict[str, Any]]:
         """The chunks for what sample ``index`` of prompt ``position`` produced since the last ones."""
@@ -183,7 +191,7 @@ class OpenAIStream:
             ids = [lp.token for lp in new_logprobs]
             choice["text"] = delta
             choice["logprobs"] = self.shaper.completion_logprobs(list(new_logprobs), ids, top) if top is not None else None
-        return [self._chunk([choice])]
+        return [self._chunk([choice], c)]
 
     def tail(self, completions: list[Completion]) -> list[dict[str, Any]]:
         """The usage chunk, when asked for."""

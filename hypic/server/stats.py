@@ -2,10 +2,14 @@
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..engine import PrefillStats
+from ..prefill_stats import PrefillStats
 from .protocol import Completion
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+PREFILL_TOTALS = ("prompt_tokens", "cached_tokens", "recomputed_tokens", "segments_hit", "segments_missed",
+                  "segments_built_remotely", "remote_prefill_tokens")  # exported as hypic_<name>_total
 
 
 @dataclass
@@ -17,21 +21,13 @@ class LoopStats:
     requests_cancelled: int = 0
     requests_failed: int = 0
     requests_refused: int = 0  # queue full
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    recomputed_tokens: int = 0
     generated_tokens: int = 0
-    segments_hit: int = 0
-    segments_missed: int = 0
+    prefill: PrefillStats = field(default_factory=PrefillStats)  # summed over prefilled requests
     ttft_sum_s: float = 0.0
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
 
     def add_prefill(self, stats: PrefillStats) -> None:
-        self.prompt_tokens += stats.prompt_tokens
-        self.cached_tokens += stats.cached_tokens
-        self.recomputed_tokens += stats.recomputed_tokens
-        self.segments_hit += stats.segments_hit
-        self.segments_missed += stats.segments_missed
+        self.prefill.add(stats)
 
     def add_finished(self, completion: Completion) -> None:
         self.requests_finished += 1
@@ -40,7 +36,10 @@ class LoopStats:
             self.ttft_buckets[index] += completion.ttft_s <= bound
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The counters, the prefill totals among them (``PREFILL_TOTALS``, flat)."""
+        totals = {**asdict(self.prefill), "recomputed_tokens": self.prefill.recomputed_tokens}
+        return {**{k: v for k, v in asdict(self).items() if k != "prefill"},
+                **{name: totals[name] for name in PREFILL_TOTALS}}
 
 
 def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = None) -> str:
@@ -52,8 +51,7 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
         lines.extend([f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} {kind}", f"hypic_{name} {value}"])
 
     for name in ("requests_received", "requests_finished", "requests_cancelled", "requests_failed", "requests_refused",
-                 "prompt_tokens",
-                 "cached_tokens", "recomputed_tokens", "generated_tokens", "segments_hit", "segments_missed"):
+                 "generated_tokens", *PREFILL_TOTALS):
         metric(f"{name}_total", "counter", snapshot[name], name.replace("_", " "))
     metric("waiting_requests", "gauge", snapshot["waiting_requests"], "requests waiting for prefill")
     metric("running_requests", "gauge", snapshot["running_requests"], "requests decoding")

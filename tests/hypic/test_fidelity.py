@@ -9,7 +9,7 @@ decode step must agree to 1e-4, and the 16 greedy tokens must be identical.
 import random
 from collections.abc import Callable
 from itertools import product
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.decode import decode_batch
 from hypic.engine import Prefill
+from hypic.prefill_stats import BuiltForRequest
 from hypic_reference import semantics as reference
 from hypic_reference.model import ReferenceModel
 
@@ -191,18 +192,23 @@ def test_private_pool_hit_then_pic_segments(setup: Setup, name: str) -> None:
 @pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "gpt_oss", "mimo_v2_flash"])
 def test_precombined_head_then_the_rest(setup: Setup, name: str) -> None:
     """A combine node holding the first two of three documents combines that head early
-    (``Engine.precombine``); once the third arrives, the request resumes at the head's last token."""
+    (``Engine.precombine``); once the third arrives, the request resumes at the head's end, and its
+    stats count the head's own reuse (its first document a hit), not a private-pool hit of the head."""
     case = layout(9, [140, 2 * 8 - 1, 90, 120])  # the short second document has no interior: never waited for
     engine, oracle = setup(name, True, 8)
     engine.warmup([case.documents[0], case.documents[2]])
     parts = engine.parse(case.text)
     head = len(parts.leading) + sum(map(len, parts.segments[:3]))
-    assert engine.precombine(parts) == head
-    assert engine.precombine(parts) == 0  # its head is already combined
+    early = engine.precombine(parts)
+    assert early is not None and early.prompt_tokens == head and early.segments_hit == 2  # the second: no interior
+    assert engine.precombine(parts) is None  # its head is already combined
     engine.warmup([case.documents[3]])
     assert engine.held_head(parts) is None  # every document is held: the request runs whole
-    prefill = engine.prefill(parts)
-    assert prefill.stats.prefix_hit_tokens == head - 1 and prefill.stats.segments_hit == 1
+    prefill = engine.prefill(parts, built=BuiltForRequest(heads=(early,)))
+    alone, _ = setup(name, True, 8)  # the same documents held, nothing combined early
+    alone.warmup([case.documents[0], case.documents[2], case.documents[3]])
+    assert prefill.stats.combined_early_tokens == head  # resumed at the head's end ...
+    assert replace(prefill.stats, combined_early_tokens=0) == alone.prefill(parts).stats  # ... counted as its reuse
     assert_same_generation(engine_generation(engine, prefill), oracle.generate(case))
 
 

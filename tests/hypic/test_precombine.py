@@ -36,8 +36,9 @@ def test_the_head_stops_at_the_first_missing_document(engine: Engine) -> None:
 def test_nothing_early_without_splices_or_a_private_pool(engine: Engine) -> None:
     engine.warmup(DOCS[:2])
     parts = engine.parse(PROMPT)
-    assert engine.precombine(parts, "full") == 0 and engine.precombine(parts, "prefix") == 0
+    assert engine.precombine(parts, "full") is None and engine.precombine(parts, "prefix") is None
     no_pool = Engine.from_pretrained("default", private_pool_bytes=0)
     no_pool.warmup(DOCS[:2])
-    assert no_pool.precombine(parts) == 0
-    assert engine.precombine(parts) == _head_tokens(engine, 2)
+    assert no_pool.precombine(parts) is None
+    head = engine.precombine(parts)
+    assert head is not None and head.prompt_tokens == _head_tokens(engine, 2)

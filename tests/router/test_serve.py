@@ -1,7 +1,10 @@
 """``hypic serve --workers 2``: the server process and one Ray worker prefill a request's cold
 documents together; every endpoint answers as with one worker, and outputs equal one engine's.
 Each pool holds about six entries (12M), so requests of five or six documents evict."""
+import json
 import random
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -9,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hypic import Engine
+from hypic.cli import parse_size
 from hypic.server.launch import ServerProcess, start_server
 
 Prompt = Callable[[list[int], str], str]
@@ -27,18 +31,39 @@ def _generate(server: ServerProcess, prompt: str) -> dict:
     return server.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
 
 
-def test_two_workers_answer_as_one_engine(server: ServerProcess, pic_prompt: Prompt, docs: list[str]) -> None:
-    """Outputs equal one engine's; every cold document is a public-pool hit in the server's own
-    prefill (built on the peer and shipped, or built here beforehand), as for a warm engine."""
-    engine = Engine.from_pretrained("default")
+def _streamed(server: ServerProcess, prompt: str) -> tuple[dict, float, float]:
+    """A streamed /generate: the last chunk, and the client's own TTFT and latency (seconds)."""
+    body = json.dumps({"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    request = urllib.request.Request(server.url + "/generate", data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    start, first, chunks = time.perf_counter(), None, []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if line.startswith(b"data: {"):
+                first = first or time.perf_counter()
+                chunks.append(json.loads(line[len(b"data: "):]))
+    assert first is not None
+    return chunks[-1], first - start, time.perf_counter() - start
+
+
+def test_two_workers_answer_and_count_as_one_engine(server: ServerProcess, pic_prompt: Prompt) -> None:
+    """Outputs equal one engine's, and so do the statistics a client reads: a document built for the
+    request (here or on the peer) is a miss, the peer's counted apart, and TTFT and latency run from
+    the request's arrival (the server once reported documents the peer built for the request as hits,
+    and a TTFT without the peers' prefill)."""
+    engine = Engine.from_pretrained("default", public_pool_bytes=parse_size("12M"))  # the server's pools
     for indices, question in (([0, 1, 2, 3, 4, 5], "Where was the lynx born?"), ([5, 3, 1, 6], "Who studied ibises?")):
         prompt = pic_prompt(indices, question)
-        served = _generate(server, prompt)
-        engine.warmup([docs[i] for i in indices])
+        served, client_ttft, client_latency = _streamed(server, prompt)
         expected = engine.generate(prompt, max_new_tokens=8)
+        meta = served["meta_info"]
         assert served["output_ids"] == expected.output_ids
-        # every document a hit here (or in the head combined early here, resumed from the private pool)
-        assert served["meta_info"]["segments_missed"] == 0 and served["meta_info"]["cached_tokens"] >= expected.cached_tokens > 0
+        assert (meta["cached_tokens"], meta["segments_hit"], meta["segments_missed"]) == (
+            expected.cached_tokens, expected.segments_hit, expected.segments_missed), meta
+        assert 0 < meta["segments_built_remotely"] <= meta["segments_missed"] and meta["remote_prefill_tokens"] > 0
+        assert 0.9 * client_ttft <= meta["ttft"] <= client_ttft, (meta["ttft"], client_ttft)
+        assert 0.9 * client_latency <= meta["e2e_latency"] <= client_latency
+    assert expected.segments_hit == 3  # the second request holds three of its documents from the first
     info = server.get("/get_server_info")
     assert info["workers"]["workers"] == [0, 1] and info["workers"]["lost_workers"] == []
     assert info["workers"]["held_entries"]["1"] >= 3  # LPT gave the peer half of the six cold documents
@@ -47,6 +72,7 @@ def test_two_workers_answer_as_one_engine(server: ServerProcess, pic_prompt: Pro
     metrics = server.get("/metrics")
     assert "hypic_workers_live 2" in metrics
     assert f"hypic_peer_entries_received_point_to_point_total {received['point_to_point']}" in metrics
+    assert f"hypic_segments_built_remotely_total {info['segments_built_remotely']}" in metrics
 
 
 def test_every_endpoint_still_answers(server: ServerProcess, pic_prompt: Prompt) -> None:
@@ -79,7 +105,7 @@ def test_warmup_spreads_documents_and_requests_pull_them(server: ServerProcess, 
     expected = engine.generate(prompt, max_new_tokens=8)
     served = _generate(server, prompt)
     assert served["output_ids"] == expected.output_ids and served["meta_info"]["segments_missed"] == 0
-    assert served["meta_info"]["cached_tokens"] >= expected.cached_tokens  # more where a held head was combined early
+    assert served["meta_info"]["cached_tokens"] == expected.cached_tokens  # a held head combined early is no extra hit
 
 
 def test_concurrent_requests_under_eviction(server: ServerProcess, pic_prompt: Prompt) -> None:

@@ -8,6 +8,7 @@ import urllib.request
 from pathlib import Path
 
 import jsonschema
+import hypic
 import openai
 import pytest
 import torch
@@ -216,9 +217,101 @@ def test_tokenize_detokenize_models_and_server_info(server: ServerProcess, token
         assert tokens["tokens"] == tokenizer.encode("hello world") and tokens["count"] == 11
         assert server.post(f"{prefix}/detokenize", {"tokens": tokens["tokens"]})["text"] == "hello world"
     info = server.get("/server_info")
-    assert info == {**info, "version": info["version"]} and info["max_total_num_tokens"] > 0
+    assert info["version"] == hypic.__version__ and info["max_total_num_tokens"] > 0
     name, path = info["served_model_name"], info["model_path"]
     assert server.get(f"/v1/models/{name}")["id"] == name
     assert server.post("/v1/completions", {"model": path, "prompt": "x", "max_tokens": 1})["model"] == name
     status, body = server.request("GET", "/v1/models/gpt-9")
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+# ----- the context limit -------------------------------------------------------------------------
+def _chatml(*turns: tuple[str, str], open_end: bool = False) -> str:
+    """ChatML written out by hand (the tiny checkpoint ships no template, so the server uses ChatML)."""
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+    if open_end:
+        return text[:-len("<|im_end|>\n")]
+    return text + "<|im_start|>assistant\n"
+
+
+def test_output_past_the_context_is_refused_on_every_endpoint(server: ServerProcess, tokenizer: TextTokenizer) -> None:
+    """prompt + max_new_tokens over the model's positions: a 400 naming the numbers and the limit; exactly
+    at the limit: served in full (the server once ran such a request and cut its output short)."""
+    limit = server.get("/get_model_info")["max_position_embeddings"]
+    prompt = _text(21, 100)
+    over = limit - 100 + 1
+    bodies = {"/generate": {"text": prompt, "sampling_params": {"max_new_tokens": over}},
+              "/v1/completions": {"prompt": prompt, "max_tokens": over},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": prompt}], "max_tokens": over}}
+    for path, body in bodies.items():
+        status, payload = server.request("POST", path, body)
+        message = payload["error"]["message"]
+        assert status == 400 and f"max_new_tokens asks for {over} more" in message, (path, payload)
+        assert f"context of {limit} tokens" in message
+    assert "the prompt has 100 tokens" in server.request("POST", "/generate", bodies["/generate"])[1]["error"]["message"]
+    ids = tokenizer.encode(_text(22, limit - 2))
+    fits = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True,
+                                                                           "temperature": 0}})
+    assert len(fits["output_ids"]) == 2 and fits["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_without_a_budget_the_output_may_fill_the_context(server: ServerProcess, tokenizer: TextTokenizer) -> None:
+    """Chat without max_tokens, and any endpoint with a null budget, get what the prompt leaves (vLLM's
+    and SGLang's reading); completions without max_tokens get OpenAI's 16."""
+    limit = server.get("/get_model_info")["max_position_embeddings"]
+    content = _text(23, limit - 60)
+    prompt_tokens = len(tokenizer.encode(_chatml(("user", content))))
+    chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "temperature": 0,
+                                                "ignore_eos": True})
+    assert chat["usage"]["prompt_tokens"] == prompt_tokens
+    assert chat["usage"]["completion_tokens"] == limit - prompt_tokens and chat["choices"][0]["finish_reason"] == "length"
+    text = _text(24, limit - 20)
+    for path, body in (("/v1/completions", {"prompt": text, "max_tokens": None}),
+                       ("/generate", {"text": text, "sampling_params": {"max_new_tokens": None}})):
+        params = body.get("sampling_params", body)
+        params.update(temperature=0, ignore_eos=True)
+        out = server.post(path, body)
+        generated = out["usage"]["completion_tokens"] if "usage" in out else out["meta_info"]["completion_tokens"]
+        assert generated == 20, path
+    short = server.post("/v1/completions", {"prompt": "abc", "temperature": 0, "ignore_eos": True})
+    assert short["usage"]["completion_tokens"] == 16
+
+
+# ----- chat templates and tokenize -------------------------------------------------------------------
+def test_tokenize_renders_chat_messages(server: ServerProcess, tokenizer: TextTokenizer) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    for prefix in ("", "/v1"):
+        rendered = server.post(f"{prefix}/tokenize", {"messages": messages})
+        assert rendered["tokens"] == tokenizer.encode(_chatml(("system", "be brief"), ("user", "hi")))
+        bare = server.post(f"{prefix}/tokenize", {"messages": messages, "add_generation_prompt": False})
+        assert bare["tokens"] == tokenizer.encode(_chatml(("system", "be brief"), ("user", "hi"))[:-len(
+            "<|im_start|>assistant\n")])
+    status, body = server.request("POST", "/tokenize", {"messages": messages, "prompt": "x"})
+    assert status == 400 and "one of 'prompt' and 'messages'" in body["error"]["message"]
+
+
+def test_continue_final_message_continues_the_assistant_turn(server: ServerProcess, tokenizer: TextTokenizer) -> None:
+    """The prompt ends inside the last message (no end-of-turn, no new turn): it equals the hand-written
+    ChatML prefix, and the chat continues exactly as /generate does from that text."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    expected = _chatml(("user", "hi"), ("assistant", "The answer is"), open_end=True)
+    assert server.post("/tokenize", {"messages": messages, **options})["tokens"] == tokenizer.encode(expected)
+    chat = server.post("/v1/chat/completions", {"messages": messages, **options, "max_tokens": 6, "temperature": 0})
+    plain = _generate(server, expected, max_new_tokens=6)
+    assert chat["choices"][0]["message"]["content"] == plain["text"]
+    assert chat["usage"]["prompt_tokens"] == len(expected)
+    open_default = server.post("/tokenize", {"messages": messages, "continue_final_message": True})
+    assert open_default["tokens"] == tokenizer.encode(expected)  # the generation prompt defaults off with it
+
+
+def test_continuous_usage_stats_count_every_chunk(server: ServerProcess) -> None:
+    """vLLM's continuous_usage_stats: each chunk carries the usage so far (a token whose text is still
+    incomplete sends no chunk), the last one the total."""
+    chunks = [json.loads(line) for line in _stream(server, "/v1/completions", {
+        "prompt": "abcdef", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts[0] == 1 and counts[-1] == 5 and counts == sorted(set(counts)), counts
+    assert all(c["usage"]["prompt_tokens"] == 6 for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 11

@@ -184,3 +184,28 @@ def test_over_http_a_full_queue_answers_503_and_the_server_stays_healthy(launch)
     assert "--max-queued-requests" in refused["error"]["message"]
     assert server.request("GET", "/health")[0] == 200
     assert server.get("/get_server_info")["requests_refused"] == statuses.count(503)
+
+
+def test_the_counters_a_client_reads_after_its_answer_include_it(running: EngineLoop) -> None:
+    """When a request's end, or a flush's, reaches its caller, the published counters already show it:
+    a client that reads /get_server_info after its last chunk sees its own request counted."""
+    seen: list[tuple[int, int]] = []
+    before = running.snapshot["requests_finished"]
+
+    def emit(event: Event) -> None:  # runs on the loop thread, when the HTTP side would hear of the end
+        if isinstance(event, DoneEvent):
+            seen.append((running.snapshot["requests_finished"], running.snapshot["prompt_tokens"]))
+
+    prompt = _text(90, 40)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    parts = running.engine.parse(prompt)
+    running.submit(parts, GenerationRequest(prompt, params), running.engine.sequences(params, parts.token_ids), emit)
+    deadline = time.monotonic() + 60
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen and seen[0][0] == before + 1 and seen[0][1] >= 40
+    flushed: list[int] = []
+    command = running.call(lambda: running.engine.store.clear() + running.engine.prefix_cache.clear())
+    command.add_done_callback(lambda _: flushed.append(running.snapshot["private_pool"]["bytes"]))
+    command.result(timeout=60)
+    assert flushed == [0]
