@@ -1,0 +1,102 @@
+"""The README's shell examples, run as a new user would run them (an example nobody runs drifts:
+one once promised reuse that its too-short documents could not show).
+
+Cheap ones run for real against the shipped default model: the quick-start ``curl`` calls on a
+``hypic serve`` process and the ``hypic generate`` example, each checked for what the text around
+it claims. Every other ``hypic`` / ``python -m`` command line (sweeps of minutes to hours) is
+parsed by the real command-line parser, so a renamed or removed option fails here. A command of a
+kind this test does not know fails too: a new example must come with its check.
+"""
+import json
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hypic.cli import _parser
+from hypic.data import synthetic_qa
+from hypic.evaluation import scaling
+from hypic.server.launch import ServerProcess, start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+SEAMS = 16  # max(w, k - 1) + w at the default w = 8 and the shipped model's conv width 4
+
+
+def shell_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", README, re.DOTALL)
+
+
+def command_lines() -> list[list[str]]:
+    """Every command of every shell block, split into argv lists (comments dropped, ``&&`` split)."""
+    commands = []
+    for block in shell_blocks():
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                commands.append(words[:cut])
+                words = words[cut + 1:]
+    return commands
+
+
+def _parses(argv: list[str]) -> None:
+    """``argv`` as the real parsers read it (SystemExit on a bad option)."""
+    if argv[0] == "hypic":
+        args, rest = _parser().parse_known_args(argv[1:])
+        if args.command == "eval" and args.study == "scaling":
+            scaling.parse_args(rest)
+        else:
+            assert not rest, f"unrecognized arguments {rest} in README command {argv}"
+    elif argv[:3] == ["python", "-m", "hypic.data.synthetic_qa"]:
+        synthetic_qa._parse_args(argv[3:])
+    elif argv[0] == "pip":
+        assert argv in (["pip", "install", "-e", "."], ["pip", "install", "-e", ".[test]"]), argv
+    elif argv[0] == "pytest":
+        assert argv == ["pytest", "-q"] and "pytest -q" in (ROOT / ".ci" / "run").read_text()
+    elif argv[0] != "curl":  # the curl calls run for real below
+        pytest.fail(f"README command {argv} has no check in tests/docs/test_readme.py")
+
+
+def test_every_command_in_the_readme_parses() -> None:
+    commands = command_lines()
+    assert sum(argv[0] == "hypic" for argv in commands) >= 12  # the blocks were found and read
+    for argv in commands:
+        _parses(argv)
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(["--log-level", "warning"], tmp_path_factory.mktemp("readme") / "server.log")
+    yield server
+    server.stop()
+
+
+def test_quick_start_curl_calls_cache_both_documents(default_server: ServerProcess) -> None:
+    """The quick start warms two documents, then sends them reordered: "here both documents are hits"."""
+    calls = [argv for argv in command_lines() if argv[0] == "curl"]
+    assert [argv[2].rsplit("/", 1)[1] for argv in calls] == ["warmup", "generate"]
+    outputs = []
+    for argv in calls:
+        argv = [default_server.url + "/" + word.rsplit("/", 1)[1] if word.startswith("localhost:30000") else word
+                for word in argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+        outputs.append(json.loads(done.stdout))
+    counts, meta = outputs[0]["token_counts"], outputs[1]["meta_info"]
+    assert all(count > SEAMS for count in counts)  # each has an interior to cache
+    assert (meta["segments_hit"], meta["segments_missed"]) == (2, 0)
+    assert meta["cached_tokens"] == sum(count - SEAMS for count in counts)  # the two interiors
+    assert outputs[1]["text"] and meta["completion_tokens"] <= 8
+
+
+def test_generate_example_shows_the_reuse_it_promises() -> None:
+    """"The second prompt shows the reuse (``cached=``, ``segments hit/missed=2/0``)"."""
+    (argv,) = [argv for argv in command_lines() if argv[:2] == ["hypic", "generate"]]
+    done = subprocess.run([*argv, "--threads", "1"], capture_output=True, text=True, timeout=300, check=True, cwd=ROOT)
+    reports = re.findall(r"cached=(\d+) .* segments hit/missed=(\d+)/(\d+)", done.stdout)
+    assert [(hit, missed) for _, hit, missed in reports] == [("0", "2"), ("2", "0")], done.stdout
+    assert int(reports[0][0]) == 0 < int(reports[1][0])
+    assert "segments hit/missed=2/0" in README and "cached=" in README
