@@ -10,10 +10,12 @@ kind this test does not know fails too: a new example must come with its check.
 import json
 import re
 import shlex
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from hypic.cli import _parser
@@ -75,6 +77,14 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     server.stop()
 
 
+def _curl(argv: list[str]) -> dict:
+    """The call's JSON answer: run by curl, or, on a machine without it, the same POST (``curl -s URL -d BODY``)."""
+    if shutil.which("curl"):
+        return json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert argv[1] == "-s" and argv[3] == "-d" and len(argv) == 5, argv
+    return httpx.post(argv[2], content=argv[4], timeout=120).raise_for_status().json()
+
+
 def test_quick_start_curl_calls_cache_both_documents(default_server: ServerProcess) -> None:
     """The quick start warms two documents, then sends them reordered: "here both documents are hits"."""
     calls = [argv for argv in command_lines() if argv[0] == "curl"]
@@ -83,8 +93,7 @@ def test_quick_start_curl_calls_cache_both_documents(default_server: ServerProce
     for argv in calls:
         argv = [default_server.url + "/" + word.rsplit("/", 1)[1] if word.startswith("localhost:30000") else word
                 for word in argv]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
-        outputs.append(json.loads(done.stdout))
+        outputs.append(_curl(argv))
     counts, meta = outputs[0]["token_counts"], outputs[1]["meta_info"]
     assert all(count > SEAMS for count in counts)  # each has an interior to cache
     assert (meta["segments_hit"], meta["segments_missed"]) == (2, 0)
