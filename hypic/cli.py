@@ -147,6 +147,25 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a worker may take to ship a request's documents before it is declared lost, "
                             "killed and its documents recomputed here (default: 300)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
+    access = serve.add_argument_group("access and limits")
+    access.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeatable; also "
+                             "read from $HYPIC_API_KEY). Keys are compared in constant time and never logged; a "
+                             "key on the command line is visible to other local users, --api-key-file is not")
+    access.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                        help="a file of API keys, one per line (# comments and blank lines skipped) (repeatable)")
+    access.add_argument("--isolate-by-key", action="store_true",
+                        help="each API key is its own cache namespace: documents and prompt prefixes one key's "
+                             "requests cached are never reused for another's, and a request for them takes the cold "
+                             "path (needs --api-key). Without it, requests share the cache unless they name a "
+                             "cache_salt")
+    access.add_argument("--max-request-bytes", type=parse_size, default=parse_size("32M"),
+                        help="largest request body; a larger one is answered 413 (default: 32M)")
+    access.add_argument("--max-concurrent-per-key", type=int, default=None,
+                        help="POST requests one API key (or, without keys, all clients) may have in flight, streams "
+                             "until their last chunk; more are answered 429 with Retry-After (default: no limit)")
+    access.add_argument("--max-warmup-documents", type=int, default=256,
+                        help="most documents in one /warmup call (default: 256)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level (default: info)")
     return parser
@@ -168,9 +187,10 @@ def _serve(args: argparse.Namespace) -> None:
     from .server.chat import load_chat_template
     from .server.loop import EngineLoop
 
-    for name in ("max_running_requests", "max_segments", "chunked_prefill_size"):
+    for name in ("max_running_requests", "max_segments", "chunked_prefill_size", "max_warmup_documents"):
         if getattr(args, name) < 1:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
+    limits = _gate_limits(args)
     if args.workers < 1:
         raise HypicError("--workers must be >= 1")
     if args.workers > 1 and not args.threads:
@@ -183,18 +203,34 @@ def _serve(args: argparse.Namespace) -> None:
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
                       args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
-                      str(engine.model.dtype).removeprefix("torch."))
+                      str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents,
+                      len(limits.keys.digests))
     peers = _peers(args, choice) if args.workers > 1 else None
     loop = EngineLoop(engine, args.mode, args.max_running_requests, args.max_queued_requests, args.max_state_memory)
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)
     try:
-        uvicorn.run(build_app(loop, info, peers), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(build_app(loop, info, peers, limits), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         loop.stop()
         if peers is not None:
             peers.shutdown()
+
+
+def _gate_limits(args: argparse.Namespace) -> Any:
+    """API keys and request limits from the command line, checked."""
+    from .server.gate import GateLimits
+    from .server.tenancy import ApiKeys, read_api_keys
+
+    keys = ApiKeys.of(read_api_keys(args.api_key, args.api_key_file))
+    if args.isolate_by_key and not keys.required:
+        raise HypicError("--isolate-by-key needs API keys (--api-key, --api-key-file or $HYPIC_API_KEY)")
+    if args.max_concurrent_per_key is not None and args.max_concurrent_per_key < 1:
+        raise HypicError("--max-concurrent-per-key must be >= 1")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise HypicError("--max-request-bytes must be at least 1K")
+    return GateLimits(keys, args.max_request_bytes, args.max_concurrent_per_key)
 
 
 def _peers(args: argparse.Namespace, choice: ModelChoice) -> Any:

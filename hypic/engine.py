@@ -1,7 +1,8 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
+import math
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +127,10 @@ class Engine:
                    snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype)
 
     # ----- caching -------------------------------------------------------------------------
-    def policy(self, mode: str) -> ModePolicy:
-        """What ``mode`` reuses and how, for this engine's seam width and model."""
-        return mode_policy(mode, self.seam_width, self.model.config.linear_conv_kernel_dim)
+    def policy(self, mode: str, namespace: str = "") -> ModePolicy:
+        """What ``mode`` reuses and how, for this engine's seam width and model, inside cache
+        ``namespace`` ("": the shared one)."""
+        return mode_policy(mode, self.seam_width, self.model.config.linear_conv_kernel_dim).scoped(namespace)
 
     @property
     def seams(self) -> Seams:
@@ -147,7 +149,7 @@ class Engine:
         """The public-pool entry of a segment (or None) and its key; ``peek``: without counting a hit
         or a miss or touching the LRU order."""
         assert policy.seams is not None
-        key = entry_key(self.fingerprint, policy.seams, policy.role, token_ids)
+        key = entry_key(self.fingerprint, policy.seams, policy.role, token_ids, policy.namespace)
         return (self.store.peek if peek else self.store.get)(key, token_ids), key
 
     def build_segment(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Generator[None, None, SegmentEntry]:
@@ -158,28 +160,31 @@ class Engine:
         lo, hi = policy.seams.interior(len(token_ids)) or (0, 0)
         layers = [layer.stored_as(self.state_cache_dtype) if isinstance(layer, LinearInterior) else layer
                   for layer in layers]
-        entry = SegmentEntry(key, token_ids, policy.seams, lo, hi - lo, layers)
+        entry = SegmentEntry(key, token_ids, policy.seams, lo, hi - lo, layers, policy.namespace)
         self.store.put(entry)
         return entry
 
-    def warmup(self, documents: list[str], mode: str = "hypic") -> list[int]:
-        """Cache each document as a PIC segment the way ``mode`` does (hypic or naive); returns each
-        document's token count. Documents too short to have an interior are counted but not cached."""
-        return drain(self.warmup_steps(documents, mode))
+    def warmup(self, documents: list[str], mode: str = "hypic", namespace: str = "") -> list[int]:
+        """Cache each document as a PIC segment the way ``mode`` does (hypic or naive), in cache
+        ``namespace``; returns each document's token count. Documents too short to have an interior
+        are counted but not cached."""
+        return drain(self.warmup_steps(documents, mode, namespace))
 
-    def warmup_steps(self, documents: list[str], mode: str = "hypic") -> Generator[None, None, list[int]]:
+    def warmup_steps(self, documents: list[str], mode: str = "hypic",
+                     namespace: str = "") -> Generator[None, None, list[int]]:
         """``warmup`` one chunk of work per ``next()`` (what a serving loop interleaves with decode);
         the documents are checked, and bad ones refused, before it returns."""
-        policy, encoded = self._warmup_plan(documents, mode)
+        policy, encoded = self._warmup_plan(documents, mode, namespace)
         return self._warmup_run(policy, encoded)
 
-    def build_steps(self, segments: list[tuple[int, ...]], mode: str = "hypic") -> Generator[None, None, list[int]]:
+    def build_steps(self, segments: list[tuple[int, ...]], mode: str = "hypic",
+                    namespace: str = "") -> Generator[None, None, list[int]]:
         """``warmup_steps`` for documents already split and tokenized (a router's share of a request)."""
-        return self._warmup_run(self._caching_policy(mode), segments)
+        return self._warmup_run(self._caching_policy(mode, namespace), segments)
 
-    def _caching_policy(self, mode: str) -> ModePolicy:
-        """The policy of ``mode``, which must cache segments to warm anything up."""
-        policy = self.policy(mode)
+    def _caching_policy(self, mode: str, namespace: str = "") -> ModePolicy:
+        """The policy of ``mode`` in ``namespace``, which must cache segments to warm anything up."""
+        policy = self.policy(mode, namespace)
         if not policy.caches_segments:
             raise InvalidRequest(f"mode {mode!r} caches no segments, so there is nothing to warm up "
                                  "(warm-up needs mode 'hypic' or 'naive')")
@@ -206,14 +211,41 @@ class Engine:
                 raise InvalidRequest(f"document {index} contains the PIC separator {self.pic_separator!r}: a request "
                                      "would split it into two segments; warm up each part as its own document")
 
-    def _warmup_plan(self, documents: list[str], mode: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
-        policy = self._caching_policy(mode)
+    def _warmup_plan(self, documents: list[str], mode: str,
+                     namespace: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
+        policy = self._caching_policy(mode, namespace)
         self.check_documents(documents)
         encoded = [tuple(self.tokenizer.encode(d)) for d in documents]
         for index, ids in enumerate(encoded):
             if not ids:
                 raise InvalidRequest(f"document {index} is empty")
+        needed, budget = sum(self.entry_bytes(len(ids), mode) for ids in set(encoded)), self.store.budget_bytes
+        if budget is not None and needed > budget:  # they would evict each other, and every other entry
+            raise InvalidRequest(f"the documents' cache entries take {needed} bytes, more than the public pool holds "
+                                 f"({budget} bytes): warm up fewer at once, or raise --public-pool-size")
         return policy, encoded
+
+    def entry_bytes(self, tokens: int, mode: str = "hypic") -> int:
+        """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (0: it has no
+        interior): each attention layer's interior K and V (a window's worth at most), each linear
+        layer's T_C, S_C|0 and conv tail."""
+        seams = self.policy(mode).seams
+        interior = seams.interior(tokens) if seams is not None else None
+        if interior is None:
+            return 0
+        config, length = self.model.config, interior[1] - interior[0]
+        model_size, state_size = self.model.dtype.itemsize, self.state_cache_dtype.itemsize
+        attention = sum(min(length, config.window(i) or length) * config.kv_elements(i) for i in config.attention_layers())
+        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        transition = math.prod(config.linear_transition_shape) if self.policy(mode).transitions else 0
+        conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels
+        return attention * model_size + len(config.linear_layers()) * ((state + transition) * state_size + conv * model_size)
+
+    def flush(self, namespace: str | None = None) -> tuple[int, int]:
+        """Empty both pools (``namespace``: only that cache namespace's entries and trees); returns
+        (public entries, private-pool nodes) dropped. Entries in use stay."""
+        trees = None if namespace is None else (lambda tree: tree.endswith(f"@{namespace}") if namespace else "@" not in tree)
+        return self.store.clear(namespace), self.prefix_cache.clear(trees)
 
     def state_bytes(self, tokens: int, samples: int = 1) -> int:
         """Memory a request's state takes: KV of ``tokens`` tokens per sample in every full-attention
@@ -233,27 +265,28 @@ class Engine:
     def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:
         """About how many prompt tokens a prefill under ``mode`` would compute now: the prompt less its
         cached interiors and its private-pool prefix (the scheduler's size of a request)."""
-        policy, total = self.policy(mode), len(parts.token_ids)
+        policy, total = self.policy(mode, parts.namespace), len(parts.token_ids)
         spliced = spliceable(parts, policy.seams) if policy.seams is not None else []
         cached = 0
         for index in spliced:
             entry, _ = self.lookup_segment(parts.segments[index], policy, peek=True)
             cached += entry.length if entry is not None else 0
-        if policy.namespace is not None:
+        if policy.tree is not None:
             key = cache_key(parts.token_ids, layout_marks(parts, spliced))
-            cached += self.prefix_cache.peek(policy.namespace, key, total - 1)
+            cached += self.prefix_cache.peek(policy.tree, key, total - 1)
         return max(1, total - cached)
 
     # ----- prefill -------------------------------------------------------------------------
-    def parse(self, prompt: str | list[int]) -> PromptParts:
+    def parse(self, prompt: str | list[int], namespace: str = "") -> PromptParts:
         """Split and tokenize a prompt, checking it fits the model's positions. A list of token ids
-        is taken as it is (no segments: every token is Q, though a prefix-cache hit still applies)."""
+        is taken as it is (no segments: every token is Q, though a prefix-cache hit still applies).
+        ``namespace``: the cache namespace the request lives in ("": shared)."""
         parts = self._parse_ids(prompt) if isinstance(prompt, list) else split_prompt(prompt, self.tokenizer.encode,
                                                                                      self.pic_separator)
         limit = self.model.config.max_position_embeddings
         if len(parts.token_ids) > limit:
             raise InvalidRequest(f"the prompt has {len(parts.token_ids)} tokens, over the model's limit of {limit}")
-        return parts
+        return replace(parts, namespace=namespace) if namespace else parts
 
     def _parse_ids(self, ids: list[int]) -> PromptParts:
         vocab = self.model.config.vocab_size
@@ -269,9 +302,9 @@ class Engine:
         """The longest private-pool hit (never the whole prompt: the last token must be run); one at
         the end of a head combined early for this request counts as that head's reuse."""
         empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
-        if policy.namespace is None:
+        if policy.tree is None:
             return empty
-        hit = self.prefix_cache.match(policy.namespace, key, len(key) - 1, empty)
+        hit = self.prefix_cache.match(policy.tree, key, len(key) - 1, empty)
         if hit is None:
             return empty
         head = built.head_ending_at(hit.length)
@@ -328,8 +361,8 @@ class Engine:
         ``built``: what was computed for this request beforehand (its stats count it as computed).
         ``snapshot_end``: the private pool also keeps the state at the prompt's end (a head combined
         early: its request resumes there). Public entries the request uses stay pinned until its
-        combine pass is done."""
-        policy = self.policy(mode)
+        combine pass is done. Everything it reuses or keeps is in ``parts.namespace``."""
+        policy = self.policy(mode, parts.namespace)
         ids = parts.token_ids
         stats = PrefillStats(prompt_tokens=len(ids), segments_built_remotely=built.remote_segments,
                              remote_prefill_tokens=built.remote_tokens)
@@ -341,7 +374,7 @@ class Engine:
         pinned: list[str] = []
         try:
             entries = yield from self._segment_entries(parts, after_resume, policy, stats, pinned, built)
-            keep = policy.namespace is not None and self.prefix_cache.budget_bytes != 0
+            keep = policy.tree is not None and self.prefix_cache.budget_bytes != 0
             pieces = build_layout(parts, policy.seams, set(entries), init.length)
             stats.combine_tokens += sum(p.length for p in pieces if isinstance(p, Run))  # after a head's own
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
@@ -353,8 +386,8 @@ class Engine:
             for key in pinned:
                 self.store.unpin(key)
         result.state.marks = marks
-        if policy.namespace is not None:
-            self.prefix_cache.insert(policy.namespace, result.state, result.snapshots)
+        if policy.tree is not None:
+            self.prefix_cache.insert(policy.tree, result.state, result.snapshots)
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats, result.row_logits)
 
@@ -376,18 +409,18 @@ class Engine:
         """``parts`` cut after its longest run of leading documents whose spliced interiors the public
         pool holds (no query), when that run stops short of the last document and holds a spliced
         document past the request's private-pool resume point; else None (nothing to combine early)."""
-        policy = self.policy(mode)
-        if policy.seams is None or policy.namespace is None or self.prefix_cache.budget_bytes == 0:
+        policy = self.policy(mode, parts.namespace)
+        if policy.seams is None or policy.tree is None or self.prefix_cache.budget_bytes == 0:
             return None
         spliced, held = self._spliced(parts, policy, len(parts.token_ids)), 0
         while held < len(parts.segments) and (held not in spliced or self.lookup_segment(
                 parts.segments[held], policy, peek=True)[0] is not None):
             held += 1
-        head = PromptParts(parts.leading, parts.segments[:held], ())
+        head = PromptParts(parts.leading, parts.segments[:held], (), parts.namespace)
         if held == len(parts.segments) or not head.token_ids:
             return None
         key = cache_key(head.token_ids, layout_marks(head, [i for i in spliced if i < held]))
-        resume = self.prefix_cache.peek(policy.namespace, key, len(key) - 1)
+        resume = self.prefix_cache.peek(policy.tree, key, len(key) - 1)
         return head if any(i < held and parts.segment_starts[i] >= resume for i in spliced) else None
 
     def precombine(self, parts: PromptParts, mode: str = "hypic",
@@ -407,13 +440,14 @@ class Engine:
         prefill = yield from self.prefill_steps(head, mode, built=built, snapshot_end=True)
         return prefill.stats
 
-    def remember(self, state: RequestState, mode: str) -> None:
-        """Keep a finished request's state in the private pool (multi-turn reuse of its whole text)."""
-        namespace = self.policy(mode).namespace
-        if namespace is None or state.length == 0:
+    def remember(self, state: RequestState, mode: str, namespace: str = "") -> None:
+        """Keep a finished request's state in the private pool of cache ``namespace`` (multi-turn
+        reuse of its whole text)."""
+        tree = self.policy(mode, namespace).tree
+        if tree is None or state.length == 0:
             return
         linear = {i: layer for i, layer in enumerate(state.layers) if isinstance(layer, LinearLayerState)}
-        self.prefix_cache.insert(namespace, state, {state.length: linear})
+        self.prefix_cache.insert(tree, state, {state.length: linear})
 
     # ----- generation ----------------------------------------------------------------------
     def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None) -> list[Sequence]:
@@ -440,15 +474,16 @@ class Engine:
         return logits[0], states[0]
 
     def generate(self, prompt: str | list[int], *, mode: str = "hypic", built: BuiltForRequest = BuiltForRequest(),
-                 **sampling: Any) -> GenerationResult:
+                 namespace: str = "", **sampling: Any) -> GenerationResult:
         """Prefill ``prompt`` (separators mark PIC segments) under ``mode`` and decode one continuation.
         ``sampling``: any ``SamplingParams`` field (max_new_tokens=16, temperature=0, top_p, stop, ...);
-        ``built``: what was computed for this request beforehand (see ``prefill_steps``)."""
+        ``built``: what was computed for this request beforehand (see ``prefill_steps``); ``namespace``:
+        the cache namespace it reuses from and caches into ("": shared)."""
         params = SamplingParams(**sampling)
         if params.n != 1:
             raise InvalidRequest("Engine.generate makes one continuation (n = 1); the server runs n > 1")
         start = time.perf_counter()
-        parts = self.parse(prompt)
+        parts = self.parse(prompt, namespace)
         (sequence,) = self.sequences(params, parts.token_ids)
         prefill = self.prefill(parts, mode, built=built)
         logits, state, ttft = prefill.logits, prefill.state, time.perf_counter() - start
@@ -459,7 +494,7 @@ class Engine:
                 ttft = time.perf_counter() - start
             if not sequence.finished:
                 logits, state = self.decode_step(state, sequence.output_ids[-1])
-        self.remember(state, mode)
+        self.remember(state, mode, namespace)
         stats = prefill.stats
         return GenerationResult(sequence.output_ids, sequence.text, stats.prompt_tokens, stats.cached_tokens,
                                 stats.recomputed_tokens, ttft, time.perf_counter() - start, sequence.finish_reason or "",

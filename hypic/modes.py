@@ -7,7 +7,7 @@
 - ``prefix``: no segment caching; exact states reused by strict prefix (the usual prefix cache).
 - ``full``: no reuse at all.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import InvalidRequest
 from .segments import Seams
@@ -24,11 +24,19 @@ class ModePolicy:
     seams: Seams | None  # how PIC segments are cut; None: segments are not cached
     role: Role  # the kind of public-pool entry it builds and hits
     transitions: bool  # entries carry T_C and compose by eq. 6; else S_C|0 only, composed by addition
-    namespace: str | None  # its private-pool tree; None: no private-pool reuse
+    tree: str | None  # its private-pool tree; None: no private-pool reuse
+    namespace: str = ""  # the cache namespace its entries and states live in ("": shared by every request)
 
     @property
     def caches_segments(self) -> bool:
         return self.seams is not None
+
+    def scoped(self, namespace: str) -> "ModePolicy":
+        """This policy inside cache ``namespace``: its public entries are keyed with it and its
+        private-pool tree is the namespace's own, so nothing is shared with another namespace."""
+        if not namespace:
+            return self
+        return replace(self, namespace=namespace, tree=None if self.tree is None else f"{self.tree}@{namespace}")
 
 
 def mode_policy(mode: str, seam_width: int, conv_kernel: int) -> ModePolicy:

@@ -3,13 +3,13 @@
 Full-attention KV can be cut at any token, but a linear layer's state exists only where it was
 snapshotted (document boundaries, request ends). So each node stores the KV of its edge's tokens,
 and some nodes also carry a snapshot of every linear layer's state at their end; a hit is the
-longest matched prefix that ends at such a node. Trees are kept per namespace (the reuse mode),
-because a HYPIC-assembled state is an approximation that an exact mode must not reuse. Within a
-namespace the key of a token is its id with its layout marks (``segments.PartMark``): a state
+longest matched prefix that ends at such a node. Trees are kept per reuse mode (a HYPIC-assembled
+state is an approximation that an exact mode must not reuse) and cache namespace (``ModePolicy.tree``:
+a tenant's states are never resumed by another's request). Within a tree the key of a token is its id with its layout marks (``segments.PartMark``): a state
 assembled from spliced segments is resumed only by a request with the same segmentation up to
 the resume point, and never by a plain prompt of the same ids.
 """
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -107,24 +107,24 @@ class PrefixCache:
         self._clock = count(1)
 
     # ----- lookup -------------------------------------------------------------------------
-    def match(self, namespace: str, key: list[int], limit: int, template: RequestState) -> PrefixHit | None:
+    def match(self, tree: str, key: list[int], limit: int, template: RequestState) -> PrefixHit | None:
         """Longest snapshotted prefix of ``key`` (see ``cache_key``) no longer than ``limit`` tokens.
         ``template``: an empty state giving the layer kinds (and the device) of the model."""
-        best = self._deepest(namespace, key, limit)
+        best = self._deepest(tree, key, limit)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
         return PrefixHit(best.depth, self._assemble(best, key, template))
 
-    def peek(self, namespace: str, key: list[int], limit: int) -> int:
+    def peek(self, tree: str, key: list[int], limit: int) -> int:
         """The length ``match`` would resume from, without assembling it or counting it."""
-        best = self._deepest(namespace, key, limit)
+        best = self._deepest(tree, key, limit)
         return best.depth if best is not None else 0
 
-    def _deepest(self, namespace: str, key: list[int], limit: int) -> RadixNode | None:
+    def _deepest(self, tree: str, key: list[int], limit: int) -> RadixNode | None:
         """The deepest snapshotted node on ``key``'s path that ends within ``limit`` tokens."""
-        node, best, offset = self.roots.get(namespace), None, 0
+        node, best, offset = self.roots.get(tree), None, 0
         while node is not None:
             if node.snapshot is not None and 0 < node.depth <= limit:
                 best = node
@@ -159,14 +159,14 @@ class PrefixCache:
         return RequestState(layers, node.depth, [k >> MARK_BITS for k in prefix], marks)
 
     # ----- insertion ----------------------------------------------------------------------
-    def insert(self, namespace: str, state: RequestState, snapshots: dict[int, Snapshot]) -> None:
+    def insert(self, tree: str, state: RequestState, snapshots: dict[int, Snapshot]) -> None:
         """Add ``state``'s tokens (keyed with its marks) up to its last snapshot position, with the
         snapshots (position -> linear layer states) at their nodes. Existing nodes are kept as they are."""
         needed = {i for i, layer in enumerate(state.layers) if not isinstance(layer, AttentionLayerState)}
         positions = sorted(p for p in snapshots if 0 < p <= state.length and needed <= set(snapshots[p]))
         if not positions or self.budget_bytes == 0:  # a position missing a layer's state is no resume point
             return
-        node = self.roots.setdefault(namespace, RadixNode((), None, {}, 0))
+        node = self.roots.setdefault(tree, RadixNode((), None, {}, 0))
         key, tick = cache_key(state.token_ids, state.marks), next(self._clock)
         for position in positions:
             node = self._extend(node, state, key, position, tick)
@@ -213,8 +213,8 @@ class PrefixCache:
         return upper
 
     # ----- eviction -----------------------------------------------------------------------
-    def _nodes(self) -> list[RadixNode]:
-        stack, nodes = list(self.roots.values()), []
+    def _nodes(self, roots: list[RadixNode] | None = None) -> list[RadixNode]:
+        stack, nodes = list(self.roots.values()) if roots is None else list(roots), []
         while stack:
             node = stack.pop()
             nodes.append(node)
@@ -254,17 +254,18 @@ class PrefixCache:
         self.window_nbytes -= _window_bytes(node)
         del node.parent.children[node.edge[0]]
 
-    def clear(self) -> int:
-        """Drop every tree; returns how many nodes were dropped. Nodes are unlinked first: a parent
-        and its children reference each other, so a dropped tree would wait, tensors and all, for
-        the interpreter's next full garbage collection (under load with flushes, hundreds of MB)."""
-        nodes = self._nodes()
+    def clear(self, trees: Callable[[str], bool] | None = None) -> int:
+        """Drop every tree (``trees``: those whose name it accepts); returns how many nodes were
+        dropped. Nodes are unlinked first: a parent and its children reference each other, so a
+        dropped tree would wait, tensors and all, for the interpreter's next full garbage collection
+        (under load with flushes, hundreds of MB)."""
+        names = [name for name in self.roots if trees is None or trees(name)]
+        nodes = self._nodes([self.roots.pop(name) for name in names])
         for node in nodes:
+            self.nbytes -= node.nbytes
+            self.window_nbytes -= _window_bytes(node)
             node.parent, node.children = None, {}
-        dropped = len(nodes) - len(self.roots)
-        self.roots.clear()
-        self.nbytes = self.window_nbytes = 0
-        return dropped
+        return len(nodes) - len(names)
 
     def __len__(self) -> int:
         return sum(1 for n in self._nodes() if n.parent is not None)

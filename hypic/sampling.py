@@ -1,4 +1,5 @@
 """Sampling parameters (validated) and next-token selection."""
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -6,12 +7,13 @@ import torch
 from .errors import InvalidRequest
 
 MAX_SAMPLES = 64  # n: continuations of one prompt sharing its prefill
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM and SGLang
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding controls of one request (SGLang's and OpenAI's semantics); ``temperature == 0`` is
-    greedy. Ranges are checked on construction and raise ``InvalidRequest`` naming the field."""
+    """Decoding controls of one request (SGLang's and OpenAI's semantics); a temperature under
+    ``GREEDY_BELOW`` (0 included) is greedy. Ranges are checked on construction and raise ``InvalidRequest`` naming the field."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -51,7 +53,8 @@ class SamplingParams:
              f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"),
             (integer(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
              f"min_new_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_new_tokens!r}"),
-            (number(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0, got {self.temperature!r}"),
+            (number(self.temperature) and 0 <= self.temperature < math.inf,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
             (number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (off) or >= 1, got {self.top_k!r}"),
             (number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
@@ -83,7 +86,7 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """Pick the next token from (processed) logits [vocab]."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:  # dividing by a tinier one overflows the logits to inf, then NaN
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
     if params.top_k > 0:

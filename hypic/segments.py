@@ -16,11 +16,13 @@ DEFAULT_SEPARATOR = "<<PIC_SEP>>"
 
 @dataclass(frozen=True)
 class PromptParts:
-    """Token ids of each part of a request; ``segments`` are the PIC segments C1..Cn."""
+    """Token ids of each part of a request; ``segments`` are the PIC segments C1..Cn; ``namespace``:
+    the cache namespace it reuses from and caches into ("": the shared one; DESIGN §6)."""
 
     leading: tuple[int, ...]
     segments: tuple[tuple[int, ...], ...]
     trailing: tuple[int, ...]
+    namespace: str = ""
 
     @property
     def token_ids(self) -> list[int]:

@@ -84,7 +84,11 @@ class Sequence:
         if self.grammar is not None and token not in self.stop_token_ids:
             self.grammar.accept(token)
         assert self.detokenizer is not None
-        self._check_finish(token, self.detokenizer.add(token))
+        new_text = self.detokenizer.add(token)
+        if self.grammar is not None and self.grammar.finished:  # it took its end (EOS under ignore_eos): nothing may follow
+            self.finish_reason, self.matched_stop = "stop", token
+        else:
+            self._check_finish(token, new_text)
         return token
 
     def _check_finish(self, token: int, new_text: str) -> None:

@@ -72,15 +72,17 @@ class SegmentEntry:
     local_start: int
     length: int
     layers: list[InteriorLayer]
+    namespace: str = ""  # the cache namespace it was built in (part of its key)
 
     @cached_property
     def nbytes(self) -> int:
         return sum(_tensor_bytes(layer) for layer in self.layers)
 
 
-def entry_key(fingerprint: str, seams: Seams, role: Role, token_ids: tuple[int, ...]) -> str:
-    """Content address of a cached part."""
-    digest = hashlib.sha256(f"{fingerprint}|{seams.head},{seams.tail}|{role.value}|".encode())
+def entry_key(fingerprint: str, seams: Seams, role: Role, token_ids: tuple[int, ...], namespace: str = "") -> str:
+    """Content address of a cached part in cache ``namespace`` ("": shared)."""
+    scope = f"ns={namespace}|" if namespace else ""
+    digest = hashlib.sha256(f"{fingerprint}|{seams.head},{seams.tail}|{role.value}|{scope}".encode())
     digest.update(",".join(map(str, token_ids)).encode())
     return digest.hexdigest()
 
@@ -154,9 +156,10 @@ class SegmentStore:
         if self.pins[key] <= 0:
             del self.pins[key]
 
-    def clear(self) -> int:
-        """Drop every unpinned entry; returns how many were dropped."""
-        dropped = [key for key in self.entries if not self.pins[key]]
+    def clear(self, namespace: str | None = None) -> int:
+        """Drop every unpinned entry (of cache ``namespace`` only, if given); returns how many were dropped."""
+        dropped = [key for key, entry in self.entries.items()
+                   if not self.pins[key] and (namespace is None or entry.namespace == namespace)]
         for key in dropped:
             self._remove(key)
         return len(dropped)

@@ -66,20 +66,20 @@ class PeerPrefill:
             return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=combine,
                              combine_tokens=combine_tokens)
 
-    def plan_documents(self, documents: list[str], mode: str,
-                       held_locally: Callable[[str], bool]) -> tuple[Plan, list[int]]:
-        """A warm-up's documents spread by LPT over every live worker (those held anywhere skipped),
-        and each document's token count."""
-        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]))
+    def plan_documents(self, documents: list[str], mode: str, held_locally: Callable[[str], bool],
+                       namespace: str = "") -> tuple[Plan, list[int]]:
+        """A warm-up's documents (in cache ``namespace``) spread by LPT over every live worker (those
+        held anywhere skipped), and each document's token count."""
+        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]), namespace)
         return self.plan(parts, mode, held_locally, combine=LOCAL), [len(segment) for segment in parts.segments]
 
     def cache(self, plan: Plan, mode: str) -> None:
         """Build the peers' part of a warm-up plan; the entries stay on the peers."""
         self.pool.cache(plan, mode)
 
-    def flush(self) -> int:
-        """Empty the peers' pools; returns the entries they dropped."""
-        return self.pool.flush()
+    def flush(self, namespace: str | None = None) -> int:
+        """Empty the peers' pools (``namespace``: of that cache namespace only); returns the entries they dropped."""
+        return self.pool.flush(namespace)
 
     def local_segments(self, plan: Plan) -> list[tuple[int, ...]]:
         """The cold documents the local engine prefills itself."""

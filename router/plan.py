@@ -10,10 +10,12 @@ from .lpt import lpt_assign
 
 @dataclass(frozen=True)
 class SegmentJob:
-    """A document interior the request splices: its public-pool key and its token ids."""
+    """A document interior the request splices: its public-pool key, its token ids and the cache
+    namespace it is keyed in (a builder checks the key against both)."""
 
     key: str
     token_ids: tuple[int, ...]
+    namespace: str = ""
 
     @property
     def tokens(self) -> int:

@@ -72,7 +72,7 @@ class WorkerPool:
             for worker, jobs in plan.builds.items():
                 if worker in self.workers:
                     to = None if worker == plan.combine else ship_to
-                    per_worker[worker] = [self.workers[worker].build.remote([(j.key, j.token_ids)], mode,
+                    per_worker[worker] = [self.workers[worker].build.remote([j], mode,
                                                                             priority + rank * PROMPT_ORDER_TOKENS, to)
                                           for rank, j in enumerate(jobs)]
             pulls = [(w, self.workers[w].fetch.remote(keys, ship_to)) for w, keys in plan.pulls.items()
@@ -152,19 +152,25 @@ class WorkerPool:
         workers lost meanwhile."""
         with self.lock:
             self._reserve(plan)
-            refs = [(w, self.workers[w].cache.remote([(j.key, j.token_ids) for j in jobs], mode))
+            refs = [(w, self.workers[w].cache.remote(jobs, mode))
                     for w, jobs in plan.builds.items() if w in self.workers]
         lost: list[int] = []
         self.wait(refs, lost)
         self.finish(plan, lost)
         return lost
 
-    def flush(self) -> int:
-        """Empty every actor's pools and the index; returns the entries dropped (lost workers skipped)."""
+    def flush(self, namespace: str | None = None) -> int:
+        """Empty every actor's pools and the index (``namespace``: only that cache namespace's entries,
+        the index re-read from the actors); returns the entries dropped (lost workers skipped)."""
         with self.lock:
-            refs = [(w, worker.flush.remote()) for w, worker in self.workers.items()]
-            self.index, self.prefixes = SegmentIndex(), PrefixIndex()
-        return sum(self.wait(refs, []))
+            refs = [(w, worker.flush.remote(namespace)) for w, worker in self.workers.items()]
+            if namespace is None:
+                self.index, self.prefixes = SegmentIndex(), PrefixIndex()
+        dropped = sum(self.wait(refs, []))
+        if namespace is not None:
+            for worker in list(self.workers):
+                self.sync(worker)
+        return dropped
 
     def wait(self, refs: list[tuple[int, ray.ObjectRef]], lost: list[int], forget: bool = True) -> list[Any]:
         """The values of the refs that succeeded within ``timeout_s`` of the call. A dead or timed-out

@@ -14,9 +14,10 @@ PREFIX_BLOCK = 64  # tokens per recorded block: prefixes shorter than this are n
 MAX_BLOCKS = 1 << 16  # per worker: 4M tokens of prefixes at 64 tokens per block
 
 
-def block_hashes(token_ids: list[int] | tuple[int, ...], block: int = PREFIX_BLOCK) -> list[bytes]:
-    """The chained hash of each whole block of ``token_ids`` (a tail shorter than a block is not named)."""
-    hashes, previous = [], b""
+def block_hashes(token_ids: list[int] | tuple[int, ...], block: int = PREFIX_BLOCK, namespace: str = "") -> list[bytes]:
+    """The chained hash of each whole block of ``token_ids`` in cache ``namespace`` (a tail shorter
+    than a block is not named)."""
+    hashes, previous = [], namespace.encode()
     for lo in range(0, len(token_ids) - block + 1, block):
         digest = hashlib.blake2b(previous, digest_size=16)
         digest.update(",".join(map(str, token_ids[lo : lo + block])).encode())
@@ -32,18 +33,18 @@ class PrefixIndex:
         self.block, self.max_blocks = block, max_blocks
         self._blocks: dict[int, OrderedDict[bytes, None]] = defaultdict(OrderedDict)
 
-    def record(self, worker: int, token_ids: list[int] | tuple[int, ...]) -> None:
-        """``worker`` served a prompt of ``token_ids``: it now holds its prefix blocks."""
+    def record(self, worker: int, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> None:
+        """``worker`` served a prompt of ``token_ids`` in cache ``namespace``: it now holds its prefix blocks."""
         held = self._blocks[worker]
-        for digest in block_hashes(token_ids, self.block):
+        for digest in block_hashes(token_ids, self.block, namespace):
             held[digest] = None
             held.move_to_end(digest)
         while len(held) > self.max_blocks:
             held.popitem(last=False)
 
-    def matched(self, token_ids: list[int] | tuple[int, ...]) -> dict[int, int]:
-        """Worker -> how many leading tokens of ``token_ids`` it is believed to hold (whole blocks)."""
-        hashes = block_hashes(token_ids, self.block)
+    def matched(self, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> dict[int, int]:
+        """Worker -> how many leading tokens of ``token_ids`` (in ``namespace``) it is believed to hold (whole blocks)."""
+        hashes = block_hashes(token_ids, self.block, namespace)
         out = {}
         for worker, held in self._blocks.items():
             count = next((i for i, digest in enumerate(hashes) if digest not in held), len(hashes))

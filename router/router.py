@@ -68,21 +68,22 @@ class Router:
     def index(self) -> SegmentIndex:
         return self.pool.index
 
-    def warmup(self, documents: list[str], worker: int, mode: str = "hypic") -> list[str]:
-        """Cache ``documents`` on one worker (as a PIC segment each); returns their keys."""
-        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]))
+    def warmup(self, documents: list[str], worker: int, mode: str = "hypic", namespace: str = "") -> list[str]:
+        """Cache ``documents`` on one worker (as a PIC segment each, in cache ``namespace``); returns their keys."""
+        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]), namespace)
         jobs = self.splitter.jobs(parts, mode)
-        ray.get(self.workers[worker].build.remote([(j.key, j.token_ids) for j in jobs], mode))
+        ray.get(self.workers[worker].build.remote(jobs, mode))
         self.pool.sync(worker)
         return [j.key for j in jobs]
 
-    def generate(self, prompt: str, *, mode: str = "hypic", **sampling: Any) -> RoutedResult:
-        """Run ``prompt`` across the workers; the output equals a single engine's."""
+    def generate(self, prompt: str, *, mode: str = "hypic", namespace: str = "", **sampling: Any) -> RoutedResult:
+        """Run ``prompt`` across the workers in cache ``namespace`` ("": shared); the output equals a
+        single engine's."""
         if not self.workers:
             raise NoLiveWorkers("every worker has died")
-        parts = self.splitter.parse(prompt)
+        parts = self.splitter.parse(prompt, namespace)
         with self.pool.lock:
-            loads, prefixes = dict(self.pool.queued), self.pool.prefixes.matched(parts.token_ids)
+            loads, prefixes = dict(self.pool.queued), self.pool.prefixes.matched(parts.token_ids, namespace)
         plan = make_plan(self.splitter.jobs(parts, mode), self.index, loads, prefixes=prefixes,
                          prompt_tokens=len(parts.token_ids), combine_tokens=self.splitter.combine_tokens(parts, mode))
         start, lost = time.perf_counter(), []
@@ -95,9 +96,9 @@ class Router:
         self.pool.wait_installs(installs, lost)  # a failed shipment is recomputed there
         transferred = time.perf_counter()
         try:
-            result = ray.get(combine.generate.remote(prompt, mode, sampling, built))  # every install has run
+            result = ray.get(combine.generate.remote(prompt, mode, sampling, built, namespace))  # every install has run
             with self.pool.lock:  # its engine keeps the prompt's prefix in its private pool
-                self.pool.prefixes.record(plan.combine, parts.token_ids)
+                self.pool.prefixes.record(plan.combine, parts.token_ids, namespace)
         except WorkerLost:
             self.pool.forget(plan.combine)
             raise

@@ -1,7 +1,7 @@
 """The router's view of a prompt: split and hashed exactly as the workers' engines do, without
 loading any weights."""
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypic import DEFAULT_SEPARATOR, default_model_path
@@ -36,14 +36,15 @@ class Splitter:
         return cls(TextTokenizer.from_dir(path), model_fingerprint(path), seam_width, config.linear_conv_kernel_dim,
                    config.max_position_embeddings, separator, config)
 
-    def parse(self, prompt: str) -> PromptParts:
+    def parse(self, prompt: str, namespace: str = "") -> PromptParts:
+        """``prompt`` split and tokenized as an engine does, in cache ``namespace``."""
         if not isinstance(prompt, str):
             raise InvalidRequest(f"the prompt must be a string, got {type(prompt).__name__}")
         parts = split_prompt(prompt, self.tokenizer.encode, self.separator)
         if len(parts.token_ids) > self.max_positions:
             raise InvalidRequest(f"the prompt has {len(parts.token_ids)} tokens, over the model's limit of "
                                  f"{self.max_positions}")
-        return parts
+        return replace(parts, namespace=namespace) if namespace else parts
 
     def entry_check(self, mode: str) -> Callable[[SegmentEntry], None]:
         """The check a received entry of ``mode``'s role must pass for this model."""
@@ -62,8 +63,9 @@ class Splitter:
 
     def jobs(self, parts: PromptParts, mode: str) -> list[SegmentJob]:
         """The documents ``mode`` splices from the public pool, keyed as the engines key them."""
-        policy = mode_policy(mode, self.seam_width, self.conv_kernel)
+        policy = mode_policy(mode, self.seam_width, self.conv_kernel).scoped(parts.namespace)
         if policy.seams is None:
             return []
-        return [SegmentJob(entry_key(self.fingerprint, policy.seams, policy.role, parts.segments[i]), parts.segments[i])
+        return [SegmentJob(entry_key(self.fingerprint, policy.seams, policy.role, parts.segments[i], policy.namespace),
+                           parts.segments[i], policy.namespace)
                 for i in spliceable(parts, policy.seams)]

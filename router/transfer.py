@@ -17,7 +17,7 @@ class TransferError(HypicError):
 def check_entry(entry: SegmentEntry, fingerprint: str, role: Role, config: ModelConfig) -> None:
     """Raise ``TransferError`` unless ``entry`` is the interior of its own token ids for this model
     (its key is their content address) with every layer's tensors of the model's shapes."""
-    if entry_key(fingerprint, entry.seams, role, entry.token_ids) != entry.key:
+    if entry_key(fingerprint, entry.seams, role, entry.token_ids, entry.namespace) != entry.key:
         raise TransferError(f"entry {entry.key[:12]} does not address its token ids for this model")
     interior = entry.seams.interior(len(entry.token_ids))
     if interior is None or interior != (entry.local_start, entry.local_start + entry.length):

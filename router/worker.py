@@ -10,6 +10,7 @@ from hypic.segments import PromptParts
 from hypic.store import SegmentEntry
 
 from .channel import BulkChannel, GroupSpec, Parcel
+from .plan import SegmentJob
 from .serialization import register_tensor_serializer
 from .transfer import ReceiveCounts, entries_of, entry_check, install_entries, receive_all
 from .work_queue import WorkQueue
@@ -40,9 +41,9 @@ class Worker:
     def fingerprint(self) -> str:
         return self.engine.fingerprint
 
-    def build(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str, priority: float = 0,
+    def build(self, jobs: list[SegmentJob], mode: str, priority: float = 0,
               ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
-        """Each (key, token ids) prefilled alone unless this worker already holds it; the entries
+        """Each job's document prefilled alone unless this worker already holds it; the entries
         stay in this worker's public pool (when they fit) and go back to the caller, or, with
         ``ship_to`` = (rank, generation) of a live group, their bytes go there and parcels come
         back. ``priority``: the tokens the request still needs built (fewer go first)."""
@@ -56,21 +57,19 @@ class Worker:
             return list(entries)
         return channel.ship(entries, ship_to[0])
 
-    def _build_all(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str) -> list[SegmentEntry]:
-        policy, entries = self.engine.policy(mode), []
-        for key, token_ids in jobs:
-            entry, found = self.engine.lookup_segment(token_ids, policy)
-            if found != key:
-                raise ValueError(f"job key {key[:12]} does not address its tokens on this worker")
-            entries.append(entry if entry is not None else self._build(key, token_ids, mode))
+    def _build_all(self, jobs: list[SegmentJob], mode: str) -> list[SegmentEntry]:
+        entries = []
+        for job in jobs:
+            policy = self.engine.policy(mode, job.namespace)
+            entry, found = self.engine.lookup_segment(job.token_ids, policy)
+            if found != job.key:
+                raise ValueError(f"job key {job.key[:12]} does not address its tokens on this worker")
+            entries.append(entry if entry is not None else drain(self.engine.build_segment(job.key, job.token_ids, policy)))
         return entries
 
-    def cache(self, jobs: list[tuple[str, tuple[int, ...]]], mode: str, priority: float = 0) -> list[str]:
+    def cache(self, jobs: list[SegmentJob], mode: str, priority: float = 0) -> list[str]:
         """``build`` for a warm-up: the entries stay here; only their keys go back."""
         return [entry.key for entry in self.build(jobs, mode, priority)]
-
-    def _build(self, key: str, token_ids: tuple[int, ...], mode: str) -> SegmentEntry:
-        return drain(self.engine.build_segment(key, token_ids, self.engine.policy(mode)))
 
     def fetch(self, keys: list[str], ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
         """The entries of ``keys`` this worker still holds (evicted ones are left out), shipped as ``build``'s."""
@@ -111,13 +110,14 @@ class Worker:
         peers' last documents are on their way; returns the head's stats (None: nothing combined)."""
         return self.queue.run(lambda: self.engine.precombine(parts, mode, built))
 
-    def generate(self, prompt: str, mode: str, sampling: dict[str, Any],
-                 built: BuiltForRequest = BuiltForRequest()) -> GenerationResult:
-        return self.queue.run(lambda: self.engine.generate(prompt, mode=mode, built=built, **sampling))
+    def generate(self, prompt: str, mode: str, sampling: dict[str, Any], built: BuiltForRequest = BuiltForRequest(),
+                 namespace: str = "") -> GenerationResult:
+        return self.queue.run(lambda: self.engine.generate(prompt, mode=mode, built=built, namespace=namespace, **sampling))
 
-    def flush(self) -> int:
-        """Drop every cached entry and request state; returns the entries dropped."""
-        return self.queue.run(lambda: (self.engine.prefix_cache.clear(), self.engine.store.clear())[1])
+    def flush(self, namespace: str | None = None) -> int:
+        """Drop every cached entry and request state (of cache ``namespace`` only, if given);
+        returns the entries dropped."""
+        return self.queue.run(lambda: self.engine.flush(namespace)[0])
 
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""

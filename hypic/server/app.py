@@ -22,12 +22,15 @@ from ..sequence import Sequence
 from .chat import chat_renderer
 from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull, input_logits_from
 from .fields import check_fields
-from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_generate,
-                       parse_tokenize, parse_warmup)
+from .gate import BodyTooLarge, Gate, GateLimits
+from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_flush,
+                       parse_generate, parse_tokenize, parse_warmup)
+from .tenancy import namespace_of
 from .shapes import OpenAIStream, Shaper
 from .stats import prometheus_text
 
 DISCONNECT_POLL_S = 0.25
+QUEUE_RETRY_AFTER_S = 2  # a full queue drains in about this long at the default limits
 log = logging.getLogger("hypic.server")
 
 
@@ -50,6 +53,9 @@ class ServerInfo:
     private_pool_bytes: int | None
     device: str
     dtype: str
+    isolate_by_key: bool = False  # each API key is its own cache namespace
+    max_warmup_documents: int = 256  # per /warmup call
+    api_keys: int = 0  # how many keys are accepted (0: no authentication); never the keys
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -60,6 +66,10 @@ async def _json_body(request: Request) -> Any:
     raw = await request.body()
     if not raw.strip():
         raise InvalidRequest("the request body is empty: send a JSON object")
+    return _parse_json(raw)
+
+
+def _parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -110,9 +120,13 @@ class Server:
         self.remote_prefills.shutdown(wait=False, cancel_futures=True)
 
     # ----- request plumbing ------------------------------------------------------------------
-    def _prepare(self, request: GenerationRequest) -> Prepared:
+    def _namespace(self, http: Request, salt: tuple[str, ...]) -> str:
+        """The cache namespace of a request naming ``salt``, from its caller (``Gate``)."""
+        return namespace_of(salt, getattr(http.state, "caller", None), self.info.isolate_by_key)
+
+    def _prepare(self, request: GenerationRequest, namespace: str) -> Prepared:
         """Tokenize and check one request and make its samples, before any work is queued."""
-        parts = self.loop.engine.parse(request.prompt)
+        parts = self.loop.engine.parse(request.prompt, namespace)
         if len(parts.segments) > self.info.max_segments:
             raise InvalidRequest(f"the prompt has {len(parts.segments)} segments, over the limit of "
                                  f"{self.info.max_segments} (--max-segments)")
@@ -122,12 +136,13 @@ class Server:
         top = request.logprobs.top if request.logprobs is not None else None
         return request, parts, self.loop.engine.sequences(request.params, parts.token_ids, top)
 
-    async def _submit(self, requests: list[GenerationRequest],
+    async def _submit(self, http: Request, requests: list[GenerationRequest],
                       arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
         """Queue every request (all checked first, off the event loop: tokenizing and compiling a
         grammar take time; a bad one in a batch starts none); their events arrive on one queue as
         (position in the batch, event). ``arrived``: when the HTTP request came in (its TTFT starts there)."""
-        prepared = [await asyncio.to_thread(self._prepare, request) for request in requests]
+        prepared = [await asyncio.to_thread(self._prepare, request, self._namespace(http, request.salt))
+                    for request in requests]
         remotes = [await self._prefill_on_peers(parts, input_logits_from(request, len(parts.token_ids)))
                    for request, parts, _ in prepared]
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -170,7 +185,7 @@ class Server:
         dispatch = self.peers.dispatch(plan, mode)
         local = self.peers.local_segments(plan)
         if local:
-            await asyncio.wrap_future(self.loop.build(local))
+            await asyncio.wrap_future(self.loop.build(local, parts.namespace))
         if plan.combine == 0:
             from_peers = any(worker != 0 for worker in plan.builds) or bool(plan.pulls)
             return None, await self._receive_combining_early(dispatch, parts, mode, from_peers, built)
@@ -261,7 +276,7 @@ class Server:
         arrived = time.perf_counter()
         requests, batched = parse_generate(await _json_body(http))
         listed = batched or requests[0].params.n > 1
-        jobs, events = await self._submit(requests, arrived)
+        jobs, events = await self._submit(http, requests, arrived)
         if requests[0].stream:
             def shape(position: int, event: Event) -> list[Any]:
                 if not isinstance(event, ProgressEvent):
@@ -282,7 +297,7 @@ class Server:
             requests = [request]
         else:
             requests, options = parse_completion(body)
-        jobs, events = await self._submit(requests, arrived)
+        jobs, events = await self._submit(http, requests, arrived)
         rid = jobs[0].rid
         if requests[0].stream:
             stream = OpenAIStream(self.shaper, rid, chat, options, requests[0].params.n)
@@ -336,36 +351,45 @@ class Server:
         return {"text": texts if batch else texts[0]}
 
     async def warmup(self, http: Request) -> Any:
-        documents = parse_warmup(await _json_body(http))
-        start = time.perf_counter()
+        documents, salt = parse_warmup(await _json_body(http))
+        if len(documents) > self.info.max_warmup_documents:
+            raise InvalidRequest(f"{len(documents)} documents in one /warmup, over the limit of "
+                                 f"{self.info.max_warmup_documents} (--max-warmup-documents): send them in several calls")
+        start, namespace = time.perf_counter(), self._namespace(http, salt)
         if self.peers is not None and self.loop.engine.policy(self.loop.mode).caches_segments:
-            counts = await self._warmup_on_peers(documents)
+            counts = await self._warmup_on_peers(documents, namespace)
         else:
-            counts = await asyncio.wrap_future(await asyncio.to_thread(self.loop.warmup, documents))
+            counts = await asyncio.wrap_future(await asyncio.to_thread(self.loop.warmup, documents, namespace))
         return {"token_counts": counts, "documents": len(counts), "elapsed_s": time.perf_counter() - start}
 
-    async def _warmup_on_peers(self, documents: list[str]) -> list[int]:
+    async def _warmup_on_peers(self, documents: list[str], namespace: str) -> list[int]:
         """Documents spread by LPT over this engine and the peers, each cached where it is built."""
         engine, mode = self.loop.engine, self.loop.mode
         engine.check_documents(documents)  # as the engine's own warm-up would, before anything is planned
         plan, counts = await asyncio.to_thread(self.peers.plan_documents, documents, mode,
-                                               lambda key: key in engine.store.entries)
+                                               lambda key: key in engine.store.entries, namespace)
         local = self.peers.local_segments(plan)
-        building = asyncio.wrap_future(self.loop.build(local)) if local else None
+        building = asyncio.wrap_future(self.loop.build(local, namespace)) if local else None
         await asyncio.to_thread(self.peers.cache, plan, mode)
         if building is not None:
             await building
         return counts
 
-    async def flush_cache(self) -> Any:
+    async def flush_cache(self, http: Request) -> Any:
+        """Every namespace's entries; with a ``cache_salt``, or under ``--isolate-by-key``, only the
+        caller's namespace (a tenant never empties another's cache)."""
+        raw = await http.body()
+        salt = parse_flush(_parse_json(raw) if raw.strip() else None)
+        namespace = self._namespace(http, salt or ()) if salt is not None or self.info.isolate_by_key else None
+
         def flush() -> dict[str, int]:
-            return {"public_entries_dropped": self.loop.engine.store.clear(),
-                    "private_nodes_dropped": self.loop.engine.prefix_cache.clear()}
+            public, private = self.loop.engine.flush(namespace)
+            return {"public_entries_dropped": public, "private_nodes_dropped": private}
 
         flushed = await asyncio.wrap_future(self.loop.call(flush))
         if self.peers is not None:
-            flushed["peer_entries_dropped"] = await asyncio.to_thread(self.peers.flush)
-        return {"flushed": True, **flushed}
+            flushed["peer_entries_dropped"] = await asyncio.to_thread(self.peers.flush, namespace)
+        return {"flushed": True, "namespace": "all" if namespace is None else "one", **flushed}
 
     def model_info(self) -> dict[str, Any]:
         config = self.loop.engine.model.config
@@ -396,8 +420,14 @@ class ModelNotFound(HypicError):
     """An OpenAI request named a model this server does not serve."""
 
 
-def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> FastAPI:
-    """The FastAPI application; errors always come back as ``{"error": {"message", ...}}``."""
+def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None,
+              limits: GateLimits = GateLimits()) -> Gate:
+    """The application behind its ``Gate`` (API keys and request limits); errors always come back
+    as ``{"error": {"message", ...}}``."""
+    return Gate(_routes(loop, info, peers), limits)
+
+
+def _routes(loop: EngineLoop, info: ServerInfo, peers: Peers | None) -> FastAPI:
     server = Server(loop, info, peers)
 
     @contextlib.asynccontextmanager
@@ -420,7 +450,14 @@ def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) ->
 
     @app.exception_handler(QueueFull)
     async def busy(_: Request, err: QueueFull) -> JSONResponse:
-        return error_response(503, str(err), "service_unavailable")
+        response = error_response(503, str(err), "service_unavailable")
+        response.headers["retry-after"] = str(QUEUE_RETRY_AFTER_S)
+        return response
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
+        return error_response(413, f"the request body has over {err.args[0] - 1} bytes, over the limit "
+                                   "(--max-request-bytes)")
 
     @app.exception_handler(HypicError)
     async def failed(_: Request, err: HypicError) -> JSONResponse:

@@ -1,7 +1,7 @@
 """The one table of request fields the server does not serve, and the rule that judges them.
 
 DESIGN §8: a field an endpoint does not serve is judged by its *value*. A value that asks for
-behaviour (a LoRA adapter, hidden states, tools, a cache namespace) is refused with a 400 naming
+behaviour (a LoRA adapter, hidden states, tools) is refused with a 400 naming
 the field and why, never accepted and ignored. A neutral value — ``null``, ``false``, ``""``,
 ``[]``, ``{}`` or the field's documented default — asks for nothing and is accepted, because real
 clients (SGLang's ``bench_serving`` and multi-turn benchmark, vLLM's and OpenAI's clients) send
@@ -51,7 +51,6 @@ def _rule(names: str, reason: str, defaults: tuple[Any, ...] = (), informational
 
 TEXT_ONLY = "the served models take text only"
 DISAGGREGATION = "prefill-decode disaggregation is not served (use --workers for parallel prefill)"
-NAMESPACES = "cache namespaces are not implemented yet, so the request's documents would be shared"
 REASONING = "the served models have no separate reasoning output"
 BEAM_SEARCH = "beam search is not served"
 LOGPROB_FORMS = "use logprobs / top_logprobs, or /generate's return_logprob"
@@ -84,8 +83,6 @@ UNSERVED: dict[str, Unserved] = {
             "kv_router_hint kv_transfer_params ec_transfer_params", DISAGGREGATION),
     **_rule("data_parallel_rank routed_dp_rank", "the server has one data-parallel rank, 0", (0,)),
     **_rule("priority", "requests have no priorities: the scheduler orders prefills by their uncached tokens", (0,)),
-    # --- cache namespaces (DESIGN §6): a salt accepted and ignored would share a tenant's documents
-    **_rule("cache_salt extra_key", NAMESPACES),
     # --- labels: they name or trace the request and ask for nothing
     **_rule("user rid request_id session_id conversation_id routing_key external_trace_header received_time metadata "
             "prompt_cache_key safety_identifier log_metrics no_logs http_worker_ipc",

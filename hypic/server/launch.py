@@ -30,19 +30,26 @@ class ServerProcess:
     log: Path
 
     def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
-                timeout: float = 300) -> tuple[int, Any]:
+                timeout: float = 300, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         """(status, parsed JSON or text); HTTP errors are returned, not raised."""
+        return self.exchange(method, path, body, raw, timeout, headers)[:2]
+
+    def exchange(self, method: str, path: str, body: Any = None, raw: bytes | None = None, timeout: float = 300,
+                 headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+        """``request`` with extra request ``headers``, also returning the response's headers (lower-case names)."""
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as response:
-                status, text = response.status, response.read().decode()
+                status, text, got = response.status, response.read().decode(), response.headers
         except urllib.error.HTTPError as err:
-            status, text = err.code, err.read().decode()
+            status, text, got = err.code, err.read().decode(), err.headers
+        returned = {name.lower(): value for name, value in got.items()}
         try:
-            return status, json.loads(text)
+            return status, json.loads(text), returned
         except json.JSONDecodeError:
-            return status, text
+            return status, text, returned
 
     def post(self, path: str, body: Any) -> Any:
         status, payload = self.request("POST", path, body)

@@ -190,17 +190,17 @@ class EngineLoop:
             remote.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
         return job
 
-    def warmup(self, documents: list[str]) -> Future:
-        """Cache documents in the server's mode, in chunks; the future holds their token counts.
-        Bad documents raise here, before anything is queued."""
-        steps = self.engine.warmup_steps(documents, self.mode)
+    def warmup(self, documents: list[str], namespace: str = "") -> Future:
+        """Cache documents in the server's mode and cache ``namespace``, in chunks; the future holds
+        their token counts. Bad documents raise here, before anything is queued."""
+        steps = self.engine.warmup_steps(documents, self.mode, namespace)
         task = WarmupTask(steps, sum(len(self.engine.tokenizer.encode(d)) for d in documents))
         self._enqueue(task)
         return task.future
 
-    def build(self, segments: list[tuple[int, ...]]) -> Future:
-        """Cache tokenized documents in the server's mode, in chunks like a warm-up."""
-        task = WarmupTask(self.engine.build_steps(segments, self.mode), sum(map(len, segments)))
+    def build(self, segments: list[tuple[int, ...]], namespace: str = "") -> Future:
+        """Cache tokenized documents in the server's mode and cache ``namespace``, in chunks like a warm-up."""
+        task = WarmupTask(self.engine.build_steps(segments, self.mode, namespace), sum(map(len, segments)))
         self._enqueue(task)
         return task.future
 
@@ -417,7 +417,7 @@ class EngineLoop:
     def _finish(self, job: Job) -> None:
         self._remove(job)
         for state in job.states:  # each sample's prompt + output, for the next turn of a conversation
-            self.engine.remember(state, job.mode)
+            self.engine.remember(state, job.mode, job.parts.namespace)
         completion = self._completion(job)
         self.stats.add_finished(completion)
         self.snapshot = self._publish()  # a client that reads the counters after its last chunk sees its request

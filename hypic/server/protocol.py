@@ -18,10 +18,12 @@ from .fields import check_fields
 SGLANG_SAMPLING = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "no_stop_trim",
                    "skip_special_tokens", "n", "regex", "json_schema", "ebnf", "logit_bias", "seed", "sampling_seed"}
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "rid",
-                   "stream_options"}  # usage is in every chunk's meta_info: any include_usage is served
-OPENAI_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+SALT_FIELDS = {"cache_salt", "extra_key"}  # vLLM's cache salt, SGLang's extra key: both name a cache namespace
+MAX_SALT_CHARS = 1024
+GENERATE_FIELDS = SALT_FIELDS | {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+                                 "top_logprobs_num", "return_text_in_logprobs", "rid",
+                                 "stream_options"}  # usage is in every chunk's meta_info: any include_usage is served
+OPENAI_COMMON = SALT_FIELDS | {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
                  "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
                  # extensions SGLang and vLLM accept on their OpenAI endpoints
                  "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "no_stop_trim",
@@ -61,6 +63,7 @@ class GenerationRequest:
     echo: bool = False  # OpenAI completions: the prompt (and its logprobs) come back before the output
     rid: str | None = None
     to_context: bool = False  # max_new_tokens is the context the prompt leaves (set once it is tokenized)
+    salt: tuple[str, ...] = ()  # the cache salt and extra key it named (its cache namespace with the caller's key)
 
     def fitted(self, prompt_tokens: int, context: int) -> "GenerationRequest":
         """This request, its output budget set to what the prompt leaves of the model's ``context``
@@ -178,6 +181,19 @@ def _schema(value: Any, name: str) -> str | None:
     raise InvalidRequest(f"'{name}' must be a JSON schema (an object or its text), got {value!r}")
 
 
+def cache_salt(body: dict) -> tuple[str, ...]:
+    """A request's ``cache_salt`` and ``extra_key``: strings of at most ``MAX_SALT_CHARS`` characters;
+    null or "" name no salt. Returns the named ones, tagged by field (empty: the shared namespace)."""
+    named = []
+    for name in sorted(SALT_FIELDS):
+        value = _typed(body, name, (str,), None, f"a string of at most {MAX_SALT_CHARS} characters")
+        if value is not None and len(value) > MAX_SALT_CHARS:
+            raise InvalidRequest(f"'{name}' has {len(value)} characters, over the limit of {MAX_SALT_CHARS}")
+        if value:
+            named.append(f"{name}={value}")
+    return tuple(named)
+
+
 def _special_tokens(body: dict) -> None:
     if body.get("skip_special_tokens", True) is not True:
         raise InvalidRequest("'skip_special_tokens' = false is not supported: special tokens are never shown")
@@ -271,14 +287,14 @@ def parse_generate(body: Any) -> tuple[list[GenerationRequest], bool]:
     if len(params_list) != len(prompts):
         raise InvalidRequest(f"'sampling_params' has {len(params_list)} entries for {len(prompts)} prompts")
     logprobs, stream = _generate_logprobs(body), _typed(body, "stream", (bool,), False, "a boolean")
-    rid = _typed(body, "rid", (str,), None, "a string")
+    rid, salt = _typed(body, "rid", (str,), None, "a string"), cache_salt(body)
     _stream_options(body)  # checked only: every chunk's meta_info carries the usage
     requests = []
     for index, (prompt, entry) in enumerate(zip(prompts, params_list)):
         entry = json_object(entry, "'sampling_params'")
         check_fields(entry, SGLANG_SAMPLING, "sampling_params")
         params, to_context = sampling_params(entry, "max_new_tokens", 128, "min_new_tokens")
-        requests.append(GenerationRequest(prompt, params, stream, logprobs, to_context=to_context,
+        requests.append(GenerationRequest(prompt, params, stream, logprobs, to_context=to_context, salt=salt,
                                           rid=None if rid is None else (f"{rid}_{index}" if batched else rid)))
     if len({r.params.n for r in requests}) > 1:
         raise InvalidRequest("'n' must be the same in every entry of 'sampling_params'")
@@ -360,7 +376,7 @@ def parse_completion(body: Any) -> tuple[list[GenerationRequest], OpenAIOptions]
     if echo and stream:
         raise InvalidRequest("'echo' with 'stream' is not supported")
     logprobs = LogprobRequest(top, 0 if echo else -1, True) if top is not None else None
-    requests = [GenerationRequest(prompt, params, stream, logprobs, echo, to_context=to_context)
+    requests = [GenerationRequest(prompt, params, stream, logprobs, echo, to_context=to_context, salt=cache_salt(body))
                 for prompt in _completion_prompts(body)]
     return requests, OpenAIOptions(usage, top, continuous)
 
@@ -444,7 +460,7 @@ def parse_chat(body: Any, render: Render) -> tuple[GenerationRequest, OpenAIOpti
     logprobs = LogprobRequest(top, -1, True) if wants else None
     stream, usage, continuous = _openai_stream(body)
     prompt = render(messages, parse_chat_options(body))
-    request = GenerationRequest(prompt, params, stream, logprobs, to_context=to_context)
+    request = GenerationRequest(prompt, params, stream, logprobs, to_context=to_context, salt=cache_salt(body))
     return request, OpenAIOptions(usage, top if wants else None, continuous)
 
 
@@ -465,11 +481,20 @@ def parse_tokenize(body: Any, render: Render) -> tuple[list[str], bool]:
     return prompts, isinstance(prompt, list)
 
 
-def parse_warmup(body: Any) -> list[str]:
-    """``/warmup``: ``{"documents": [str, ...]}``."""
+def parse_warmup(body: Any) -> tuple[list[str], tuple[str, ...]]:
+    """``/warmup``: ``{"documents": [str, ...], "cache_salt": str}``: the documents and the salt."""
     body = json_object(body)
-    check_fields(body, {"documents"}, "/warmup")
+    check_fields(body, {"documents"} | SALT_FIELDS, "/warmup")
     documents = body.get("documents")
     if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
         raise InvalidRequest("'documents' must be a non-empty list of strings")
-    return documents
+    return documents, cache_salt(body)
+
+
+def parse_flush(body: Any) -> tuple[str, ...] | None:
+    """``/flush_cache``: no body (every namespace), or ``{"cache_salt": str}`` (that namespace only)."""
+    if body is None:
+        return None
+    body = json_object(body)
+    check_fields(body, SALT_FIELDS, "/flush_cache")
+    return cache_salt(body) if any(body.get(name) is not None for name in SALT_FIELDS) else None

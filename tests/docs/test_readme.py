@@ -78,22 +78,27 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 
 
 def _curl(argv: list[str]) -> dict:
-    """The call's JSON answer: run by curl, or, on a machine without it, the same POST (``curl -s URL -d BODY``)."""
+    """The call's JSON answer: run by curl, or, on a machine without it, the same POST
+    (``curl -s URL [-H HEADER] -d BODY``)."""
     if shutil.which("curl"):
         return json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
-    assert argv[1] == "-s" and argv[3] == "-d" and len(argv) == 5, argv
-    return httpx.post(argv[2], content=argv[4], timeout=120).raise_for_status().json()
+    options = dict(zip(argv[3::2], argv[4::2]))
+    assert argv[1] == "-s" and set(options) <= {"-H", "-d"} and len(argv) % 2 == 1, argv
+    headers = dict([options["-H"].split(": ", 1)]) if "-H" in options else {}
+    return httpx.post(argv[2], content=options["-d"], headers=headers, timeout=120).json()
+
+
+def _local(argv: list[str], server: ServerProcess) -> list[str]:
+    return [server.url + "/" + word.rsplit("/", 1)[1] if word.startswith("localhost:30000") else word for word in argv]
 
 
 def test_quick_start_curl_calls_cache_both_documents(default_server: ServerProcess) -> None:
     """The quick start warms two documents, then sends them reordered: "here both documents are hits"."""
-    calls = [argv for argv in command_lines() if argv[0] == "curl"]
+    calls = [argv for argv in command_lines() if argv[0] == "curl" and "-H" not in argv]
     assert [argv[2].rsplit("/", 1)[1] for argv in calls] == ["warmup", "generate"]
     outputs = []
     for argv in calls:
-        argv = [default_server.url + "/" + word.rsplit("/", 1)[1] if word.startswith("localhost:30000") else word
-                for word in argv]
-        outputs.append(_curl(argv))
+        outputs.append(_curl(_local(argv, default_server)))
     counts, meta = outputs[0]["token_counts"], outputs[1]["meta_info"]
     assert all(count > SEAMS for count in counts)  # each has an interior to cache
     assert (meta["segments_hit"], meta["segments_missed"]) == (2, 0)
@@ -109,3 +114,23 @@ def test_generate_example_shows_the_reuse_it_promises() -> None:
     assert [(hit, missed) for _, hit, missed in reports] == [("0", "2"), ("2", "0")], done.stdout
     assert int(reports[0][0]) == 0 < int(reports[1][0])
     assert "segments hit/missed=2/0" in README and "cached=" in README
+
+
+def test_sharing_example_serves_keys_and_namespaces(tmp_path: Path) -> None:
+    """The sharing example's server, started as written (its keys file made here), answers the
+    example's call with a key and refuses it without one."""
+    (serve,) = [argv for argv in command_lines() if "--api-key-file" in argv]
+    (call,) = [argv for argv in command_lines() if argv[0] == "curl" and "-H" in argv]
+    key = "sk-readme-3f9a"
+    (tmp_path / "keys.txt").write_text(key + "\n")
+    args = [str(tmp_path / "keys.txt") if word == "keys.txt" else word for word in serve[2:]]
+    server = start_server([*args, "--log-level", "warning"], tmp_path / "server.log")
+    try:
+        call = [word.replace("$KEY", key) for word in _local(call, server)]
+        answer = _curl(call)
+        assert answer["text"] and answer["meta_info"]["prompt_tokens"] > 0, answer
+        header = call.index("-H")
+        refused = _curl(call[:header] + call[header + 2:])
+        assert refused["error"]["code"] == "invalid_api_key"
+    finally:
+        server.stop()

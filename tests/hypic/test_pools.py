@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypic import DEFAULT_SEPARATOR as SEP, Engine
-from hypic.assembler import combine
+from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
+from hypic.assembler import combine, drain
 from hypic.composition import Family, Transition
 from hypic.prefix_cache import PrefixCache, cache_key
 from hypic.segments import PromptParts, Run, Seams
@@ -251,3 +251,34 @@ def test_tree_keys_and_common_lengths_against_their_definitions() -> None:
         while n < min(len(edge), len(key) - offset) and edge[n] == key[offset + n]:
             n += 1
         assert _common_length(edge, key, offset) == n
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5_text-ratio2", "qwen3_next-moe", "minimax", "kimi_linear", "granitemoehybrid",
+                                     "nemotron_h", "gpt_oss", "mimo_v2_flash"])
+def test_entry_bytes_are_the_bytes_an_entry_takes(checkpoint_factory, variant: str) -> None:
+    """The size the warm-up bound is judged by equals the size of the entries built (sliding-window
+    layers keep a window, naive entries no transitions, a narrower state-cache dtype halves T_C and S_C|0)."""
+    path = checkpoint_factory(variant)
+    rng = random.Random(13)
+    for mode, state_dtype in (("hypic", "float32"), ("naive", "float32"), ("hypic", "bfloat16")):
+        engine = Engine.from_pretrained(path, seam_width=4, state_cache_dtype=state_dtype)
+        for length in (5, 9, 40):
+            ids = tuple(rng.randrange(engine.model.config.vocab_size) for _ in range(length))
+            policy = engine.policy(mode)
+            key = engine.lookup_segment(ids, policy)[1]
+            has_interior = policy.seams is not None and policy.seams.interior(length) is not None
+            expected = drain(engine.build_segment(key, ids, policy)).nbytes if has_interior else 0
+            assert engine.entry_bytes(length, mode) == expected, (variant, mode, state_dtype, length)
+
+
+def test_a_warmup_larger_than_the_public_pool_is_refused(tiny_checkpoint: Path) -> None:
+    """Entries that cannot all be held would evict each other and everyone else's: refused up front."""
+    probe = Engine.from_pretrained(tiny_checkpoint)
+    docs = ["the heron studied reeds by the river " * 3, "the lynx was born by the mill " * 3]
+    sizes = [probe.entry_bytes(len(probe.tokenizer.encode(d))) for d in docs]
+    engine = Engine.from_pretrained(tiny_checkpoint, public_pool_bytes=sum(sizes) - 1)
+    with pytest.raises(InvalidRequest, match="public pool"):
+        engine.warmup(docs)
+    assert len(engine.store) == 0
+    engine.warmup(docs[:1])
+    assert engine.store.nbytes == sizes[0]

@@ -13,7 +13,7 @@ from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
 from hypic.checkpoints import reference_classes
 from hypic.detokenize import IncrementalDetokenizer
 from hypic.logits_processing import process_logits
-from hypic.sampling import SamplingParams
+from hypic.sampling import SamplingParams, sample
 from hypic_reference.sampling import argmax, processed_logits
 
 
@@ -47,6 +47,22 @@ def engine(tiny_checkpoint: Path) -> Engine:
 
 
 PROMPT = "system" + SEP + "the first document, long enough to have an interior" + SEP + "a question?"
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-90, 1e-6])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """Temperatures too small to divide by (the fuzz test found 2.7e-90 answered 500: the logits
+    overflowed to inf, then NaN probabilities) pick the argmax, as vLLM and SGLang do."""
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 30
+    logits[7] = float("-inf")  # a grammar's mask
+    params = SamplingParams(temperature=temperature, top_k=5, top_p=0.9)
+    assert sample(logits, params, torch.Generator().manual_seed(0)) == argmax(logits.tolist())
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), -1e-9])
+def test_a_temperature_that_is_no_finite_number_is_refused(temperature: float) -> None:
+    with pytest.raises(InvalidRequest, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=temperature)
 
 
 def test_logit_bias_forces_and_forbids(engine: Engine) -> None:
@@ -97,8 +113,11 @@ def test_stop_strings_are_trimmed_unless_asked_not_to(engine: Engine) -> None:
     assert kept.text == free.text[: free.text.index(stop) + 2]
 
 
-def test_regex_output_matches(engine: Engine) -> None:
-    result = engine.generate(PROMPT, max_new_tokens=30, regex=r"(cat|dog)-[0-9]{2,4}")
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_regex_output_matches(engine: Engine, ignore_eos: bool) -> None:
+    """The grammar's end is the output's end, with ignore_eos too (the fuzz test found ignore_eos with
+    a regex answered 500: the grammar took EOS as its end and was then asked for another token)."""
+    result = engine.generate(PROMPT, max_new_tokens=30, regex=r"(cat|dog)-[0-9]{2,4}", ignore_eos=ignore_eos)
     assert re.fullmatch(r"(cat|dog)-[0-9]{2,4}", result.text), result.text
     assert result.finish_reason == "stop"  # the grammar ends, then only EOS is allowed
 

@@ -54,7 +54,7 @@ def test_a_builder_killed_mid_dispatch(router: Router, engine: Engine, pic_promp
     router.warmup([docs[0], docs[1]], worker=0)
     long_docs = [" ".join(docs) + f" Copy {i}." for i in range(6)]
     parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *long_docs, ""]))
-    long_job = [(job.key, job.token_ids) for job in router.splitter.jobs(parts, "hypic")]
+    long_job = router.splitter.jobs(parts, "hypic")
     busy = router.workers[2].build.remote(long_job, "hypic")
     threading.Timer(0.5, ray.kill, args=(router.workers[2],)).start()
     prompt = pic_prompt(list(range(10)), "What did the crane study?")
@@ -74,7 +74,7 @@ def test_a_worker_that_does_not_answer_in_time_is_lost(engine: Engine, pic_promp
         router.warmup([docs[0], docs[1]], worker=0)
         long_docs = [" ".join(docs) + f" Copy {i}." for i in range(8)]
         parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *long_docs, ""]))
-        router.workers[1].build.remote([(job.key, job.token_ids) for job in router.splitter.jobs(parts, "hypic")], "hypic")
+        router.workers[1].build.remote(router.splitter.jobs(parts, "hypic"), "hypic")
         prompt = pic_prompt(list(range(6)), "Who was born in 1928?")
         routed = router.generate(prompt, max_new_tokens=8)
         assert routed.plan.combine == 0 and 1 in routed.plan.builds and routed.lost_workers == [1]

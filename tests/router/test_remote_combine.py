@@ -34,7 +34,7 @@ def served() -> Iterator[tuple[TestClient, PeerPrefill, EngineLoop]]:
 
 def _warm_peer(peers: PeerPrefill, docs: list[str]) -> None:
     parts = peers.splitter.parse(DEFAULT_SEPARATOR.join(["", *docs, ""]))
-    ray.get(peers.pool.workers[1].build.remote([(j.key, j.token_ids) for j in peers.splitter.jobs(parts, "hypic")], "hypic"))
+    ray.get(peers.pool.workers[1].build.remote(peers.splitter.jobs(parts, "hypic"), "hypic"))
     peers.pool.sync(1)
 
 
@@ -83,7 +83,7 @@ def test_the_server_combines_its_held_head_while_the_peer_builds(served, pic_pro
     client, peers, loop = served
     loop.warmup(docs[:2]).result(timeout=60)
     busy_parts = peers.splitter.parse(DEFAULT_SEPARATOR.join(["", " ".join(docs * 3) + " Busy.", ""]))
-    busy = peers.pool.workers[1].build.remote([(j.key, j.token_ids) for j in peers.splitter.jobs(busy_parts, "hypic")],
+    busy = peers.pool.workers[1].build.remote(peers.splitter.jobs(busy_parts, "hypic"),
                                               "hypic", 0)
     prompt = pic_prompt([0, 1, 2], "Who studied herons?")
     engine = Engine.from_pretrained("default")

@@ -10,6 +10,7 @@ import ray
 
 from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.router import Router
+from hypic.router.plan import SegmentJob
 
 Prompt = Callable[[list[int], str], str]
 
@@ -79,9 +80,9 @@ def test_eviction_never_splices_a_wrong_entry(router: Router, engine: Engine, pi
 def test_a_worker_builds_for_the_request_with_fewer_uncached_tokens_first(router: Router, docs: list[str]) -> None:
     """Worker 1 is busy; a request needing 3000 tokens queues before one needing 100: the second's
     document is built first."""
-    def jobs(texts: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    def jobs(texts: list[str]) -> list[SegmentJob]:
         parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *texts, ""]))
-        return [(job.key, job.token_ids) for job in router.splitter.jobs(parts, "hypic")]
+        return router.splitter.jobs(parts, "hypic")
 
     worker = router.workers[1]
     busy = worker.build.remote(jobs([" ".join(docs) + f" Busy {i}." for i in range(3)]), "hypic", 5000)
@@ -119,7 +120,7 @@ def test_the_combine_node_combines_its_held_head_while_a_peer_builds(router: Rou
     router.warmup(held, worker=0)
     busy_doc = router.splitter.parse(DEFAULT_SEPARATOR.join(["", " ".join(docs * 3) + " Busy.", ""]))
     busy_job = router.splitter.jobs(busy_doc, "hypic")[0]
-    busy = router.workers[1].build.remote([(busy_job.key, busy_job.token_ids)], "hypic", 0)
+    busy = router.workers[1].build.remote([busy_job], "hypic", 0)
     lead = "Answer early from these records."  # no earlier request began so: nothing of it is cached
     prompt = DEFAULT_SEPARATOR.join([lead, *held, cold, "Question: who was born in 1963?\nAnswer:"])
     routed = _same_as_engine(router, engine, prompt)

@@ -108,6 +108,38 @@ def test_warmup_spreads_documents_and_requests_pull_them(server: ServerProcess, 
     assert served["meta_info"]["cached_tokens"] == expected.cached_tokens  # a held head combined early is no extra hit
 
 
+def test_namespaces_never_share_through_the_router(server: ServerProcess, pic_prompt: Prompt, docs: list[str]) -> None:
+    """cache_salt namespaces with both workers: documents warmed for team A (on either worker) and
+    A's request state are hits for A only; team B's request for them takes exactly the cold path
+    (the counters of the same prompt sent first with nothing cached, built here and on the peer
+    alike) with one engine's output; flushing A's namespace leaves B's entries on both workers."""
+    prompt = pic_prompt([3, 1, 0, 2], "Who studied owls?")
+    expected = Engine.from_pretrained("default").generate(prompt, max_new_tokens=8).output_ids
+
+    def ask(salt: str) -> tuple[int, ...]:
+        served = server.post("/generate", {"text": prompt, "cache_salt": salt,
+                                           "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        assert served["output_ids"] == expected
+        meta = served["meta_info"]
+        return tuple(meta[k] for k in ("cached_tokens", "prefix_hit_tokens", "segments_hit", "segments_missed",
+                                       "segments_built_remotely", "remote_prefill_tokens", "combine_tokens"))
+
+    server.post("/flush_cache", {})
+    cold = ask("first-look")
+    assert cold[0] == 0 and cold[3] == 4 and cold[4] > 0  # the peer built some of the cold documents
+    server.post("/flush_cache", {})
+    server.post("/warmup", {"documents": docs[:4], "cache_salt": "team-a"})
+    assert server.get("/get_server_info")["workers"]["held_entries"]["1"] == 2  # A's documents on both workers
+    assert ask("team-a")[2] == 4
+    assert ask("team-b") == cold
+    flushed = server.post("/flush_cache", {"cache_salt": "team-a"})
+    assert flushed["public_entries_dropped"] + flushed["peer_entries_dropped"] >= 4  # A's, and the copies pulled
+    assert server.get("/get_server_info")["workers"]["held_entries"]["1"] > 0  # B's stay
+    assert ask("team-b")[0] > 0
+    assert ask("") == cold  # nothing B's request built went to the shared namespace, here or on the peer
+    assert ask("team-a")[:4] == (0, 0, 0, 4)  # cold again
+
+
 def test_concurrent_requests_under_eviction(server: ServerProcess, pic_prompt: Prompt) -> None:
     """Six requests at once, five documents each out of ten, pools of about six entries: the index
     goes stale under the requests' feet; outputs stay one engine's."""

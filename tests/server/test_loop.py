@@ -177,11 +177,11 @@ def test_over_http_a_full_queue_answers_503_and_the_server_stays_healthy(launch)
     server = launch("--max-queued-requests", "2", "--max-running-requests", "1", "--chunked-prefill-size", "64")
     body = {"text": _text(50, 1500), "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: server.request("POST", "/generate", body), range(8)))
-    statuses = sorted(status for status, _ in answers)
+        answers = list(pool.map(lambda _: server.exchange("POST", "/generate", body), range(8)))
+    statuses = sorted(status for status, _, _ in answers)
     assert statuses.count(200) >= 2 and 503 in statuses, statuses
-    refused = next(payload for status, payload in answers if status == 503)
-    assert "--max-queued-requests" in refused["error"]["message"]
+    refused, headers = next((payload, headers) for status, payload, headers in answers if status == 503)
+    assert "--max-queued-requests" in refused["error"]["message"] and int(headers["retry-after"]) > 0
     assert server.request("GET", "/health")[0] == 200
     assert server.get("/get_server_info")["requests_refused"] == statuses.count(503)
 

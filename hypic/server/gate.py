@@ -1,0 +1,114 @@
+"""The server's front door, before any route: API keys (401), the request body limit (413) and
+the per-key limit on requests in flight (429). A plain ASGI middleware, so it also bounds streamed
+responses (a request is in flight until its last chunk) and bodies sent without a length."""
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .tenancy import ApiKeys
+
+OPEN_PATHS = ("/health",)  # load balancers probe it without a key
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    """``--api-key`` digests, ``--max-request-bytes`` and ``--max-concurrent-per-key`` (None: unlimited)."""
+
+    keys: ApiKeys = field(default_factory=ApiKeys)
+    max_request_bytes: int | None = None
+    max_concurrent_per_key: int | None = None
+
+
+class BodyTooLarge(Exception):
+    """A body sent without a length grew past the limit while it was read."""
+
+
+def _error(status: int, message: str, kind: str, code: str | int) -> tuple[bytes, int]:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}, "detail": message}
+    return json.dumps(body).encode(), status
+
+
+class Gate:
+    """Wraps the FastAPI app; puts the caller's key id in ``request.state.caller`` (None without keys)."""
+
+    def __init__(self, app: ASGIApp, limits: GateLimits) -> None:
+        self.app, self.limits = app, limits
+        self.in_flight: Counter[str | None] = Counter()
+
+    @property
+    def state(self) -> Any:
+        """The wrapped application's state (``state.server``: the ``Server``)."""
+        return getattr(self.app, "state")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        caller = None
+        if self.limits.keys.required and scope["path"] not in OPEN_PATHS:
+            caller = self.limits.keys.identify(_header(scope, b"authorization"))
+            if caller is None:
+                return await _reply(send, *_error(401, "a valid API key is required: send 'Authorization: Bearer "
+                                                       "<key>'", "invalid_request_error", "invalid_api_key"),
+                                    [(b"www-authenticate", b"Bearer")])
+        scope.setdefault("state", {})["caller"] = caller
+        limit = self.limits.max_request_bytes
+        length = _header(scope, b"content-length")
+        if limit is not None and length is not None and length.isdigit() and int(length) > limit:
+            return await _reply(send, *_too_large(int(length), limit))
+        if scope["method"] != "POST" or self.limits.max_concurrent_per_key is None:
+            return await self._run(scope, receive, send)
+        if self.in_flight[caller] >= self.limits.max_concurrent_per_key:
+            message = (f"this API key has {self.in_flight[caller]} requests in flight, the limit "
+                       f"(--max-concurrent-per-key); retry when one has finished")
+            return await _reply(send, *_error(429, message, "rate_limit_error", "rate_limit_exceeded"),
+                                [(b"retry-after", str(RETRY_AFTER_S).encode())])
+        self.in_flight[caller] += 1
+        try:
+            await self._run(scope, receive, send)
+        finally:
+            self.in_flight[caller] -= 1
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit, started, read = self.limits.max_request_bytes, False, 0
+
+        async def counted() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if limit is not None and read > limit:
+                raise BodyTooLarge(read)
+            return message
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted if limit is not None else receive, watched)
+        except BodyTooLarge:
+            if not started:
+                await _reply(send, *_too_large(read, limit or 0))
+
+
+def _too_large(size: int, limit: int) -> tuple[bytes, int]:
+    message = f"the request body has over {limit} bytes ({size} read), the limit (--max-request-bytes)"
+    return _error(413, message, "invalid_request_error", 413)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _reply(send: Send, body: bytes, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> Any:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
