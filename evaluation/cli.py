@@ -34,6 +34,7 @@ SERVICE_STUDIES = {
     "load": "TTFT p50/p90/p99 and token throughput against QPS on a Prod-RAG-like trace (paper Fig. 11)",
     "parallel": "a cold request's TTFT against the number of Ray workers: dispatch, transfer, combine "
                 "(paper Fig. 14)",
+    "soak": "a shared server under steady mixed load with faults: wrong answers, 5xx, RSS, TTFT, recovery",
 }
 
 
@@ -59,7 +60,7 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     scaling = studies.add_parser("scaling", add_help=False, help="TTFT of hypic and full recompute as document "
                                  "length and count grow, every document cached (paper Fig. 12); --help for its options")
     scaling.set_defaults(options=[])  # hypic.cli hands it every argument after the study's name
-    for name, module in (("load", "load"), ("parallel", "parallel")):
+    for name, module in (("load", "load"), ("parallel", "parallel"), ("soak", "soak")):
         study = studies.add_parser(name, help=SERVICE_STUDIES[name], description=_doc(module),
                                    formatter_class=_HelpFormatter)
         _module(module).add_arguments(study)
