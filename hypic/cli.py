@@ -203,8 +203,7 @@ def _serve(args: argparse.Namespace) -> None:
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
                       args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
-                      str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents,
-                      len(limits.keys.digests))
+                      str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents)
     peers = _peers(args, choice) if args.workers > 1 else None
     loop = EngineLoop(engine, args.mode, args.max_running_requests, args.max_queued_requests, args.max_state_memory)
     loop.start()

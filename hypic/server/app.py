@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -56,6 +56,8 @@ class ServerInfo:
     isolate_by_key: bool = False  # each API key is its own cache namespace
     max_warmup_documents: int = 256  # per /warmup call
     api_keys: int = 0  # how many keys are accepted (0: no authentication); never the keys
+    max_request_bytes: int | None = None
+    max_concurrent_per_key: int | None = None
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -424,6 +426,8 @@ def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None,
               limits: GateLimits = GateLimits()) -> Gate:
     """The application behind its ``Gate`` (API keys and request limits); errors always come back
     as ``{"error": {"message", ...}}``."""
+    info = replace(info, api_keys=len(limits.keys.digests), max_request_bytes=limits.max_request_bytes,
+                   max_concurrent_per_key=limits.max_concurrent_per_key)
     return Gate(_routes(loop, info, peers), limits)
 
 

@@ -59,6 +59,8 @@ def test_every_endpoint_but_health_needs_a_key(keyed: ServerProcess) -> None:
             assert status == 401 and body["error"]["code"] == "invalid_api_key", (method, path, headers, body)
             assert got["www-authenticate"] == "Bearer"
     assert keyed.request("GET", "/health")[0] == 200
+    info = keyed.exchange("GET", "/get_server_info", headers=_bearer(KEY_A))[1]
+    assert info["api_keys"] == 3 and info["isolate_by_key"] and KEY_A not in json.dumps(info)
     for key in (KEY_A, KEY_B, KEY_FILE):
         assert keyed.exchange("GET", "/v1/models", headers=_bearer(key))[0] == 200
         assert keyed.exchange("POST", "/tokenize", {"prompt": "hi"}, headers=_bearer(key))[0] == 200
@@ -127,6 +129,9 @@ def test_request_bounds(launch) -> None:
     /warmup of too many documents, 429 with Retry-After for a key's request over
     --max-concurrent-per-key while its stream runs; the server serves on."""
     server = launch("--max-request-bytes", "4K", "--max-concurrent-per-key", "1", "--max-warmup-documents", "2")
+    info = server.get("/get_server_info")
+    assert (info["max_request_bytes"], info["max_concurrent_per_key"], info["max_warmup_documents"]) == (4096, 1, 2)
+    assert info["api_keys"] == 0 and not info["isolate_by_key"]
     big = json.dumps({"text": "x" * 5000}).encode()
     status, body, _ = server.exchange("POST", "/generate", raw=big)
     assert status == 413 and "--max-request-bytes" in body["error"]["message"]
