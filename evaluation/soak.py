@@ -11,8 +11,8 @@ to a quiet server of the same mode and model (started here, or ``--reference-url
 eviction and faults the answer must not change (a PIC answer is compared with HYPIC's own quiet
 answer, not with full recompute: how far those differ is the accuracy studies' subject).
 
-Writes ``OUT/soak.jsonl`` (one record per request, sample, fault and replay), ``OUT/soak_summary.json``
-and ``OUT/soak.png`` (RSS, TTFT p50/p99 and outcomes over time, faults marked). A rerun with the
+Writes ``OUT/soak.jsonl`` (one record per request, sample, fault and replay), ``OUT/soak_summary.json``,
+``OUT/soak.png`` and the servers' logs in ``OUT/soak_logs/`` (RSS, TTFT p50/p99 and outcomes over time, faults marked). A rerun with the
 same options only re-reads the JSONL and reports it. With ``--url`` the server there is loaded and
 nothing is injected (it is not ours to kill) and its RSS is not read.
 
@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -297,20 +296,21 @@ def _earlier(path: Path, options: dict[str, Any]) -> list[dict[str, Any]] | None
 
 def _run(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
     from tqdm import tqdm
-    with tempfile.TemporaryDirectory() as logs:
-        server = SoakedServer(args, Path(logs))
-        recorder = Recorder(path, time.monotonic())
-        recorder.add({"type": "start", "options": _options(args), "url": server.url})
-        try:
-            with tqdm(total=int(args.minutes * 60), desc="soak", unit="s", disable=args.no_progress,
-                      file=sys.stderr) as progress:
-                run_load(server, args, recorder, progress)
-        finally:
-            server.stop()
-        url, stop = _reference(args, Path(logs))
-        try:
-            replay(list(recorder.records), args, url, recorder)
-        finally:
-            stop()
-        recorder.add({"type": "done", "options": _options(args)})
-        return list(recorder.records)
+    logs = args.out / "soak_logs"  # kept: each server life's log and the reference's, for what the records show
+    logs.mkdir(parents=True, exist_ok=True)
+    server = SoakedServer(args, logs)
+    recorder = Recorder(path, time.monotonic())
+    recorder.add({"type": "start", "options": _options(args), "url": server.url})
+    try:
+        with tqdm(total=int(args.minutes * 60), desc="soak", unit="s", disable=args.no_progress,
+                  file=sys.stderr) as progress:
+            run_load(server, args, recorder, progress)
+    finally:
+        server.stop()
+    url, stop = _reference(args, logs)
+    try:
+        replay(list(recorder.records), args, url, recorder)
+    finally:
+        stop()
+    recorder.add({"type": "done", "options": _options(args)})
+    return list(recorder.records)

@@ -36,6 +36,8 @@ def test_a_two_minute_soak_with_a_server_kill_passes(tiny_checkpoint: Path, tmp_
     assert summary["outcomes"]["ok"] > 100 and "5xx" not in summary["outcomes"]
     assert len(summary["rss"]) == 3 and all(life["growth"] is not None for life in summary["rss"][:2])
     assert (tmp_path / "soak.png").stat().st_size > 10_000
+    assert sorted(p.name for p in (tmp_path / "soak_logs").iterdir()) == ["reference.log", "server-1.log",
+                                                                          "server-2.log", "server-3.log"]
     records = (tmp_path / "soak.jsonl").read_text()
     assert main(argv) == 0 and (tmp_path / "soak.jsonl").read_text() == records  # reported, not run again
 
