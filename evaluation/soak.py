@@ -280,7 +280,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         records = _run(args, path)
     summary = summarize_soak(records, args)
     (args.out / "soak_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    draw_soak(records, args.out / "soak.png")
+    draw_soak(records, summary["windows"], args.out / "soak.png")
     print(format_soak(summary))
     return {"records": records, "summary": summary, "figure": args.out / "soak.png"}
 

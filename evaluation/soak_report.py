@@ -174,15 +174,15 @@ def _mib(budget: int | None) -> str:
     return "no budget" if budget is None else f"{budget / 2**20:.1f} MiB"
 
 
-def draw_soak(records: Sequence[dict[str, Any]], path: Path) -> None:
-    """RSS (faults dashed), first-token time p50 / p99 per window, and outcomes per window, over time."""
-    requests, samples, faults = (_of(records, k) for k in ("request", "sample", "fault"))
+def draw_soak(records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """RSS (faults dashed), first-token time p50 / p99 and outcomes per window (``rows``: the
+    summary's ``windows``), over time."""
+    samples, faults = _of(records, "sample"), _of(records, "fault")
     plt = pyplot()
     figure, (rss, ttft, counts) = plt.subplots(3, 1, figsize=(8, 8.5), sharex=True)
     for life in sorted({s["life"] for s in samples}):
         mine = [s for s in samples if s["life"] == life and s["rss_mb"] is not None]
         rss.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], marker=".", label=f"server life {life}")
-    rows = windows(requests, max(10.0, round(max((r["start_s"] for r in requests), default=60) / 20)))
     minutes = [row["t_s"] / 60 for row in rows]
     for key, label in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
         ttft.plot(minutes, [row[key] if row[key] is not None else np.nan for row in rows], marker="o", label=label)

@@ -136,7 +136,7 @@ class Client:
             if response.status_code != 200:
                 break
             answer = response.json()["choices"][0]["message"]["content"]
-            outcome.replay = {"path": "/v1/chat/completions", "body": json.loads(json.dumps(body)), "text": answer}
+            outcome.replay = {"path": "/v1/chat/completions", "body": body, "text": answer}  # the next turn makes a new list
             messages = [*messages, {"role": "assistant", "content": answer},
                         {"role": "user", "content": "And who studied it?"}]
         return outcomes

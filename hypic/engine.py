@@ -16,7 +16,7 @@ from .errors import InvalidRequest
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
-from .modes import ModePolicy, mode_policy
+from .modes import ModePolicy, mode_policy, tree_namespace
 from .prefill_stats import BuiltForRequest, PrefillStats
 from .prefix_cache import PrefixCache, cache_key
 from .sampling import SamplingParams
@@ -229,22 +229,22 @@ class Engine:
         """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (0: it has no
         interior): each attention layer's interior K and V (a window's worth at most), each linear
         layer's T_C, S_C|0 and conv tail."""
-        seams = self.policy(mode).seams
-        interior = seams.interior(tokens) if seams is not None else None
+        policy = self.policy(mode)
+        interior = policy.seams.interior(tokens) if policy.seams is not None else None
         if interior is None:
             return 0
         config, length = self.model.config, interior[1] - interior[0]
         model_size, state_size = self.model.dtype.itemsize, self.state_cache_dtype.itemsize
         attention = sum(min(length, config.window(i) or length) * config.kv_elements(i) for i in config.attention_layers())
         state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-        transition = math.prod(config.linear_transition_shape) if self.policy(mode).transitions else 0
+        transition = math.prod(config.linear_transition_shape) if policy.transitions else 0
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels
         return attention * model_size + len(config.linear_layers()) * ((state + transition) * state_size + conv * model_size)
 
     def flush(self, namespace: str | None = None) -> tuple[int, int]:
         """Empty both pools (``namespace``: only that cache namespace's entries and trees); returns
         (public entries, private-pool nodes) dropped. Entries in use stay."""
-        trees = None if namespace is None else (lambda tree: tree.endswith(f"@{namespace}") if namespace else "@" not in tree)
+        trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
         return self.store.clear(namespace), self.prefix_cache.clear(trees)
 
     def state_bytes(self, tokens: int, samples: int = 1) -> int:

@@ -39,6 +39,11 @@ class ModePolicy:
         return replace(self, namespace=namespace, tree=None if self.tree is None else f"{self.tree}@{namespace}")
 
 
+def tree_namespace(tree: str) -> str:
+    """The cache namespace of a private-pool tree named by ``ModePolicy.scoped`` (mode trees hold no "@")."""
+    return tree.partition("@")[2]
+
+
 def mode_policy(mode: str, seam_width: int, conv_kernel: int) -> ModePolicy:
     """The policy of ``mode`` for an engine of seam width w on a model of conv width k."""
     if mode == "hypic":

@@ -4,8 +4,9 @@ Full-attention KV can be cut at any token, but a linear layer's state exists onl
 snapshotted (document boundaries, request ends). So each node stores the KV of its edge's tokens,
 and some nodes also carry a snapshot of every linear layer's state at their end; a hit is the
 longest matched prefix that ends at such a node. Trees are kept per reuse mode (a HYPIC-assembled
-state is an approximation that an exact mode must not reuse) and cache namespace (``ModePolicy.tree``:
-a tenant's states are never resumed by another's request). Within a tree the key of a token is its id with its layout marks (``segments.PartMark``): a state
+state is an approximation that an exact mode must not reuse) and cache namespace
+(``ModePolicy.tree``: a tenant's states are never resumed by another's request). Within a tree the
+key of a token is its id with its layout marks (``segments.PartMark``): a state
 assembled from spliced segments is resumed only by a request with the same segmentation up to
 the resume point, and never by a plain prompt of the same ids.
 """

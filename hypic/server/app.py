@@ -460,8 +460,7 @@ def _routes(loop: EngineLoop, info: ServerInfo, peers: Peers | None) -> FastAPI:
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
-        return error_response(413, f"the request body has over {err.args[0] - 1} bytes, over the limit "
-                                   "(--max-request-bytes)")
+        return error_response(413, str(err))
 
     @app.exception_handler(HypicError)
     async def failed(_: Request, err: HypicError) -> JSONResponse:

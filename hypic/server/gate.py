@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .tenancy import ApiKeys
@@ -24,7 +25,10 @@ class GateLimits:
 
 
 class BodyTooLarge(Exception):
-    """A body sent without a length grew past the limit while it was read."""
+    """A body over ``--max-request-bytes``: declared so, or grown past it while read."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the request body has {size} bytes or more, over the limit of {limit} (--max-request-bytes)")
 
 
 def _error(status: int, message: str, kind: str, code: str | int) -> tuple[bytes, int]:
@@ -49,16 +53,16 @@ class Gate:
             return await self.app(scope, receive, send)
         caller = None
         if self.limits.keys.required and scope["path"] not in OPEN_PATHS:
-            caller = self.limits.keys.identify(_header(scope, b"authorization"))
+            caller = self.limits.keys.identify(Headers(scope=scope).get("authorization"))
             if caller is None:
                 return await _reply(send, *_error(401, "a valid API key is required: send 'Authorization: Bearer "
                                                        "<key>'", "invalid_request_error", "invalid_api_key"),
                                     [(b"www-authenticate", b"Bearer")])
         scope.setdefault("state", {})["caller"] = caller
         limit = self.limits.max_request_bytes
-        length = _header(scope, b"content-length")
+        length = Headers(scope=scope).get("content-length")
         if limit is not None and length is not None and length.isdigit() and int(length) > limit:
-            return await _reply(send, *_too_large(int(length), limit))
+            return await _reply(send, *_too_large(BodyTooLarge(int(length), limit)))
         if scope["method"] != "POST" or self.limits.max_concurrent_per_key is None:
             return await self._run(scope, receive, send)
         if self.in_flight[caller] >= self.limits.max_concurrent_per_key:
@@ -80,7 +84,7 @@ class Gate:
             message = await receive()
             read += len(message.get("body", b""))
             if limit is not None and read > limit:
-                raise BodyTooLarge(read)
+                raise BodyTooLarge(read, limit)
             return message
 
         async def watched(message: Message) -> None:
@@ -90,21 +94,13 @@ class Gate:
 
         try:
             await self.app(scope, counted if limit is not None else receive, watched)
-        except BodyTooLarge:
+        except BodyTooLarge as err:  # raised outside a route (the app's handler answers those)
             if not started:
-                await _reply(send, *_too_large(read, limit or 0))
+                await _reply(send, *_too_large(err))
 
 
-def _too_large(size: int, limit: int) -> tuple[bytes, int]:
-    message = f"the request body has over {limit} bytes ({size} read), the limit (--max-request-bytes)"
-    return _error(413, message, "invalid_request_error", 413)
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
+def _too_large(err: BodyTooLarge) -> tuple[bytes, int]:
+    return _error(413, str(err), "invalid_request_error", 413)
 
 
 async def _reply(send: Send, body: bytes, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> Any:

@@ -23,11 +23,12 @@ MAX_SALT_CHARS = 1024
 GENERATE_FIELDS = SALT_FIELDS | {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
                                  "top_logprobs_num", "return_text_in_logprobs", "rid",
                                  "stream_options"}  # usage is in every chunk's meta_info: any include_usage is served
-OPENAI_COMMON = SALT_FIELDS | {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-                 "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
-                 # extensions SGLang and vLLM accept on their OpenAI endpoints
-                 "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "no_stop_trim",
-                 "regex", "ebnf", "json_schema", "response_format", "skip_special_tokens", "include_stop_str_in_output"}
+OPENAI_COMMON = SALT_FIELDS | {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+    "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
+    # extensions SGLang and vLLM accept on their OpenAI endpoints
+    "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "no_stop_trim",
+    "regex", "ebnf", "json_schema", "response_format", "skip_special_tokens", "include_stop_str_in_output"}
 COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "logprobs", "echo"}
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 CHAT_FIELDS = OPENAI_COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
@@ -375,8 +376,8 @@ def parse_completion(body: Any) -> tuple[list[GenerationRequest], OpenAIOptions]
     stream, usage, continuous = _openai_stream(body)
     if echo and stream:
         raise InvalidRequest("'echo' with 'stream' is not supported")
-    logprobs = LogprobRequest(top, 0 if echo else -1, True) if top is not None else None
-    requests = [GenerationRequest(prompt, params, stream, logprobs, echo, to_context=to_context, salt=cache_salt(body))
+    logprobs, salt = LogprobRequest(top, 0 if echo else -1, True) if top is not None else None, cache_salt(body)
+    requests = [GenerationRequest(prompt, params, stream, logprobs, echo, to_context=to_context, salt=salt)
                 for prompt in _completion_prompts(body)]
     return requests, OpenAIOptions(usage, top, continuous)
 

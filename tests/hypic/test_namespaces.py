@@ -82,3 +82,16 @@ def test_a_conversation_resumes_in_its_own_namespace_only(engine: Engine) -> Non
     resumed = {namespace: engine.prefill(PromptParts(parts.leading, parts.segments, turn, namespace),
                                          "hypic").stats.prefix_hit_tokens for namespace in ("team-b", "", "team-a")}
     assert resumed == {"team-b": 0, "": 0, "team-a": first.prompt_tokens + len(first.output_ids) - 1}
+
+
+def test_a_flush_takes_its_own_namespace_only_however_names_nest(engine: Engine) -> None:
+    """Namespace "team-a" is not "x@team-a": flushing one leaves the other's entries and request states."""
+    rng = random.Random(4)
+    docs = [_text(rng, 80) for _ in range(2)]
+    prompt = _prompt(rng, docs)
+    for namespace in ("team-a", "x@team-a"):
+        engine.prefill(engine.parse(prompt, namespace), "hypic")
+    engine.flush("team-a")
+    assert {e.namespace for e in engine.store.entries.values()} == {"x@team-a"}
+    assert _counters(engine, prompt, "x@team-a")[0][1] == len(engine.parse(prompt).token_ids) - 1
+    assert _counters(engine, prompt, "team-a")[0][:4] == (0, 0, 0, 2)
