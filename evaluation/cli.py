@@ -35,6 +35,8 @@ SERVICE_STUDIES = {
     "parallel": "a cold request's TTFT against the number of Ray workers: dispatch, transfer, combine "
                 "(paper Fig. 14)",
     "soak": "a shared server under steady mixed load with faults: wrong answers, 5xx, RSS, TTFT, recovery",
+    "tiers": "the public pool's disk and Mooncake tiers: load latency per tier, time to the first hit after a "
+             "restart, hit rate and TTFT as the document set outgrows memory (lru vs cost eviction)",
 }
 
 
@@ -60,7 +62,7 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     scaling = studies.add_parser("scaling", add_help=False, help="TTFT of hypic and full recompute as document "
                                  "length and count grow, every document cached (paper Fig. 12); --help for its options")
     scaling.set_defaults(options=[])  # hypic.cli hands it every argument after the study's name
-    for name, module in (("load", "load"), ("parallel", "parallel"), ("soak", "soak")):
+    for name, module in (("load", "load"), ("parallel", "parallel"), ("soak", "soak"), ("tiers", "tiers")):
         study = studies.add_parser(name, help=SERVICE_STUDIES[name], description=_doc(module),
                                    formatter_class=_HelpFormatter)
         _module(module).add_arguments(study)

@@ -10,7 +10,10 @@ from typing import Any
 from . import DEFAULT_SEPARATOR, Engine, HypicError
 from .errors import CheckpointError
 from .evaluation.cli import add_eval_parser, eval_main
+from .eviction import Eviction
 from .modes import MODES
+from .tiers.hierarchy import PrefetchPolicy, WritePolicy
+from .tiers.options import DEFAULT_SEGMENT_BYTES, TierOptions
 
 RANDOM_MODEL_SEED = 0
 
@@ -147,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a worker may take to ship a request's documents before it is declared lost, "
                             "killed and its documents recomputed here (default: 300)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
+    _tier_options(serve)
     access = serve.add_argument_group("access and limits")
     access.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health (repeatable; also "
@@ -171,7 +175,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine(args: argparse.Namespace, choice: ModelChoice, **options: int | None) -> Engine:
+def _tier_options(serve: argparse.ArgumentParser) -> None:
+    tiers = serve.add_argument_group("cache tiers (below the public pool's memory; default: none)")
+    tiers.add_argument("--cache-dir", metavar="DIR",
+                       help="keep documents' cache entries as files in DIR (created if missing): a restarted server, "
+                            "or another one with the same model, dtype and seam width on DIR, serves them as hits; "
+                            "a damaged or foreign file is a miss, deleted (default: off)")
+    tiers.add_argument("--disk-cache-size", type=parse_size, default=parse_size("16G"),
+                       help="byte budget of --cache-dir; over it the least recently used files are deleted, e.g. 2G, "
+                            "none (default: 16G)")
+    tiers.add_argument("--mooncake-master", metavar="HOST:PORT",
+                       help="share documents' cache entries with every server on this Mooncake Store master "
+                            "(needs the mooncake-transfer-engine package; a master that is down is reported in "
+                            "/get_server_info and retried, never fatal) (default: off)")
+    tiers.add_argument("--mooncake-metadata-server", metavar="URL",
+                       help="the Mooncake metadata server (default: http://HOST:8080/metadata, the master's own "
+                            "when it runs with --enable_http_metadata_server)")
+    tiers.add_argument("--eviction", choices=[e.value for e in Eviction], default="lru",
+                       help="which document memory gives up first when the public pool is full: lru = the least "
+                            "recently used; cost = the one whose rebuild work per byte held is lowest, aged by "
+                            "disuse (GreedyDual; keeps long documents over short ones) (default: lru)")
+    tiers.add_argument("--mooncake-segment-size", type=parse_size, default=parse_size("1G"),
+                       help="memory this server lends the Mooncake store for everyone's entries (default: 1G)")
+    tiers.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default="timeout",
+                       help="a request's documents start loading from disk/Mooncake when it arrives; its prefill "
+                            "then waits: best_effort = not at all (what is not loaded yet is rebuilt); "
+                            "wait_complete = until every load is done; timeout = up to 0.2 s plus 1 s per 200 MB "
+                            "to load (default: timeout)")
+    tiers.add_argument("--write-policy", choices=[p.value for p in WritePolicy], default="write_through",
+                       help="when a document's entry is written below memory, in the background: write_through = "
+                            "when it is built; write_through_selective = when it is first reused; write_back = when "
+                            "memory evicts it or the server stops gracefully (default: write_through)")
+
+
+def _tiers(args: argparse.Namespace) -> TierOptions:
+    if args.cache_dir is None and args.mooncake_master is None:
+        return TierOptions()
+    if args.mooncake_master is not None and not re.fullmatch(r"[^:\s]+:\d+", args.mooncake_master):
+        raise HypicError(f"--mooncake-master must be HOST:PORT, got {args.mooncake_master!r}")
+    return TierOptions(args.cache_dir, args.disk_cache_size, args.mooncake_master, args.mooncake_metadata_server,
+                       args.mooncake_segment_size or DEFAULT_SEGMENT_BYTES, WritePolicy(args.write_policy),
+                       PrefetchPolicy(args.prefetch_policy))
+
+
+def _engine(args: argparse.Namespace, choice: ModelChoice, **options: Any) -> Engine:
     if args.threads:
         import torch
 
@@ -198,7 +245,7 @@ def _serve(args: argparse.Namespace) -> None:
     choice = choose_model(args.model)
     engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size,
                      private_window_bytes=args.private_window_pool_size, chunk_tokens=args.chunked_prefill_size,
-                     snapshot_interval=args.snapshot_interval)
+                     snapshot_interval=args.snapshot_interval, tiers=_tiers(args), eviction=Eviction(args.eviction))
     template, from_model = load_chat_template(choice.path)
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
@@ -209,10 +256,17 @@ def _serve(args: argparse.Namespace) -> None:
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)
+    if engine.store.lower is not None:
+        status = engine.store.lower.describe()
+        names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error']})"
+                          for name, tier in status["tiers"].items())
+        print(f"hypic: documents below memory: {names}; {status['write_policy']}, prefetch "
+              f"{status['prefetch_policy']}", flush=True)
     try:
         uvicorn.run(build_app(loop, info, peers, limits), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         loop.stop()
+        engine.close()  # the lower tiers' pending writes (write_back: memory's entries) finish
         if peers is not None:
             peers.shutdown()
 

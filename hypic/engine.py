@@ -3,6 +3,7 @@ import math
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from .config import ModelConfig
 from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
+from .eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
@@ -26,6 +28,8 @@ from .segments import (DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout,
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState
 from .store import LinearInterior, SegmentEntry, SegmentStore, entry_key
+from .tiers.entry_file import EntryIdentity
+from .tiers.options import TierOptions, build_tiers
 from .tokenizer import TextTokenizer
 
 DEFAULT_SNAPSHOT_INTERVAL = 256
@@ -100,6 +104,7 @@ class Engine:
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
         self.seam_width, self.pic_separator = seam_width, pic_separator
         self.store = store if store is not None else SegmentStore()
+        self.store.rebuild_cost = lambda entry: self.rebuild_flops(len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
@@ -108,21 +113,27 @@ class Engine:
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "auto", seam_width: int = 8,
                         pic_separator: str = DEFAULT_SEPARATOR, public_pool_bytes: int | None = None,
                         private_pool_bytes: int | None = None, private_window_bytes: int | None = None,
-                        chunk_tokens: int = 2048,
-                        snapshot_interval: int | None = None, state_cache_dtype: str = "float32") -> "Engine":
+                        chunk_tokens: int = 2048, snapshot_interval: int | None = None,
+                        state_cache_dtype: str = "float32", tiers: TierOptions = TierOptions(),
+                        eviction: Eviction = Eviction.LRU) -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         ``dtype``: float32, bfloat16, float16, or auto (the checkpoint's; float32 on a CPU that does
         not multiply half precision natively). Pool budgets in bytes; None means unbounded
-        (``private_window_bytes``: the sliding-window tails within the private pool)."""
+        (``private_window_bytes``: the sliding-window tails within the private pool). ``tiers``: the
+        public pool's disk and Mooncake tiers (none by default); ``eviction``: the public pool's order
+        (``hypic.eviction``)."""
         if dtype not in (*DTYPE_NAMES, "auto"):
             raise InvalidRequest(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         path = default_model_path() if str(path) == "default" else Path(path)
         if not path.is_dir():
             raise InvalidRequest(f"model path {str(path)!r} is not a directory")
         model = load_model(path, device, resolve_dtype(dtype, path, device))
-        return cls(model, TextTokenizer.from_dir(path), model_fingerprint(path), seam_width=seam_width,
-                   pic_separator=pic_separator, store=SegmentStore(public_pool_bytes),
+        fingerprint = model_fingerprint(path)
+        identity = EntryIdentity(fingerprint, model.dtype, DTYPE_NAMES.get(state_cache_dtype, torch.float32),
+                                 model.config, model.device)
+        return cls(model, TextTokenizer.from_dir(path), fingerprint, seam_width=seam_width,
+                   pic_separator=pic_separator, store=SegmentStore(public_pool_bytes, build_tiers(tiers, identity), eviction),
                    prefix_cache=PrefixCache(private_pool_bytes, private_window_bytes), chunk_tokens=chunk_tokens,
                    snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype)
 
@@ -148,9 +159,13 @@ class Engine:
                        peek: bool = False) -> tuple[SegmentEntry | None, str]:
         """The public-pool entry of a segment (or None) and its key; ``peek``: without counting a hit
         or a miss or touching the LRU order."""
+        key = self.segment_key(token_ids, policy)
+        return (self.store.peek(key, token_ids) if peek else self.store.get(key, token_ids, policy.namespace)), key
+
+    def segment_key(self, token_ids: tuple[int, ...], policy: ModePolicy) -> str:
+        """The public-pool key of a segment under ``policy`` (its content address in its namespace)."""
         assert policy.seams is not None
-        key = entry_key(self.fingerprint, policy.seams, policy.role, token_ids, policy.namespace)
-        return (self.store.peek if peek else self.store.get)(key, token_ids), key
+        return entry_key(self.fingerprint, policy.seams, policy.role, token_ids, policy.namespace)
 
     def build_segment(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Generator[None, None, SegmentEntry]:
         """Prefill a segment alone (in chunks) and offer its interior to the public pool (kept only if it fits)."""
@@ -220,7 +235,7 @@ class Engine:
             if not ids:
                 raise InvalidRequest(f"document {index} is empty")
         needed, budget = sum(self.entry_bytes(len(ids), mode) for ids in set(encoded)), self.store.budget_bytes
-        if budget is not None and needed > budget:  # they would evict each other, and every other entry
+        if budget is not None and self.store.lower is None and needed > budget:  # they would evict each other
             raise InvalidRequest(f"the documents' cache entries take {needed} bytes, more than the public pool holds "
                                  f"({budget} bytes): warm up fewer at once, or raise --public-pool-size")
         return policy, encoded
@@ -241,11 +256,38 @@ class Engine:
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels
         return attention * model_size + len(config.linear_layers()) * ((state + transition) * state_size + conv * model_size)
 
-    def flush(self, namespace: str | None = None) -> tuple[int, int]:
-        """Empty both pools (``namespace``: only that cache namespace's entries and trees); returns
-        (public entries, private-pool nodes) dropped. Entries in use stay."""
-        trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
-        return self.store.clear(namespace), self.prefix_cache.clear(trees)
+    @cached_property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def rebuild_flops(self, tokens: int) -> float:
+        """About the FLOPs of prefilling a ``tokens``-token document alone: 2 per parameter per token
+        (every expert counted: an upper bound for MoE) and the attention layers' QK^T and AV over the
+        causal triangle (a window's worth at most)."""
+        config, attention = self.model.config, 0.0
+        for index in config.attention_layers():
+            window = config.window(index) or tokens
+            attention += 4.0 * tokens * min(tokens, window) * config.num_attention_heads * config.head_dim / 2
+        return 2.0 * self.parameter_count * tokens + attention
+
+    def flush(self, namespace: str | None = None,
+              tiers: frozenset[str] = frozenset({"memory"})) -> tuple[int, int, dict[str, int]]:
+        """Empty the tiers named in ``tiers``: ``memory`` (both pools), ``disk``, ``mooncake``;
+        ``namespace``: only that cache namespace's entries and trees. Returns (public entries,
+        private-pool nodes, entries per lower tier) dropped. Entries in use stay."""
+        public = private = 0
+        if "memory" in tiers:
+            trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
+            public, private = self.store.clear(namespace), self.prefix_cache.clear(trees)
+        lower = set(tiers) - {"memory"}
+        dropped = self.store.lower.flush(lower, namespace) if lower and self.store.lower is not None else {}
+        return public, private, dropped
+
+    def close(self) -> None:
+        """Hand memory's entries to the lower tiers' write policy and finish their writes."""
+        self.store.close()
+        if self.store.lower is not None:
+            self.store.lower.close()
 
     def state_bytes(self, tokens: int, samples: int = 1) -> int:
         """Memory a request's state takes: KV of ``tokens`` tokens per sample in every full-attention
@@ -261,6 +303,36 @@ class Engine:
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
         linear = (recurrent + conv) * len(config.linear_layers())
         return samples * (kv + linear)
+
+    def prefetch(self, parts: PromptParts, mode: str = "hypic") -> int:
+        """Start loading, from the lower tiers, the documents of ``parts`` that ``mode`` splices and
+        memory lacks (a serving loop calls this as the request arrives); returns how many."""
+        policy = self.policy(mode, parts.namespace)
+        if self.store.lower is None or policy.seams is None:
+            return 0
+        started = 0
+        for index in self._spliced(parts, policy, len(parts.token_ids)):
+            ids = parts.segments[index]
+            key = self.segment_key(ids, policy)
+            if self.store.peek(key, ids) is None:
+                self.store.lower.prefetch(key, ids, policy.namespace, self.entry_bytes(len(ids), mode))
+                started += 1
+        return started
+
+    def load_from_tiers(self, parts: PromptParts, mode: str = "hypic") -> tuple[tuple[str, str], ...]:
+        """Bring the documents of ``parts`` that ``mode`` splices and only a lower tier holds into
+        memory now (a router plans with what memory holds); returns (key, tier) of each loaded."""
+        policy, loaded = self.policy(mode, parts.namespace), []
+        if self.store.lower is None or policy.seams is None:
+            return ()
+        for index in self._spliced(parts, policy, len(parts.token_ids)):
+            ids = parts.segments[index]
+            key = self.segment_key(ids, policy)
+            if self.store.peek(key, ids) is None:
+                entry, tier = self.store.fetch(key, ids, policy.namespace)
+                if entry is not None:
+                    loaded.append((key, tier))
+        return tuple(loaded)
 
     def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:
         """About how many prompt tokens a prefill under ``mode`` would compute now: the prompt less its
@@ -335,7 +407,8 @@ class Engine:
         entries: dict[int, SegmentEntry] = {}
         for index in indices:
             segment = parts.segments[index]
-            entry, key = self.lookup_segment(segment, policy)
+            key = self.segment_key(segment, policy)
+            entry, tier = self.store.fetch(key, segment, policy.namespace)
             self.store.pin(key)
             pinned.append(key)
             if entry is None:
@@ -347,8 +420,7 @@ class Engine:
                 stats.segments_missed += 1
             else:
                 entries[index] = entry
-                stats.segments_hit += 1
-                stats.cached_tokens += entry.length
+                stats.count_hit(entry.length, built.tier_of(key, tier))
         return entries
 
     def prefill_steps(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None,

@@ -4,7 +4,7 @@ A document built for the request (by this engine or by a peer, before its combin
 miss even once it sits in the public pool, and a head of its prompt combined early is no
 private-pool hit: only what existed before the request arrived counts as cached.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass
@@ -20,6 +20,23 @@ class PrefillStats:
     segments_built_remotely: int = 0  # of the missed, those a peer worker built
     remote_prefill_tokens: int = 0  # the tokens of those documents
     combined_early_tokens: int = 0  # the head of the prompt combined while its documents were still arriving
+    disk_cached_tokens: int = 0  # of cached_tokens, those of documents loaded from the disk tier
+    mooncake_cached_tokens: int = 0  # ... and from Mooncake Store
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Where the reused tokens came from: memory (``device``; host memory on a CPU server), the
+        host tier (none yet), the disk, Mooncake."""
+        lower = self.disk_cached_tokens + self.mooncake_cached_tokens
+        return {"device": self.cached_tokens - lower, "host": 0, "disk": self.disk_cached_tokens,
+                "mooncake": self.mooncake_cached_tokens}
+
+    def count_hit(self, tokens: int, tier: str) -> None:
+        """A document of ``tokens`` cached tokens reused from ``tier``."""
+        self.segments_hit += 1
+        self.cached_tokens += tokens
+        if tier in ("disk", "mooncake"):
+            setattr(self, f"{tier}_cached_tokens", getattr(self, f"{tier}_cached_tokens") + tokens)
 
     @property
     def recomputed_tokens(self) -> int:
@@ -35,6 +52,8 @@ class PrefillStats:
         """Count a resume at the end of ``head`` (a head of this prompt combined early for this
         request) as that head's own reuse, not as a private-pool hit of its length."""
         self.cached_tokens += head.cached_tokens
+        self.disk_cached_tokens += head.disk_cached_tokens
+        self.mooncake_cached_tokens += head.mooncake_cached_tokens
         self.prefix_hit_tokens = head.prefix_hit_tokens
         self.combined_early_tokens = head.prompt_tokens
         self.segments_hit += head.segments_hit
@@ -52,12 +71,18 @@ class BuiltForRequest:
     remote_segments: int = 0
     remote_tokens: int = 0
     heads: tuple[PrefillStats, ...] = ()
+    loaded: tuple[tuple[str, str], ...] = ()  # (key, tier) of documents brought up from a lower tier for it
 
     def with_head(self, head: PrefillStats | None) -> "BuiltForRequest":
         """This record with one more head combined early (None: nothing was combined)."""
         if head is None:
             return self
-        return BuiltForRequest(self.keys, self.remote_segments, self.remote_tokens, (*self.heads, head))
+        return replace(self, heads=(*self.heads, head))
+
+    def tier_of(self, key: str, tier: str) -> str:
+        """Where the document ``key``, found in ``tier``, came from for this request (a lower tier
+        if it was loaded into memory for it before its prefill)."""
+        return dict(self.loaded).get(key, tier)
 
     def head_ending_at(self, tokens: int) -> PrefillStats | None:
         """The early-combined head of ``tokens`` tokens, if any (a resume there was made for this request)."""

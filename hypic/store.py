@@ -8,10 +8,12 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
+from typing import Callable, Protocol
 
 import torch
 
 from .composition import Transition
+from .eviction import Eviction, eviction_order
 from .segments import Seams
 from .state import tensor_bytes
 
@@ -87,31 +89,72 @@ def entry_key(fingerprint: str, seams: Seams, role: Role, token_ids: tuple[int, 
     return digest.hexdigest()
 
 
+class Event(str, Enum):
+    """What happened to an entry in memory (what a lower tier's write policy reacts to)."""
+
+    MADE = "made"  # built here or received from a peer
+    HIT = "hit"
+    EVICTED = "evicted"
+    CLOSING = "closing"  # the server stops gracefully
+
+
+class LowerTiers(Protocol):
+    """Where memory's misses are looked up and its entries written (``hypic.tiers.StorageTiers``)."""
+
+    def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None: ...
+    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None: ...
+    def offer(self, entry: SegmentEntry, event: Event, origin: str = "") -> None: ...
+    def flush(self, names: set[str], namespace: str | None = None) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    def describe(self) -> dict: ...
+
+
+MEMORY_TIER = "device"  # the tier name of memory hits (on a CPU server the device is host memory)
+
+
 class SegmentStore:
-    """The public pool: LRU over whole entries under a byte budget; pinned entries are never evicted.
+    """The public pool: whole entries under a byte budget, evicted least recently used first (or by
+    ``Eviction.COST``, see ``hypic.eviction``); pinned entries are never evicted.
 
     An entry that cannot fit (larger than the budget, or the room is held by pinned entries) is
     not stored; the request that built it still uses it. Sizes are exact tensor bytes.
     """
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int | None = None, lower: LowerTiers | None = None,
+                 eviction: Eviction = Eviction.LRU) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
+        self.budget_bytes, self.lower, self.eviction = budget_bytes, lower, eviction
         self.entries: OrderedDict[str, SegmentEntry] = OrderedDict()
+        self.order = eviction_order(eviction)
+        self.rebuild_cost: Callable[[SegmentEntry], float] = lambda entry: float(len(entry.token_ids))  # set by the engine
         self.pins: Counter[str] = Counter()
-        self.nbytes = 0
+        self.nbytes = self.pinned_bytes = 0  # pinned_bytes: of stored entries in use (never evicted)
         self.hits = self.misses = self.evictions = self.rejected = 0
 
-    def get(self, key: str, token_ids: tuple[int, ...]) -> SegmentEntry | None:
-        """The entry for ``key`` if its token ids are exactly ``token_ids``; marks it recently used."""
+    def get(self, key: str, token_ids: tuple[int, ...], namespace: str = "") -> SegmentEntry | None:
+        """The entry for ``key`` (of cache ``namespace``) if its token ids are exactly ``token_ids``;
+        marks it recently used."""
+        return self.fetch(key, token_ids, namespace)[0]
+
+    def fetch(self, key: str, token_ids: tuple[int, ...], namespace: str = "") -> tuple[SegmentEntry | None, str]:
+        """``get``, and the tier that held the entry (``MEMORY_TIER``, a lower tier's name, "" on a
+        miss). An entry loaded from a lower tier is kept in memory if it fits."""
         entry = self.entries.get(key)
-        if entry is None or entry.token_ids != token_ids:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self.entries.move_to_end(key)
-        return entry
+        if entry is not None and entry.token_ids == token_ids:
+            self.hits += 1
+            self._touch(entry)
+            if self.lower is not None:
+                self.lower.offer(entry, Event.HIT)
+            return entry, MEMORY_TIER
+        self.misses += 1
+        found = self.lower.take(key, token_ids, namespace) if self.lower is not None else None
+        if found is None:
+            return None, ""
+        entry, tier = found
+        if self._store(entry):
+            self.lower.offer(entry, Event.MADE, origin=tier)  # type: ignore[union-attr]
+        return entry, tier
 
     def peek(self, key: str, token_ids: tuple[int, ...]) -> SegmentEntry | None:
         """``get`` without counting it or touching the LRU order (for estimates)."""
@@ -119,42 +162,69 @@ class SegmentStore:
         return entry if entry is not None and entry.token_ids == token_ids else None
 
     def put(self, entry: SegmentEntry) -> bool:
-        """Insert a complete entry, evicting least recently used unpinned ones; False if it does not fit."""
+        """Insert a complete entry, evicting unpinned ones in the eviction order; False if it does not
+        fit. The lower tiers are offered it (whether it fits in memory or not)."""
         if entry.key in self.entries:
             return True
+        if self.lower is not None:
+            self.lower.offer(entry, Event.MADE)
+        return self._store(entry)
+
+    def _store(self, entry: SegmentEntry) -> bool:
         size = entry.nbytes
         if not self._make_room(size):
             self.rejected += 1
             return False
         self.entries[entry.key] = entry
         self.nbytes += size
+        self.pinned_bytes += size if self.pins[entry.key] else 0
+        self._touch(entry)
         return True
+
+    def _touch(self, entry: SegmentEntry) -> None:
+        self.entries.move_to_end(entry.key)
+        self.order.touch(entry.key, self.rebuild_cost(entry) / max(entry.nbytes, 1))
 
     def _make_room(self, size: int) -> bool:
+        """Evict unpinned entries in the eviction order until ``size`` more bytes fit; False (and
+        nothing evicted) if the pinned ones leave too little room."""
         if self.budget_bytes is None:
             return True
-        unpinned = [key for key in self.entries if not self.pins[key]]  # oldest first
-        freeable = sum(self.entries[key].nbytes for key in unpinned)
-        if self.nbytes - freeable + size > self.budget_bytes:
+        if self.pinned_bytes + size > self.budget_bytes:
             return False
-        for key in unpinned:
-            if self.nbytes + size <= self.budget_bytes:
-                break
-            self._remove(key)
+        while self.nbytes + size > self.budget_bytes:
+            key = self.order.victim(lambda k: self.pins[k] > 0)
+            assert key is not None  # the check above leaves enough unpinned bytes
+            evicted = self._remove(key, evicted=True)
             self.evictions += 1
+            if self.lower is not None:
+                self.lower.offer(evicted, Event.EVICTED)
         return True
 
-    def _remove(self, key: str) -> None:
-        self.nbytes -= self.entries.pop(key).nbytes
+    def _remove(self, key: str, evicted: bool = False) -> SegmentEntry:
+        entry = self.entries.pop(key)
+        self.nbytes -= entry.nbytes
+        self.order.forget(key, evicted)
+        return entry
+
+    def close(self) -> None:
+        """Offer every entry to the lower tiers as memory goes away (``write_back`` writes them)."""
+        if self.lower is not None:
+            for entry in self.entries.values():
+                self.lower.offer(entry, Event.CLOSING)
 
     def pin(self, key: str) -> None:
         """Mark an entry in use (a no-op count for keys not stored: the request holds its own copy)."""
         self.pins[key] += 1
+        if self.pins[key] == 1 and key in self.entries:
+            self.pinned_bytes += self.entries[key].nbytes
 
     def unpin(self, key: str) -> None:
         self.pins[key] -= 1
         if self.pins[key] <= 0:
             del self.pins[key]
+            if key in self.entries:
+                self.pinned_bytes -= self.entries[key].nbytes
 
     def clear(self, namespace: str | None = None) -> int:
         """Drop every unpinned entry (of cache ``namespace`` only, if given); returns how many were dropped."""

@@ -24,6 +24,7 @@ from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, 
 from .fields import check_fields
 from .gate import BodyTooLarge, Gate, GateLimits
 from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_flush,
+                       flush_tiers,
                        parse_generate, parse_tokenize, parse_warmup)
 from .tenancy import namespace_of
 from .shapes import OpenAIStream, Shaper
@@ -169,9 +170,10 @@ class Server:
         if self.peers is None or not engine.policy(mode).caches_segments:
             return None, BuiltForRequest()
         built = BuiltForRequest()
-        try:
+        try:  # documents on disk or in Mooncake come up first: held here, never rebuilt by a peer
+            loaded = await asyncio.wrap_future(self.loop.call(lambda: engine.load_from_tiers(parts, mode)))
             plan = await asyncio.to_thread(self.peers.plan, parts, mode, self._held_here)
-            built = self.peers.built_for_request(plan)
+            built = replace(self.peers.built_for_request(plan), loaded=loaded)
             return await self._peer_prefill(plan, parts, mode, logits_from, built)
         except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
             self.peer_failures += 1
@@ -381,12 +383,16 @@ class Server:
         """Every namespace's entries; with a ``cache_salt``, or under ``--isolate-by-key``, only the
         caller's namespace (a tenant never empties another's cache)."""
         raw = await http.body()
-        salt = parse_flush(_parse_json(raw) if raw.strip() else None)
+        request = parse_flush(_parse_json(raw) if raw.strip() else None)
+        if "tiers" in http.query_params:
+            request = replace(request, tiers=flush_tiers(http.query_params["tiers"]))
+        salt = request.salt
         namespace = self._namespace(http, salt or ()) if salt is not None or self.info.isolate_by_key else None
 
-        def flush() -> dict[str, int]:
-            public, private = self.loop.engine.flush(namespace)
-            return {"public_entries_dropped": public, "private_nodes_dropped": private}
+        def flush() -> dict[str, Any]:
+            public, private, lower = self.loop.engine.flush(namespace, request.tiers)
+            return {"public_entries_dropped": public, "private_nodes_dropped": private,
+                    "tiers": sorted(request.tiers), "tier_entries_dropped": lower}
 
         flushed = await asyncio.wrap_future(self.loop.call(flush))
         if self.peers is not None:

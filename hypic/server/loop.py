@@ -262,6 +262,7 @@ class EngineLoop:
         if isinstance(item, Job):
             self.stats.requests_received += 1
             item.remaining = self.engine.uncached_tokens(item.parts, item.mode)
+            self.engine.prefetch(item.parts, item.mode)  # its documents load from disk/Mooncake while it waits
         self.waiting.append(item)
 
     def _leave_queue(self, item: Pending) -> None:
@@ -455,4 +456,5 @@ class EngineLoop:
                              "misses": prefix.misses, "evictions": prefix.evictions,
                              "window_bytes": prefix.window_nbytes, "window_budget_bytes": prefix.window_budget_bytes,
                              "window_evictions": prefix.window_evictions},
+            "tiers": store.lower.describe() if store.lower is not None else None,
         }

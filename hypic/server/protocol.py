@@ -492,10 +492,39 @@ def parse_warmup(body: Any) -> tuple[list[str], tuple[str, ...]]:
     return documents, cache_salt(body)
 
 
-def parse_flush(body: Any) -> tuple[str, ...] | None:
-    """``/flush_cache``: no body (every namespace), or ``{"cache_salt": str}`` (that namespace only)."""
+@dataclass(frozen=True)
+class FlushRequest:
+    """What ``/flush_cache`` empties: which tiers (memory by default, so a flush never wipes a
+    persistent or shared store by accident), and a namespace's salt (None: every namespace)."""
+
+    salt: tuple[str, ...] | None = None
+    tiers: frozenset[str] = frozenset({"memory"})
+
+
+FLUSH_TIERS = ("memory", "disk", "mooncake")
+
+
+def parse_flush(body: Any) -> FlushRequest:
+    """``/flush_cache``: no body (memory, every namespace), ``{"cache_salt": str}`` (that namespace
+    only) and ``{"tiers": [...]}``: any of memory, disk, mooncake, or "all" (a list or a
+    comma-separated string)."""
     if body is None:
-        return None
+        return FlushRequest()
     body = json_object(body)
-    check_fields(body, SALT_FIELDS, "/flush_cache")
-    return cache_salt(body) if any(body.get(name) is not None for name in SALT_FIELDS) else None
+    check_fields(body, SALT_FIELDS | {"tiers"}, "/flush_cache")
+    salt = cache_salt(body) if any(body.get(name) is not None for name in SALT_FIELDS) else None
+    return FlushRequest(salt, flush_tiers(body.get("tiers")))
+
+
+def flush_tiers(value: Any) -> frozenset[str]:
+    """The tiers a flush names (None: memory only)."""
+    if value is None:
+        return FlushRequest.tiers
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise InvalidRequest(f"'tiers' must be a non-empty list of {', '.join(FLUSH_TIERS)} or 'all', got {value!r}")
+    names = [n.strip() for n in names]
+    unknown = [n for n in names if n not in (*FLUSH_TIERS, "all")]
+    if unknown:
+        raise InvalidRequest(f"unknown tier {unknown[0]!r} in 'tiers': use {', '.join(FLUSH_TIERS)} or 'all'")
+    return frozenset(FLUSH_TIERS) if "all" in names else frozenset(names)

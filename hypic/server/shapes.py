@@ -61,7 +61,7 @@ class Shaper:
             "prefix_hit_tokens": stats.prefix_hit_tokens, "segments_hit": stats.segments_hit,
             "segments_missed": stats.segments_missed, "segments_built_remotely": stats.segments_built_remotely,
             "remote_prefill_tokens": stats.remote_prefill_tokens, "combined_early_tokens": stats.combined_early_tokens,
-            "combine_tokens": stats.combine_tokens, "mode": c.mode}
+            "combine_tokens": stats.combine_tokens, "cached_tokens_by_tier": stats.cached_tokens_by_tier, "mode": c.mode}
         if sample.finish_reason is not None:
             meta["e2e_latency"] = c.e2e_s
         if request.logprobs is not None:
@@ -81,7 +81,8 @@ class Shaper:
         prompt = sum(c.prompt_tokens for c in completions)
         generated = sum(c.completion_tokens for c in completions)
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-                "prompt_tokens_details": {"cached_tokens": sum(c.prefill.cached_tokens for c in completions)}}
+                "prompt_tokens_details": {"cached_tokens": sum(c.prefill.cached_tokens for c in completions),
+                                          "cached_tokens_by_tier": _by_tier(completions)}}
 
     def _top_dict(self, lp: TokenLogprob, top: int) -> dict[str, float]:
         entries = {self.token_text(t): v for t, v in lp.top[:top]}
@@ -198,3 +199,12 @@ class OpenAIStream:
         if not self.options.include_usage:
             return []
         return [{**self._chunk([]), "usage": self.shaper.usage(completions)}]
+
+
+def _by_tier(completions: list[Completion]) -> dict[str, int]:
+    """Reused prompt tokens by the tier they came from, summed over ``completions``."""
+    totals: dict[str, int] = {}
+    for c in completions:
+        for tier, tokens in c.prefill.cached_tokens_by_tier.items():
+            totals[tier] = totals.get(tier, 0) + tokens
+    return totals

@@ -65,6 +65,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
            "bytes of sliding-window tails held by the private pool (included in private_pool_bytes)")
     metric("private_pool_window_evictions_total", "counter", snapshot["private_pool"]["window_evictions"],
            "resume points that lost their sliding-window tails to the window budget")
+    if snapshot.get("tiers"):
+        lines += _tier_lines(snapshot["tiers"])
     lines += ["# HELP hypic_time_to_first_token_seconds time to first token", "# TYPE hypic_time_to_first_token_seconds histogram"]
     for bound, count in zip(TTFT_BUCKETS, snapshot["ttft_buckets"]):
         lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="{bound}"}} {count}')
@@ -81,3 +83,33 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
             metric("transfer_group_rebuilds_total", "counter", workers["group_rebuilds"],
                    "torch.distributed transfer groups built (the first one included)")
     return "\n".join(lines) + "\n"
+
+
+TIER_METRICS = (  # (name, kind, field of a tier's status, help)
+    ("tier_healthy", "gauge", "healthy", "1 while the tier answers, 0 while it is skipped after a failure"),
+    ("tier_bytes", "gauge", "bytes", "bytes of entry files the tier holds (this server's index)"),
+    ("tier_entries", "gauge", "entries", "entry files the tier holds (this server's index)"),
+    ("tier_hits_total", "counter", "hits", "memory misses served from the tier"),
+    ("tier_misses_total", "counter", "misses", "memory misses the tier did not hold"),
+    ("tier_bad_entries_total", "counter", "bad_files", "truncated, damaged or foreign entries found, deleted, recomputed"),
+    ("tier_loaded_bytes_total", "counter", "loaded_bytes", "bytes loaded from the tier"),
+    ("tier_load_seconds_total", "counter", "load_seconds", "time spent loading from the tier (read, check, decode)"),
+    ("tier_writes_total", "counter", "writes", "entries written to the tier"),
+    ("tier_write_errors_total", "counter", "write_errors", "writes that failed"),
+    ("tier_evictions_total", "counter", "evictions", "entries the tier evicted to stay within its budget"),
+)
+
+
+def _tier_lines(tiers: dict[str, Any]) -> list[str]:
+    """Per-tier metrics (label ``tier``) and the write-back queue."""
+    lines = []
+    for name, kind, key, help_text in TIER_METRICS:
+        lines += [f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} {kind}"]
+        for tier, status in tiers["tiers"].items():
+            lines.append(f'hypic_{name}{{tier="{tier}"}} {float(status.get(key) or 0)}')
+    for name, key, help_text in (("tier_write_queue", "write_queue", "entries waiting to be written to the tiers"),
+                                 ("tier_write_queue_bytes", "write_queue_bytes", "bytes waiting to be written")):
+        lines += [f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} gauge", f"hypic_{name} {tiers[key]}"]
+    lines += ["# HELP hypic_tier_dropped_writes_total writes dropped because the queue was full",
+              "# TYPE hypic_tier_dropped_writes_total counter", f"hypic_tier_dropped_writes_total {tiers['dropped_writes']}"]
+    return lines

@@ -57,6 +57,9 @@ def _parses(argv: list[str]) -> None:
         synthetic_qa._parse_args(argv[3:])
     elif argv[0] == "pip":
         assert argv in (["pip", "install", "-e", "."], ["pip", "install", "-e", ".[test]"]), argv
+    elif argv[0] == "sh":
+        assert argv == ["sh", "scripts/system-deps.sh"] and (ROOT / argv[1]).is_file()
+        assert "sh scripts/system-deps.sh" in (ROOT / ".ci" / "run").read_text()
     elif argv[0] == "pytest":
         assert argv == ["pytest", "-q"] and "pytest -q" in (ROOT / ".ci" / "run").read_text()
     elif argv[0] != "curl":  # the curl calls run for real below

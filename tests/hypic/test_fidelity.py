@@ -274,3 +274,26 @@ def test_runs_batched_into_varlen_calls_match_reference(setup: Setup, monkeypatc
     resumed = engine.prefill(engine.parse(again.text))
     assert resumed.stats.prefix_hit_tokens == len(case.leading) + 70 + 260
     assert_same_generation(engine_generation(engine, resumed), oracle.generate(again))
+
+
+# ----- documents loaded from the disk tier (a restarted server) ------------------------------------
+@pytest.mark.parametrize("name, state_dtype", [(m, "float32") for m in MODELS] + [("qwen3_5_text-ratio2", "bfloat16"),
+                                                                                  ("minimax", "bfloat16")])
+def test_documents_loaded_from_disk_match_reference(setup: Setup, tmp_path: Path, name: str, state_dtype: str) -> None:
+    """An engine warms three documents into --cache-dir; a fresh engine on the same directory (a
+    restarted server: its memory empty) loads all three from disk and generates what the reference
+    generates (and what the first engine generates)."""
+    from hypic.tiers.options import TierOptions
+
+    case = layout(21, [90, 170, 45])
+    tiers = TierOptions(str(tmp_path / "cache"))
+    first, oracle = setup(name, True, 8, tiers=tiers, state_cache_dtype=state_dtype)
+    first.warmup(list(case.documents))
+    first.close()
+    restarted, _ = setup(name, True, 8, tiers=tiers, state_cache_dtype=state_dtype)
+    prefill = restarted.prefill(restarted.parse(case.text))
+    assert prefill.stats.segments_hit == 3 and prefill.stats.disk_cached_tokens == prefill.stats.cached_tokens > 0
+    ours = engine_generation(restarted, prefill)
+    if state_dtype == "float32":
+        assert_same_generation(ours, oracle.generate(case), "from disk")
+    assert_same_generation(ours, engine_generation(first, first.prefill(first.parse(case.text))), "as first")

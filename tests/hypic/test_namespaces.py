@@ -60,7 +60,7 @@ def test_namespaces_are_cached_apart_and_flushed_apart(engine: Engine) -> None:
     prompt = _prompt(rng, docs)
     for namespace in ("", "team-a", "team-b"):
         assert _counters(engine, prompt, namespace)[0][2] == 2
-    public, private = engine.flush("team-a")
+    public, private, _ = engine.flush("team-a")
     assert public == 2 and private > 0 and len(engine.store) == 4
     assert _counters(engine, prompt, "team-a")[0][:4] == (0, 0, 0, 2)  # cold again
     for namespace in ("", "team-b"):  # untouched: their request states resume the whole prompt but its last token

@@ -157,7 +157,7 @@ BAD_REQUESTS = [
     ("POST", "/generate", json.dumps({"text": "a", "extra_key": "x" * 1025}).encode(), "over the limit of 1024"),
     ("POST", "/warmup", json.dumps({"documents": ["a"], "cache_salt": ["t"]}).encode(), "'cache_salt' must be a string"),
     ("POST", "/flush_cache", json.dumps({"cache_salt": 1}).encode(), "'cache_salt' must be a string"),
-    ("POST", "/flush_cache", json.dumps({"tiers": "all"}).encode(), "'tiers'"),
+    ("POST", "/flush_cache", json.dumps({"tiers": ["tape"]}).encode(), "unknown tier 'tape'"),
     ("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokenz": 5}).encode(), "unsupported field 'max_tokenz'"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}],
                                                  "top_logprobs": 2}).encode(), "needs 'logprobs'"),

@@ -1,0 +1,47 @@
+"""Checks on a segment entry that did not come from this process's own prefill (a peer's shipment,
+a disk file, a shared store) before anything splices it."""
+from .config import ModelConfig
+from .errors import HypicError
+from .store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
+
+
+class EntryMismatch(HypicError):
+    """An entry that came from outside this process (a peer, a file, a shared store) does not match
+    what was asked for or what the model can splice."""
+
+
+def check_entry(entry: SegmentEntry, fingerprint: str, role: Role, config: ModelConfig) -> None:
+    """Raise ``EntryMismatch`` unless ``entry`` is the interior of its own token ids for this model
+    (its key is their content address) with every layer's tensors of the model's shapes."""
+    if entry_key(fingerprint, entry.seams, role, entry.token_ids, entry.namespace) != entry.key:
+        raise EntryMismatch(f"entry {entry.key[:12]} does not address its token ids for this model")
+    interior = entry.seams.interior(len(entry.token_ids))
+    if interior is None or interior != (entry.local_start, entry.local_start + entry.length):
+        raise EntryMismatch(f"entry {entry.key[:12]} has interior {entry.local_start}+{entry.length}, "
+                            f"its seams give {interior}")
+    if len(entry.layers) != config.num_hidden_layers:
+        raise EntryMismatch(f"entry {entry.key[:12]} has {len(entry.layers)} layers, the model {config.num_hidden_layers}")
+    for index, layer in enumerate(entry.layers):
+        expected = _shapes(config, index, entry.length, role)
+        if _layer_shapes(layer) != expected:
+            raise EntryMismatch(f"entry {entry.key[:12]} layer {index}: shapes {_layer_shapes(layer)}, expected {expected}")
+
+
+def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
+    if config.layer_types[index] != "linear_attention":  # a sliding-window layer keeps its last window tokens
+        heads, window = config.kv_heads(index), config.window(index)
+        kept = length if window is None else min(length, window)
+        return ("attention", (heads, kept, config.head_dim), (heads, kept, config.attention_value_dim))
+    heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    transition = None if role is Role.NAIVE_SEGMENT else config.linear_transition_shape
+    conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)
+    return ("linear", transition, (heads, dk, dv), conv_tail)
+
+
+def _layer_shapes(layer: object) -> tuple:
+    if isinstance(layer, AttentionInterior):
+        return ("attention", tuple(layer.keys.shape), tuple(layer.values.shape))
+    if isinstance(layer, LinearInterior):
+        transition = None if layer.transition is None else tuple(layer.transition.value.shape)
+        return ("linear", transition, tuple(layer.zero_start_state.shape), tuple(layer.conv_tail.shape))
+    return (type(layer).__name__,)

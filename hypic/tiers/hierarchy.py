@@ -1,0 +1,337 @@
+"""The public pool's tiers below memory: what is written there (the write policy), loading on a miss,
+faults as misses, and the counters ``/metrics`` and ``/get_server_info`` report.
+
+Reads run on the caller's thread (the engine loop); writes on one background thread, so the engine
+never waits on a disk or a network. A tier that fails is marked unhealthy and skipped for
+``RETRY_S`` seconds, then tried again: the server keeps serving from what it has.
+"""
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from ..store import Event, SegmentEntry
+from .entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry, namespace_dir
+
+log = logging.getLogger("hypic.tiers")
+RETRY_S = 5.0  # a failed tier is skipped this long before it is tried again
+QUEUE_BYTES = 1 << 30  # entries waiting to be written, at most (more are dropped and counted)
+
+
+class WritePolicy(str, Enum):
+    """When a memory entry is written below (HiCache's policies): every entry when it is made; an
+    entry once it is reused (``write_through_selective``); an entry when memory evicts it."""
+
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+class PrefetchPolicy(str, Enum):
+    """How long a request's prefill waits for its documents' loads, started when it arrived
+    (HiCache's policies): not at all (what is not loaded yet is rebuilt), until all are done, or
+    up to a timeout that grows with the bytes to load."""
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+PREFETCH_BASE_S = 0.2  # the timeout policy's wait for any load ...
+PREFETCH_BYTES_PER_S = 200e6  # ... plus the bytes to load at this rate
+MAX_PREFETCHES = 512  # loads started and not yet taken, at most (older ones are forgotten)
+
+
+class BlobTier(Protocol):
+    """A store of whole entry files by address."""
+
+    name: str
+
+    def open(self) -> None: ...  # connect / create; raises if the tier cannot be used now
+    def reading(self, address: str): ...  # context manager: the bytes, or None if absent
+    def contains(self, address: str) -> bool: ...
+    def write(self, address: str, data: bytes) -> None: ...
+    def remove(self, address: str) -> None: ...
+    def flush(self, namespace_dir: str | None) -> int: ...  # entries of one namespace (None: all) dropped
+    def describe(self) -> dict: ...
+
+
+@dataclass
+class TierCounters:
+    """One tier's health and totals since start."""
+
+    healthy: bool = True
+    error: str = ""
+    failed_at: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    bad_files: int = 0  # truncated, damaged or foreign: deleted and counted as misses
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    writes: int = 0
+    written_bytes: int = 0
+    write_errors: int = 0
+
+    def failed(self, err: BaseException) -> None:
+        self.healthy, self.error, self.failed_at = False, f"{type(err).__name__}: {err}", time.monotonic()
+
+
+@dataclass
+class _Pending:
+    entry: SegmentEntry
+    tiers: list[BlobTier]
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.entry.nbytes
+
+
+class StorageTiers:
+    """The tiers below the public pool's memory, fastest first (disk, then Mooncake)."""
+
+    def __init__(self, tiers: list[BlobTier], identity: EntryIdentity,
+                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+                 prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT) -> None:
+        self.tiers, self.identity = tiers, identity
+        self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
+        self.prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hypic-tier-prefetch")
+        self.prefetches: OrderedDict[str, tuple[Future, float]] = OrderedDict()  # key -> (load, its deadline)
+        self.prefetch_counts: Counter[str] = Counter()  # started, used, waited_out
+        self.counters = {tier.name: TierCounters() for tier in tiers}
+        self.lock = threading.Lock()
+        self.queue: queue.Queue[_Pending | None] = queue.Queue()
+        self.queued_bytes = self.dropped_writes = 0
+        self.reused: Counter[str] = Counter()  # memory hits per key (write_through_selective)
+        for tier in tiers:
+            try:
+                tier.open()
+            except Exception as err:
+                log.info("%s tier not ready (%s: %s); retried in the background", tier.name, type(err).__name__, err)
+                self.counters[tier.name].failed(err)
+        self.writer = threading.Thread(target=self._write_loop, name="hypic-tier-writer", daemon=True)
+        self.writer.start()
+
+    # ----- reads ---------------------------------------------------------------------------
+    def load(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
+        """Entry ``key`` of cache ``namespace`` from the fastest tier that holds a good copy, and that
+        tier's name."""
+        address = self.identity.address(key, namespace)
+        for tier in self.tiers:
+            if not self._usable(tier):
+                continue
+            entry = self._load_from(tier, address, key, token_ids)
+            if entry is not None:
+                return entry, tier.name
+        return None
+
+    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None:
+        """Start loading entry ``key`` in the background (a request that needs it just arrived)."""
+        if key in self.prefetches or not any(self._usable(tier) for tier in self.tiers):
+            return
+        deadline = time.monotonic() + PREFETCH_BASE_S + expected_bytes / PREFETCH_BYTES_PER_S
+        self.prefetches[key] = (self.prefetcher.submit(self.load, key, token_ids, namespace), deadline)
+        self.prefetch_counts["started"] += 1
+        while len(self.prefetches) > MAX_PREFETCHES:
+            self.prefetches.popitem(last=False)
+
+    def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
+        """``load``, through the prefetch started for ``key`` if there is one, waiting for it as the
+        prefetch policy says (a load not waited for is a miss: the caller rebuilds the document)."""
+        started = self.prefetches.pop(key, None)
+        if started is None:
+            return self.load(key, token_ids, namespace)
+        future, deadline = started
+        wait = {PrefetchPolicy.BEST_EFFORT: 0.0, PrefetchPolicy.WAIT_COMPLETE: None,
+                PrefetchPolicy.TIMEOUT: max(0.0, deadline - time.monotonic())}[self.prefetch_policy]
+        try:
+            found = future.result(timeout=wait)
+        except FutureTimeout:
+            self.prefetch_counts["waited_out"] += 1
+            return None
+        self.prefetch_counts["used"] += 1
+        return found if found is not None and found[0].token_ids == token_ids else None
+
+    def _load_from(self, tier: BlobTier, address: str, key: str, token_ids: tuple[int, ...]) -> SegmentEntry | None:
+        counters, start = self.counters[tier.name], time.perf_counter()
+        try:
+            with tier.reading(address) as buffer:
+                entry = None if buffer is None else decode_entry(buffer, self.identity, key, token_ids)
+                size = 0 if buffer is None else len(buffer)
+        except BadEntryFile as err:
+            log.warning("%s tier: entry %s unusable (%s); deleted, recomputing", tier.name, address[:12], err)
+            self._count(tier, "bad_files")
+            self._remove(tier, address)
+            entry = None
+        except Exception as err:  # an I/O or connection failure: the tier is down, not the entry bad
+            self._fail(tier, err)
+            return None
+        with self.lock:
+            if entry is None:
+                counters.misses += 1
+                return None
+            counters.healthy, counters.error = True, ""
+            counters.hits += 1
+            counters.loaded_bytes += size
+            counters.load_seconds += time.perf_counter() - start
+        return entry
+
+    def _usable(self, tier: BlobTier) -> bool:
+        """Healthy, or failed over ``RETRY_S`` ago and open again now (a master back, a disk freed)."""
+        counters = self.counters[tier.name]
+        if counters.healthy:
+            return True
+        if time.monotonic() - counters.failed_at < RETRY_S:
+            return False
+        try:
+            tier.open()
+        except Exception as err:
+            self._fail(tier, err)
+            return False
+        log.info("%s tier available again", tier.name)
+        with self.lock:
+            counters.healthy, counters.error = True, ""
+        return True
+
+    def ready(self) -> bool:
+        """Whether every tier answers now (Mooncake connects in the background after a start)."""
+        return all(self._usable(tier) for tier in self.tiers)
+
+    def _remove(self, tier: BlobTier, address: str) -> None:
+        try:
+            tier.remove(address)
+        except Exception as err:
+            self._fail(tier, err)
+
+    def _fail(self, tier: BlobTier, err: BaseException) -> None:
+        log.warning("%s tier unavailable (%s: %s); serving without it", tier.name, type(err).__name__, err)
+        with self.lock:
+            self.counters[tier.name].failed(err)
+
+    def _count(self, tier: BlobTier, name: str, amount: int = 1) -> None:
+        with self.lock:
+            setattr(self.counters[tier.name], name, getattr(self.counters[tier.name], name) + amount)
+
+    # ----- writes --------------------------------------------------------------------------
+    def offer(self, entry: SegmentEntry, event: Event, origin: str = "") -> None:
+        """Tell the tiers what happened to ``entry`` in memory; the write policy decides whether it is
+        written (in the background) to every tier but ``origin`` (where it was just loaded from)."""
+        if not self.writer.is_alive() or not self._wanted(entry, event):
+            return
+        tiers = [tier for tier in self.tiers if tier.name != origin]
+        with self.lock:
+            if self.queued_bytes + entry.nbytes > QUEUE_BYTES:
+                self.dropped_writes += 1
+                return
+            self.queued_bytes += entry.nbytes
+        self.queue.put(_Pending(entry, tiers))
+
+    def _wanted(self, entry: SegmentEntry, event: Event) -> bool:
+        if event is Event.EVICTED or event is Event.CLOSING:  # leaving memory: write_back's moment
+            self.reused.pop(entry.key, None)
+            return self.write_policy is WritePolicy.WRITE_BACK
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            return event is Event.MADE
+        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and event is Event.HIT:
+            self.reused[entry.key] += 1
+            return self.reused[entry.key] == 1  # written at its first reuse
+        return False
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                pending = self.queue.get(timeout=RETRY_S)
+            except queue.Empty:
+                self._probe()  # health is reported, and a failed tier reconnected, without traffic
+                continue
+            if pending is None:
+                break
+            try:
+                self._write(pending)
+            finally:
+                with self.lock:
+                    self.queued_bytes -= pending.nbytes
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def _probe(self) -> None:
+        for tier in self.tiers:
+            if self._usable(tier):
+                try:
+                    tier.contains("probe/health")
+                except Exception as err:
+                    self._fail(tier, err)
+
+    def _write(self, pending: _Pending) -> None:
+        address, data = self.identity.address(pending.entry.key, pending.entry.namespace), None
+        for tier in pending.tiers:
+            if not self._usable(tier):
+                continue
+            try:
+                if tier.contains(address):
+                    continue
+                data = data if data is not None else encode_entry(pending.entry, self.identity)
+                tier.write(address, data)
+            except Exception as err:
+                self._count(tier, "write_errors")
+                self._fail(tier, err)
+                continue
+            with self.lock:
+                counters = self.counters[tier.name]
+                counters.writes, counters.written_bytes = counters.writes + 1, counters.written_bytes + len(data)
+                counters.healthy, counters.error = True, ""
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued write is done; False if ``timeout_s`` passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.queue.unfinished_tasks and self.writer.is_alive():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the queued writes (up to ``timeout_s``) and stop the writer (once; later offers are ignored)."""
+        if not self.writer.is_alive():
+            return
+        self.drain(timeout_s)
+        self.queue.put(None)
+        self.writer.join(timeout=timeout_s)
+        self.prefetcher.shutdown(wait=False, cancel_futures=True)
+
+    # ----- flush and reports ---------------------------------------------------------------
+    def flush(self, names: set[str], namespace: str | None = None) -> dict[str, int]:
+        """Delete the entries of the tiers named in ``names`` (of cache ``namespace`` only, if given);
+        returns how many each tier dropped (a shared store may keep entries another server just read)."""
+        self.drain(30.0)
+        dropped = {}
+        for tier in (t for t in self.tiers if t.name in names):
+            try:
+                dropped[tier.name] = tier.flush(None if namespace is None else namespace_dir(namespace))
+            except Exception as err:
+                self._fail(tier, err)
+                dropped[tier.name] = 0
+        return dropped
+
+    def describe(self) -> dict:
+        """Each tier's configuration, health and counters, the write policy and the write queue."""
+        with self.lock:
+            counters = {name: dict(vars(c)) for name, c in self.counters.items()}
+            queued, dropped = self.queued_bytes, self.dropped_writes
+        tiers = {}
+        for tier in self.tiers:
+            status = counters[tier.name]
+            status.pop("failed_at")
+            try:
+                tiers[tier.name] = {**tier.describe(), **status}
+            except Exception as err:
+                tiers[tier.name] = {**status, "healthy": False, "error": f"{type(err).__name__}: {err}"}
+        return {"write_policy": self.write_policy.value, "prefetch_policy": self.prefetch_policy.value,
+                "prefetches": {name: self.prefetch_counts[name] for name in ("started", "used", "waited_out")},
+                "write_queue": self.queue.unfinished_tasks,
+                "write_queue_bytes": queued, "dropped_writes": dropped, "tiers": tiers}

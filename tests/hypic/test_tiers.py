@@ -1,0 +1,392 @@
+"""The public pool's lower tiers on one engine: the disk tier's files, write policies, faults as
+misses, namespaces, capacity beyond memory. Oracles: an engine without tiers building the same
+documents cold (its greedy tokens), the files' own bytes, closed-form byte budgets."""
+import errno
+import json
+import shutil
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hypic import DEFAULT_SEPARATOR as SEP, Engine
+from hypic.store import SegmentEntry
+from hypic.tiers.disk import DiskTier
+from hypic.tiers.entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry
+from hypic.tiers.hierarchy import WritePolicy
+from hypic.tiers.options import TierOptions
+
+DOCUMENTS = [f"document {i}: " + " ".join(f"fact{i}-{j}" for j in range(25)) for i in range(6)]
+MakeEngine = Callable[..., Engine]
+
+
+@pytest.fixture
+def make(tiny_checkpoint: Path, tmp_path: Path) -> MakeEngine:
+    """``make(public_pool_bytes=None, cache_dir=tmp/cache, **tier options)`` -> a fresh engine."""
+    engines: list[Engine] = []
+
+    def factory(public_pool_bytes: int | None = None, cache_dir: Path | None = tmp_path / "cache", **options) -> Engine:
+        tiers = TierOptions(str(cache_dir), **options) if cache_dir is not None else TierOptions()
+        engines.append(Engine.from_pretrained(tiny_checkpoint, public_pool_bytes=public_pool_bytes, tiers=tiers))
+        return engines[-1]
+
+    yield factory
+    for engine in engines:
+        engine.close()
+
+
+def prompt(order: list[int], query: str = "which fact comes first?", leading: str = "system prompt") -> str:
+    return SEP.join([leading, *(DOCUMENTS[i] for i in order), query])
+
+
+def files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.safetensors"))
+
+
+def tiers_of(engine: Engine):
+    assert engine.store.lower is not None
+    return engine.store.lower
+
+
+def disk_counters(engine: Engine) -> dict:
+    tiers = tiers_of(engine)
+    tiers.drain()
+    return tiers.describe()["tiers"]["disk"]
+
+
+def cold_tokens(make: MakeEngine, text: str) -> list[int]:
+    return make(cache_dir=None).generate(text, max_new_tokens=8).output_ids
+
+
+# ----- the file format ----------------------------------------------------------------------------
+def built_entry(engine: Engine, document: str) -> SegmentEntry:
+    ids = tuple(engine.tokenizer.encode(document))
+    return engine.segment_entry(ids, engine.policy("hypic"))[0]
+
+
+def identity(engine: Engine) -> EntryIdentity:
+    return tiers_of(engine).identity
+
+
+def test_a_file_is_safetensors_with_its_identity(make: MakeEngine, tmp_path: Path) -> None:
+    engine = make()
+    entry = built_entry(engine, DOCUMENTS[0])
+    tiers_of(engine).drain()
+    (path,) = files(tmp_path / "cache")
+    with safe_open(str(path), "pt") as opened:
+        meta = opened.metadata()
+        for index, layer in enumerate(entry.layers):
+            names = ("keys", "values") if hasattr(layer, "keys") else ("state", "conv_tail", "transition")
+            stored = [getattr(layer, "keys", None), getattr(layer, "values", None)] if hasattr(layer, "keys") else \
+                [layer.zero_start_state, layer.conv_tail, layer.transition.value]
+            for name, tensor in zip(names, stored):
+                assert torch.equal(opened.get_tensor(f"{index}.{name}"), tensor)
+    assert meta["key"] == entry.key and meta["fingerprint"] == engine.fingerprint
+    assert meta["model_dtype"] == str(engine.model.dtype) and meta["state_dtype"] == str(engine.state_cache_dtype)
+    assert json.loads(meta["token_ids"]) == list(entry.token_ids) and meta["seams"] == "8,8"
+
+
+def spoil(data: bytes, how: str, engine: Engine) -> bytes:
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    if how == "truncated":
+        return data[:len(data) // 2]
+    if how == "header cut":
+        return data[:8 + size // 2]
+    if how == "flipped byte":
+        return data[:-5] + bytes([data[-5] ^ 0xFF]) + data[-4:]
+    if how == "zeroes":
+        return bytes(len(data))
+    meta = header["__metadata__"]
+    if how == "foreign model":
+        meta["fingerprint"] = "0" * 16
+    elif how == "foreign dtype":
+        meta["state_dtype"] = "torch.bfloat16"
+    elif how == "another document":
+        meta["token_ids"] = json.dumps(list(engine.tokenizer.encode(DOCUMENTS[5])))
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded + data[8 + size:]
+
+
+SPOILS = ["truncated", "header cut", "flipped byte", "zeroes", "foreign model", "foreign dtype", "another document"]
+
+
+@pytest.mark.parametrize("how", SPOILS)
+def test_a_spoiled_file_is_refused_by_the_decoder(make: MakeEngine, how: str) -> None:
+    engine = make(cache_dir=None)
+    entry = built_entry(engine, DOCUMENTS[0])
+    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    data = encode_entry(entry, ident)
+    decoded = decode_entry(data, ident, entry.key, entry.token_ids)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(decoded), _tensors(entry)))
+    with pytest.raises(BadEntryFile):
+        decode_entry(spoil(data, how, engine), ident, entry.key, entry.token_ids)
+
+
+def _tensors(entry: SegmentEntry) -> list[torch.Tensor]:
+    out = []
+    for layer in entry.layers:
+        out += [layer.keys, layer.values] if hasattr(layer, "keys") else [layer.zero_start_state, layer.conv_tail,
+                                                                          layer.transition.value]
+    return out
+
+
+@pytest.mark.parametrize("how", SPOILS)
+def test_a_spoiled_file_is_a_miss_deleted_and_the_answer_unchanged(make: MakeEngine, tmp_path: Path, how: str) -> None:
+    first = make()
+    first.warmup(DOCUMENTS[:2])
+    first.close()
+    for path in files(tmp_path / "cache"):
+        path.write_bytes(spoil(path.read_bytes(), how, first))
+    restarted = make()
+    result = restarted.generate(prompt([1, 0]), max_new_tokens=8)
+    counters = disk_counters(restarted)
+    assert result.segments_hit == 0 and result.segments_missed == 2
+    assert counters["bad_files"] == 2 and counters["healthy"]
+    assert result.output_ids == cold_tokens(make, prompt([1, 0]))
+    rewritten = files(tmp_path / "cache")  # deleted, and the rebuilt entries written again
+    assert len(rewritten) == 2 and all(decode_entry(p.read_bytes(), identity(restarted), *_key(restarted, i))
+                                       for p, i in zip(rewritten, _order(restarted, rewritten)))
+
+
+def _key(engine: Engine, index: int) -> tuple[str, tuple[int, ...]]:
+    ids = tuple(engine.tokenizer.encode(DOCUMENTS[index]))
+    return engine.segment_key(ids, engine.policy("hypic")), ids
+
+
+def _order(engine: Engine, paths: list[Path]) -> list[int]:
+    """Which document each file holds (by its address)."""
+    addresses = {identity(engine).address(_key(engine, i)[0], "").split("/")[1]: i for i in range(len(DOCUMENTS))}
+    return [addresses[p.name.removesuffix(".safetensors")] for p in paths]
+
+
+# ----- persistence, policies, namespaces ----------------------------------------------------------
+def test_a_restarted_engine_serves_stored_documents_from_disk(make: MakeEngine) -> None:
+    first = make()
+    first.warmup(DOCUMENTS[:4])
+    expected = first.generate(prompt([3, 1, 0, 2]), max_new_tokens=8)
+    first.close()
+    restarted = make()
+    result = restarted.generate(prompt([3, 1, 0, 2]), max_new_tokens=8)
+    assert result.segments_hit == 4 and result.stats.cached_tokens_by_tier["disk"] == result.cached_tokens > 0
+    assert result.stats.cached_tokens_by_tier["device"] == 0
+    assert result.output_ids == expected.output_ids == cold_tokens(make, prompt([3, 1, 0, 2]))
+    again = restarted.generate(prompt([2, 3, 1, 0], "again?"), max_new_tokens=8)
+    assert again.stats.cached_tokens_by_tier["disk"] == 0 and again.segments_hit == 4  # now in memory
+
+
+@pytest.mark.parametrize("policy, after_build, after_reuse, after_close", [
+    ("write_through", 3, 3, 3), ("write_through_selective", 0, 1, 1), ("write_back", 0, 0, 3)])
+def test_write_policies_write_when_they_say(make: MakeEngine, tmp_path: Path, policy: str, after_build: int,
+                                            after_reuse: int, after_close: int) -> None:
+    engine = make(write_policy=WritePolicy(policy))
+    engine.warmup(DOCUMENTS[:3])
+    tiers_of(engine).drain()
+    assert len(files(tmp_path / "cache")) == after_build
+    engine.generate(prompt([1]), max_new_tokens=1)  # reuses document 1 once
+    tiers_of(engine).drain()
+    assert len(files(tmp_path / "cache")) == after_reuse
+    engine.close()
+    assert len(files(tmp_path / "cache")) == after_close
+
+
+def test_write_back_writes_what_memory_evicts(make: MakeEngine, tmp_path: Path) -> None:
+    probe = make(cache_dir=None)
+    size = probe.entry_bytes(len(probe.tokenizer.encode(DOCUMENTS[0])))
+    engine = make(public_pool_bytes=2 * size + size // 2, write_policy=WritePolicy.WRITE_BACK)
+    engine.warmup(DOCUMENTS[:4])  # memory holds two: the first two are evicted, so written
+    tiers_of(engine).drain()
+    assert sorted(_order(engine, files(tmp_path / "cache"))) == [0, 1]
+    engine.close()  # and the two still in memory when it stops
+    assert sorted(_order(engine, files(tmp_path / "cache"))) == [0, 1, 2, 3]
+
+
+def test_namespaces_are_kept_apart_on_disk(make: MakeEngine, tmp_path: Path) -> None:
+    first = make()
+    first.warmup(DOCUMENTS[:2], namespace="team-a")
+    first.warmup(DOCUMENTS[2:4], namespace="team-b")
+    first.close()
+    restarted = make()
+    other = restarted.generate(prompt([0, 1]), max_new_tokens=4, namespace="team-b")
+    assert other.segments_hit == 0 and other.segments_missed == 2  # team-a's documents are not team-b's
+    own = restarted.generate(prompt([0, 1]), max_new_tokens=4, namespace="team-a")
+    assert own.segments_hit == 2 and own.stats.disk_cached_tokens > 0
+    _, _, dropped = restarted.flush("team-a", frozenset({"disk"}))
+    assert dropped == {"disk": 2}
+    left = {p.parent.parent.name for p in files(tmp_path / "cache")}
+    assert left == {"ns-team-b"}  # team-b's two, and the two team-b built above
+    assert len(files(tmp_path / "cache")) == 4
+
+
+def test_a_flush_leaves_the_disk_unless_asked(make: MakeEngine, tmp_path: Path) -> None:
+    engine = make()
+    engine.warmup(DOCUMENTS[:3])
+    tiers_of(engine).drain()
+    public, _, dropped = engine.flush()
+    assert public == 3 and dropped == {} and len(files(tmp_path / "cache")) == 3
+    result = engine.generate(prompt([2, 0]), max_new_tokens=2)
+    assert result.segments_hit == 2 and result.stats.disk_cached_tokens == result.cached_tokens
+    _, _, dropped = engine.flush(tiers=frozenset({"memory", "disk"}))
+    assert dropped == {"disk": 3} and files(tmp_path / "cache") == []
+
+
+# ----- capacity and budgets ---------------------------------------------------------------------
+def test_a_working_set_larger_than_memory_is_served_from_disk(make: MakeEngine) -> None:
+    probe = make(cache_dir=None)
+    size = probe.entry_bytes(len(probe.tokenizer.encode(DOCUMENTS[0])))
+    engine = make(public_pool_bytes=2 * size)  # memory holds 2 of the 6 documents
+    for index in range(6):
+        engine.generate(prompt([index]), max_new_tokens=1)
+    second = [engine.generate(prompt([index], "again?", "another system prompt"), max_new_tokens=1) for index in range(6)]
+    assert all(r.segments_hit == 1 for r in second)
+    assert sum(r.stats.disk_cached_tokens > 0 for r in second) >= 4 and engine.store.nbytes <= 2 * size
+
+
+def test_the_disk_budget_keeps_the_most_recently_used_files(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, budget_bytes=250)
+    disk.open()
+    for name in "abc":
+        disk.write(f"shared/{name * 64}", bytes(100))
+    assert disk.describe()["entries"] == 2 and not disk.contains("shared/" + "a" * 64)
+    with disk.reading("shared/" + "b" * 64) as data:  # b becomes the most recent
+        assert data is not None and len(data) == 100
+    disk.write("shared/" + "d" * 64, bytes(100))
+    assert {disk.contains("shared/" + n * 64) for n in "bd"} == {True} and not disk.contains("shared/" + "c" * 64)
+    reopened = DiskTier(tmp_path, budget_bytes=250)  # recency survives a restart (file times)
+    reopened.open()
+    reopened.write("shared/" + "e" * 64, bytes(100))
+    assert reopened.contains("shared/" + "d" * 64) and not reopened.contains("shared/" + "b" * 64)
+
+
+def test_two_writers_of_one_address_leave_one_whole_file(tmp_path: Path) -> None:
+    """Four writers (four servers' tiers on one directory) rewrite one address while a reader reads
+    it: the reader only ever sees a whole payload or nothing, and one whole file is left."""
+    writers = [DiskTier(tmp_path) for _ in range(4)]
+    for writer in writers:
+        writer.open()
+    payloads = [bytes([i]) * 2_000_000 for i in range(4)]
+    address, seen, done = "shared/" + "f" * 64, [], threading.Event()
+    threads = [threading.Thread(target=lambda w=w, p=p: [w.write(address, p) for _ in range(20)])
+               for w, p in zip(writers, payloads)]
+
+    def read() -> None:
+        while not done.is_set():
+            with writers[0].reading(address) as data:
+                seen.append(None if data is None else (len(data), data[0], data[len(data) - 1]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    done.set()
+    reader.join()
+    assert all(s is None or (s[0] == 2_000_000 and s[1] == s[2]) for s in seen), {s for s in seen if s}
+    assert sum(s is not None for s in seen) > 10
+    (path,) = [p for p in tmp_path.rglob("*") if p.is_file()]  # no temporary file left behind
+    assert path.read_bytes() in payloads
+
+
+def test_servers_of_another_dtype_leave_each_others_files_alone(make: MakeEngine, tiny_checkpoint: Path,
+                                                               tmp_path: Path) -> None:
+    first = make()
+    first.warmup(DOCUMENTS[:2])
+    first.close()
+    other = Engine.from_pretrained(tiny_checkpoint, state_cache_dtype="bfloat16", tiers=TierOptions(str(tmp_path / "cache")))
+    result = other.generate(prompt([1, 0]), max_new_tokens=2)
+    other.close()
+    assert result.segments_missed == 2 and disk_counters(other)["bad_files"] == 0
+    assert len(files(tmp_path / "cache")) == 4  # its own two beside the first server's two
+    assert make().generate(prompt([0, 1]), max_new_tokens=2).stats.disk_cached_tokens > 0
+
+
+# ----- a directory that fails ---------------------------------------------------------------------
+def test_an_unusable_directory_is_reported_and_serving_goes_on(make: MakeEngine, tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the cache directory should be")
+    engine = make(cache_dir=blocker / "cache")
+    status = disk_counters(engine)
+    assert not status["healthy"] and "NotADirectoryError" in status["error"]
+    result = engine.generate(prompt([0, 1]), max_new_tokens=8)
+    assert result.output_ids == cold_tokens(make, prompt([0, 1]))
+
+
+def test_a_failing_disk_marks_the_tier_unhealthy_until_it_works_again(make: MakeEngine, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make()
+    real_write = DiskTier.write
+
+    def full(self: DiskTier, address: str, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "write", full)
+    result = engine.generate(prompt([0, 1]), max_new_tokens=8)
+    status = disk_counters(engine)
+    assert not status["healthy"] and "No space left" in status["error"] and status["write_errors"] == 1
+    assert result.output_ids == cold_tokens(make, prompt([0, 1]))
+    monkeypatch.setattr(DiskTier, "write", real_write)
+    monkeypatch.setattr("hypic.tiers.hierarchy.RETRY_S", 0.0)
+    engine.warmup(DOCUMENTS[2:3])
+    status = disk_counters(engine)
+    assert status["healthy"] and status["writes"] == 1
+
+
+def test_a_directory_removed_under_a_running_engine_is_recreated(make: MakeEngine, tmp_path: Path) -> None:
+    engine = make()
+    engine.warmup(DOCUMENTS[:1])
+    tiers_of(engine).drain()
+    shutil.rmtree(tmp_path / "cache")
+    engine.flush()
+    result = engine.generate(prompt([0, 1]), max_new_tokens=2)
+    assert result.segments_missed == 2  # its file is gone: rebuilt
+    tiers_of(engine).drain()
+    assert len(files(tmp_path / "cache")) == 2
+
+
+def test_entries_are_checked_against_the_model_before_use(make: MakeEngine, tmp_path: Path) -> None:
+    """A file renamed to another document's address (its header names the wrong key) is refused."""
+    engine = make()
+    engine.warmup(DOCUMENTS[:2])
+    tiers_of(engine).drain()
+    a, b = files(tmp_path / "cache")
+    data = a.read_bytes()
+    b.write_bytes(data)
+    engine.flush()
+    result = engine.generate(prompt([0, 1]), max_new_tokens=2)
+    assert result.segments_hit == 1 and disk_counters(engine)["bad_files"] == 1
+
+
+# ----- prefetch policies --------------------------------------------------------------------------
+@pytest.mark.parametrize("policy, hits", [("wait_complete", 2), ("best_effort", 0), ("timeout", 0)])
+def test_prefetch_policies_wait_as_they_say(make: MakeEngine, monkeypatch: pytest.MonkeyPatch,
+                                            policy: str, hits: int) -> None:
+    """Loads that take 0.6 s each (a slow tier): wait_complete waits and hits; best_effort rebuilds
+    at once; timeout (0.2 s plus the bytes at 200 MB/s here, far under 0.6 s) gives up and rebuilds.
+    The answer is the same either way."""
+    from hypic.tiers import hierarchy
+
+    first = make()
+    first.warmup(DOCUMENTS[:2])
+    first.close()
+    engine = make(prefetch_policy=hierarchy.PrefetchPolicy(policy))
+    slow_read = DiskTier.reading
+
+    def slow(self: DiskTier, address: str):
+        import time
+        time.sleep(0.6)
+        return slow_read(self, address)
+
+    monkeypatch.setattr(DiskTier, "reading", slow)
+    parts = engine.parse(prompt([1, 0]))
+    assert engine.prefetch(parts) == 2
+    prefill = engine.prefill(parts)
+    assert prefill.stats.segments_hit == hits and prefill.stats.segments_missed == 2 - hits
+    assert tiers_of(engine).describe()["prefetches"]["started"] == 2
+    tokens = [int(prefill.logits.argmax())]
+    assert tokens[0] == cold_tokens(make, prompt([1, 0]))[0]
