@@ -10,6 +10,7 @@ key of a token is its id with its layout marks (``segments.PartMark``): a state
 assembled from spliced segments is resumed only by a request with the same segmentation up to
 the resume point, and never by a plain prompt of the same ids.
 """
+import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import count
@@ -225,21 +226,29 @@ class PrefixCache:
     def _evict(self) -> None:
         """Drop least recently used leaves until the tree fits its budget. Nothing is in use here:
         a hit hands the request a copy, and the engine loop is the only thread touching the tree."""
-        if self.budget_bytes is None:
+        if self.budget_bytes is None or self.nbytes <= self.budget_bytes:
             return
-        while self.nbytes > self.budget_bytes:
-            leaves = [n for n in self._nodes() if not n.children and n.parent is not None]
-            self._remove(min(leaves, key=lambda n: n.last_used))
+        order = count()  # one walk of the tree, then a heap of leaves: a parent joins once it is one
+        leaves = [(n.last_used, next(order), n) for n in self._nodes() if not n.children and n.parent is not None]
+        heapq.heapify(leaves)
+        while self.nbytes > self.budget_bytes and leaves:
+            node = heapq.heappop(leaves)[2]
+            parent = node.parent
+            self._remove(node)
             self.evictions += 1
+            if parent is not None and parent.parent is not None and not parent.children:
+                heapq.heappush(leaves, (parent.last_used, next(order), parent))
 
     def _evict_windows(self) -> None:
         """Over the window budget: the least recently used snapshots holding windows are dropped,
         the full-attention KV of their edges kept (deeper snapshots still need it)."""
-        if self.window_budget_bytes is None:
+        if self.window_budget_bytes is None or self.window_nbytes <= self.window_budget_bytes:
             return
-        while self.window_nbytes > self.window_budget_bytes:
-            holders = [n for n in self._nodes() if _window_bytes(n)]
-            self._drop_snapshot(min(holders, key=lambda n: n.last_used))
+        holders = sorted((n for n in self._nodes() if _window_bytes(n)), key=lambda n: n.last_used)
+        for node in holders:  # dropping a snapshot makes no new holder: one sorted walk
+            if self.window_nbytes <= self.window_budget_bytes:
+                break
+            self._drop_snapshot(node)
             self.window_evictions += 1
 
     def _drop_snapshot(self, node: RadixNode) -> None:

@@ -99,6 +99,22 @@ def test_radix_tree_evicts_lru_leaves_within_budget() -> None:
     assert cache.match("m", cache_key(newest + [0], {}), limit=10, template=_template()).length == 10
 
 
+def test_eviction_climbs_a_chain_once_its_leaves_are_gone() -> None:
+    """One request with a snapshot every 4 tokens is a chain of nodes (one leaf); a budget for about
+    two of them evicts from the leaf upward: each parent becomes a leaf in turn, and the nodes left
+    are the chain's head (closed form: node sizes from the first insert)."""
+    state = _random_state(24, 7)
+    unbounded = PrefixCache()
+    unbounded.insert("m", state, {p: {0: state.layers[0]} for p in range(4, 25, 4)})
+    sizes = sorted((n.depth, n.nbytes) for n in unbounded._nodes() if n.parent is not None)
+    assert len(sizes) == 6
+    budget = sizes[0][1] + sizes[1][1] + sizes[2][1] // 2
+    cache = PrefixCache(budget_bytes=budget)
+    cache.insert("m", state, {p: {0: state.layers[0]} for p in range(4, 25, 4)})
+    assert cache.nbytes == sizes[0][1] + sizes[1][1] and cache.evictions == 4
+    assert cache.peek("m", cache_key(state.token_ids, {}), limit=24) == 8
+
+
 def test_a_flushed_tree_frees_its_tensors_at_once() -> None:
     """A flushed tree's tensors are freed when it is dropped, by reference counting, not at the
     interpreter's next full garbage collection: a soak with flushes once grew the server by

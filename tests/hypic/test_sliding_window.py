@@ -136,3 +136,24 @@ def test_resume_points_of_sliding_window_models_are_sparser() -> None:
     assert -(-(39 * 129 * 8 * 320) // (9 * 4 * 320)) == 1118
     assert default_snapshot_interval(config) == 1280
     assert default_snapshot_interval(parse_config({**MIMO_V2_FLASH, "sliding_window_size": 12})) == 256
+
+
+def test_the_window_budget_drops_the_least_recently_used_tails_first(checkpoint: Path) -> None:
+    """Two prompts' resume points, a window budget that holds the second's tails only: the first's
+    are dropped (it recomputes), the second's kept (it resumes), both with full's output."""
+    rng = random.Random(5)
+    first, second = _text(rng, 100), _text(rng, 100)
+    probe = Engine.from_pretrained(checkpoint, snapshot_interval=32)
+    probe.generate(first + _text(rng, 10), max_new_tokens=1, mode="prefix")
+    first_bytes = probe.prefix_cache.window_nbytes
+    probe.generate(second + _text(rng, 10), max_new_tokens=1, mode="prefix")
+    budget = probe.prefix_cache.window_nbytes - first_bytes
+    engine = Engine.from_pretrained(checkpoint, snapshot_interval=32, private_window_bytes=budget)
+    engine.generate(first + _text(rng, 10), max_new_tokens=1, mode="prefix")
+    engine.generate(second + _text(rng, 10), max_new_tokens=1, mode="prefix")
+    assert engine.prefix_cache.window_evictions > 0
+    for shared, resumes in ((second, True), (first, False)):
+        prompt = shared + _text(rng, 12)
+        result = engine.generate(prompt, max_new_tokens=4, mode="prefix")
+        assert (result.cached_tokens > 0) == resumes
+        assert result.output_ids == engine.generate(prompt, max_new_tokens=4, mode="full").output_ids
