@@ -286,13 +286,21 @@ def _gate_limits(args: argparse.Namespace) -> Any:
     return GateLimits(keys, args.max_request_bytes, args.max_concurrent_per_key)
 
 
+def peer_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of the Ray workers ``hypic serve ARGS`` starts: this process's pools and
+    chunking (a worker chosen as a request's combine node keeps the head it combines early in its
+    private pool, so it needs one; with none it never combined early)."""
+    return {"device": args.device, "dtype": args.dtype, "pic_separator": args.pic_separator,
+            "state_cache_dtype": args.state_cache_dtype, "public_pool_bytes": args.public_pool_size,
+            "private_pool_bytes": args.private_pool_size, "private_window_bytes": args.private_window_pool_size,
+            "chunk_tokens": args.chunked_prefill_size, "snapshot_interval": args.snapshot_interval}
+
+
 def _peers(args: argparse.Namespace, choice: ModelChoice) -> Any:
     """Ray workers 1..N-1, each an engine like this process's (``hypic.router.PeerPrefill``)."""
     from .router import PeerPrefill
 
-    options = {"device": args.device, "dtype": args.dtype, "pic_separator": args.pic_separator,
-               "state_cache_dtype": args.state_cache_dtype, "public_pool_bytes": args.public_pool_size,
-               "private_pool_bytes": 0, "chunk_tokens": args.chunked_prefill_size}
+    options = peer_engine_options(args)
     if args.worker_timeout <= 0:
         raise HypicError("--worker-timeout must be > 0")
     try:

@@ -8,6 +8,7 @@ import ray
 from fastapi.testclient import TestClient
 
 from hypic import DEFAULT_SEPARATOR, Engine, default_model_path
+from hypic.cli import _parser, peer_engine_options
 from hypic.router import PeerPrefill
 from hypic.server.app import ServerInfo, build_app
 from hypic.server.chat import load_chat_template
@@ -18,11 +19,15 @@ Prompt = Callable[[list[int], str], str]
 
 @pytest.fixture
 def served() -> Iterator[tuple[TestClient, PeerPrefill, EngineLoop]]:
+    """The server's engine and its peer configured exactly as ``hypic serve --workers 2`` does."""
+    args = _parser().parse_args(["serve", "--workers", "2", "--threads", "1"])
     template, from_model = load_chat_template(default_model_path())
     info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
-                      DEFAULT_SEPARATOR, 256, 8, None, None, "cpu", "float32")
-    peers = PeerPrefill("default", 2, threads=1)
-    loop = EngineLoop(Engine.from_pretrained("default"), "hypic")
+                      DEFAULT_SEPARATOR, 256, 8, args.public_pool_size, args.private_pool_size, "cpu", "float32")
+    peers = PeerPrefill("default", 2, threads=1, engine_options=peer_engine_options(args))
+    loop = EngineLoop(Engine.from_pretrained("default", public_pool_bytes=args.public_pool_size,
+                                             private_pool_bytes=args.private_pool_size,
+                                             chunk_tokens=args.chunked_prefill_size), "hypic")
     loop.start()
     try:
         yield TestClient(build_app(loop, info, peers)), peers, loop
@@ -59,6 +64,8 @@ def test_the_peer_holding_most_documents_combines(served, pic_prompt: Prompt, do
     assert (meta["cached_tokens"], meta["segments_hit"], meta["segments_missed"]) == (
         expected.cached_tokens, 4, 1)  # the head combined early on the peer counts as its own reuse
     assert meta["segments_built_remotely"] == 0  # document 4 was built by this server
+    parts = loop.engine.parse(prompt)  # the peer combined the head it held while document 4 was on its way
+    assert meta["combined_early_tokens"] == len(parts.leading) + sum(len(s) for s in parts.segments[:4])
     assert len(loop.engine.store.entries) == 1  # only its own build is here: it was shipped, not spliced here
     counts = ray.get(peers.pool.workers[1].receive_counts.remote())  # ... from this process over gloo
     assert (counts.point_to_point, counts.object_store, counts.failed) == (1, 0, 0)
