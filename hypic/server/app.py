@@ -137,7 +137,9 @@ class Server:
         if request.logprobs is not None:
             request.logprobs.input_from(len(parts.token_ids))
         top = request.logprobs.top if request.logprobs is not None else None
-        return request, parts, self.loop.engine.sequences(request.params, parts.token_ids, top)
+        sequences = self.loop.engine.sequences(request.params, parts.token_ids, top)
+        self.loop.check_state_fits(parts, request, len(sequences))  # before peers build or ship anything
+        return request, parts, sequences
 
     async def _submit(self, http: Request, requests: list[GenerationRequest],
                       arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:

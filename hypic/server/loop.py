@@ -180,15 +180,22 @@ class EngineLoop:
                   remote=remote, built=built)
         if arrived is not None:
             job.start = arrived
-        job.footprint = self.engine.state_bytes(len(parts.token_ids) + request.params.max_new_tokens, len(sequences))
-        if self.max_state_bytes is not None and job.footprint > self.max_state_bytes:
-            raise InvalidRequest(f"the request's state may take {job.footprint} bytes (KV of prompt + max_new_tokens "
-                                 f"and linear states, times n), over the server's --max-state-memory of "
-                                 f"{self.max_state_bytes} bytes")
+        job.footprint = self.check_state_fits(parts, request, len(sequences))
         self._enqueue(job)
         if remote is not None:  # wake the loop when the remote prefill is in
             remote.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
         return job
+
+    def check_state_fits(self, parts: PromptParts, request: GenerationRequest, samples: int) -> int:
+        """The state bytes a request may hold (KV of prompt + max_new_tokens and linear states, per
+        sample); raises ``InvalidRequest`` if that can never fit ``max_state_bytes`` (checked before
+        any of its work starts, here or on peers)."""
+        footprint = self.engine.state_bytes(len(parts.token_ids) + request.params.max_new_tokens, samples)
+        if self.max_state_bytes is not None and footprint > self.max_state_bytes:
+            raise InvalidRequest(f"the request's state may take {footprint} bytes (KV of prompt + max_new_tokens "
+                                 f"and linear states, times n), over the server's --max-state-memory of "
+                                 f"{self.max_state_bytes} bytes")
+        return footprint
 
     def warmup(self, documents: list[str], namespace: str = "") -> Future:
         """Cache documents in the server's mode and cache ``namespace``, in chunks; the future holds

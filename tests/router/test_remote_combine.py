@@ -18,16 +18,18 @@ Prompt = Callable[[list[int], str], str]
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[TestClient, PeerPrefill, EngineLoop]]:
-    """The server's engine and its peer configured exactly as ``hypic serve --workers 2`` does."""
-    args = _parser().parse_args(["serve", "--workers", "2", "--threads", "1"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[TestClient, PeerPrefill, EngineLoop]]:
+    """The server's engine and its peer configured exactly as ``hypic serve --workers 2`` does
+    (indirect parameter: more command-line options)."""
+    args = _parser().parse_args(["serve", "--workers", "2", "--threads", "1", *getattr(request, "param", [])])
     template, from_model = load_chat_template(default_model_path())
     info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
                       DEFAULT_SEPARATOR, 256, 8, args.public_pool_size, args.private_pool_size, "cpu", "float32")
     peers = PeerPrefill("default", 2, threads=1, engine_options=peer_engine_options(args))
     loop = EngineLoop(Engine.from_pretrained("default", public_pool_bytes=args.public_pool_size,
                                              private_pool_bytes=args.private_pool_size,
-                                             chunk_tokens=args.chunked_prefill_size), "hypic")
+                                             chunk_tokens=args.chunked_prefill_size), "hypic",
+                      max_state_bytes=args.max_state_memory)
     loop.start()
     try:
         yield TestClient(build_app(loop, info, peers)), peers, loop
@@ -107,3 +109,20 @@ def test_the_server_combines_its_held_head_while_the_peer_builds(served, pic_pro
     fields = ("cached_tokens", "prefix_hit_tokens", "segments_hit", "segments_missed", "combine_tokens")
     assert {f: meta[f] for f in fields} == {f: getattr(expected.stats, f) for f in fields}
     assert (meta["segments_built_remotely"], meta["remote_prefill_tokens"]) == (1, len(parts.segments[2]))
+
+
+@pytest.mark.parametrize("served", [["--max-state-memory", "1.25M"]], indirect=True)
+def test_a_request_that_can_never_fit_is_refused_before_anything_is_built(served, pic_prompt: Prompt) -> None:
+    """Admission comes first: a prompt whose state cannot fit --max-state-memory is a 400 before any
+    of its documents is built here or on the peer, or shipped."""
+    client, peers, loop = served
+    prompt = pic_prompt([0, 1, 2, 3, 4], "Who studied lynxes?")
+    parts = loop.engine.parse(prompt)
+    assert loop.engine.state_bytes(len(parts.token_ids) + 8) > 1.25 * 2**20
+    response = client.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 8}})
+    assert response.status_code == 400 and "--max-state-memory" in response.json()["error"]["message"]
+    assert len(loop.engine.store) == 0 and ray.get(peers.pool.workers[1].held.remote()) == []
+    counts = ray.get(peers.pool.workers[1].receive_counts.remote())
+    assert (counts.point_to_point, counts.object_store, counts.failed) == (0, 0, 0)
+    fits = pic_prompt([0], "Who?")  # a small one still runs
+    assert _generate(client, fits)["output_ids"]
