@@ -173,8 +173,9 @@ class Server:
             return None, BuiltForRequest()
         built = BuiltForRequest()
         try:  # documents on disk or in Mooncake come up first: held here, never rebuilt by a peer
-            loaded = await asyncio.wrap_future(self.loop.call(lambda: engine.load_from_tiers(parts, mode)))
-            plan = await asyncio.to_thread(self.peers.plan, parts, mode, self._held_here)
+            loaded, held = await asyncio.wrap_future(self.loop.call(
+                lambda: (engine.load_from_tiers(parts, mode), self._held_keys())))
+            plan = await asyncio.to_thread(self.peers.plan, parts, mode, held.__contains__)
             built = replace(self.peers.built_for_request(plan), loaded=loaded)
             return await self._peer_prefill(plan, parts, mode, logits_from, built)
         except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
@@ -182,8 +183,9 @@ class Server:
             log.warning("peer prefill failed (%s: %s); the request runs on this worker alone", type(err).__name__, err)
             return None, built
 
-    def _held_here(self, key: str) -> bool:
-        return key in self.loop.engine.store.entries
+    def _held_keys(self) -> frozenset[str]:
+        """The public pool's keys now (call on the loop thread: one thread owns the engine)."""
+        return frozenset(self.loop.engine.store.entries)
 
     async def _peer_prefill(self, plan: Any, parts: PromptParts, mode: str, logits_from: int | None,
                             built: BuiltForRequest) -> tuple[Future | None, BuiltForRequest]:
@@ -372,8 +374,8 @@ class Server:
         """Documents spread by LPT over this engine and the peers, each cached where it is built."""
         engine, mode = self.loop.engine, self.loop.mode
         engine.check_documents(documents)  # as the engine's own warm-up would, before anything is planned
-        plan, counts = await asyncio.to_thread(self.peers.plan_documents, documents, mode,
-                                               lambda key: key in engine.store.entries, namespace)
+        held = await asyncio.wrap_future(self.loop.call(self._held_keys))
+        plan, counts = await asyncio.to_thread(self.peers.plan_documents, documents, mode, held.__contains__, namespace)
         local = self.peers.local_segments(plan)
         building = asyncio.wrap_future(self.loop.build(local, namespace)) if local else None
         await asyncio.to_thread(self.peers.cache, plan, mode)
