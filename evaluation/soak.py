@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--documents", type=int, default=80, help="documents in the Zipf pool")
     parser.add_argument("--pool-size", default="24M", help="the started server's --public-pool-size and --private-pool-size")
     parser.add_argument("--workers", type=int, default=1, help="the started server's --workers (2: Ray worker faults)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="the started server's --cache-dir, kept across its restarts (documents come back from "
+                             "disk after each SIGKILL, writes killed midway included); default: no disk tier")
     parser.add_argument("--fault-every", type=float, default=120.0, help="seconds between faults (0: none)")
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS and pool samples")
     parser.add_argument("--warmup-fraction", type=float, default=0.2,
@@ -77,8 +80,9 @@ class SoakedServer:
     def options(self) -> list[str]:
         args = self.args
         model = [] if args.model == "default" else ["--model", str(args.model)]
+        tiers = [] if args.cache_dir is None else ["--cache-dir", str(args.cache_dir)]
         return [*model, "--mode", args.mode, "--public-pool-size", args.pool_size, "--private-pool-size", args.pool_size,
-                "--workers", str(args.workers), "--log-level", "warning"]
+                "--workers", str(args.workers), "--log-level", "warning", *tiers]
 
     def start(self) -> None:
         from hypic.server.launch import start_server

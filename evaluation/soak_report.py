@@ -126,7 +126,8 @@ def summarize_soak(records: Sequence[dict[str, Any]], args: argparse.Namespace) 
     }
     width = max(10.0, round(args.minutes * 60 / 20))
     return {"study": "soak", "minutes": args.minutes, "clients": args.clients, "workers": args.workers,
-            "pool_size": args.pool_size, "requests": len(requests),
+            "pool_size": args.pool_size, "cache_dir": None if getattr(args, "cache_dir", None) is None else str(args.cache_dir),
+            "disk_cached_tokens": sum(r.get("disk_tokens", 0) for r in requests), "requests": len(requests),
             "outcomes": dict(Counter(r["outcome"] for r in requests)),
             "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())}, "wrong": wrong,
             "replays": len(replays), "replays_same": sum(r["same"] for r in replays),

@@ -46,6 +46,7 @@ class Outcome:
     replay: dict[str, Any] | None = None
     wrong: str = ""
     error: str = ""
+    disk_tokens: int = 0  # prompt tokens reused from the disk tier (--cache-dir)
 
     @property
     def outcome(self) -> str:
@@ -228,6 +229,8 @@ class Client:
                               None if first is None else first - start, namespace)
             if answer is not None and "error" in answer:
                 outcome.status, answer = 500, None  # an error chunk inside a 200 stream is a server error
+        if answer is not None:
+            outcome.disk_tokens = answer.get("meta_info", {}).get("cached_tokens_by_tier", {}).get("disk", 0)
         if answer is not None and body["sampling_params"].get("temperature") == 0:
             outcome.replay = {"path": "/generate", "body": body, "text": answer["text"]}
         return outcome

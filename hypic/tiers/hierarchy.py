@@ -21,7 +21,7 @@ from .entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry,
 
 log = logging.getLogger("hypic.tiers")
 RETRY_S = 5.0  # a failed tier is skipped this long before it is tried again
-QUEUE_BYTES = 1 << 30  # entries waiting to be written, at most (more are dropped and counted)
+QUEUE_BYTES = 1 << 30  # entries waiting to be written, and loads not yet taken, at most (more are dropped)
 
 
 class WritePolicy(str, Enum):
@@ -101,7 +101,8 @@ class StorageTiers:
         self.tiers, self.identity = tiers, identity
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
         self.prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hypic-tier-prefetch")
-        self.prefetches: OrderedDict[str, tuple[Future, float]] = OrderedDict()  # key -> (load, its deadline)
+        self.prefetches: OrderedDict[str, tuple[Future, float, int]] = OrderedDict()  # key -> (load, deadline, bytes)
+        self.prefetched_bytes = 0  # expected bytes of the loads started and not yet taken
         self.prefetch_counts: Counter[str] = Counter()  # started, used, waited_out
         self.counters = {tier.name: TierCounters() for tier in tiers}
         self.lock = threading.Lock()
@@ -135,10 +136,12 @@ class StorageTiers:
         if key in self.prefetches or not any(self._usable(tier) for tier in self.tiers):
             return
         deadline = time.monotonic() + PREFETCH_BASE_S + expected_bytes / PREFETCH_BYTES_PER_S
-        self.prefetches[key] = (self.prefetcher.submit(self.load, key, token_ids, namespace), deadline)
+        future = self.prefetcher.submit(self.load, key, token_ids, namespace)
+        self.prefetches[key] = (future, deadline, expected_bytes)
+        self.prefetched_bytes += expected_bytes
         self.prefetch_counts["started"] += 1
-        while len(self.prefetches) > MAX_PREFETCHES:
-            self.prefetches.popitem(last=False)
+        while len(self.prefetches) > MAX_PREFETCHES or self.prefetched_bytes > QUEUE_BYTES:
+            self.prefetched_bytes -= self.prefetches.popitem(last=False)[1][2]  # a cancelled request's, say
 
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
         """``load``, through the prefetch started for ``key`` if there is one, waiting for it as the
@@ -146,7 +149,8 @@ class StorageTiers:
         started = self.prefetches.pop(key, None)
         if started is None:
             return self.load(key, token_ids, namespace)
-        future, deadline = started
+        future, deadline, expected_bytes = started
+        self.prefetched_bytes -= expected_bytes
         wait = {PrefetchPolicy.BEST_EFFORT: 0.0, PrefetchPolicy.WAIT_COMPLETE: None,
                 PrefetchPolicy.TIMEOUT: max(0.0, deadline - time.monotonic())}[self.prefetch_policy]
         try:

@@ -390,3 +390,17 @@ def test_prefetch_policies_wait_as_they_say(make: MakeEngine, monkeypatch: pytes
     assert tiers_of(engine).describe()["prefetches"]["started"] == 2
     tokens = [int(prefill.logits.argmax())]
     assert tokens[0] == cold_tokens(make, prompt([1, 0]))[0]
+
+
+def test_loads_nobody_takes_are_forgotten_beyond_the_byte_bound(make: MakeEngine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefetches of requests that never ran (cancelled, say) hold decoded entries: past the bound
+    the oldest are dropped, so they cannot pile up."""
+    from hypic.tiers import hierarchy
+
+    monkeypatch.setattr(hierarchy, "QUEUE_BYTES", 1000)
+    tiers = tiers_of(make())
+    for index in range(3):
+        tiers.prefetch(f"key-{index}", (index,), "", 400)
+    assert list(tiers.prefetches) == ["key-1", "key-2"] and tiers.prefetched_bytes == 800
+    assert tiers.take("key-2", (2,), "") is None and tiers.prefetched_bytes == 400  # nothing stored: a miss
