@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -80,10 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ----- shared helpers ---------------------------------------------------------------------------
-def _median_s(runs: list[float]) -> float:
-    return statistics.median(runs)
-
-
 def _timed(action) -> float:
     start = time.perf_counter()
     action()
@@ -149,7 +146,7 @@ def _default_entry(engine: Engine, tokens: int) -> tuple[SegmentEntry, EntryIden
         engine.store.clear()
         engine.segment_entry(ids, policy)
 
-    build = _median_s([_timed(rebuild) for _ in range(3)])
+    build = statistics.median([_timed(rebuild) for _ in range(3)])
     entry = engine.store.get(key, ids)
     assert entry is not None
     identity = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
@@ -164,7 +161,7 @@ def _latency_records(label: str, entry: SegmentEntry, identity: EntryIdentity, f
     disk.open()
     address = identity.address(entry.key, "")
     disk.write(address, data)
-    path = disk._path(address)
+    path = disk.path(address)
 
     def from_disk(drop: bool) -> None:
         if drop:
@@ -194,7 +191,7 @@ def _latency_records(label: str, entry: SegmentEntry, identity: EntryIdentity, f
         action()  # warm-up
         runs = [_timed(action) for _ in range(repeats)]
         records.append({"part": "latency", "model": label, "tier": tier_name, "entry_bytes": len(data),
-                        "seconds": runs, "median_s": _median_s(runs)})
+                        "seconds": runs, "median_s": statistics.median(runs)})
     return records
 
 
@@ -266,9 +263,7 @@ def _capacity_point(args: argparse.Namespace, label: str, eviction: Eviction, op
                     fraction: float, documents: int, prompts: list[str]) -> list[dict[str, Any]]:
     tiers = TierOptions(**options) if options else TierOptions()
     if tiers.cache_dir is not None:
-        with contextlib.suppress(FileNotFoundError):
-            import shutil
-            shutil.rmtree(tiers.cache_dir)
+        shutil.rmtree(tiers.cache_dir, ignore_errors=True)
     engine = Engine.from_pretrained(args.model, public_pool_bytes=budget, private_pool_bytes=0, tiers=tiers,
                                     eviction=eviction)
     _connected(engine)
@@ -298,9 +293,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     restart = [r for r in records if r["part"] == "restart"]
     if restart:
         summary["restart"] = {("with disk" if disk else "without disk"): {
-            "first_hit_s": _median_s([r["first_hit_s"] for r in restart if r["disk"] == disk]),
-            "startup_s": _median_s([r["startup_s"] for r in restart if r["disk"] == disk]),
-            "ttft_s": _median_s([r["ttft_s"] for r in restart if r["disk"] == disk]),
+            "first_hit_s": statistics.median([r["first_hit_s"] for r in restart if r["disk"] == disk]),
+            "startup_s": statistics.median([r["startup_s"] for r in restart if r["disk"] == disk]),
+            "ttft_s": statistics.median([r["ttft_s"] for r in restart if r["disk"] == disk]),
             "segments_hit": min(r["segments_hit"] for r in restart if r["disk"] == disk)} for disk in (True, False)}
     capacity = [r for r in records if r["part"] == "capacity"]
     if capacity:

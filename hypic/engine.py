@@ -304,35 +304,29 @@ class Engine:
         linear = (recurrent + conv) * len(config.linear_layers())
         return samples * (kv + linear)
 
+    def _not_in_memory(self, parts: PromptParts, mode: str) -> list[tuple[str, tuple[int, ...], str]]:
+        """(key, token ids, namespace) of each document of ``parts`` that ``mode`` splices and memory
+        lacks, when there are lower tiers to look in (else none)."""
+        policy = self.policy(mode, parts.namespace)
+        if self.store.lower is None or policy.seams is None:
+            return []
+        documents = [(self.segment_key(parts.segments[i], policy), parts.segments[i])
+                     for i in self._spliced(parts, policy, len(parts.token_ids))]
+        return [(key, ids, policy.namespace) for key, ids in documents if self.store.peek(key, ids) is None]
+
     def prefetch(self, parts: PromptParts, mode: str = "hypic") -> int:
         """Start loading, from the lower tiers, the documents of ``parts`` that ``mode`` splices and
         memory lacks (a serving loop calls this as the request arrives); returns how many."""
-        policy = self.policy(mode, parts.namespace)
-        if self.store.lower is None or policy.seams is None:
-            return 0
-        started = 0
-        for index in self._spliced(parts, policy, len(parts.token_ids)):
-            ids = parts.segments[index]
-            key = self.segment_key(ids, policy)
-            if self.store.peek(key, ids) is None:
-                self.store.lower.prefetch(key, ids, policy.namespace, self.entry_bytes(len(ids), mode))
-                started += 1
-        return started
+        missing = self._not_in_memory(parts, mode)
+        for key, ids, namespace in missing:
+            self.store.lower.prefetch(key, ids, namespace, self.entry_bytes(len(ids), mode))  # type: ignore[union-attr]
+        return len(missing)
 
     def load_from_tiers(self, parts: PromptParts, mode: str = "hypic") -> tuple[tuple[str, str], ...]:
         """Bring the documents of ``parts`` that ``mode`` splices and only a lower tier holds into
         memory now (a router plans with what memory holds); returns (key, tier) of each loaded."""
-        policy, loaded = self.policy(mode, parts.namespace), []
-        if self.store.lower is None or policy.seams is None:
-            return ()
-        for index in self._spliced(parts, policy, len(parts.token_ids)):
-            ids = parts.segments[index]
-            key = self.segment_key(ids, policy)
-            if self.store.peek(key, ids) is None:
-                entry, tier = self.store.fetch(key, ids, policy.namespace)
-                if entry is not None:
-                    loaded.append((key, tier))
-        return tuple(loaded)
+        found = [(key, self.store.fetch(key, ids, namespace)) for key, ids, namespace in self._not_in_memory(parts, mode)]
+        return tuple((key, tier) for key, (entry, tier) in found if entry is not None)
 
     def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:
         """About how many prompt tokens a prefill under ``mode`` would compute now: the prompt less its

@@ -4,7 +4,7 @@ Key = hash(model fingerprint, seams, role, token ids); the token ids are compare
 a hash collision can never splice the wrong document.
 """
 import hashlib
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
@@ -124,8 +124,8 @@ class SegmentStore:
                  eviction: Eviction = Eviction.LRU) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes, self.lower, self.eviction = budget_bytes, lower, eviction
-        self.entries: OrderedDict[str, SegmentEntry] = OrderedDict()
+        self.budget_bytes, self.lower = budget_bytes, lower
+        self.entries: dict[str, SegmentEntry] = {}
         self.order = eviction_order(eviction)
         self.rebuild_cost: Callable[[SegmentEntry], float] = lambda entry: float(len(entry.token_ids))  # set by the engine
         self.pins: Counter[str] = Counter()
@@ -182,7 +182,6 @@ class SegmentStore:
         return True
 
     def _touch(self, entry: SegmentEntry) -> None:
-        self.entries.move_to_end(entry.key)
         self.order.touch(entry.key, self.rebuild_cost(entry) / max(entry.nbytes, 1))
 
     def _make_room(self, size: int) -> bool:

@@ -48,7 +48,7 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     lines: list[str] = []
 
     def metric(name: str, kind: str, value: float, help_text: str) -> None:
-        lines.extend([f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} {kind}", f"hypic_{name} {value}"])
+        lines.extend(_metric_lines(name, kind, help_text, {"": value}))
 
     for name in ("requests_received", "requests_finished", "requests_cancelled", "requests_failed", "requests_refused",
                  "generated_tokens", *PREFILL_TOTALS):
@@ -100,16 +100,21 @@ TIER_METRICS = (  # (name, kind, field of a tier's status, help)
 )
 
 
+def _metric_lines(name: str, kind: str, help_text: str, samples: dict[str, float]) -> list[str]:
+    """One metric's HELP and TYPE lines and its samples (key: the label set, "" for none)."""
+    return [f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} {kind}",
+            *(f"hypic_{name}{labels} {value}" for labels, value in samples.items())]
+
+
 def _tier_lines(tiers: dict[str, Any]) -> list[str]:
     """Per-tier metrics (label ``tier``) and the write-back queue."""
     lines = []
     for name, kind, key, help_text in TIER_METRICS:
-        lines += [f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} {kind}"]
-        for tier, status in tiers["tiers"].items():
-            lines.append(f'hypic_{name}{{tier="{tier}"}} {float(status.get(key) or 0)}')
-    for name, key, help_text in (("tier_write_queue", "write_queue", "entries waiting to be written to the tiers"),
-                                 ("tier_write_queue_bytes", "write_queue_bytes", "bytes waiting to be written")):
-        lines += [f"# HELP hypic_{name} {help_text}", f"# TYPE hypic_{name} gauge", f"hypic_{name} {tiers[key]}"]
-    lines += ["# HELP hypic_tier_dropped_writes_total writes dropped because the queue was full",
-              "# TYPE hypic_tier_dropped_writes_total counter", f"hypic_tier_dropped_writes_total {tiers['dropped_writes']}"]
+        lines += _metric_lines(name, kind, help_text, {f'{{tier="{tier}"}}': float(status.get(key) or 0)
+                                                       for tier, status in tiers["tiers"].items()})
+    for name, kind, key, help_text in (
+            ("tier_write_queue", "gauge", "write_queue", "entries waiting to be written to the tiers"),
+            ("tier_write_queue_bytes", "gauge", "write_queue_bytes", "bytes waiting to be written"),
+            ("tier_dropped_writes_total", "counter", "dropped_writes", "writes dropped because the queue was full")):
+        lines += _metric_lines(name, kind, help_text, {"": tiers[key]})
     return lines

@@ -38,7 +38,7 @@ class DiskTier:
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
-    def _path(self, address: str) -> Path:
+    def path(self, address: str) -> Path:
         """``root/<namespace>/<2 hex>/<digest>.safetensors`` for address ``<namespace>/<digest>``."""
         namespace, _, digest = address.partition("/")
         return self.root / namespace / digest[:2] / f"{digest}{SUFFIX}"
@@ -73,7 +73,7 @@ class DiskTier:
     def reading(self, address: str) -> Iterator[memoryview | None]:
         """The file's bytes, memory-mapped (None if it is not there); valid inside the block only."""
         try:
-            handle = self._path(address).open("rb")
+            handle = self.path(address).open("rb")
         except FileNotFoundError:
             with self.lock:
                 self._unindex(address)  # another server's eviction or a flush
@@ -87,17 +87,17 @@ class DiskTier:
         with self.lock:
             self._index(address, size)
         with contextlib.suppress(OSError):
-            os.utime(self._path(address))
+            os.utime(self.path(address))
 
     def contains(self, address: str) -> bool:
-        return self._path(address).exists()
+        return self.path(address).exists()
 
     def write(self, address: str, data: bytes) -> None:
         """Store ``data`` as ``address`` (then evict the least recently used files over budget);
         raises OSError (disk full, directory gone) leaving no partial file behind."""
         if self.budget_bytes is not None and len(data) > self.budget_bytes:
             return
-        path = self._path(address)
+        path = self.path(address)
         temp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,13 +119,13 @@ class DiskTier:
                 self._unindex(address)
                 self.evictions += 1
             with contextlib.suppress(OSError):
-                self._path(address).unlink()
+                self.path(address).unlink()
 
     def remove(self, address: str) -> None:
         with self.lock:
             self._unindex(address)
         with contextlib.suppress(OSError):
-            self._path(address).unlink()
+            self.path(address).unlink()
 
     def flush(self, namespace_dir: str | None) -> int:
         """Delete every entry file (of one namespace's directory, if given), this server's or not."""

@@ -113,11 +113,6 @@ def encode_entry(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
     return b"".join([struct.pack("<Q", len(encoded)), encoded, *chunks])  # one copy of the tensors
 
 
-def read_metadata(buffer: bytes | memoryview) -> dict[str, str]:
-    """The ``__metadata__`` of an entry file (raises ``BadEntryFile`` if its header is unreadable)."""
-    return _header(buffer)[0].get("__metadata__", {})
-
-
 def _header(buffer: bytes | memoryview) -> tuple[dict, int]:
     if len(buffer) < 8:
         raise BadEntryFile(f"truncated: {len(buffer)} bytes")

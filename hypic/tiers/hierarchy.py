@@ -12,7 +12,7 @@ import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
@@ -81,15 +81,14 @@ class TierCounters:
     def failed(self, err: BaseException) -> None:
         self.healthy, self.error, self.failed_at = False, f"{type(err).__name__}: {err}", time.monotonic()
 
+    def answered(self) -> None:
+        self.healthy, self.error = True, ""
+
 
 @dataclass
 class _Pending:
     entry: SegmentEntry
     tiers: list[BlobTier]
-    nbytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.nbytes = self.entry.nbytes
 
 
 class StorageTiers:
@@ -179,7 +178,7 @@ class StorageTiers:
             if entry is None:
                 counters.misses += 1
                 return None
-            counters.healthy, counters.error = True, ""
+            counters.answered()
             counters.hits += 1
             counters.loaded_bytes += size
             counters.load_seconds += time.perf_counter() - start
@@ -199,7 +198,7 @@ class StorageTiers:
             return False
         log.info("%s tier available again", tier.name)
         with self.lock:
-            counters.healthy, counters.error = True, ""
+            counters.answered()
         return True
 
     def ready(self) -> bool:
@@ -259,7 +258,7 @@ class StorageTiers:
                 self._write(pending)
             finally:
                 with self.lock:
-                    self.queued_bytes -= pending.nbytes
+                    self.queued_bytes -= pending.entry.nbytes
                 self.queue.task_done()
         self.queue.task_done()
 
@@ -288,7 +287,7 @@ class StorageTiers:
             with self.lock:
                 counters = self.counters[tier.name]
                 counters.writes, counters.written_bytes = counters.writes + 1, counters.written_bytes + len(data)
-                counters.healthy, counters.error = True, ""
+                counters.answered()
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write is done; False if ``timeout_s`` passed first."""

@@ -70,11 +70,7 @@ class MooncakeTier:
 
     @contextlib.contextmanager
     def reading(self, address: str) -> Iterator[bytes | None]:
-        client = self._connected()
-        present = client.is_exist(PREFIX + address)
-        if present < 0:
-            raise MooncakeUnavailable(f"is_exist failed with code {present}")
-        data = client.get(PREFIX + address) if present else b""
+        data = self._connected().get(PREFIX + address) if self.contains(address) else b""
         yield data if data else None  # gone between the two calls (evicted): a miss
 
     def contains(self, address: str) -> bool:
