@@ -203,7 +203,7 @@ def _linear_layer(
         assert isinstance(mixer, GatedDeltaNet)
         output, state = _batched_recurrence(mixer, inputs, pieces, entries, index, init.recurrent, naive, windows,
                                             snapshots)
-        return mixer.output(output, proj, h.dtype), LinearLayerState(state, last_rows(windows[-1], mixer.kernel - 1))
+        return mixer.output(output, proj, h.dtype), LinearLayerState(state, last_rows(windows[-1], mixer.kernel - 1).clone())
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
     compose = naive_addition if naive else compose_states
     runs_left = iter(windows)
@@ -225,7 +225,8 @@ def _linear_layer(
             outputs.append(result.output)
         if end in snapshots:
             snapshots[end][index] = LinearLayerState(state, conv)
-    return mixer.output(torch.cat(outputs), proj, h.dtype), LinearLayerState(state, conv)
+    # the conv state is a view of the last run's window: a copy of its k-1 rows lets that window go
+    return mixer.output(torch.cat(outputs), proj, h.dtype), LinearLayerState(state, conv.clone())
 
 
 def _spliced_transition(mixer: LinearMixer, entry: SegmentEntry, index: int,

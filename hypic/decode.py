@@ -3,7 +3,8 @@
 Token-wise work (projections, norms, MLP/MoE, LM head) runs on the B tokens together; the
 recurrent step is batched over the requests' stacked states; only full attention, whose KV
 lengths differ, loops over requests, each over a view of its own KV buffer (the new key and value
-are written in place: nothing the request already holds is copied).
+are written in place: nothing the request already holds is copied), gathered behind the blocks it
+shares (private-pool pages, its prompt's KV shared with sibling samples) when it has any.
 """
 import torch
 

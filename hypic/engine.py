@@ -289,20 +289,23 @@ class Engine:
         if self.store.lower is not None:
             self.store.lower.close()
 
-    def state_bytes(self, tokens: int, samples: int = 1) -> int:
+    def state_bytes(self, tokens: int, samples: int = 1, shared_tokens: int = 0) -> int:
         """Memory a request's state takes: KV of ``tokens`` tokens per sample in every full-attention
-        layer, a window's ring in every sliding-window layer, plus each sample's linear-layer states
-        (the server's admission budget)."""
+        layer (the first ``shared_tokens`` of them held once for all samples, which fork from the
+        prompt without copying it), a window's ring in every sliding-window layer, plus each sample's
+        linear-layer states (the server's admission budget)."""
         config, size = self.model.config, torch.empty(0, dtype=self.model.dtype).element_size()
-        kv = 0
+        kv = rings = 0
         for index in config.attention_layers():  # per token held: a ring holds ``window`` tokens at any length
             window = config.window(index)
-            held = tokens if window is None else window
-            kv += held * config.kv_elements(index) * size
+            if window is None:
+                kv += (samples * (tokens - shared_tokens) + shared_tokens) * config.kv_elements(index) * size
+            else:
+                rings += window * config.kv_elements(index) * size
         recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
         linear = (recurrent + conv) * len(config.linear_layers())
-        return samples * (kv + linear)
+        return kv + samples * (rings + linear)
 
     def _not_in_memory(self, parts: PromptParts, mode: str) -> list[tuple[str, tuple[int, ...], str]]:
         """(key, token ids, namespace) of each document of ``parts`` that ``mode`` splices and memory

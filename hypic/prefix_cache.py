@@ -9,18 +9,27 @@ state is an approximation that an exact mode must not reuse) and cache namespace
 key of a token is its id with its layout marks (``segments.PartMark``): a state
 assembled from spliced segments is resumed only by a request with the same segmentation up to
 the resume point, and never by a plain prompt of the same ids.
+
+A hit copies nothing: a node keeps its edge's KV in pages of ``PAGE_TOKENS`` positions (cut at
+multiples of it), and the resumed request reads those pages where they lie
+(``AttentionLayerState.shared``). Its ``PrefixLease`` pins the path's nodes (``RadixNode.users``)
+until the last state holding it is gone: eviction passes them by, so the pool's bytes stay the
+bytes in memory. A split copies at most the one page it cuts through.
 """
 import heapq
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import count, pairwise
 
 import torch
 
 from .segments import MARK_BITS
-from .state import AttentionLayerState, LayerState, LinearLayerState, RequestState, WindowLayerState, tensor_bytes
+from .state import (AttentionLayerState, KVBlock, LayerState, LinearLayerState, RequestState, WindowLayerState,
+                    tensor_bytes)
 
 MARK_MASK = (1 << MARK_BITS) - 1
+PAGE_TOKENS = 128  # positions per KV page: a split copies at most one page
 
 # layer index -> its state at a position: a linear layer's recurrent state and conv window, a
 # sliding-window layer's last ``window`` keys and values (the only SWA KV the tree keeps)
@@ -38,25 +47,69 @@ def _kept(state: LinearLayerState | WindowLayerState) -> LinearLayerState | Wind
     return state.fork() if isinstance(state, WindowLayerState) else LinearLayerState(state.recurrent.clone(), state.conv.clone())
 
 
+def _paged(keys: torch.Tensor, values: torch.Tensor, lo: int) -> list[KVBlock]:
+    """Copies of the KV [Hkv, n, D] of positions lo..lo+n-1, cut at multiples of ``PAGE_TOKENS``."""
+    hi = lo + keys.shape[1]
+    cuts = [lo, *range((lo // PAGE_TOKENS + 1) * PAGE_TOKENS, hi, PAGE_TOKENS), hi]
+    return [(keys[:, a - lo : b - lo].clone(), values[:, a - lo : b - lo].clone()) for a, b in pairwise(cuts)]
+
+
+def _cut_pages(pages: list[KVBlock], at: int) -> tuple[list[KVBlock], list[KVBlock]]:
+    """Pages holding n positions split into the first ``at`` positions' and the rest's; a page cut
+    through is copied in two (the halves own exactly their bytes)."""
+    offset = 0
+    for index, (keys, values) in enumerate(pages):
+        if offset + keys.shape[1] > at:
+            cut = at - offset
+            if cut == 0:
+                return pages[:index], pages[index:]
+            upper, lower = (keys[:, :cut].clone(), values[:, :cut].clone()), (keys[:, cut:].clone(), values[:, cut:].clone())
+            return [*pages[:index], upper], [lower, *pages[index + 1 :]]
+        offset += keys.shape[1]
+    return pages, []
+
+
 @dataclass(eq=False)
 class RadixNode:
-    """Tokens ``edge`` (their keys: ids with marks) after the parent's end; ``kv`` of those tokens per
-    attention layer [Hkv, len, D]."""
+    """Tokens ``edge`` (their keys: ids with marks) after the parent's end; ``pages`` of those tokens'
+    KV per attention layer ([Hkv, n, D] blocks in position order)."""
 
     edge: tuple[int, ...]
     parent: "RadixNode | None"
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    pages: dict[int, list[KVBlock]]
     depth: int  # tokens from the root to this node's end
     children: dict[int, "RadixNode"] = field(default_factory=dict)
     snapshot: Snapshot | None = None
     last_used: int = 0
+    users: int = 0  # requests reading this node's pages (see ``PrefixLease``): never evicted while > 0
 
     @property
     def nbytes(self) -> int:
-        total = sum(tensor_bytes(k, v) for k, v in self.kv.values())
+        total = sum(tensor_bytes(k, v) for pages in self.pages.values() for k, v in pages)
         if self.snapshot is not None:
             total += sum(s.nbytes for s in self.snapshot.values())
         return total
+
+
+class PrefixLease:
+    """The nodes of a hit's path, pinned while a request reads their pages: released by ``release``
+    or, at the latest, when the last state holding the lease is gone (whichever thread drops it:
+    hence the lock)."""
+
+    def __init__(self, nodes: list[RadixNode], lock: threading.Lock) -> None:
+        self.nodes, self._lock = nodes, lock
+        with lock:
+            for node in nodes:
+                node.users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            nodes, self.nodes = self.nodes, []
+            for node in nodes:
+                node.users -= 1
+
+    def __del__(self) -> None:
+        self.release()
 
 
 @dataclass
@@ -107,6 +160,8 @@ class PrefixCache:
         self.nbytes = self.window_nbytes = 0
         self.hits = self.misses = self.evictions = self.window_evictions = 0
         self._clock = count(1)
+        self._leaves: dict[RadixNode, None] = {}  # nodes without children, oldest first (the eviction candidates)
+        self._lock = threading.Lock()  # for ``RadixNode.users``, which a dropped lease lowers on any thread
 
     # ----- lookup -------------------------------------------------------------------------
     def match(self, tree: str, key: list[int], limit: int, template: RequestState) -> PrefixHit | None:
@@ -137,6 +192,8 @@ class PrefixCache:
         return best
 
     def _assemble(self, node: RadixNode, key: list[int], template: RequestState) -> RequestState:
+        """The state at ``node``'s end, reading the path's pages in place (nothing copied but the
+        sliding-window rings, which the request writes into)."""
         path, tick = [], next(self._clock)
         walk: RadixNode | None = node
         while walk is not None and walk.parent is not None:
@@ -145,17 +202,18 @@ class PrefixCache:
             walk = walk.parent
         path.reverse()
         assert node.snapshot is not None
+        lease = PrefixLease(path, self._lock)
         layers: list[LayerState] = []
         for index, empty in enumerate(template.layers):
             if isinstance(empty, LinearLayerState):
                 layers.append(node.snapshot[index])
-            elif isinstance(empty, WindowLayerState):  # the request writes into its ring: its own copy
+            elif isinstance(empty, WindowLayerState):
                 window = node.snapshot[index]
                 assert isinstance(window, WindowLayerState)
                 layers.append(window.fork())
             else:
-                layers.append(AttentionLayerState.concat([empty.keys] + [n.kv[index][0] for n in path],
-                                                         [empty.values] + [n.kv[index][1] for n in path]))
+                pages = tuple(page for n in path for page in n.pages[index])
+                layers.append(AttentionLayerState(empty.keys, empty.values, shared=pages, lease=lease))
         prefix = key[: node.depth]
         marks = {position: k & MARK_MASK for position, k in enumerate(prefix) if k & MARK_MASK}
         return RequestState(layers, node.depth, [k >> MARK_BITS for k in prefix], marks)
@@ -195,21 +253,24 @@ class PrefixCache:
         return node
 
     def _new_node(self, parent: RadixNode, state: RequestState, key: list[int], lo: int, hi: int) -> RadixNode:
-        kv = {i: (layer.keys[:, lo:hi].clone(), layer.values[:, lo:hi].clone())
-              for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)}
-        node = RadixNode(tuple(key[lo:hi]), parent, kv, hi)
+        pages = {i: _paged(*layer.kv(lo, hi), lo)
+                 for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)}
+        node = RadixNode(tuple(key[lo:hi]), parent, pages, hi)
         parent.children[node.edge[0]] = node
+        self._leaves.pop(parent, None)
+        self._leaves[node] = None
         self.nbytes += node.nbytes
         return node
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
-        """Cut ``node``'s edge after ``at`` tokens; returns the new upper node (clones keep sizes exact)."""
+        """Cut ``node``'s edge after ``at`` tokens; returns the new upper node. ``node`` stays the lower
+        one (a lease pinning it keeps it pinned; its new parent is never a leaf while it lives)."""
         assert node.parent is not None
-        upper_kv = {i: (k[:, :at].clone(), v[:, :at].clone()) for i, (k, v) in node.kv.items()}
-        upper = RadixNode(node.edge[:at], node.parent, upper_kv, node.depth - len(node.edge) + at,
-                          last_used=node.last_used)
+        cut = {i: _cut_pages(pages, at) for i, pages in node.pages.items()}
+        upper = RadixNode(node.edge[:at], node.parent, {i: halves[0] for i, halves in cut.items()},
+                          node.depth - len(node.edge) + at, last_used=node.last_used)
         node.parent.children[upper.edge[0]] = upper
-        node.kv = {i: (k[:, at:].clone(), v[:, at:].clone()) for i, (k, v) in node.kv.items()}
+        node.pages = {i: halves[1] for i, halves in cut.items()}
         node.edge, node.parent = node.edge[at:], upper
         upper.children[node.edge[0]] = node
         return upper
@@ -224,19 +285,19 @@ class PrefixCache:
         return nodes
 
     def _evict(self) -> None:
-        """Drop least recently used leaves until the tree fits its budget. Nothing is in use here:
-        a hit hands the request a copy, and the engine loop is the only thread touching the tree."""
+        """Drop least recently used leaves until the tree fits its budget, passing by pinned ones
+        (a request reads their pages); a parent becomes a candidate once its last child is gone."""
         if self.budget_bytes is None or self.nbytes <= self.budget_bytes:
             return
-        order = count()  # one walk of the tree, then a heap of leaves: a parent joins once it is one
-        leaves = [(n.last_used, next(order), n) for n in self._nodes() if not n.children and n.parent is not None]
+        order = count()
+        leaves = [(n.last_used, next(order), n) for n in self._leaves if n.users == 0]
         heapq.heapify(leaves)
         while self.nbytes > self.budget_bytes and leaves:
             node = heapq.heappop(leaves)[2]
             parent = node.parent
             self._remove(node)
             self.evictions += 1
-            if parent is not None and parent.parent is not None and not parent.children:
+            if parent is not None and parent.parent is not None and not parent.children and parent.users == 0:
                 heapq.heappush(leaves, (parent.last_used, next(order), parent))
 
     def _evict_windows(self) -> None:
@@ -259,10 +320,14 @@ class PrefixCache:
         node.snapshot = None
 
     def _remove(self, node: RadixNode) -> None:
-        assert node.parent is not None
+        parent = node.parent
+        assert parent is not None
         self.nbytes -= node.nbytes
         self.window_nbytes -= _window_bytes(node)
-        del node.parent.children[node.edge[0]]
+        del parent.children[node.edge[0]]
+        self._leaves.pop(node, None)
+        if parent.parent is not None and not parent.children:
+            self._leaves[parent] = None
 
     def clear(self, trees: Callable[[str], bool] | None = None) -> int:
         """Drop every tree (``trees``: those whose name it accepts); returns how many nodes were
@@ -274,6 +339,7 @@ class PrefixCache:
         for node in nodes:
             self.nbytes -= node.nbytes
             self.window_nbytes -= _window_bytes(node)
+            self._leaves.pop(node, None)
             node.parent, node.children = None, {}
         return len(nodes) - len(names)
 

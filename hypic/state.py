@@ -1,11 +1,13 @@
 """Per-request running state: what decode continues from (the private pool's unit).
 
-A request's state is owned by that request and grows in place: the combine pass and decode append
-to its full-attention KV buffers (capacity doubling, or reserved up front), so a decode step
-copies nothing the request already holds. ``fork`` gives an independent copy (n samples of one
-prompt); a state handed to ``combine`` or ``decode_batch`` is consumed by it.
+A request's state grows in place: the combine pass and decode append to its own full-attention KV
+buffers (capacity doubling, or reserved up front), so a decode step copies nothing the request
+already holds. KV it resumed from (the private pool's pages) or shares with its sibling samples
+(``fork``) is read where it lies, never copied into the request; a state handed to ``combine`` or
+``decode_batch`` is consumed by it.
 """
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -28,55 +30,104 @@ class LinearLayerState:
         return tensor_bytes(self.recurrent, self.conv)
 
 
-class AttentionLayerState:
-    """Keys (rotated at their global positions) [Hkv, T, Dk] and values [Hkv, T, Dv] of one full-attention layer,
-    held in buffers of some capacity >= T that grow in place."""
+KVBlock = tuple[torch.Tensor, torch.Tensor]  # keys [Hkv, n, Dk] and values [Hkv, n, Dv] of n consecutive positions
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 0) -> None:
+
+class Lease(Protocol):
+    """A hold on shared KV blocks' owner (``prefix_cache.PrefixLease``)."""
+
+    def release(self) -> None: ...
+
+
+class AttentionLayerState:
+    """Keys (rotated at their global positions) [Hkv, T, Dk] and values [Hkv, T, Dv] of one full-attention
+    layer. The first ``shared_length`` positions may sit in read-only ``shared`` blocks that others hold
+    too (the private pool's pages after a hit, a prompt's KV shared by its samples: neither is
+    copied); the rest is the request's own, in buffers of some capacity that grow in place.
+    ``lease``: whatever keeps the shared blocks' owners from dropping them while this state lives."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int = 0,
+                 shared: tuple[KVBlock, ...] = (), lease: Lease | None = None) -> None:
+        """``keys`` / ``values``: the own positions after the shared ones (copied into a buffer of
+        ``capacity`` tokens or more)."""
         length, room = keys.shape[1], max(capacity, keys.shape[1])
+        self.shared, self.lease = shared, lease
+        self.shared_length = sum(block[0].shape[1] for block in shared)
         self._keys = keys.new_empty(keys.shape[0], room, keys.shape[2])
         self._values = values.new_empty(values.shape[0], room, values.shape[2])  # narrower under latent attention
         self._keys[:, :length], self._values[:, :length] = keys, values
-        self.length = length
+        self._own = length
 
-    @classmethod
-    def concat(cls, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int = 0) -> "AttentionLayerState":
-        """One state from pieces [Hkv, n_i, D] laid end to end (one allocation, one copy of each)."""
-        state = cls(keys[0][:, :0], values[0][:, :0], max(capacity, sum(k.shape[1] for k in keys)))
-        for k, v in zip(keys, values):
-            state.append(k, v)
-        return state
+    @property
+    def length(self) -> int:
+        """Positions held (shared and own)."""
+        return self.shared_length + self._own
+
+    @length.setter
+    def length(self, length: int) -> None:
+        if length < self.shared_length:
+            raise ValueError(f"cannot cut a state to {length} positions inside its {self.shared_length} shared ones")
+        self._own = length - self.shared_length
 
     @property
     def keys(self) -> torch.Tensor:
-        return self._keys[:, : self.length]
+        """All keys [Hkv, T, Dk]: a view of the own buffer, or, behind shared blocks, a gathered copy
+        (transient: what attention reads)."""
+        return self._gather(0)
 
     @property
     def values(self) -> torch.Tensor:
-        return self._values[:, : self.length]
+        return self._gather(1)
+
+    def _gather(self, which: int) -> torch.Tensor:
+        own = (self._keys, self._values)[which][:, : self._own]
+        if not self.shared:
+            return own
+        return torch.cat([block[which] for block in self.shared] + [own], dim=1)
+
+    def kv(self, lo: int, hi: int) -> KVBlock:
+        """Keys and values of positions lo..hi-1 (views when they lie in one block or in the own buffer)."""
+        pieces, offset = [], 0
+        for keys, values in (*self.shared, (self._keys[:, : self._own], self._values[:, : self._own])):
+            a, b = max(lo, offset), min(hi, offset + keys.shape[1])
+            if a < b:
+                pieces.append((keys[:, a - offset : b - offset], values[:, a - offset : b - offset]))
+            offset += keys.shape[1]
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([k for k, _ in pieces], dim=1), torch.cat([v for _, v in pieces], dim=1)
 
     @property
     def capacity(self) -> int:
-        return self._keys.shape[1]
+        """Positions this state can hold without reallocating its own buffer."""
+        return self.shared_length + self._keys.shape[1]
 
     def reserve(self, total: int) -> None:
-        """Room for ``total`` tokens without reallocating (copies what is held once, if it must grow)."""
-        if total > self.capacity:
-            keys, values = self._keys.new_empty(self._keys.shape[0], total, self._keys.shape[2]), self._values.new_empty(
-                self._values.shape[0], total, self._values.shape[2])
-            keys[:, : self.length], values[:, : self.length] = self.keys, self.values
+        """Room for ``total`` tokens without reallocating (copies what is owned once, if it must grow)."""
+        room = total - self.shared_length
+        if room > self._keys.shape[1]:
+            keys, values = self._keys.new_empty(self._keys.shape[0], room, self._keys.shape[2]), self._values.new_empty(
+                self._values.shape[0], room, self._values.shape[2])
+            keys[:, : self._own], values[:, : self._own] = self._keys[:, : self._own], self._values[:, : self._own]
             self._keys, self._values = keys, values
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add n tokens' keys and values [Hkv, n, D] after the ones held (capacity doubles when full)."""
         end = self.length + keys.shape[1]
         if end > self.capacity:
-            self.reserve(max(end, 2 * self.capacity))
-        self._keys[:, self.length : end], self._values[:, self.length : end] = keys, values
-        self.length = end
+            self.reserve(max(end, self.shared_length + 2 * self._keys.shape[1]))
+        lo, hi = self._own, self._own + keys.shape[1]
+        self._keys[:, lo:hi], self._values[:, lo:hi] = keys, values
+        self._own = hi
 
     def fork(self) -> "AttentionLayerState":
-        return AttentionLayerState(self.keys, self.values, self.capacity)
+        """Another state of the same positions that shares them (nothing copied): what this state owns
+        becomes a shared block of both, and each appends into a buffer of its own from here on."""
+        if self._own:
+            self.shared += ((self._keys[:, : self._own], self._values[:, : self._own]),)
+            self.shared_length += self._own
+            self._keys, self._values, self._own = self._keys[:, :0], self._values[:, :0], 0
+        return AttentionLayerState(self._keys, self._values, 0, self.shared, self.lease)
 
     def __getstate__(self) -> dict[str, torch.Tensor]:
         """Pickled (sent to another process) as the tokens held, not the spare capacity."""
@@ -87,8 +138,12 @@ class AttentionLayerState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of both buffers at their capacity (what the layer holds in memory)."""
+        """Bytes of the own buffers at their capacity (shared blocks are their holders' to count)."""
         return tensor_bytes(self._keys, self._values)
+
+    @property
+    def shared_nbytes(self) -> int:
+        return sum(tensor_bytes(*block) for block in self.shared)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.keys, self.values
@@ -242,7 +297,9 @@ class RequestState:
         self.length = mark.length
 
     def fork(self) -> "RequestState":
-        """An independent copy (its KV buffers copied; linear states are never written in place)."""
+        """Another state of the same tokens that decode may grow apart from this one: full-attention KV
+        held so far is shared by both (``AttentionLayerState.fork``), sliding-window rings copied,
+        linear states shared (they are never written in place)."""
         layers = [layer if isinstance(layer, LinearLayerState) else layer.fork() for layer in self.layers]
         return RequestState(layers, self.length, list(self.token_ids), dict(self.marks))
 
@@ -253,5 +310,17 @@ class RequestState:
 
     @property
     def nbytes(self) -> int:
-        """Exact tensor bytes held by this state (KV buffers at their capacity)."""
+        """Exact tensor bytes this state holds of its own (KV buffers at their capacity, rings,
+        linear states); KV blocks it shares with the private pool or its sibling samples are not counted."""
         return sum(layer.nbytes for layer in self.layers)
+
+    def release(self) -> None:
+        """Let go of the holds on shared blocks' owners (the private pool may evict them again; this
+        state stays readable while referenced). Dropping the state does the same."""
+        for layer in self.layers:
+            if isinstance(layer, AttentionLayerState) and layer.lease is not None:
+                layer.lease.release()
+
+    def shared_blocks(self) -> list[KVBlock]:
+        """The KV blocks this state reads but does not own (see ``AttentionLayerState.shared``)."""
+        return [block for layer in self.layers if isinstance(layer, AttentionLayerState) for block in layer.shared]

@@ -27,7 +27,7 @@ from ..errors import HypicError, InvalidRequest
 from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
-from ..state import RequestState
+from ..state import RequestState, tensor_bytes
 from .protocol import Completion, GenerationRequest, SampleResult
 from .stats import LoopStats
 
@@ -187,10 +187,11 @@ class EngineLoop:
         return job
 
     def check_state_fits(self, parts: PromptParts, request: GenerationRequest, samples: int) -> int:
-        """The state bytes a request may hold (KV of prompt + max_new_tokens and linear states, per
-        sample); raises ``InvalidRequest`` if that can never fit ``max_state_bytes`` (checked before
-        any of its work starts, here or on peers)."""
-        footprint = self.engine.state_bytes(len(parts.token_ids) + request.params.max_new_tokens, samples)
+        """The state bytes a request may hold (KV of the prompt, which its samples share, and of
+        max_new_tokens and linear states per sample); raises ``InvalidRequest`` if that can never
+        fit ``max_state_bytes`` (checked before any of its work starts, here or on peers)."""
+        prompt = len(parts.token_ids)
+        footprint = self.engine.state_bytes(prompt + request.params.max_new_tokens, samples, shared_tokens=prompt)
         if self.max_state_bytes is not None and footprint > self.max_state_bytes:
             raise InvalidRequest(f"the request's state may take {footprint} bytes (KV of prompt + max_new_tokens "
                                  f"and linear states, times n), over the server's --max-state-memory of "
@@ -339,6 +340,7 @@ class EngineLoop:
     def _fail(self, job: Job, err: Exception) -> None:
         traceback.print_exc()
         self._remove(job)
+        self._release(job)
         self.stats.requests_failed += 1
         job.emit(ErrorEvent(f"internal error while serving the request: {type(err).__name__}: {err}"))
 
@@ -426,10 +428,18 @@ class EngineLoop:
         self._remove(job)
         for state in job.states:  # each sample's prompt + output, for the next turn of a conversation
             self.engine.remember(state, job.mode, job.parts.namespace)
+        self._release(job)
         completion = self._completion(job)
         self.stats.add_finished(completion)
         self.snapshot = self._publish()  # a client that reads the counters after its last chunk sees its request
         job.emit(DoneEvent(completion))
+
+    @staticmethod
+    def _release(job: Job) -> None:
+        """The private-pool pages a finished job read may be evicted again (released here, on the
+        loop thread, not whenever the HTTP side drops the job)."""
+        for state in job.states:
+            state.release()
 
     def _completion(self, job: Job) -> Completion:
         now = time.perf_counter()
@@ -448,6 +458,13 @@ class EngineLoop:
         if job.steps is not None:
             job.steps.close()  # releases the public entries its prefill pinned
 
+    def _shared_bytes(self) -> int:
+        """Bytes of the KV blocks running requests read without owning them (private-pool pages,
+        prompts their samples share), each counted once."""
+        blocks = {k.data_ptr(): tensor_bytes(k, v) for job in self.running for s in job.states
+                  for k, v in s.shared_blocks()}
+        return sum(blocks.values())
+
     def _publish(self) -> dict[str, Any]:
         """A consistent copy of the numbers the HTTP side reports (read without locks)."""
         store, prefix = self.engine.store, self.engine.prefix_cache
@@ -456,6 +473,7 @@ class EngineLoop:
             "held_state_bytes": self._held_bytes(), "max_state_bytes": self.max_state_bytes,
             "running_state_bytes": {"full": sum(s.nbytes - s.window_nbytes for j in self.running for s in j.states),
                                     "sliding_window": sum(s.window_nbytes for j in self.running for s in j.states)},
+            "running_shared_bytes": self._shared_bytes(),
             "public_pool": {"bytes": store.nbytes, "budget_bytes": store.budget_bytes, "entries": len(store),
                             "hits": store.hits, "misses": store.misses, "evictions": store.evictions,
                             "rejected": store.rejected, "pinned": sum(1 for k in store.pins if k in store.entries)},

@@ -61,6 +61,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     for pool, value in snapshot.get("running_state_bytes", {}).items():
         metric(f"running_state_{pool}_bytes", "gauge", value,
                f"bytes of the running requests' states in {pool.replace('_', ' ')} layers")
+    metric("running_state_shared_bytes", "gauge", snapshot.get("running_shared_bytes", 0),
+           "bytes of KV the running requests read without owning it (private-pool pages, prompts shared by samples)")
     metric("private_pool_window_bytes", "gauge", snapshot["private_pool"]["window_bytes"],
            "bytes of sliding-window tails held by the private pool (included in private_pool_bytes)")
     metric("private_pool_window_evictions_total", "counter", snapshot["private_pool"]["window_evictions"],

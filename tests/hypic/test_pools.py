@@ -124,7 +124,7 @@ def test_a_flushed_tree_frees_its_tensors_at_once() -> None:
         state = _random_state(12, 200 + seed)
         state.token_ids = [seed % 3] + state.token_ids[1:]  # three trees' worth of shared first tokens
         cache.insert("m", state, {6: {0: state.layers[0]}, 12: {0: state.layers[0]}})
-    held = [weakref.ref(t) for n in cache._nodes() for t in [*(x for kv in n.kv.values() for x in kv),
+    held = [weakref.ref(t) for n in cache._nodes() for t in [*(x for pages in n.pages.values() for kv in pages for x in kv),
                                                               *(s.recurrent for s in (n.snapshot or {}).values())]]
     assert len(cache) > 8 and held  # split edges: parents with children
     gc.disable()

@@ -72,9 +72,10 @@ def test_a_worker_that_does_not_answer_in_time_is_lost(engine: Engine, pic_promp
     router = Router("default", workers=2, threads=1, timeout_s=1.0)
     try:
         router.warmup([docs[0], docs[1]], worker=0)
-        long_docs = [" ".join(docs) + f" Copy {i}." for i in range(8)]
-        parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *long_docs, ""]))
-        router.workers[1].build.remote(router.splitter.jobs(parts, "hypic"), "hypic")
+        for batch in range(4):  # four long jobs: far longer than timeout_s on any box
+            long_docs = [" ".join(docs) + f" Copy {batch}.{i}." for i in range(8)]
+            parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *long_docs, ""]))
+            router.workers[1].build.remote(router.splitter.jobs(parts, "hypic"), "hypic")
         prompt = pic_prompt(list(range(6)), "Who was born in 1928?")
         routed = router.generate(prompt, max_new_tokens=8)
         assert routed.plan.combine == 0 and 1 in routed.plan.builds and routed.lost_workers == [1]

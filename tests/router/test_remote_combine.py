@@ -26,7 +26,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[TestClient, PeerPre
     info = ServerInfo(str(default_model_path()), "default", "test", False, from_model, template, "hypic", 8,
                       DEFAULT_SEPARATOR, 256, 8, args.public_pool_size, args.private_pool_size, "cpu", "float32")
     peers = PeerPrefill("default", 2, threads=1, engine_options=peer_engine_options(args))
-    loop = EngineLoop(Engine.from_pretrained("default", public_pool_bytes=args.public_pool_size,
+    loop = EngineLoop(Engine.from_pretrained("default", dtype=args.dtype, public_pool_bytes=args.public_pool_size,
                                              private_pool_bytes=args.private_pool_size,
                                              chunk_tokens=args.chunked_prefill_size), "hypic",
                       max_state_bytes=args.max_state_memory)
@@ -111,7 +111,7 @@ def test_the_server_combines_its_held_head_while_the_peer_builds(served, pic_pro
     assert (meta["segments_built_remotely"], meta["remote_prefill_tokens"]) == (1, len(parts.segments[2]))
 
 
-@pytest.mark.parametrize("served", [["--max-state-memory", "1.25M"]], indirect=True)
+@pytest.mark.parametrize("served", [["--max-state-memory", "1.25M", "--dtype", "float32"]], indirect=True)
 def test_a_request_that_can_never_fit_is_refused_before_anything_is_built(served, pic_prompt: Prompt) -> None:
     """Admission comes first: a prompt whose state cannot fit --max-state-memory is a 400 before any
     of its documents is built here or on the peer, or shipped."""

@@ -21,8 +21,10 @@ Prompt = Callable[[list[int], str], str]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    process = start_server(["--workers", "2", "--threads", "1", "--public-pool-size", "12M", "--log-level", "warning"],
-                           log, threads=None)
+    # float32 whatever the CPU (auto is bf16 where it is native): outputs are compared with in-process engines,
+    # and bf16's rounding differs between a state resumed from the private pool and one computed in a chunk
+    process = start_server(["--workers", "2", "--threads", "1", "--public-pool-size", "12M", "--dtype", "float32",
+                            "--log-level", "warning"], log, threads=None)
     yield process
     process.stop()
 
@@ -51,7 +53,7 @@ def test_two_workers_answer_and_count_as_one_engine(server: ServerProcess, pic_p
     request (here or on the peer) is a miss, the peer's counted apart, and TTFT and latency run from
     the request's arrival (the server once reported documents the peer built for the request as hits,
     and a TTFT without the peers' prefill)."""
-    engine = Engine.from_pretrained("default", public_pool_bytes=parse_size("12M"))  # the server's pools
+    engine = Engine.from_pretrained("default", dtype="float32", public_pool_bytes=parse_size("12M"))  # the server's pools
     for indices, question in (([0, 1, 2, 3, 4, 5], "Where was the lynx born?"), ([5, 3, 1, 6], "Who studied ibises?")):
         prompt = pic_prompt(indices, question)
         served, client_ttft, client_latency = _streamed(server, prompt)
@@ -77,7 +79,7 @@ def test_two_workers_answer_and_count_as_one_engine(server: ServerProcess, pic_p
 
 def test_every_endpoint_still_answers(server: ServerProcess, pic_prompt: Prompt) -> None:
     """Each endpoint gives what one engine gives: token counts, tokens, a greedy completion."""
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained("default", dtype="float32")
     assert server.request("GET", "/health")[0] == 200
     note = "A short note about herons and their river."
     assert server.post("/warmup", {"documents": [note]})["token_counts"] == [len(engine.tokenizer.encode(note))]
@@ -99,7 +101,7 @@ def test_warmup_spreads_documents_and_requests_pull_them(server: ServerProcess, 
     warmed = server.post("/warmup", {"documents": docs[:4]})
     assert warmed["documents"] == 4
     assert server.get("/get_server_info")["workers"]["held_entries"]["1"] == 2  # LPT: two documents each
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained("default", dtype="float32")
     engine.warmup(docs[:4])
     prompt = pic_prompt([3, 1, 0, 2], "Who studied badgers?")
     expected = engine.generate(prompt, max_new_tokens=8)
@@ -114,7 +116,7 @@ def test_namespaces_never_share_through_the_router(server: ServerProcess, pic_pr
     (the counters of the same prompt sent first with nothing cached, built here and on the peer
     alike) with one engine's output; flushing A's namespace leaves B's entries on both workers."""
     prompt = pic_prompt([3, 1, 0, 2], "Who studied owls?")
-    expected = Engine.from_pretrained("default").generate(prompt, max_new_tokens=8).output_ids
+    expected = Engine.from_pretrained("default", dtype="float32").generate(prompt, max_new_tokens=8).output_ids
 
     def ask(salt: str) -> tuple[int, ...]:
         served = server.post("/generate", {"text": prompt, "cache_salt": salt,
@@ -143,7 +145,7 @@ def test_namespaces_never_share_through_the_router(server: ServerProcess, pic_pr
 def test_concurrent_requests_under_eviction(server: ServerProcess, pic_prompt: Prompt) -> None:
     """Six requests at once, five documents each out of ten, pools of about six entries: the index
     goes stale under the requests' feet; outputs stay one engine's."""
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained("default", dtype="float32")
     rng = random.Random(11)
     prompts = [pic_prompt(rng.sample(range(10), 5), f"Question {i}: where was the egret born?") for i in range(6)]
     with ThreadPoolExecutor(6) as pool:

@@ -133,6 +133,30 @@ def test_admission_waits_for_state_memory(engine: Engine) -> None:
         loop.stop()
 
 
+def test_samples_of_one_prompt_are_admitted_holding_it_once(engine: Engine) -> None:
+    """n = 4 samples fork from one prefill and share its KV: a budget of the prompt's KV once, each
+    sample's 8 new tokens and linear states (closed form) admits the request; counting the prompt
+    per sample, as admission did before samples shared it, would refuse it."""
+    config, prompt = engine.model.config, _text(5, 200)
+    parts = engine.parse(prompt)
+    kv_per_token = sum(config.kv_elements(i) for i in config.attention_layers()) * 4
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    linear = len(config.linear_layers()) * (recurrent + (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels) * 4
+    budget = (len(parts.token_ids) + 4 * 8) * kv_per_token + 4 * linear
+    assert 4 * ((len(parts.token_ids) + 8) * kv_per_token + linear) > budget
+    loop = EngineLoop(engine, "hypic", max_state_bytes=budget)
+    loop.start()
+    try:
+        collector, params = Collector(), SamplingParams(max_new_tokens=8, ignore_eos=True, n=4, temperature=1.0, seed=3)
+        loop.submit(parts, GenerationRequest(prompt, params), engine.sequences(params, parts.token_ids),
+                    collector.emit_for("n4"))
+        collector.wait(1)
+    finally:
+        loop.stop()
+    samples = collector.done["n4"].completion.samples
+    assert len(samples) == 4 and all(len(s.output_ids) == 8 for s in samples)
+
+
 def test_short_requests_are_not_held_up_by_a_long_cold_one(engine: Engine) -> None:
     """A 3000-token cold prompt arrives first, five short ones just after: with 64-token prefill
     chunks chosen by uncached tokens left, the short ones finish first."""
@@ -152,9 +176,9 @@ def test_short_requests_are_not_held_up_by_a_long_cold_one(engine: Engine) -> No
 
 
 def test_over_http_short_requests_finish_before_a_long_cold_one(launch, checkpoint_factory) -> None:
-    """A real server: a 6000-token cold request, then five short ones; the short ones come back
-    first and their TTFTs are well below the long one's."""
-    server = launch("--model", str(checkpoint_factory("qwen3_5_text-long-context")), "--chunked-prefill-size", "256")
+    """A real server: a 14000-token cold request, then, once it is being prefilled, five short ones;
+    the short ones come back first and their TTFTs are well below the long one's."""
+    server = launch("--model", str(checkpoint_factory("qwen3_5_text-long-context")), "--chunked-prefill-size", "128")
     body = lambda text: {"text": text, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}}  # noqa: E731
     finished: list[str] = []
 
@@ -164,8 +188,10 @@ def test_over_http_short_requests_finish_before_a_long_cold_one(launch, checkpoi
         return out["meta_info"]
 
     with ThreadPoolExecutor(6) as pool:
-        long = pool.submit(send, "long", _text(30, 6000))
-        time.sleep(0.3)  # the long one is being prefilled
+        long = pool.submit(send, "long", _text(30, 14000))
+        deadline = time.monotonic() + 30
+        while server.get("/get_server_info")["waiting_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the long one is being prefilled (a fixed sleep missed it on a fast box)
         shorts = [pool.submit(send, f"short{i}", _text(40 + i, 80)) for i in range(5)]
         metas = [s.result() for s in shorts]
         long_meta = long.result()

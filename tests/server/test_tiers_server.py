@@ -108,11 +108,12 @@ def test_a_working_set_far_over_memory_is_served_from_disk(tmp_path: Path) -> No
 
     documents = [f"Dossier {i}. " + " ".join(f"clause {i}.{j} sets rate {(i * 31 + j * 7) % 1000} for zone {j % 13};"
                                               for j in range(110)) for i in range(40)]
-    probe = Engine.from_pretrained("default")
+    probe = Engine.from_pretrained("default", dtype="float32")  # sizes below are float32's (auto is bf16 on some CPUs)
     entries = sum(probe.entry_bytes(len(probe.tokenizer.encode(d))) for d in documents)
     assert entries > 2.4 * 64 * 2**20
     server = start_server(["--public-pool-size", "64M", "--cache-dir", str(tmp_path / "cache"), "--disk-cache-size",
-                           "2G", "--private-pool-size", "0", "--log-level", "warning"], tmp_path / "server.log")
+                           "2G", "--private-pool-size", "0", "--dtype", "float32", "--log-level", "warning"],
+                          tmp_path / "server.log")
     try:
         def ask_one(index: int, question: str) -> dict:
             text = SEP.join(["Use the dossier.", documents[index], question])
