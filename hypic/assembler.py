@@ -2,10 +2,13 @@
 cached segment interiors in between.
 
 One code path serves full prefill (a single run from position 0), segment prefill (a single run
-with an ``InteriorCapture``), the HYPIC combine pass (runs and splices) and decode (one-token runs).
+with an ``InteriorCapture``) and the HYPIC combine pass (runs and splices), for one request or for
+several at once (``combine_batch``: token-wise work over all their tokens together, the recurrence
+and attention per request, inside each layer).
 """
+import copy
 import itertools
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -66,6 +69,14 @@ class InteriorCapture:
         kept = total if self.transitions else None
         self.layers[index] = LinearInterior(kept, zero, state.new_zeros(0))
         return output, state
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A way back to what has been collected so far (a batch this capture ran in failed part way)."""
+        held = dict(self.layers), dict(self.entry_states), dict(self.running)
+
+        def restore() -> None:
+            self.layers, self.entry_states, self.running = (dict(d) for d in held)
+        return restore
 
     def window(self, index: int, keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor,
                window: int) -> None:
@@ -187,25 +198,48 @@ def _run_maps(inputs: RecurrenceInputs, lengths: list[int]) -> tuple[torch.Tenso
     return zero_states, transitions
 
 
-def _linear_layer(
-    mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
-    index: int, init: LinearLayerState, naive: bool, capture: InteriorCapture | None, snapshots: dict[int, dict],
-) -> tuple[torch.Tensor, LinearLayerState]:
-    """Token-wise work runs once over all runs (varlen); per run only the recurrence, composing
-    the interiors spliced since the previous run first. Records the layer's state in
-    ``snapshots[p]`` for every requested position p (inside or at the end of a piece)."""
+def token_rows(proj: Any, lo: int, hi: int) -> Any:
+    """A mixer's projections (a dataclass of [N, ...] tensors) for tokens lo..hi-1 only (views)."""
+    part = copy.copy(proj)
+    for name, value in vars(proj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(part, name, value[lo:hi])
+    return part
+
+
+def _linear_layer(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, works: list["CombineWork"],
+                  rows: list[tuple[int, int]], index: int, snapshots: list[dict[int, dict]],
+                  ) -> tuple[torch.Tensor, list[LinearLayerState]]:
+    """Token-wise projections and output of every work's tokens at once; the conv and the recurrence
+    per work (see ``_linear_runs``)."""
     proj = mixer.project(h, positions)
+    outputs, states = [], []
+    for work, (lo, hi), taken in zip(works, rows, snapshots):
+        output, state = _linear_runs(mixer, token_rows(proj, lo, hi), work, index, taken, h.device)
+        outputs.append(output)
+        states.append(state)
+    return mixer.output(torch.cat(outputs), proj, h.dtype), states
+
+
+def _linear_runs(mixer: LinearMixer, proj: Any, work: "CombineWork", index: int, snapshots: dict[int, dict],
+                 device: torch.device) -> tuple[torch.Tensor, LinearLayerState]:
+    """One request's recurrence over its runs (varlen token-wise work first), composing the
+    interiors spliced since the previous run before each; returns its outputs [N, H, V] and state.
+    Records the layer's state in ``snapshots[p]`` for every requested position p (inside or at the
+    end of a piece)."""
+    pieces, entries, init, capture = work.pieces, work.entries, work.init.layers[index], work.capture
+    assert isinstance(init, LinearLayerState)
     windows, post_conv = _conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
     inputs = mixer.recurrence_inputs(post_conv, proj)
     parts = sum(isinstance(piece, Run) for piece in pieces) + sum(
         piece.start < p < piece.start + piece.length for piece in pieces if isinstance(piece, Run) for p in snapshots)
-    if parts > 1 and capture is None and mixer.batched_runs and runs_batched(h.device):
+    if parts > 1 and capture is None and mixer.batched_runs and runs_batched(device):
         assert isinstance(mixer, GatedDeltaNet)
-        output, state = _batched_recurrence(mixer, inputs, pieces, entries, index, init.recurrent, naive, windows,
+        output, state = _batched_recurrence(mixer, inputs, pieces, entries, index, init.recurrent, work.naive, windows,
                                             snapshots)
-        return mixer.output(output, proj, h.dtype), LinearLayerState(state, last_rows(windows[-1], mixer.kernel - 1).clone())
+        return output, LinearLayerState(state, last_rows(windows[-1], mixer.kernel - 1).clone())
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
-    compose = naive_addition if naive else compose_states
+    compose = naive_addition if work.naive else compose_states
     runs_left = iter(windows)
     for piece in pieces:
         end = piece.start + piece.length
@@ -226,7 +260,7 @@ def _linear_layer(
         if end in snapshots:
             snapshots[end][index] = LinearLayerState(state, conv)
     # the conv state is a view of the last run's window: a copy of its k-1 rows lets that window go
-    return mixer.output(torch.cat(outputs), proj, h.dtype), LinearLayerState(state, conv.clone())
+    return torch.cat(outputs), LinearLayerState(state, conv.clone())
 
 
 def _spliced_transition(mixer: LinearMixer, entry: SegmentEntry, index: int,
@@ -247,46 +281,59 @@ def _conv_tail(entry: SegmentEntry, index: int) -> torch.Tensor:
     return cached.conv_tail
 
 
-def _attention_layer(
-    mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
-    entries: dict[int, SegmentEntry], index: int, init: AttentionLayerState, capture: InteriorCapture | None,
-) -> tuple[torch.Tensor, AttentionLayerState]:
+def _attention_layer(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor,
+                     works: list["CombineWork"], rows: list[tuple[int, int]], index: int,
+                     snapshots: list[dict[int, dict]]) -> tuple[torch.Tensor, list[AttentionLayerState | WindowLayerState]]:
+    """q, k, v and the output projection of every work's tokens at once; each request's attention over
+    its own KV (full, or a sliding window's)."""
+    proj = mixer.project(h, positions, rope)
+    attended, states = [], []
+    for work, (lo, hi), taken in zip(works, rows, snapshots):
+        part, init = token_rows(proj, lo, hi), work.init.layers[index]
+        if isinstance(init, WindowLayerState):
+            out, state = _window_attend(mixer, rope, part, positions[lo:hi], work, index, init, taken)
+        else:
+            assert isinstance(init, AttentionLayerState)
+            out, state = _full_attend(mixer, rope, part, work, index, init)
+        attended.append(out)
+        states.append(state)
+    return mixer.output(torch.cat(attended), proj.gate), states
+
+
+def _full_attend(mixer: GatedAttention, rope: RotaryEmbedding, proj: AttentionInputs, work: "CombineWork", index: int,
+                 init: AttentionLayerState) -> tuple[torch.Tensor, AttentionLayerState]:
     """Recompute tokens attend causally over L's KV, re-rotated interiors and each other. The pieces'
     keys and values are appended to ``init`` in place (its buffers grow; nothing held is copied)."""
-    proj = mixer.project(h, positions, rope)
-    pieces_kv = list(_pieces_kv(proj, rope, pieces, entries, index))
+    pieces = work.pieces
+    pieces_kv = list(_pieces_kv(proj, rope, pieces, work.entries, index))
     keys, values = [kv[1] for kv in pieces_kv], [kv[2] for kv in pieces_kv]
     init.reserve(init.length + sum(piece.length for piece in pieces))
     init.append(torch.cat(keys, dim=1), torch.cat(values, dim=1))  # one copy into the buffer
-    if capture is not None:
-        capture.attention(index, init.keys, init.values)
+    if work.capture is not None:
+        work.capture.attention(index, init.keys, init.values)
     attended = mixer.attend(proj.query, [(p.start, p.length) for p in pieces if isinstance(p, Run)], init.keys,
                             init.values)
-    return mixer.output(attended, proj.gate), init
+    return attended, init
 
 
-def _window_layer(
-    mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor, pieces: list[Piece],
-    entries: dict[int, SegmentEntry], index: int, init: WindowLayerState, capture: InteriorCapture | None,
-    snapshots: dict[int, dict],
-) -> tuple[torch.Tensor, WindowLayerState]:
+def _window_attend(mixer: GatedAttention, rope: RotaryEmbedding, proj: AttentionInputs, positions: torch.Tensor,
+                   work: "CombineWork", index: int, init: WindowLayerState,
+                   snapshots: dict[int, dict]) -> tuple[torch.Tensor, WindowLayerState]:
     """A sliding-window layer: recompute tokens attend over the window's held keys, the spliced
     interiors' (their last ``window`` tokens, re-rotated) and each other, masked by position; the
     ring then keeps the newest ``window`` of them."""
-    proj = mixer.project(h, positions, rope)
     held_keys, held_values, held_positions = init.held()
     keys, values, key_positions = [held_keys], [held_values], [held_positions]
-    for first, key, value in _pieces_kv(proj, rope, pieces, entries, index):
+    for first, key, value in _pieces_kv(proj, rope, work.pieces, work.entries, index):
         keys.append(key)
         values.append(value)
         key_positions.append(torch.arange(first, first + key.shape[1], device=positions.device))
         init.write(key, value, first)
     keys, values, key_positions = torch.cat(keys, dim=1), torch.cat(values, dim=1), torch.cat(key_positions)
-    if capture is not None:
-        capture.window(index, keys, values, key_positions, init.window)
-    _window_snapshots(snapshots, index, keys, values, key_positions, init.window, pieces)
-    attended = mixer.attend_at(proj.query, positions, keys, values, key_positions)
-    return mixer.output(attended, proj.gate), init
+    if work.capture is not None:
+        work.capture.window(index, keys, values, key_positions, init.window)
+    _window_snapshots(snapshots, index, keys, values, key_positions, init.window, work.pieces)
+    return mixer.attend_at(proj.query, positions, keys, values, key_positions), init
 
 
 def _window_snapshots(snapshots: dict[int, dict], index: int, keys: torch.Tensor, values: torch.Tensor,
@@ -347,6 +394,48 @@ def _check_pieces(pieces: list[Piece], start: int) -> int:
     return position
 
 
+@dataclass
+class CombineWork:
+    """One combine pass to run (a chunk of a request's prefill, of a segment's cache-time prefill):
+    the recompute tokens of ``pieces`` (positions init.length..) through ``model``. ``init`` is
+    consumed: its KV buffers grow in place into the result's state. ``token_ids``: all ids of the
+    request so far (at least up to the last piece); ``snapshot_at``: positions where linear states
+    are recorded (the private pool's snapshots); ``logits_from``: also the logits of every position
+    from there on (all of them must be recomputed)."""
+
+    model: HybridModel
+    token_ids: list[int]
+    pieces: list[Piece]
+    init: RequestState
+    entries: dict[int, SegmentEntry] = field(default_factory=dict)
+    naive: bool = False
+    capture: InteriorCapture | None = None
+    need_logits: bool = True
+    snapshot_at: list[int] | None = None
+    logits_from: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Recompute tokens: what the pass costs."""
+        return sum(piece.length for piece in self.pieces if isinstance(piece, Run))
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A way back to this work's inputs as they are now, should a batch it runs in fail part way
+        (its KV buffers cut back, its sliding-window rings and capture restored): it can then run alone."""
+        layers = list(self.init.layers)
+        lengths = {i: layer.length for i, layer in enumerate(layers) if isinstance(layer, AttentionLayerState)}
+        rings = {i: layer.fork() for i, layer in enumerate(layers) if isinstance(layer, WindowLayerState)}
+        capture = self.capture.checkpoint() if self.capture is not None else None
+
+        def restore() -> None:
+            self.init.layers[:] = [rings.get(i, layer) for i, layer in enumerate(layers)]
+            for i, length in lengths.items():
+                layers[i].length = length
+            if capture is not None:
+                capture()
+        return restore
+
+
 @torch.inference_mode()
 def combine(
     model: HybridModel, token_ids: list[int], pieces: list[Piece], init: RequestState,
@@ -354,39 +443,64 @@ def combine(
     capture: InteriorCapture | None = None, need_logits: bool = True, snapshot_at: list[int] | None = None,
     logits_from: int | None = None,
 ) -> CombineResult:
-    """Run the recompute tokens of ``pieces`` (positions init.length..) through the model. ``init``
-    is consumed: its KV buffers grow in place into the returned state.
-    token_ids: all ids of the request so far (at least up to the last piece). ``snapshot_at``:
-    positions where linear states are recorded (the private pool's snapshots). ``logits_from``:
-    also return the logits of every position from there on (all of them must be recomputed)."""
-    end = _check_pieces(pieces, init.length)
-    snapshots: dict[int, dict] = {p: {} for p in snapshot_at or []}
-    entries = entries or {}
-    positions = _run_positions(pieces, model.device)
-    x = model.embed(torch.tensor(token_ids, device=model.device)[positions])
-    layers = []
+    """One ``CombineWork`` (see there) run alone."""
+    return combine_batch([CombineWork(model, token_ids, pieces, init, entries or {}, naive, capture, need_logits,
+                                      snapshot_at, logits_from)])[0]
+
+
+@torch.inference_mode()
+def combine_batch(works: list[CombineWork]) -> list[CombineResult]:
+    """Several combine passes (of one model, on independent states) in one pass through the model:
+    embeddings, norms, projections, MLP/MoE and logits over all their tokens together; each
+    request's recurrence and attention over its own state. Each result equals its pass run alone."""
+    model = works[0].model
+    ends = [_check_pieces(work.pieces, work.init.length) for work in works]
+    snapshots: list[dict[int, dict]] = [{p: {} for p in work.snapshot_at or []} for work in works]
+    positions = [_run_positions(work.pieces, model.device) for work in works]
+    offsets = list(itertools.accumulate((len(p) for p in positions), initial=0))
+    rows = list(itertools.pairwise(offsets))
+    all_positions = torch.cat(positions)
+    x = model.embed(torch.cat([torch.tensor(work.token_ids, device=model.device)[at]
+                               for work, at in zip(works, positions)]))
+    layers: list[list] = [[] for _ in works]
     for index, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)
         if layer.is_linear:
-            mixed, layer_state = _linear_layer(layer.mixer, h, positions, pieces, entries, index, init.layers[index], naive,
-                                               capture, snapshots)
+            mixed, states = _linear_layer(layer.mixer, h, all_positions, works, rows, index, snapshots)
         else:
-            args = (layer.mixer, model.rope_of(index), h, positions, pieces, entries, index, init.layers[index], capture)
-            if isinstance(init.layers[index], WindowLayerState):
-                mixed, layer_state = _window_layer(*args, snapshots)
-            else:
-                mixed, layer_state = _attention_layer(*args)
+            mixed, states = _attention_layer(layer.mixer, model.rope_of(index), h, all_positions, works, rows, index,
+                                             snapshots)
         x = layer.feed_forward(layer.residual(x, h, mixed))
-        layers.append(layer_state)
-    logits = model.logits(x[-1:])[0] if need_logits else None
-    taken = {p: states for p, states in snapshots.items() if states}
-    rows = None
-    if logits_from is not None and end > logits_from:
-        wanted = positions >= logits_from
-        if int(wanted.sum()) != end - max(logits_from, init.length):
-            raise ValueError(f"logits from position {logits_from} need every later token recomputed")
-        rows = model.logits(x[wanted])
-    return CombineResult(logits, RequestState(layers, end, list(token_ids[:end])), taken, rows)
+        for held, state in zip(layers, states):
+            held.append(state)
+    wanted = [i for i, work in enumerate(works) if work.need_logits]
+    last = model.logits(x[[rows[i][1] - 1 for i in wanted]]) if wanted else None
+    logits = {i: last[n] for n, i in enumerate(wanted)} if last is not None else {}
+    results = []
+    for i, work in enumerate(works):
+        taken = {p: states for p, states in snapshots[i].items() if states}
+        row_logits = _row_logits(model, work, x[rows[i][0] : rows[i][1]], positions[i], ends[i])
+        state = RequestState(layers[i], ends[i], list(work.token_ids[: ends[i]]))
+        results.append(CombineResult(logits.get(i), state, taken, row_logits))
+    return results
+
+
+def _row_logits(model: HybridModel, work: CombineWork, x: torch.Tensor, positions: torch.Tensor,
+                end: int) -> torch.Tensor | None:
+    """The logits of every position from ``work.logits_from`` on, if it asks for them."""
+    if work.logits_from is None or end <= work.logits_from:
+        return None
+    wanted = positions >= work.logits_from
+    if int(wanted.sum()) != end - max(work.logits_from, work.init.length):
+        raise ValueError(f"logits from position {work.logits_from} need every later token recomputed")
+    return model.logits(x[wanted])
+
+
+Result = TypeVar("Result")
+Steps = Generator[CombineWork | None, CombineResult | None, Result]
+"""A stepwise computation: it yields each combine pass it needs (a ``CombineWork``, to be sent its
+``CombineResult``) or None (a pause: nothing to run, send None), and returns its result. A serving
+loop runs the passes of several such computations together; ``drain`` runs one alone."""
 
 
 def combine_chunked(
@@ -394,30 +508,53 @@ def combine_chunked(
     entries: dict[int, SegmentEntry] | None = None, *, chunk_tokens: int, naive: bool = False,
     capture: InteriorCapture | None = None, need_logits: bool = True, snapshot_at: list[int] | None = None,
     logits_from: int | None = None,
-) -> Generator[None, None, CombineResult]:
-    """``combine`` in chunks of at most ``chunk_tokens`` recompute tokens, yielding between chunks
-    so that a serving loop can decode other requests meanwhile; returns the same ``CombineResult``."""
+) -> Steps[CombineResult]:
+    """``combine`` in chunks of at most ``chunk_tokens`` recompute tokens, each asked for as a
+    ``CombineWork`` (a serving loop decodes other requests between them); returns the same
+    ``CombineResult``."""
     groups = chunk_pieces(pieces, chunk_tokens)
     state, snapshots, logits, rows = init, {}, None, []
     for number, group in enumerate(groups):
-        if number:
-            yield
         last = number == len(groups) - 1
-        result = combine(model, token_ids, group, state, entries, naive=naive, capture=capture,
-                         need_logits=need_logits and last, snapshot_at=snapshot_at, logits_from=logits_from)
+        result = yield CombineWork(model, token_ids, group, state, entries or {}, naive, capture,
+                                   need_logits and last, snapshot_at, logits_from)
+        assert result is not None
         state, logits = result.state, result.logits
         snapshots.update(result.snapshots)
         rows += [result.row_logits] if result.row_logits is not None else []
     return CombineResult(logits, state, snapshots, torch.cat(rows) if rows else None)
 
 
-Result = TypeVar("Result")
-
-
-def drain(steps: Generator[None, None, Result]) -> Result:
-    """Run a stepwise computation (see ``combine_chunked``) to the end; returns its result."""
+def drain(steps: Steps[Result]) -> Result:
+    """Run a stepwise computation to the end, each combine pass it asks for alone; returns its result."""
+    reply: CombineResult | None = None
     while True:
         try:
-            next(steps)
+            work = steps.send(reply)
         except StopIteration as done:
             return done.value
+        reply = None if work is None else combine_batch([work])[0]
+
+
+def drain_together(steps: list[Steps[Any]]) -> list[Any]:
+    """Run several stepwise computations (of one model) to the end together: each round, the combine
+    passes they ask for run in one ``combine_batch``; returns their results in order."""
+    results: list[Any] = [None] * len(steps)
+    replies: list[CombineResult | None] = [None] * len(steps)
+    live = list(range(len(steps)))
+    while live:
+        works: dict[int, CombineWork] = {}
+        for i in list(live):
+            try:
+                work = steps[i].send(replies[i])
+            except StopIteration as done:
+                results[i] = done.value
+                live.remove(i)
+                continue
+            replies[i] = None
+            if work is not None:
+                works[i] = work
+        if works:
+            for i, result in zip(works, combine_batch(list(works.values()))):
+                replies[i] = result
+    return results

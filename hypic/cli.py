@@ -123,12 +123,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=256,
                        help="requests that may wait for a start; more are answered 503 (default: 256)")
     serve.add_argument("--max-state-memory", type=state_memory, default="auto",
-                       help="memory the states of running and prefilling requests may take together (KV of prompt "
-                            "+ max_new_tokens and linear states, per sample); a request starts only when it fits, "
+                       help="memory the states of running and prefilling requests may take together (KV of the "
+                            "prompt, shared by its samples, plus max_new_tokens and linear states per sample); a "
+                            "request starts only when it fits, "
                             "e.g. 8G, none; auto: 40%% of the machine's memory (default: auto)")
     serve.add_argument("--chunked-prefill-size", type=int, default=1024,
-                       help="most prefill tokens run between two decode steps, so long prompts do not stall "
-                            "running requests (default: 1024)")
+                       help="most prefill tokens run between two decode steps (a chunk of one long prompt, or the "
+                            "passes of several requests together), so long prompts do not stall running requests "
+                            "(default: 1024)")
+    serve.add_argument("--max-prefill-batch", type=int, default=None,
+                       help="most requests whose prefill passes run through the model together in one step, "
+                            "within --chunked-prefill-size tokens; 1: one at a time (default: 16 on a GPU, 1 on a "
+                            "CPU, where prefill is compute-bound and batching measured no gain: "
+                            "eval/results/batched_prefill.md)")
     serve.add_argument("--snapshot-interval", type=int, default=None,
                        help="keep the linear layers' states (sliding-window layers' last window) every this many "
                             "prompt tokens in the private pool, so prompts sharing a long plain prefix (a system "
@@ -234,7 +241,10 @@ def _serve(args: argparse.Namespace) -> None:
     from .server.chat import load_chat_template
     from .server.loop import EngineLoop
 
-    for name in ("max_running_requests", "max_segments", "chunked_prefill_size", "max_warmup_documents"):
+    if args.max_prefill_batch is None:
+        args.max_prefill_batch = 16 if args.device.startswith("cuda") else 1
+    for name in ("max_running_requests", "max_segments", "chunked_prefill_size", "max_warmup_documents",
+                 "max_prefill_batch"):
         if getattr(args, name) < 1:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
     limits = _gate_limits(args)
@@ -252,7 +262,8 @@ def _serve(args: argparse.Namespace) -> None:
                       args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
                       str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents)
     peers = _peers(args, choice) if args.workers > 1 else None
-    loop = EngineLoop(engine, args.mode, args.max_running_requests, args.max_queued_requests, args.max_state_memory)
+    loop = EngineLoop(engine, args.mode, args.max_running_requests, args.max_queued_requests, args.max_state_memory,
+                      args.max_prefill_batch)
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)

@@ -1,7 +1,6 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
 import math
 import time
-from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -9,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .assembler import combine_chunked, drain
+from .assembler import Steps, combine_chunked, drain
 from .config import ModelConfig
 from .decode import decode_batch
 from .default_model import default_model_path
@@ -167,7 +166,7 @@ class Engine:
         assert policy.seams is not None
         return entry_key(self.fingerprint, policy.seams, policy.role, token_ids, policy.namespace)
 
-    def build_segment(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Generator[None, None, SegmentEntry]:
+    def build_segment(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Steps[SegmentEntry]:
         """Prefill a segment alone (in chunks) and offer its interior to the public pool (kept only if it fits)."""
         assert policy.seams is not None
         layers = yield from prefill_interior_steps(self.model, token_ids, policy.seams, self.chunk_tokens,
@@ -186,14 +185,14 @@ class Engine:
         return drain(self.warmup_steps(documents, mode, namespace))
 
     def warmup_steps(self, documents: list[str], mode: str = "hypic",
-                     namespace: str = "") -> Generator[None, None, list[int]]:
+                     namespace: str = "") -> Steps[list[int]]:
         """``warmup`` one chunk of work per ``next()`` (what a serving loop interleaves with decode);
         the documents are checked, and bad ones refused, before it returns."""
         policy, encoded = self._warmup_plan(documents, mode, namespace)
         return self._warmup_run(policy, encoded)
 
     def build_steps(self, segments: list[tuple[int, ...]], mode: str = "hypic",
-                    namespace: str = "") -> Generator[None, None, list[int]]:
+                    namespace: str = "") -> Steps[list[int]]:
         """``warmup_steps`` for documents already split and tokenized (a router's share of a request)."""
         return self._warmup_run(self._caching_policy(mode, namespace), segments)
 
@@ -205,13 +204,12 @@ class Engine:
                                  "(warm-up needs mode 'hypic' or 'naive')")
         return policy
 
-    def _warmup_run(self, policy: ModePolicy, encoded: list[tuple[int, ...]]) -> Generator[None, None, list[int]]:
+    def _warmup_run(self, policy: ModePolicy, encoded: list[tuple[int, ...]]) -> Steps[list[int]]:
         for ids in encoded:
             if policy.seams is not None and policy.seams.interior(len(ids)) is not None:
                 entry, key = self.lookup_segment(ids, policy)
                 if entry is None:
                     yield from self.build_segment(key, ids, policy)
-                    yield
         return [len(ids) for ids in encoded]
 
     def check_documents(self, documents: list[str]) -> None:
@@ -396,9 +394,9 @@ class Engine:
         return sorted(p for p in points if start < p <= total)
 
     def _segment_entries(self, parts: PromptParts, indices: list[int], policy: ModePolicy, stats: PrefillStats,
-                         pinned: list[str], built: BuiltForRequest) -> Generator[None, None, dict[int, SegmentEntry]]:
+                         pinned: list[str], built: BuiltForRequest) -> Steps[dict[int, SegmentEntry]]:
         """The cached interior of each segment in ``indices``: a public-pool hit, or the segment
-        prefilled alone (yielding between chunks). Each is pinned, and its key added to ``pinned``,
+        prefilled alone (a ``CombineWork`` per chunk). Each is pinned, and its key added to ``pinned``,
         before any yield: other requests' inserts must not evict it. An entry ``built`` for this
         request is a miss."""
         entries: dict[int, SegmentEntry] = {}
@@ -411,7 +409,6 @@ class Engine:
             if entry is None:
                 entries[index] = yield from self.build_segment(key, segment, policy)
                 stats.segments_missed += 1
-                yield
             elif key in built.keys:
                 entries[index] = entry
                 stats.segments_missed += 1
@@ -422,10 +419,10 @@ class Engine:
 
     def prefill_steps(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None,
                       built: BuiltForRequest = BuiltForRequest(), snapshot_end: bool = False,
-                      ) -> Generator[None, None, Prefill]:
-        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive), one unit of work per
-        ``next()`` (a chunk of at most ``chunk_tokens`` of a cold segment's prefill or of the combine
-        pass); returns the ``Prefill``. ``logits_from``: also the logits of every prompt position from
+                      ) -> Steps[Prefill]:
+        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive) as ``Steps``: one
+        ``CombineWork`` per chunk of at most ``chunk_tokens`` (of a cold segment's prefill or of the
+        combine pass); returns the ``Prefill``. ``logits_from``: also the logits of every prompt position from
         there on, computed exactly (nothing after it is spliced or resumed from the private pool).
         ``built``: what was computed for this request beforehand (its stats count it as computed).
         ``snapshot_end``: the private pool also keeps the state at the prompt's end (a head combined
@@ -501,8 +498,8 @@ class Engine:
         return drain(self.precombine_steps(parts, mode, built))
 
     def precombine_steps(self, parts: PromptParts, mode: str = "hypic",
-                         built: BuiltForRequest = BuiltForRequest()) -> Generator[None, None, PrefillStats | None]:
-        """``precombine`` one chunk per ``next()`` (the head is chosen at the first)."""
+                         built: BuiltForRequest = BuiltForRequest()) -> Steps[PrefillStats | None]:
+        """``precombine`` as ``Steps`` (the head is chosen at the first)."""
         head = self.held_head(parts, mode)
         if head is None:
             return None

@@ -1,7 +1,5 @@
 """Cache-time prefill: a PIC segment alone from position 0, keeping only its interior."""
-from collections.abc import Generator
-
-from .assembler import InteriorCapture, combine_chunked, drain
+from .assembler import InteriorCapture, Steps, combine_chunked, drain
 from .models import HybridModel
 from .segments import Run, Seams
 from .state import RequestState
@@ -12,10 +10,10 @@ UNCHUNKED = 1 << 62
 
 def prefill_interior_steps(model: HybridModel, token_ids: tuple[int, ...], seams: Seams,
                            chunk_tokens: int = UNCHUNKED, transitions: bool = True
-                           ) -> Generator[None, None, list[InteriorLayer]]:
+                           ) -> Steps[list[InteriorLayer]]:
     """Per layer: (T_I, S_I|0, conv tail) for linear layers (no T_I unless ``transitions``), 0-based K
-    and V for full layers, over the interior of ``seams``. Runs in chunks of ``chunk_tokens``,
-    yielding between."""
+    and V for full layers, over the interior of ``seams``. Runs in chunks of ``chunk_tokens``, each
+    asked for as a ``CombineWork``."""
     interior = seams.interior(len(token_ids))
     if interior is None:
         raise ValueError(f"a segment of {len(token_ids)} tokens has no interior with {seams}")

@@ -1,10 +1,11 @@
 """The engine loop: one thread owns the Engine; HTTP handlers talk to it through messages.
 
-Each iteration advances one prefill by one unit of work (a chunk of a cold segment, of a warm-up,
-or of the combine pass), then decodes one token for every running sample in one batch
-(continuous batching: requests join and leave between iterations). Several prefills may be in
-flight; the one advanced is the smallest by its uncached tokens left, less a credit for the time
-it has waited (so a long cold request does not hold up short ones, and is not starved by them).
+Each iteration runs one batch of prefill work, then decodes one token for every running sample in
+one batch (continuous batching: requests join and leave between iterations). Several prefills may
+be in flight, each asking for its next combine pass (a chunk of a cold segment, of a warm-up, or
+of the combine pass); taken smallest first by uncached tokens left, less a credit for the time
+waited (so a long cold request does not hold up short ones, and is not starved by them), as many
+passes as fit one chunk's tokens run through the model together (``combine_batch``).
 A request starts only when the state it may hold fits ``max_state_bytes``; the waiting queue is
 bounded. An error in one request fails that request only. A request's n samples share its prefill.
 """
@@ -14,13 +15,14 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..assembler import CombineResult, CombineWork, Steps, combine_batch
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
 from ..errors import HypicError, InvalidRequest
@@ -77,7 +79,8 @@ class Job:
     emit: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     start: float = field(default_factory=time.perf_counter)
-    steps: Generator[None, None, Prefill] | None = None
+    steps: Steps[Prefill] | None = None
+    work: CombineWork | None = None  # the combine pass its steps asked for, not run yet
     prefill: Prefill | None = None
     states: list[RequestState] = field(default_factory=list)  # one per sample, once prefilled
     first_token_at: float | None = None
@@ -109,9 +112,10 @@ class WarmupTask:
     """Documents to cache (or a request's head to combine early), run in chunks between decode
     steps like a prefill."""
 
-    steps: Generator[None, None, Any]
+    steps: Steps[Any]
     remaining: int
     future: Future = field(default_factory=Future)
+    work: CombineWork | None = None
     start: float = field(default_factory=time.perf_counter)
     footprint: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -138,11 +142,13 @@ def input_logprobs(prompt_ids: list[int], start: int, logits: torch.Tensor, top:
 class EngineLoop:
     """Owns ``engine`` on a background thread; ``submit``, ``warmup`` and ``call`` are safe from any
     thread. ``max_state_bytes``: the memory running and prefilling requests' states may take
-    together (None: no bound); ``max_queued``: requests that may wait (more are refused)."""
+    together (None: no bound); ``max_queued``: requests that may wait (more are refused);
+    ``max_prefill_batch``: the most prefill passes one step runs together."""
 
     def __init__(self, engine: Engine, mode: str, max_running: int = 64, max_queued: int = 256,
-                 max_state_bytes: int | None = None) -> None:
+                 max_state_bytes: int | None = None, max_prefill_batch: int = 16) -> None:
         self.engine, self.mode, self.max_running = engine, mode, max_running
+        self.max_prefill_batch = max_prefill_batch  # prefill passes run together in one step, at most
         self.max_queued, self.max_state_bytes = max_queued, max_state_bytes
         self.inbox: queue.Queue[Pending | Command | None] = queue.Queue()
         self.waiting: list[Pending] = []
@@ -241,9 +247,7 @@ class EngineLoop:
                                                                   for p in self.waiting)):
                 return
             self._drop_cancelled()
-            pending = self._next_prefill()
-            if pending is not None:
-                self._advance(pending)
+            self._step_prefills()
             if self.running:
                 self._decode()
             self.snapshot = self._publish()
@@ -304,30 +308,80 @@ class EngineLoop:
             return False
         return self.max_state_bytes is None or self._held_bytes() + pending.footprint <= self.max_state_bytes
 
-    def _next_prefill(self) -> Pending | None:
-        """The startable prefill with the fewest uncached tokens left, less its waiting credit."""
+    def _by_priority(self) -> list[Pending]:
+        """Waiting work, fewest uncached tokens left (less its waiting credit) first."""
         now = time.perf_counter()
-        candidates = [p for p in self.waiting if self._startable(p)]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda p: p.remaining - WAIT_CREDIT_TOKENS_PER_S * (now - p.start))
+        return sorted(self.waiting, key=lambda p: p.remaining - WAIT_CREDIT_TOKENS_PER_S * (now - p.start))
 
-    def _advance(self, pending: Pending) -> None:
-        if isinstance(pending, WarmupTask):
-            self._advance_warmup(pending)
-        else:
-            self._guarded(pending, self._advance_prefill)
+    def _step_prefills(self) -> None:
+        """One batch of prefill work: startable prefills and warm-ups in priority order, each resumed
+        to the combine pass it asks for next, as many as fit one chunk's tokens (at least one)."""
+        batch, budget = [], self.engine.chunk_tokens
+        for pending in self._by_priority():
+            if pending not in self.waiting or not self._startable(pending):
+                continue
+            if pending.work is None and not self._resume(pending, None):
+                continue  # it ended (a remote prefill taken, a warm-up of cached documents) or failed
+            if pending.work is None or (batch and pending.work.tokens > budget):
+                continue  # a pause (its turn), or it waits for a step with room
+            batch.append(pending)
+            budget -= pending.work.tokens
+            if budget <= 0 or len(batch) == self.max_prefill_batch:
+                break
+        if batch:
+            self._run(batch)
 
-    def _advance_warmup(self, task: WarmupTask) -> None:
+    def _run(self, batch: list[Pending]) -> None:
+        """The batch's combine passes in one pass through the model, each result sent back to its
+        steps. If the batch fails, each pass is put back and run alone: only a failing one fails."""
+        works = [p.work for p in batch if p.work is not None]
+        restores = [work.checkpoint() for work in works] if len(works) > 1 else []
         try:
-            next(task.steps)
-            task.remaining = max(1, task.remaining - self.engine.chunk_tokens)
+            results: list[CombineResult] = combine_batch(works)
+        except Exception as err:
+            if len(batch) == 1:
+                self._broke(batch[0], err)
+                return
+            for restore in restores:
+                restore()
+            for pending in batch:
+                self._run([pending])
+            return
+        for pending, work, result in zip(batch, works, results):
+            pending.remaining = max(1, pending.remaining - work.tokens)
+            self._resume(pending, result)
+
+    def _resume(self, pending: Pending, reply: CombineResult | None) -> bool:
+        """Send ``reply`` to the pending's steps (a job's are made at its first turn): it asks for its
+        next combine pass (``pending.work``) or pauses (None), or it ends or breaks (False)."""
+        if isinstance(pending, Job) and pending.steps is None:
+            pending.steps = self._prefill_steps(pending)
+        assert pending.steps is not None
+        try:
+            pending.work = pending.steps.send(reply)
+            return True
         except StopIteration as done:
-            self._leave_queue(task)
-            task.future.set_result(done.value)
-        except Exception as err:  # a warm-up that breaks fails alone
-            self._leave_queue(task)
-            task.future.set_exception(err)
+            pending.work = None
+            self._ended(pending, done.value)
+        except Exception as err:
+            pending.work = None
+            self._broke(pending, err)
+        return False
+
+    def _ended(self, pending: Pending, value: Any) -> None:
+        if isinstance(pending, WarmupTask):
+            self._leave_queue(pending)
+            pending.future.set_result(value)
+        else:
+            self._guarded(pending, lambda job: self._prefilled(job, value))
+
+    def _broke(self, pending: Pending, err: Exception) -> None:
+        """A warm-up that breaks fails alone; a request's error fails that request."""
+        if isinstance(pending, WarmupTask):
+            self._leave_queue(pending)
+            pending.future.set_exception(err)
+        else:
+            self._fail(pending, err)
 
     # ----- one request ----------------------------------------------------------------------
     def _guarded(self, job: Job, step: Callable[[Job], None]) -> None:
@@ -352,7 +406,7 @@ class EngineLoop:
                 self._finish(pending)
                 self.stats.requests_cancelled += 1
 
-    def _prefill_steps(self, job: Job) -> Generator[None, None, Prefill]:
+    def _prefill_steps(self, job: Job) -> Steps[Prefill]:
         """The job's remote Prefill, or its prefill here (also when the remote one failed)."""
         if job.remote is not None:
             try:
@@ -361,15 +415,9 @@ class EngineLoop:
                 log.warning("remote prefill of %s failed (%s: %s); prefilling here", job.rid, type(err).__name__, err)
         return (yield from self.engine.prefill_steps(job.parts, job.mode, job.logits_from, job.built))
 
-    def _advance_prefill(self, job: Job) -> None:
-        if job.steps is None:
-            job.steps = self._prefill_steps(job)
-        try:
-            next(job.steps)
-            job.remaining = max(1, job.remaining - self.engine.chunk_tokens)
-            return
-        except StopIteration as done:
-            job.prefill = done.value
+    def _prefilled(self, job: Job, prefill: Prefill) -> None:
+        """The job's prefill is done: its samples start decoding from it (the first token now)."""
+        job.prefill = prefill
         self._leave_queue(job)
         self.stats.add_prefill(job.prefill.stats)
         if job.logits_from is not None and job.prefill.prompt_logits is not None:

@@ -7,7 +7,7 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.segment_prefill import prefill_interior, prefill_interior_steps
-from hypic.assembler import drain
+from hypic.assembler import combine_batch, drain
 from hypic.segments import Run, Splice, chunk_pieces
 from hypic.store import AttentionInterior, LinearInterior
 
@@ -49,14 +49,15 @@ def test_chunked_request_prefill_equals_unchunked(engine: Engine, tiny_checkpoin
     prompt = SEP.join(["".join(rng.choice("abcdefgh ") for _ in range(n)) for n in (9, 40, 33, 12)])
     unchunked = Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=10_000)
     steps = engine.prefill_steps(engine.parse(prompt), mode)
-    count = 0
+    count, reply = 0, None
     while True:
         try:
-            next(steps)
-            count += 1
+            work = steps.send(reply)
         except StopIteration as done:
             chunked = done.value
             break
+        count += work is not None
+        reply = None if work is None else combine_batch([work])[0]
     reference = unchunked.prefill(unchunked.parse(prompt), mode)
     assert count >= 94 // 7 - 1 if mode == "full" else count >= 2  # it really ran in pieces
     assert (chunked.logits - reference.logits).abs().max().item() < 1e-4

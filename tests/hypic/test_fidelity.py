@@ -297,3 +297,24 @@ def test_documents_loaded_from_disk_match_reference(setup: Setup, tmp_path: Path
     if state_dtype == "float32":
         assert_same_generation(ours, oracle.generate(case), "from disk")
     assert_same_generation(ours, engine_generation(first, first.prefill(first.parse(case.text))), "as first")
+
+
+# ----- several requests' passes in one batch (the serving loop's batched prefill) ------------------
+@pytest.mark.parametrize("name", MODELS)
+def test_requests_prefilled_together_match_reference(setup: Setup, name: str) -> None:
+    """Three requests' prefills driven together, every round's combine passes in one
+    ``combine_batch`` (as the engine loop runs them): a PIC layout with one warm and two cold
+    documents (built in the same batches as the others' passes), its documents reordered behind
+    another leading part, and a prompt with no documents. Each equals the reference: first logits
+    and 16 greedy steps."""
+    from hypic.assembler import drain_together
+
+    first = layout(23, [90, 150, 40])
+    cases = [first, Layout("another leading part", tuple(first.documents[i] for i in (2, 0, 1)), "the query?"),
+             Layout(random_text(random.Random(24), 130), (), "a plain question")]
+    engine, oracle = setup(name, True, 8, chunk_tokens=64)
+    engine.warmup([first.documents[1]])
+    prefills = drain_together([engine.prefill_steps(engine.parse(case.text)) for case in cases])
+    assert sum(p.stats.segments_missed for p in prefills) >= 2  # the cold documents were built among the batches
+    for case, prefill in zip(cases, prefills):
+        assert_same_generation(engine_generation(engine, prefill), oracle.generate(case), case.leading[:10])

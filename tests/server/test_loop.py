@@ -13,7 +13,7 @@ from hypic import Engine, InvalidRequest
 from hypic.sampling import SamplingParams
 from hypic.server import loop as loop_module
 from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event, QueueFull
-from hypic.server.protocol import GenerationRequest
+from hypic.server.protocol import GenerationRequest, LogprobRequest
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +155,59 @@ def test_samples_of_one_prompt_are_admitted_holding_it_once(engine: Engine) -> N
         loop.stop()
     samples = collector.done["n4"].completion.samples
     assert len(samples) == 4 and all(len(s.output_ids) == 8 for s in samples)
+
+
+def _scored(loop: EngineLoop, collector: Collector, name: str, prompt: str) -> None:
+    """Submit a greedy 6-token request that reports each output token's logprob."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    parts = loop.engine.parse(prompt)
+    request = GenerationRequest(prompt, params, logprobs=LogprobRequest())
+    loop.submit(parts, request, loop.engine.sequences(params, parts.token_ids, logprobs=0), collector.emit_for(name))
+
+
+def test_a_pass_that_breaks_in_a_batch_fails_only_its_request(tiny_checkpoint: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three requests' prefill passes run in one batch; the last one's raises in the attention
+    layer, after the other two have appended their keys and values there. That request fails alone;
+    the others are put back as they were and run alone, and their tokens and logprobs equal each
+    request's run alone on a quiet engine."""
+    from hypic import assembler
+
+    prompts = {name: _text(60 + i, 70) for i, name in enumerate(["a", "c", "poisoned"])}  # poisoned last in the batch
+    engine = Engine.from_pretrained(tiny_checkpoint, chunk_tokens=512)
+    poison = engine.parse(prompts["poisoned"]).token_ids[:8]
+    attend = assembler._full_attend
+
+    def breaking(mixer, rope, proj, work, index, init):
+        if work.token_ids[:8] == poison:
+            raise RuntimeError("a pass that breaks")
+        return attend(mixer, rope, proj, work, index, init)
+
+    monkeypatch.setattr(assembler, "_full_attend", breaking)
+    batches: list[int] = []
+    combine_batch = loop_module.combine_batch
+    monkeypatch.setattr(loop_module, "combine_batch", lambda works: batches.append(len(works)) or combine_batch(works))
+    loop, collector = EngineLoop(engine, "hypic"), Collector()
+    for name, prompt in prompts.items():
+        _scored(loop, collector, name, prompt)
+    loop.start()
+    try:
+        collector.wait(3)
+    finally:
+        loop.stop()
+    assert batches[0] == 3 and isinstance(collector.done["poisoned"], ErrorEvent)
+    quiet, alone = EngineLoop(Engine.from_pretrained(tiny_checkpoint, chunk_tokens=512), "hypic"), Collector()
+    quiet.start()
+    try:
+        for count, name in enumerate("ac", 1):
+            _scored(quiet, alone, name, prompts[name])
+            alone.wait(count)
+    finally:
+        quiet.stop()
+    for name in "ac":
+        ours, theirs = (c.done[name].completion.samples[0] for c in (collector, alone))
+        assert ours.output_ids == theirs.output_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(ours.logprobs, theirs.logprobs)) < 1e-5
 
 
 def test_short_requests_are_not_held_up_by_a_long_cold_one(engine: Engine) -> None:
