@@ -331,13 +331,19 @@ class Engine:
 
     def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:
         """About how many prompt tokens a prefill under ``mode`` would compute now: the prompt less its
-        cached interiors and its private-pool prefix (the scheduler's size of a request)."""
+        cached interiors (in memory, or in a lower tier's local index: the disk's) and its
+        private-pool prefix (the scheduler's size of a request)."""
         policy, total = self.policy(mode, parts.namespace), len(parts.token_ids)
         spliced = spliceable(parts, policy.seams) if policy.seams is not None else []
         cached = 0
         for index in spliced:
-            entry, _ = self.lookup_segment(parts.segments[index], policy, peek=True)
-            cached += entry.length if entry is not None else 0
+            entry, key = self.lookup_segment(parts.segments[index], policy, peek=True)
+            if entry is not None:
+                cached += entry.length
+            elif self.store.lower is not None and self.store.lower.indexed(key, policy.namespace):
+                assert policy.seams is not None
+                lo, hi = policy.seams.interior(len(parts.segments[index])) or (0, 0)
+                cached += hi - lo
         if policy.tree is not None:
             key = cache_key(parts.token_ids, layout_marks(parts, spliced))
             cached += self.prefix_cache.peek(policy.tree, key, total - 1)

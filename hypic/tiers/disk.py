@@ -92,6 +92,11 @@ class DiskTier:
     def contains(self, address: str) -> bool:
         return self.path(address).exists()
 
+    def indexed(self, address: str) -> bool:
+        """Whether the index of files holds ``address`` (no disk access: an estimate's answer)."""
+        with self.lock:
+            return address in self.files
+
     def write(self, address: str, data: bytes) -> None:
         """Store ``data`` as ``address`` (then evict the least recently used files over budget);
         raises OSError (disk full, directory gone) leaving no partial file behind."""

@@ -56,6 +56,7 @@ class BlobTier(Protocol):
     def open(self) -> None: ...  # connect / create; raises if the tier cannot be used now
     def reading(self, address: str): ...  # context manager: the bytes, or None if absent
     def contains(self, address: str) -> bool: ...
+    def indexed(self, address: str) -> bool: ...  # held per a local index (no I/O); False where unknown
     def write(self, address: str, data: bytes) -> None: ...
     def remove(self, address: str) -> None: ...
     def flush(self, namespace_dir: str | None) -> int: ...  # entries of one namespace (None: all) dropped
@@ -129,6 +130,12 @@ class StorageTiers:
             if entry is not None:
                 return entry, tier.name
         return None
+
+    def indexed(self, key: str, namespace: str) -> bool:
+        """Whether a usable tier's local index holds entry ``key`` of cache ``namespace`` (no I/O: for
+        the scheduler's estimates; a tier without a local index, Mooncake, is not asked)."""
+        address = self.identity.address(key, namespace)
+        return any(tier.indexed(address) for tier in self.tiers if self.counters[tier.name].healthy)
 
     def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None:
         """Start loading entry ``key`` in the background (a request that needs it just arrived)."""

@@ -73,6 +73,10 @@ class MooncakeTier:
         data = self._connected().get(PREFIX + address) if self.contains(address) else b""
         yield data if data else None  # gone between the two calls (evicted): a miss
 
+    def indexed(self, address: str) -> bool:
+        """No local index of what the store holds: finding out is a round trip (``contains``)."""
+        return False
+
     def contains(self, address: str) -> bool:
         present = self._connected().is_exist(PREFIX + address)
         if present < 0:

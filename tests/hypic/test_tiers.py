@@ -180,6 +180,21 @@ def test_a_restarted_engine_serves_stored_documents_from_disk(make: MakeEngine) 
     assert again.stats.cached_tokens_by_tier["disk"] == 0 and again.segments_hit == 4  # now in memory
 
 
+def test_the_scheduler_counts_documents_on_disk_as_cached(make: MakeEngine) -> None:
+    """A restarted engine's estimate of a request's work (what the loop ranks it by) leaves out the
+    interiors its disk holds, as it leaves out those in memory (closed form: the prompt less the
+    four interiors); without the disk they count as work."""
+    first = make()
+    first.warmup(DOCUMENTS[:4])
+    first.close()
+    restarted = make()
+    parts = restarted.parse(prompt([3, 1, 0, 2]))
+    seams = restarted.seams
+    interiors = sum(hi - lo for lo, hi in (seams.interior(len(s)) for s in parts.segments))
+    assert restarted.uncached_tokens(parts) == len(parts.token_ids) - interiors
+    assert make(cache_dir=None).uncached_tokens(parts) == len(parts.token_ids)
+
+
 @pytest.mark.parametrize("policy, after_build, after_reuse, after_close", [
     ("write_through", 3, 3, 3), ("write_through_selective", 0, 1, 1), ("write_back", 0, 0, 3)])
 def test_write_policies_write_when_they_say(make: MakeEngine, tmp_path: Path, policy: str, after_build: int,
