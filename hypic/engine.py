@@ -19,11 +19,11 @@ from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
 from .modes import ModePolicy, mode_policy, tree_namespace
 from .prefill_stats import BuiltForRequest, PrefillStats
-from .prefix_cache import PrefixCache, cache_key
+from .plan import RequestPlan, plan_request
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
-from .segments import (DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, layout_marks,
-                       spliceable, split_prompt)
+from .segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, split_prompt
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState
 from .store import LinearInterior, SegmentEntry, SegmentStore, entry_key
@@ -305,48 +305,47 @@ class Engine:
         linear = (recurrent + conv) * len(config.linear_layers())
         return kv + samples * (rings + linear)
 
-    def _not_in_memory(self, parts: PromptParts, mode: str) -> list[tuple[str, tuple[int, ...], str]]:
-        """(key, token ids, namespace) of each document of ``parts`` that ``mode`` splices and memory
-        lacks, when there are lower tiers to look in (else none)."""
-        policy = self.policy(mode, parts.namespace)
-        if self.store.lower is None or policy.seams is None:
-            return []
-        documents = [(self.segment_key(parts.segments[i], policy), parts.segments[i])
-                     for i in self._spliced(parts, policy, len(parts.token_ids))]
-        return [(key, ids, policy.namespace) for key, ids in documents if self.store.peek(key, ids) is None]
+    def plan(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None) -> RequestPlan:
+        """What a prefill of ``parts`` under ``mode`` reuses, worked out once (see ``RequestPlan``):
+        the segments it splices (none from ``logits_from`` on), their public-pool keys, its layout
+        marks and its private-pool key. Pure: safe on any thread."""
+        return plan_request(parts, self.policy(mode, parts.namespace), self.fingerprint, logits_from)
 
-    def prefetch(self, parts: PromptParts, mode: str = "hypic") -> int:
-        """Start loading, from the lower tiers, the documents of ``parts`` that ``mode`` splices and
-        memory lacks (a serving loop calls this as the request arrives); returns how many."""
-        missing = self._not_in_memory(parts, mode)
-        for key, ids, namespace in missing:
-            self.store.lower.prefetch(key, ids, namespace, self.entry_bytes(len(ids), mode))  # type: ignore[union-attr]
+    def _not_in_memory(self, plan: RequestPlan) -> list[tuple[str, tuple[int, ...]]]:
+        """(key, token ids) of each document ``plan`` splices that memory lacks, when there are lower
+        tiers to look in (else none)."""
+        if self.store.lower is None:
+            return []
+        return [(key, ids) for _, key, ids in plan.documents() if self.store.peek(key, ids) is None]
+
+    def prefetch(self, plan: RequestPlan) -> int:
+        """Start loading, from the lower tiers, the documents ``plan`` splices that memory lacks (a
+        serving loop calls this as the request arrives); returns how many."""
+        missing = self._not_in_memory(plan)
+        for key, ids in missing:
+            self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
+                                      self.entry_bytes(len(ids), plan.policy.name))
         return len(missing)
 
-    def load_from_tiers(self, parts: PromptParts, mode: str = "hypic") -> tuple[tuple[str, str], ...]:
-        """Bring the documents of ``parts`` that ``mode`` splices and only a lower tier holds into
-        memory now (a router plans with what memory holds); returns (key, tier) of each loaded."""
-        found = [(key, self.store.fetch(key, ids, namespace)) for key, ids, namespace in self._not_in_memory(parts, mode)]
+    def load_from_tiers(self, plan: RequestPlan) -> tuple[tuple[str, str], ...]:
+        """Bring the documents ``plan`` splices that only a lower tier holds into memory now (a router
+        plans with what memory holds); returns (key, tier) of each loaded."""
+        found = [(key, self.store.fetch(key, ids, plan.policy.namespace)) for key, ids in self._not_in_memory(plan)]
         return tuple((key, tier) for key, (entry, tier) in found if entry is not None)
 
-    def uncached_tokens(self, parts: PromptParts, mode: str = "hypic") -> int:
-        """About how many prompt tokens a prefill under ``mode`` would compute now: the prompt less its
+    def uncached_tokens(self, plan: RequestPlan) -> int:
+        """About how many prompt tokens ``plan``'s prefill would compute now: the prompt less its
         cached interiors (in memory, or in a lower tier's local index: the disk's) and its
         private-pool prefix (the scheduler's size of a request)."""
-        policy, total = self.policy(mode, parts.namespace), len(parts.token_ids)
-        spliced = spliceable(parts, policy.seams) if policy.seams is not None else []
-        cached = 0
-        for index in spliced:
-            entry, key = self.lookup_segment(parts.segments[index], policy, peek=True)
+        total, cached, lower = len(plan.parts.token_ids), 0, self.store.lower
+        for index, key, ids in plan.documents():
+            entry = self.store.peek(key, ids)
             if entry is not None:
                 cached += entry.length
-            elif self.store.lower is not None and self.store.lower.indexed(key, policy.namespace):
-                assert policy.seams is not None
-                lo, hi = policy.seams.interior(len(parts.segments[index])) or (0, 0)
-                cached += hi - lo
-        if policy.tree is not None:
-            key = cache_key(parts.token_ids, layout_marks(parts, spliced))
-            cached += self.prefix_cache.peek(policy.tree, key, total - 1)
+            elif lower is not None and lower.indexed(key, plan.policy.namespace):
+                cached += plan.interior_tokens(index)
+        if plan.policy.tree is not None:
+            cached += self.prefix_cache.peek(plan.policy.tree, plan.tree_key, total - 1)
         return max(1, total - cached)
 
     # ----- prefill -------------------------------------------------------------------------
@@ -399,16 +398,16 @@ class Engine:
             points.update(range(self.snapshot_interval, total, self.snapshot_interval))
         return sorted(p for p in points if start < p <= total)
 
-    def _segment_entries(self, parts: PromptParts, indices: list[int], policy: ModePolicy, stats: PrefillStats,
-                         pinned: list[str], built: BuiltForRequest) -> Steps[dict[int, SegmentEntry]]:
+    def _segment_entries(self, plan: RequestPlan, indices: list[int], stats: PrefillStats, pinned: list[str],
+                         built: BuiltForRequest) -> Steps[dict[int, SegmentEntry]]:
         """The cached interior of each segment in ``indices``: a public-pool hit, or the segment
         prefilled alone (a ``CombineWork`` per chunk). Each is pinned, and its key added to ``pinned``,
         before any yield: other requests' inserts must not evict it. An entry ``built`` for this
         request is a miss."""
         entries: dict[int, SegmentEntry] = {}
+        policy = plan.policy
         for index in indices:
-            segment = parts.segments[index]
-            key = self.segment_key(segment, policy)
+            segment, key = plan.parts.segments[index], plan.entry_keys[index]
             entry, tier = self.store.fetch(key, segment, policy.namespace)
             self.store.pin(key)
             pinned.append(key)
@@ -423,29 +422,24 @@ class Engine:
                 stats.count_hit(entry.length, built.tier_of(key, tier))
         return entries
 
-    def prefill_steps(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None,
-                      built: BuiltForRequest = BuiltForRequest(), snapshot_end: bool = False,
-                      ) -> Steps[Prefill]:
-        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive) as ``Steps``: one
-        ``CombineWork`` per chunk of at most ``chunk_tokens`` (of a cold segment's prefill or of the
-        combine pass); returns the ``Prefill``. ``logits_from``: also the logits of every prompt position from
-        there on, computed exactly (nothing after it is spliced or resumed from the private pool).
-        ``built``: what was computed for this request beforehand (its stats count it as computed).
-        ``snapshot_end``: the private pool also keeps the state at the prompt's end (a head combined
-        early: its request resumes there). Public entries the request uses stay pinned until its
-        combine pass is done. Everything it reuses or keeps is in ``parts.namespace``."""
-        policy = self.policy(mode, parts.namespace)
-        ids = parts.token_ids
+    def prefill_steps(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
+                      snapshot_end: bool = False) -> Steps[Prefill]:
+        """Prefill a planned request (``Engine.plan``) as ``Steps``: one ``CombineWork`` per chunk of at
+        most ``chunk_tokens`` (of a cold segment's prefill or of the combine pass); returns the
+        ``Prefill``, with the logits of every position from ``plan.logits_from`` on if it asks for
+        them (computed exactly). ``built``: what was computed for this request beforehand (its stats
+        count it as computed). ``snapshot_end``: the private pool also keeps the state at the
+        prompt's end (a head combined early: its request resumes there). Public entries the request
+        uses stay pinned until its combine pass is done. Everything it reuses or keeps is in the
+        plan's namespace."""
+        parts, policy, ids = plan.parts, plan.policy, plan.parts.token_ids
         stats = PrefillStats(prompt_tokens=len(ids), segments_built_remotely=built.remote_segments,
                              remote_prefill_tokens=built.remote_tokens)
-        exact_from = len(ids) if logits_from is None else logits_from
-        spliced = self._spliced(parts, policy, exact_from)
-        marks = layout_marks(parts, spliced)
-        init = self._resume_point(cache_key(ids[:exact_from + 1], marks), policy, stats, built)
-        after_resume = [i for i in spliced if parts.segment_starts[i] >= init.length]
+        init = self._resume_point(plan.tree_key, policy, stats, built)
+        after_resume = [i for i in plan.spliced if parts.segment_starts[i] >= init.length]
         pinned: list[str] = []
         try:
-            entries = yield from self._segment_entries(parts, after_resume, policy, stats, pinned, built)
+            entries = yield from self._segment_entries(plan, after_resume, stats, pinned, built)
             keep = policy.tree is not None and self.prefix_cache.budget_bytes != 0
             pieces = build_layout(parts, policy.seams, set(entries), init.length)
             stats.combine_tokens += sum(p.length for p in pieces if isinstance(p, Run))  # after a head's own
@@ -453,63 +447,56 @@ class Engine:
                                                 naive=not policy.transitions,
                                                 snapshot_at=self._snapshot_positions(parts, init.length, snapshot_end)
                                                 if keep else [],
-                                                logits_from=logits_from)
+                                                logits_from=plan.logits_from)
         finally:
             for key in pinned:
                 self.store.unpin(key)
-        result.state.marks = marks
+        result.state.marks = plan.marks
         if policy.tree is not None:
             self.prefix_cache.insert(policy.tree, result.state, result.snapshots)
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats, result.row_logits)
 
-    @staticmethod
-    def _spliced(parts: PromptParts, policy: ModePolicy, exact_from: int) -> list[int]:
-        """The segments ``policy`` splices, keeping positions from ``exact_from`` on recomputed."""
-        if policy.seams is None:
-            return []
-        ends = {i: begin + (policy.seams.interior(len(segment)) or (0, 0))[1]
-                for i, (segment, begin) in enumerate(zip(parts.segments, parts.segment_starts))}
-        return [i for i in spliceable(parts, policy.seams) if ends[i] <= exact_from]
-
     def prefill(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None,
                 built: BuiltForRequest = BuiltForRequest()) -> Prefill:
-        """Prefill a parsed request under ``mode`` in one go."""
-        return drain(self.prefill_steps(parts, mode, logits_from, built))
+        """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive) in one go."""
+        return drain(self.prefill_steps(self.plan(parts, mode, logits_from), built))
 
-    def held_head(self, parts: PromptParts, mode: str = "hypic") -> PromptParts | None:
-        """``parts`` cut after its longest run of leading documents whose spliced interiors the public
-        pool holds (no query), when that run stops short of the last document and holds a spliced
-        document past the request's private-pool resume point; else None (nothing to combine early)."""
-        policy = self.policy(mode, parts.namespace)
+    def held_head(self, plan: RequestPlan) -> RequestPlan | None:
+        """The plan of ``plan``'s prompt cut after its longest run of leading documents whose spliced
+        interiors the public pool holds (no query), when that run stops short of the last document
+        and holds a spliced document past the request's private-pool resume point; else None
+        (nothing to combine early)."""
+        parts, policy = plan.parts, plan.policy
         if policy.seams is None or policy.tree is None or self.prefix_cache.budget_bytes == 0:
             return None
-        spliced, held = self._spliced(parts, policy, len(parts.token_ids)), 0
-        while held < len(parts.segments) and (held not in spliced or self.lookup_segment(
-                parts.segments[held], policy, peek=True)[0] is not None):
+        held = 0
+        while held < len(parts.segments) and (held not in plan.entry_keys or self.store.peek(
+                plan.entry_keys[held], parts.segments[held]) is not None):
             held += 1
         head = PromptParts(parts.leading, parts.segments[:held], (), parts.namespace)
         if held == len(parts.segments) or not head.token_ids:
             return None
-        key = cache_key(head.token_ids, layout_marks(head, [i for i in spliced if i < held]))
-        resume = self.prefix_cache.peek(policy.tree, key, len(key) - 1)
-        return head if any(i < held and parts.segment_starts[i] >= resume for i in spliced) else None
+        head_plan = self.plan(head, policy.name)
+        resume = self.prefix_cache.peek(policy.tree, head_plan.tree_key, len(head_plan.tree_key) - 1)
+        return head_plan if any(parts.segment_starts[i] >= resume for i in head_plan.spliced) else None
 
     def precombine(self, parts: PromptParts, mode: str = "hypic",
                    built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
-        """The combine pass over ``held_head(parts)``, its state kept in the private pool, so the whole
-        request later resumes at that head's end (a combine node does this while its peers' last
-        documents are still on their way). Returns the head's stats (None: nothing was run); pass
-        them on in ``built.heads`` so the request's stats count the head as computed for it."""
-        return drain(self.precombine_steps(parts, mode, built))
+        """The combine pass over the held head of ``parts`` (``held_head``), its state kept in the
+        private pool, so the whole request later resumes at that head's end (a combine node does this
+        while its peers' last documents are still on their way). Returns the head's stats (None:
+        nothing was run); pass them on in ``built.heads`` so the request's stats count the head as
+        computed for it."""
+        return drain(self.precombine_steps(self.plan(parts, mode), built))
 
-    def precombine_steps(self, parts: PromptParts, mode: str = "hypic",
+    def precombine_steps(self, plan: RequestPlan,
                          built: BuiltForRequest = BuiltForRequest()) -> Steps[PrefillStats | None]:
-        """``precombine`` as ``Steps`` (the head is chosen at the first)."""
-        head = self.held_head(parts, mode)
+        """``precombine`` of a planned request as ``Steps`` (the head is chosen at the first)."""
+        head = self.held_head(plan)
         if head is None:
             return None
-        prefill = yield from self.prefill_steps(head, mode, built=built, snapshot_end=True)
+        prefill = yield from self.prefill_steps(head, built, snapshot_end=True)
         return prefill.stats
 
     def remember(self, state: RequestState, mode: str, namespace: str = "") -> None:

@@ -9,8 +9,9 @@ from hypic.config import ModelConfig
 from hypic.errors import InvalidRequest
 from hypic.loader import model_fingerprint, read_config
 from hypic.modes import mode_policy
-from hypic.segments import PromptParts, spliceable, split_prompt
-from hypic.store import SegmentEntry, entry_key
+from hypic.plan import RequestPlan, plan_request
+from hypic.segments import PromptParts, split_prompt
+from hypic.store import SegmentEntry
 from hypic.tokenizer import TextTokenizer
 
 from .plan import SegmentJob
@@ -52,20 +53,18 @@ class Splitter:
             raise ValueError("this splitter was made without the model's config")
         return entry_check(self.fingerprint, mode_policy(mode, self.seam_width, self.conv_kernel).role, self.config)
 
+    def plan(self, parts: PromptParts, mode: str) -> RequestPlan:
+        """The request's plan, as an engine of this model makes it (``hypic.plan.plan_request``)."""
+        policy = mode_policy(mode, self.seam_width, self.conv_kernel).scoped(parts.namespace)
+        return plan_request(parts, policy, self.fingerprint)
+
     def combine_tokens(self, parts: PromptParts, mode: str) -> int:
         """The tokens a combine pass of ``mode`` recomputes once every document is cached: the prompt
         less the interiors it splices."""
-        policy = mode_policy(mode, self.seam_width, self.conv_kernel)
-        if policy.seams is None:
-            return len(parts.token_ids)
-        spans = [policy.seams.interior(len(parts.segments[i])) for i in spliceable(parts, policy.seams)]
-        return len(parts.token_ids) - sum(hi - lo for lo, hi in filter(None, spans))
+        plan = self.plan(parts, mode)
+        return len(parts.token_ids) - sum(plan.interior_tokens(i) for i in plan.spliced)
 
     def jobs(self, parts: PromptParts, mode: str) -> list[SegmentJob]:
         """The documents ``mode`` splices from the public pool, keyed as the engines key them."""
-        policy = mode_policy(mode, self.seam_width, self.conv_kernel).scoped(parts.namespace)
-        if policy.seams is None:
-            return []
-        return [SegmentJob(entry_key(self.fingerprint, policy.seams, policy.role, parts.segments[i], policy.namespace),
-                           parts.segments[i], policy.namespace)
-                for i in spliceable(parts, policy.seams)]
+        plan = self.plan(parts, mode)
+        return [SegmentJob(key, ids, plan.policy.namespace) for _, key, ids in plan.documents()]

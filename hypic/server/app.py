@@ -174,7 +174,7 @@ class Server:
         built = BuiltForRequest()
         try:  # documents on disk or in Mooncake come up first: held here, never rebuilt by a peer
             loaded, held = await asyncio.wrap_future(self.loop.call(
-                lambda: (engine.load_from_tiers(parts, mode), self._held_keys())))
+                lambda: (engine.load_from_tiers(engine.plan(parts, mode)), self._held_keys())))
             plan = await asyncio.to_thread(self.peers.plan, parts, mode, held.__contains__)
             built = replace(self.peers.built_for_request(plan), loaded=loaded)
             return await self._peer_prefill(plan, parts, mode, logits_from, built)

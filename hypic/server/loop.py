@@ -25,6 +25,7 @@ import torch
 from ..assembler import CombineResult, CombineWork, Steps, combine_batch
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
+from ..plan import RequestPlan
 from ..errors import HypicError, InvalidRequest
 from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..segments import PromptParts
@@ -77,6 +78,7 @@ class Job:
     mode: str
     sequences: list[Sequence]
     emit: Callable[[Event], None]
+    plan: RequestPlan  # what its prefill reuses (``Engine.plan``), worked out when it is submitted
     cancelled: threading.Event = field(default_factory=threading.Event)
     start: float = field(default_factory=time.perf_counter)
     steps: Steps[Prefill] | None = None
@@ -182,7 +184,8 @@ class EngineLoop:
         ``remote``: its ``Prefill``, being computed elsewhere (if that fails, it is prefilled here);
         ``arrived``: when it reached the server (``time.perf_counter``; its TTFT and latency count
         from there); ``built``: what peers and this engine computed for it beforehand."""
-        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit,
+        plan = self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))  # off the loop thread
+        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit, plan,
                   remote=remote, built=built)
         if arrived is not None:
             job.start = arrived
@@ -222,7 +225,7 @@ class EngineLoop:
         """Combine the head of a request this engine already holds while its peers' last documents
         are on their way (``Engine.precombine``), in chunks like a warm-up; the future holds the
         head's ``PrefillStats`` (None: nothing to combine early)."""
-        task = WarmupTask(self.engine.precombine_steps(parts, self.mode, built), len(parts.token_ids))
+        task = WarmupTask(self.engine.precombine_steps(self.engine.plan(parts, self.mode), built), len(parts.token_ids))
         if self._queued >= self.max_queued:  # never refused as a request would be: it is combined later instead
             task.future.set_result(None)
         else:
@@ -273,8 +276,8 @@ class EngineLoop:
     def _admit(self, item: Pending) -> None:
         if isinstance(item, Job):
             self.stats.requests_received += 1
-            item.remaining = self.engine.uncached_tokens(item.parts, item.mode)
-            self.engine.prefetch(item.parts, item.mode)  # its documents load from disk/Mooncake while it waits
+            item.remaining = self.engine.uncached_tokens(item.plan)
+            self.engine.prefetch(item.plan)  # its documents load from disk/Mooncake while it waits
         self.waiting.append(item)
 
     def _leave_queue(self, item: Pending) -> None:
@@ -413,7 +416,7 @@ class EngineLoop:
                 return job.remote.result()
             except Exception as err:  # a lost combine node: prefill here instead
                 log.warning("remote prefill of %s failed (%s: %s); prefilling here", job.rid, type(err).__name__, err)
-        return (yield from self.engine.prefill_steps(job.parts, job.mode, job.logits_from, job.built))
+        return (yield from self.engine.prefill_steps(job.plan, job.built))
 
     def _prefilled(self, job: Job, prefill: Prefill) -> None:
         """The job's prefill is done: its samples start decoding from it (the first token now)."""

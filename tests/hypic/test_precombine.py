@@ -23,14 +23,14 @@ def _head_tokens(engine: Engine, documents: int) -> int:
 
 def test_the_head_stops_at_the_first_missing_document(engine: Engine) -> None:
     parts = engine.parse(PROMPT)
-    assert engine.held_head(parts) is None  # nothing held: the head would be the leading part alone
+    assert engine.held_head(engine.plan(parts)) is None  # nothing held: the head would be the leading part alone
     engine.warmup([DOCS[1]])
-    assert engine.held_head(parts) is None  # the first document is missing
+    assert engine.held_head(engine.plan(parts)) is None  # the first document is missing
     engine.warmup([DOCS[0]])
-    head = engine.held_head(parts)
-    assert head is not None and len(head.token_ids) == _head_tokens(engine, 2) and head.trailing == ()
+    head = engine.held_head(engine.plan(parts))
+    assert head is not None and len(head.parts.token_ids) == _head_tokens(engine, 2) and head.parts.trailing == ()
     engine.warmup([DOCS[2]])
-    assert engine.held_head(parts) is None  # all held: nothing to do before the request itself
+    assert engine.held_head(engine.plan(parts)) is None  # all held: nothing to do before the request itself
 
 
 def test_nothing_early_without_splices_or_a_private_pool(engine: Engine) -> None:

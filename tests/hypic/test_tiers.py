@@ -191,8 +191,9 @@ def test_the_scheduler_counts_documents_on_disk_as_cached(make: MakeEngine) -> N
     parts = restarted.parse(prompt([3, 1, 0, 2]))
     seams = restarted.seams
     interiors = sum(hi - lo for lo, hi in (seams.interior(len(s)) for s in parts.segments))
-    assert restarted.uncached_tokens(parts) == len(parts.token_ids) - interiors
-    assert make(cache_dir=None).uncached_tokens(parts) == len(parts.token_ids)
+    assert restarted.uncached_tokens(restarted.plan(parts)) == len(parts.token_ids) - interiors
+    memory_only = make(cache_dir=None)
+    assert memory_only.uncached_tokens(memory_only.plan(parts)) == len(parts.token_ids)
 
 
 @pytest.mark.parametrize("policy, after_build, after_reuse, after_close", [
@@ -399,7 +400,7 @@ def test_prefetch_policies_wait_as_they_say(make: MakeEngine, monkeypatch: pytes
 
     monkeypatch.setattr(DiskTier, "reading", slow)
     parts = engine.parse(prompt([1, 0]))
-    assert engine.prefetch(parts) == 2
+    assert engine.prefetch(engine.plan(parts)) == 2
     prefill = engine.prefill(parts)
     assert prefill.stats.segments_hit == hits and prefill.stats.segments_missed == 2 - hits
     assert tiers_of(engine).describe()["prefetches"]["started"] == 2
