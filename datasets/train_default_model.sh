@@ -9,7 +9,7 @@
 # MINUTES_SHORT (2.75, 0 skips phase 1), MINUTES (3.25), SHORT_LEN (768), SHORT_BATCH (64),
 # BATCH (32), LR (2e-3), WARMUP (100), WORKERS (all cores), DEVICE (auto), KERNEL (auto; torch
 # avoids FLA), INIT_FROM (a checkpoint to start from), MEMORY_HEADS (per linear layer, heads given a
-# fixed document-scale decay of MEMORY_DECAY per token, default 0.005: hypic.data.train --memory-heads),
+# fixed document-scale decay of MEMORY_DECAY per token, default 0.005: hypic_data.train --memory-heads),
 # SHIP (1: write hypic/assets/default_model).
 # Minutes are training time per phase; data and start-up add about a minute on a 16-core machine.
 set -euo pipefail
@@ -19,7 +19,7 @@ WORKERS=${WORKERS:-$(nproc)}
 MINUTES_SHORT=${MINUTES_SHORT:-2.75}
 MINUTES=${MINUTES:-3.25}
 
-python3 -m hypic.data.synthetic_qa --out "$DATA" --train "${TRAIN_EXAMPLES:-30000}" \
+python3 -m hypic_data.synthetic_qa --out "$DATA" --train "${TRAIN_EXAMPLES:-30000}" \
     --validation 500 --test 0 --extra-questions 8 --workers "$WORKERS"
 
 common=(--data "$DATA" --tokenizer hypic/assets/default_model/tokenizer.json
@@ -28,7 +28,7 @@ common=(--data "$DATA" --tokenizer hypic/assets/default_model/tokenizer.json
         --eval-examples 400 --workers "$WORKERS" --save-every 0 --no-progress
         --memory-heads "${MEMORY_HEADS:-0}" --memory-decay "${MEMORY_DECAY:-0.005}")
 phase() {  # phase MINUTES SEQ_LEN BATCH OUT [INIT]
-    python3 -m hypic.data.train "${common[@]}" --schedule-minutes "$1" \
+    python3 -m hypic_data.train "${common[@]}" --schedule-minutes "$1" \
         --max-minutes "$(python3 -c "print($1 + 0.25)")" --seq-len "$2" --batch-size "$3" \
         --out "$4" ${5:+--init-from "$5"}
 }
@@ -39,5 +39,5 @@ if [[ "$MINUTES_SHORT" != 0 ]]; then
 fi
 phase "$MINUTES" 2048 "${BATCH:-32}" "$RUN_DIR" "$init"
 if [[ "${SHIP:-0}" == 1 ]]; then
-    python3 -m hypic.data.export --src "$RUN_DIR" --dst hypic/assets/default_model --dtype bfloat16
+    python3 -m hypic_data.export --src "$RUN_DIR" --dst hypic/assets/default_model --dtype bfloat16
 fi

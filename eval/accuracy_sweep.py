@@ -34,8 +34,8 @@ from typing import Any, Sequence
 import torch
 
 from hypic import DEFAULT_SEPARATOR, Engine
-from hypic.data.evaluate import exact_match
-from hypic.data.synthetic_qa import build_prompt, read_jsonl
+from hypic_data.evaluate import exact_match
+from hypic_data.synthetic_qa import build_prompt, read_jsonl
 from hypic.evaluation.metrics import state_drift
 from hypic.state import LinearLayerState
 
@@ -201,7 +201,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="default",
                         help="checkpoint directory, or 'default' for the model shipped in the package")
     parser.add_argument("--data", type=Path, default=Path("datasets/synthetic_qa"),
-                        help="dataset directory written by python -m hypic.data.synthetic_qa")
+                        help="dataset directory written by python -m hypic_data.synthetic_qa")
     parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
     parser.add_argument("--limit", type=int, default=None,
                         help="use the first N single-hop and the first N multi-hop examples (default: all)")

@@ -40,7 +40,7 @@ import torch
 
 from hypic import Engine
 from hypic.decode import decode_batch
-from hypic.prefix_cache import cache_key
+from hypic.cache.prefix_cache import cache_key
 from hypic.state import RequestState
 
 TAIL = 16

@@ -37,7 +37,7 @@ from hypic.checkpoints import byte_level_tokenizer
 from hypic.config import parse_config
 from hypic.evaluation import scaling as composition  # the Fig. 12 sweeps and their tables
 from hypic.models import HybridModel
-from hypic.prefix_cache import PrefixCache
+from hypic.cache.prefix_cache import PrefixCache
 from hypic.tokenizer import TextTokenizer
 
 QWEN35_35B_A3B: dict[str, Any] = dict(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hypic import DEFAULT_SEPARATOR, Engine
-from hypic.store import AttentionInterior, LinearInterior
+from hypic.cache.store import AttentionInterior, LinearInterior
 
 WORDS = "river city company founder year product capital language mayor population museum bridge".split()
 

@@ -1,7 +1,7 @@
 """Cached tokens per GiB of private pool for MiMo-V2-Flash's layer mix, with and without the SWA pool.
 
 Without it, every layer keeps every token's K and V along the radix tree's edges. With it (what
-``hypic.prefix_cache`` does), only the full-attention layers do; a sliding-window layer keeps its
+``hypic.cache.prefix_cache`` does), only the full-attention layers do; a sliding-window layer keeps its
 last W tokens once per resume point (every ``--snapshot-interval`` tokens, and at document edges),
 since no later token reads further back. So the SWA pool's saving depends on how dense the resume
 points are. The closed form is printed at the released model's shapes (48 layers: 9 full, 39

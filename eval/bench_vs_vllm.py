@@ -56,7 +56,7 @@ import httpx
 
 import hypic
 from hypic import DEFAULT_SEPARATOR, __version__, default_model_path
-from hypic.data.synthetic_qa import GeneratorConfig, generate_split
+from hypic_data.synthetic_qa import GeneratorConfig, generate_split
 from hypic.server.launch import free_port
 from hypic.tokenizer import TextTokenizer
 

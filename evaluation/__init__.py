@@ -8,9 +8,9 @@ data. Apart from the runtime: it drives an ``Engine`` or a server like any clien
 - ``results``: resumable per-sample JSONL;
 - ``targets``: the in-process engine, or a running server's SGLang ``/generate`` (``--url``);
 - ``studies``: ``pareto`` and ``seam``, with their summary tables and figures; ``drift``: per-layer state
-  drift; ``scaling``: the Fig. 12 TTFT sweeps (also ``eval/bench_composition.py``);
+  drift; ``scaling``: the Fig. 12 TTFT sweeps;
 - ``trace`` and ``load``: a Prod-RAG-like request trace replayed against servers at rising QPS
-  (Fig. 11; also ``eval/bench_serving.py``); ``parallel``: a cold request on 1..N Ray workers
-  (Fig. 14; also ``eval/bench_router.py``);
+  (Fig. 11); ``parallel``: a cold request on 1..N Ray workers
+  (Fig. 14);
 - ``cli``: the ``hypic eval`` command.
 """

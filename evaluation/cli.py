@@ -124,7 +124,7 @@ def run_eval(args: argparse.Namespace) -> dict:
         raise DataError(f"--data is required for the LongBench dataset {args.dataset!r} (a local JSONL file)")
     if args.dataset == "synthetic" and args.data is None and not data.is_file():
         raise DataError(f"{data} does not exist: generate the synthetic test split with `python -m "
-                        "hypic.data.synthetic_qa --out datasets/synthetic_qa --splits test` or pass --data")
+                        "hypic_data.synthetic_qa --out datasets/synthetic_qa --splits test` or pass --data")
     samples = load(args.dataset, data, args.limit, args.chunk_words)
     if args.study == "drift" and args.url is not None:
         raise DataError("the drift study reads the model's states, which a server does not expose: run it in process")

@@ -108,7 +108,7 @@ def load_longbench(path: Path, dataset: str, chunk_words: int = 400) -> list[Sam
 
 def load_synthetic(path: Path) -> list[Sample]:
     """The synthetic multi-document QA (``datasets/synthetic_qa/<split>.jsonl``), scored by exact match."""
-    from hypic.data.synthetic_qa import prompt_parts
+    from hypic_data.synthetic_qa import prompt_parts
     samples = []
     for number, record in _records(path):
         try:

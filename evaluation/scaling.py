@@ -49,7 +49,7 @@ keep PyTorch's own default.
 
 Examples::
 
-    hypic eval scaling                  # full sweeps, ~5-10 minutes on CPU (or python eval/bench_composition.py)
+    hypic eval scaling                  # full sweeps, ~5-10 minutes on CPU
     hypic eval scaling --quick          # per-document lengths / 4, ~1 minute
     hypic eval scaling --model DIR --json out.json --strict
 """
@@ -73,7 +73,7 @@ from tqdm import tqdm
 import hypic
 from hypic import DEFAULT_SEPARATOR, Engine, GenerationResult
 from hypic.checkpoints import write_random_checkpoint
-from hypic.store import LinearInterior
+from hypic.cache.store import LinearInterior
 from hypic.tokenizer import TextTokenizer
 
 from .results import ResultLog

@@ -36,14 +36,14 @@ from typing import Any
 import torch
 
 from hypic import Engine
-from hypic.composition import Family, Transition
+from hypic.cache.composition import Family, Transition
 from hypic.config import parse_config
-from hypic.eviction import Eviction
-from hypic.segments import Seams
+from hypic.cache.eviction import Eviction
+from hypic.cache.segments import Seams
 from hypic.server.launch import free_port
-from hypic.store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
-from hypic.tiers.entry_file import EntryIdentity, decode_entry, encode_entry
-from hypic.tiers.options import TierOptions
+from hypic.cache.store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
+from hypic.cache.tiers.entry_file import EntryIdentity, decode_entry, encode_entry
+from hypic.cache.tiers.options import TierOptions
 
 from .studies import plain_log_ticks, pyplot, save_figure
 from .trace import Trace, TraceConfig
@@ -93,7 +93,7 @@ def _mooncake(enabled: bool, folder: Path) -> Iterator[dict[str, Any]]:
     if not enabled:
         yield {}
         return
-    from hypic.tiers.mooncake import start_master
+    from hypic.cache.tiers.mooncake import start_master
 
     master = start_master(folder / "mooncake_master.log", free_port(), free_port(), free_port(), lease_ms=200)
     try:
@@ -155,7 +155,7 @@ def _default_entry(engine: Engine, tokens: int) -> tuple[SegmentEntry, EntryIden
 
 def _latency_records(label: str, entry: SegmentEntry, identity: EntryIdentity, folder: Path, repeats: int,
                      mooncake: dict[str, Any]) -> list[dict[str, Any]]:
-    from hypic.tiers.disk import DiskTier
+    from hypic.cache.tiers.disk import DiskTier
     data = encode_entry(entry, identity)
     disk = DiskTier(folder / f"disk-{label}")
     disk.open()
@@ -173,7 +173,7 @@ def _latency_records(label: str, entry: SegmentEntry, identity: EntryIdentity, f
     points = {"memory": lambda: {entry.key: entry}.get(entry.key),
               "disk (page cache)": lambda: from_disk(False), "disk (dropped)": lambda: from_disk(True)}
     if mooncake:
-        from hypic.tiers.mooncake import MooncakeTier
+        from hypic.cache.tiers.mooncake import MooncakeTier
         tier = MooncakeTier(mooncake["mooncake_master"], mooncake["mooncake_metadata"], 256 << 20, 512 << 20)
         with contextlib.suppress(ConnectionError):
             tier.open()

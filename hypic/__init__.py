@@ -2,7 +2,7 @@
 from .default_model import default_model_path
 from .engine import Engine, GenerationResult, Prefill, PrefillStats
 from .errors import CheckpointError, HypicError, InvalidRequest, UnsupportedModel
-from .segments import DEFAULT_SEPARATOR
+from .cache.segments import DEFAULT_SEPARATOR
 
 __all__ = [
     "CheckpointError", "DEFAULT_SEPARATOR", "Engine", "GenerationResult", "HypicError", "InvalidRequest",

@@ -14,16 +14,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from .composition import Transition, compose_states, naive_addition
+from .cache.composition import Transition, compose_states, naive_addition
 from .kernels.gated_delta import gated_delta_rule_varlen
 from .models import HybridModel
 from .models.attention import AttentionInputs, GatedAttention
 from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs
 from .models.linear import LinearMixer, RunRecurrence, last_rows
 from .models.rope import RotaryEmbedding
-from .segments import Piece, Run, Splice, chunk_pieces
+from .cache.segments import Piece, Run, Splice, chunk_pieces
 from .state import AttentionLayerState, LinearLayerState, RequestState, WindowLayerState
-from .store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntry
+from .cache.store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntry
 
 
 @dataclass

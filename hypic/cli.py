@@ -10,10 +10,10 @@ from typing import Any
 from . import DEFAULT_SEPARATOR, Engine, HypicError
 from .errors import CheckpointError
 from .evaluation.cli import add_eval_parser, eval_main
-from .eviction import Eviction
-from .modes import MODES
-from .tiers.hierarchy import PrefetchPolicy, WritePolicy
-from .tiers.options import DEFAULT_SEGMENT_BYTES, TierOptions
+from .cache.eviction import Eviction
+from .cache.modes import MODES
+from .cache.tiers.hierarchy import PrefetchPolicy, WritePolicy
+from .cache.tiers.options import DEFAULT_SEGMENT_BYTES, TierOptions
 
 RANDOM_MODEL_SEED = 0
 

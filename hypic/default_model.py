@@ -1,8 +1,8 @@
 """The project's own small hybrid model, shipped inside the package (issue 4).
 
 A Qwen3.5-architecture checkpoint (``qwen3_5_text``: Gated DeltaNet and gated full-attention
-layers, 3:1) trained by ``hypic.data.train`` on the synthetic multi-document QA data of
-``hypic.data.synthetic_qa``; it answers questions about the documents of a prompt written as
+layers, 3:1) trained by ``hypic_data.train`` on the synthetic multi-document QA data of
+``hypic_data.synthetic_qa``; it answers questions about the documents of a prompt written as
 ``instruction <<PIC_SEP>> doc ... <<PIC_SEP>> "\\n\\nQuestion: ...\\nAnswer:"``.
 ``Engine.from_pretrained("default")`` loads it.
 """

@@ -13,22 +13,22 @@ from .config import ModelConfig
 from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
-from .eviction import Eviction
+from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
-from .modes import ModePolicy, mode_policy, tree_namespace
+from .cache.modes import ModePolicy, mode_policy, tree_namespace
 from .prefill_stats import BuiltForRequest, PrefillStats
-from .plan import RequestPlan, plan_request
-from .prefix_cache import PrefixCache
+from .cache.plan import RequestPlan, plan_request
+from .cache.prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
-from .segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, split_prompt
+from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, split_prompt
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState
-from .store import LinearInterior, SegmentEntry, SegmentStore, entry_key
-from .tiers.entry_file import EntryIdentity
-from .tiers.options import TierOptions, build_tiers
+from .cache.store import LinearInterior, SegmentEntry, SegmentStore, entry_key
+from .cache.tiers.entry_file import EntryIdentity
+from .cache.tiers.options import TierOptions, build_tiers
 from .tokenizer import TextTokenizer
 
 DEFAULT_SNAPSHOT_INTERVAL = 256
@@ -121,7 +121,7 @@ class Engine:
         not multiply half precision natively). Pool budgets in bytes; None means unbounded
         (``private_window_bytes``: the sliding-window tails within the private pool). ``tiers``: the
         public pool's disk and Mooncake tiers (none by default); ``eviction``: the public pool's order
-        (``hypic.eviction``)."""
+        (``hypic.cache.eviction``)."""
         if dtype not in (*DTYPE_NAMES, "auto"):
             raise InvalidRequest(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         path = default_model_path() if str(path) == "default" else Path(path)

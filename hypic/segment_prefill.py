@@ -1,9 +1,9 @@
 """Cache-time prefill: a PIC segment alone from position 0, keeping only its interior."""
 from .assembler import InteriorCapture, Steps, combine_chunked, drain
 from .models import HybridModel
-from .segments import Run, Seams
+from .cache.segments import Run, Seams
 from .state import RequestState
-from .store import InteriorLayer
+from .cache.store import InteriorLayer
 
 UNCHUNKED = 1 << 62
 

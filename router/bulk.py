@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from hypic.composition import Transition
-from hypic.store import AttentionInterior, LinearInterior, SegmentEntry
+from hypic.cache.composition import Transition
+from hypic.cache.store import AttentionInterior, LinearInterior, SegmentEntry
 
 
 @dataclass(frozen=True)

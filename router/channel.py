@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-from hypic.store import SegmentEntry
+from hypic.cache.store import SegmentEntry
 
 from .bulk import buffer_bytes, header_of, pack, unpack
 

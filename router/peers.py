@@ -15,8 +15,8 @@ from ray.exceptions import GetTimeoutError
 from hypic import DEFAULT_SEPARATOR
 from hypic.engine import Engine, Prefill
 from hypic.prefill_stats import BuiltForRequest
-from hypic.segments import PromptParts
-from hypic.store import SegmentEntry
+from hypic.cache.segments import PromptParts
+from hypic.cache.store import SegmentEntry
 
 from .plan import Plan, make_plan
 from .pool import WorkerLost, WorkerPool, start_ray

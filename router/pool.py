@@ -8,8 +8,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
-from hypic.segments import PromptParts
-from hypic.store import SegmentEntry
+from hypic.cache.segments import PromptParts
+from hypic.cache.store import SegmentEntry
 
 from .group import BulkGroup
 from .index import SegmentIndex

@@ -5,13 +5,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypic import DEFAULT_SEPARATOR, default_model_path
+from hypic.cache.modes import mode_policy
+from hypic.cache.plan import RequestPlan, plan_request
+from hypic.cache.segments import PromptParts, split_prompt
+from hypic.cache.store import SegmentEntry
 from hypic.config import ModelConfig
 from hypic.errors import InvalidRequest
 from hypic.loader import model_fingerprint, read_config
-from hypic.modes import mode_policy
-from hypic.plan import RequestPlan, plan_request
-from hypic.segments import PromptParts, split_prompt
-from hypic.store import SegmentEntry
 from hypic.tokenizer import TextTokenizer
 
 from .plan import SegmentJob
@@ -54,7 +54,7 @@ class Splitter:
         return entry_check(self.fingerprint, mode_policy(mode, self.seam_width, self.conv_kernel).role, self.config)
 
     def plan(self, parts: PromptParts, mode: str) -> RequestPlan:
-        """The request's plan, as an engine of this model makes it (``hypic.plan.plan_request``)."""
+        """The request's plan, as an engine of this model makes it (``hypic.cache.plan.plan_request``)."""
         policy = mode_policy(mode, self.seam_width, self.conv_kernel).scoped(parts.namespace)
         return plan_request(parts, policy, self.fingerprint)
 

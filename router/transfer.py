@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 from hypic.config import ModelConfig
 from hypic.engine import Engine
-from hypic.entry_check import EntryMismatch as TransferError  # the router's name for it
-from hypic.entry_check import check_entry
-from hypic.store import Role, SegmentEntry
+from hypic.cache.entry_check import EntryMismatch as TransferError  # the router's name for it
+from hypic.cache.entry_check import check_entry
+from hypic.cache.store import Role, SegmentEntry
 
 from .channel import BulkChannel, ChannelError, Parcel
 

@@ -6,8 +6,8 @@ import torch
 from hypic.assembler import drain
 from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
-from hypic.segments import PromptParts
-from hypic.store import SegmentEntry
+from hypic.cache.segments import PromptParts
+from hypic.cache.store import SegmentEntry
 
 from .channel import BulkChannel, GroupSpec, Parcel
 from .plan import SegmentJob

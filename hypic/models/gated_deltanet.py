@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..composition import Family, Transition
+from ..cache.composition import Family, Transition
 from ..config import ModelConfig
 from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_with_transition, gated_delta_step
 from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts

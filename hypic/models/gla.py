@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..composition import Family, Transition, diagonal_transition
+from ..cache.composition import Family, Transition, diagonal_transition
 from ..config import ModelConfig
 from ..kernels.diagonal_gla import diagonal_gla, diagonal_gla_step
 from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..composition import Family, Transition
+from ..cache.composition import Family, Transition
 from ..config import ModelConfig
 from ..kernels.kimi_delta import kimi_delta_rule, kimi_delta_rule_with_transition, kimi_delta_step
 from .gated_deltanet import l2_normalize

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..composition import Family, Transition, scalar_transition
+from ..cache.composition import Family, Transition, scalar_transition
 from ..config import ModelConfig
 from ..kernels.scalar_gla import scalar_gla, scalar_gla_step
 from .linear import RunRecurrence, recur_in_parts

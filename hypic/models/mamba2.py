@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..composition import Family, Transition, scalar_transition
+from ..cache.composition import Family, Transition, scalar_transition
 from ..config import Mamba2Options, ModelConfig
 from ..kernels.scalar_gla import scalar_gla, scalar_gla_step
 from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts

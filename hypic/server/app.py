@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..errors import HypicError, InvalidRequest
 from ..prefill_stats import BuiltForRequest
-from ..segments import PromptParts
+from ..cache.segments import PromptParts
 from ..sequence import Sequence
 from .chat import chat_renderer
 from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull, input_logits_from

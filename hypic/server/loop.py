@@ -25,10 +25,10 @@ import torch
 from ..assembler import CombineResult, CombineWork, Steps, combine_batch
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
-from ..plan import RequestPlan
+from ..cache.plan import RequestPlan
 from ..errors import HypicError, InvalidRequest
 from ..prefill_stats import BuiltForRequest, PrefillStats
-from ..segments import PromptParts
+from ..cache.segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState, tensor_bytes
 from .protocol import Completion, GenerationRequest, SampleResult

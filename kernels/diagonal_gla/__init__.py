@@ -3,7 +3,7 @@ one interface, the fastest correct path for the device.
 
 FLA's ``chunk_gla`` on CUDA when installed, else the PyTorch chunked form; runs shorter than
 ``SHORT_RUN`` tokens (decode) take the token loop. A run's transition is closed-form: a vector per
-head, exp(sum_t g_t) (``hypic.composition.diagonal_transition``).
+head, exp(sum_t g_t) (``hypic.cache.composition.diagonal_transition``).
 """
 import torch
 

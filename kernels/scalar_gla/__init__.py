@@ -3,7 +3,7 @@ interface, the fastest correct path for the device.
 
 FLA's ``chunk_simple_gla`` on CUDA when installed, else the PyTorch chunked form; runs shorter than
 ``SHORT_RUN`` tokens (decode) take the token loop. A run's transition is closed-form: the product
-of its gates, exp(sum_t g_t) per head (``hypic.composition.scalar_transition``).
+of its gates, exp(sum_t g_t) per head (``hypic.cache.composition.scalar_transition``).
 """
 import torch
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hypic.data.synthetic_qa import GeneratorConfig, generate_split, read_jsonl, write_split
-from hypic.data.tokenizer import TokenizerConfig, corpus_texts, save_tokenizer, train_tokenizer
+from hypic_data.synthetic_qa import GeneratorConfig, generate_split, read_jsonl, write_split
+from hypic_data.tokenizer import TokenizerConfig, corpus_texts, save_tokenizer, train_tokenizer
 
 SPLIT_SIZES = {"train": 80, "validation": 10, "test": 40}
 TEST_SEED = 20240601
@@ -48,7 +48,7 @@ def tokenizer_file(dataset_dir: Path, splits: dict[str, list[dict]]) -> Path:
 def micro_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path,
               tokenizer_file: Path):
     """A few training steps of a micro hybrid model (3 linear + 1 full layer) on CPU."""
-    from hypic.data.train import ModelConfig, TrainConfig, train
+    from hypic_data.train import ModelConfig, TrainConfig, train
 
     model = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,

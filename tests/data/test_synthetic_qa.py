@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from hypic.data.synthetic_qa import (
+from hypic_data.synthetic_qa import (
     DEFAULT_SEPARATOR,
     EOS_TOKEN,
     GeneratorConfig,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from hypic.data.synthetic_qa import EOS_TOKEN, PAD_TOKEN, build_training_text, prompt_parts
-from hypic.data.tokenizer import (
+from hypic_data.synthetic_qa import EOS_TOKEN, PAD_TOKEN, build_training_text, prompt_parts
+from hypic_data.tokenizer import (
     TokenizerConfig,
     corpus_texts,
     encode_parts,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypic.data.evaluate import EvalReport, evaluate, exact_match, transformers_answer_fn
-from hypic.data.tokenizer import load_tokenizer
-from hypic.data.train import (
+from hypic_data.evaluate import EvalReport, evaluate, exact_match, transformers_answer_fn
+from hypic_data.tokenizer import load_tokenizer
+from hypic_data.train import (
     IGNORE_INDEX,
     Encoded,
     ModelConfig,
@@ -124,7 +124,7 @@ def test_transformers_backend_answers(micro_run, splits, one_torch_thread) -> No
 def test_extra_questions_follow_the_answer_and_are_masked(splits, tokenizer_file: Path) -> None:
     from dataclasses import replace
 
-    from hypic.data.synthetic_qa import GeneratorConfig, generate_example
+    from hypic_data.synthetic_qa import GeneratorConfig, generate_example
 
     tokenizer = load_tokenizer(tokenizer_file)
     example = generate_example(replace(GeneratorConfig(), extra_questions=3), "train", 1)
@@ -143,7 +143,7 @@ def test_extra_questions_follow_the_answer_and_are_masked(splits, tokenizer_file
 
 
 def test_long_memory_init_gives_slow_decay(one_torch_thread) -> None:
-    from hypic.data.train import long_memory_init
+    from hypic_data.train import long_memory_init
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(num_hidden_layers=4), eos_id=0, pad_id=1, device=torch.device("cpu"))
@@ -160,7 +160,7 @@ def test_long_memory_init_gives_slow_decay(one_torch_thread) -> None:
 def test_extra_kind_keeps_only_that_kind(tokenizer_file: Path) -> None:
     from dataclasses import replace
 
-    from hypic.data.synthetic_qa import GeneratorConfig, generate_example
+    from hypic_data.synthetic_qa import GeneratorConfig, generate_example
 
     tokenizer = load_tokenizer(tokenizer_file)
     example = generate_example(replace(GeneratorConfig(), extra_questions=12), "train", 2)
@@ -176,7 +176,7 @@ def test_extra_kind_keeps_only_that_kind(tokenizer_file: Path) -> None:
 def test_copy_drill_rows_repeat_a_random_run_and_join_the_batch() -> None:
     import random
 
-    from hypic.data.train import _Batches, copy_drill
+    from hypic_data.train import _Batches, copy_drill
 
     drill = copy_drill(random.Random(3), range(10, 60), 8)
     assert drill.ids[:8] == drill.ids[8:] and drill.answer_spans == [(8, 16)]
@@ -190,7 +190,7 @@ def test_copy_drill_rows_repeat_a_random_run_and_join_the_batch() -> None:
 
 
 def test_plan_revision_bends_the_schedule(one_torch_thread) -> None:
-    from hypic.data.train import StepPlan, TrainConfig, fitted_steps, make_optimizer
+    from hypic_data.train import StepPlan, TrainConfig, fitted_steps, make_optimizer
 
     config = TrainConfig(Path(), Path(), Path(), steps=1000, lr=1.0, warmup_steps=2,
                          min_lr_ratio=0.1, schedule_minutes=1.0)
@@ -212,9 +212,9 @@ def test_plan_revision_bends_the_schedule(one_torch_thread) -> None:
 def test_greedy_answer_matches_agrees_with_generation(micro_run, splits, tokenizer_file: Path,
                                                       one_torch_thread) -> None:
     """The teacher-forced check says yes to the model's own greedy continuation, no to others."""
-    from hypic.data.tokenizer import encode_parts
-    from hypic.data.train import greedy_answer_matches
-    from hypic.data.synthetic_qa import prompt_parts
+    from hypic_data.tokenizer import encode_parts
+    from hypic_data.train import greedy_answer_matches
+    from hypic_data.synthetic_qa import prompt_parts
 
     _, result = micro_run
     _, model = load_model(result.out, "cpu")
@@ -236,7 +236,7 @@ def test_greedy_answer_matches_agrees_with_generation(micro_run, splits, tokeniz
 def test_training_kernels_are_restored_on_exit() -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from hypic.data.train import training_kernels
+    from hypic_data.train import training_kernels
     from hypic.kernels.gated_delta.transformers_layout import transformers_chunk_gated_delta_rule
 
     original = modeling_qwen3_5.torch_chunk_gated_delta_rule
@@ -246,7 +246,7 @@ def test_training_kernels_are_restored_on_exit() -> None:
 
 
 def test_encoding_in_worker_processes_gives_the_same_sequences(splits, tokenizer_file: Path) -> None:
-    from hypic.data.train import encode_examples
+    from hypic_data.train import encode_examples
 
     tokenizer = load_tokenizer(tokenizer_file)
     examples = splits["train"][:12]
@@ -260,8 +260,8 @@ def test_export_casts_weights_and_both_runtimes_load_it(micro_run, splits, tmp_p
 
     from hypic import Engine
     from hypic.checkpoints import reference_classes
-    from hypic.data.export import export_model
-    from hypic.data.synthetic_qa import build_prompt
+    from hypic_data.export import export_model
+    from hypic_data.synthetic_qa import build_prompt
 
     _, result = micro_run
     out = export_model(Path(result.out), tmp_path / "shipped", "bfloat16")
@@ -286,7 +286,7 @@ def test_schedule_minutes_ends_the_run_and_its_schedule(micro_run, tmp_path: Pat
     """A budget spent before the probe ends: the run stops right after it, at the schedule's end."""
     from dataclasses import replace
 
-    from hypic.data.train import PROBE_STEPS, train
+    from hypic_data.train import PROBE_STEPS, train
 
     config, _ = micro_run
     short = replace(config, out=tmp_path / "run", steps=40, schedule_minutes=1e-4, eval_examples=0,
@@ -300,7 +300,7 @@ def test_schedule_minutes_ends_the_run_and_its_schedule(micro_run, tmp_path: Pat
 def test_document_memory_heads_keep_their_decay_through_training(one_torch_thread) -> None:
     """Closed form: the fixed heads' log decay -exp(A_log) * softplus(in_proj_a x + dt_bias) is
     -memory_decay for any input, before and after AdamW steps with weight decay; other heads learn."""
-    from hypic.data.train import StepPlan, TrainConfig, fix_document_memory, make_optimizer
+    from hypic_data.train import StepPlan, TrainConfig, fix_document_memory, make_optimizer
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=96, head_dim=16,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from hypic.cli import _parser
-from hypic.data import synthetic_qa
+from hypic_data import synthetic_qa
 from hypic.evaluation import scaling
 from hypic.server.launch import ServerProcess, start_server
 
@@ -53,7 +53,7 @@ def _parses(argv: list[str]) -> None:
             scaling.parse_args(rest)
         else:
             assert not rest, f"unrecognized arguments {rest} in README command {argv}"
-    elif argv[:3] == ["python", "-m", "hypic.data.synthetic_qa"]:
+    elif argv[:3] == ["python", "-m", "hypic_data.synthetic_qa"]:
         synthetic_qa._parse_args(argv[3:])
     elif argv[0] == "pip":
         assert argv in (["pip", "install", "-e", "."], ["pip", "install", "-e", ".[test]"]), argv

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hypic import Engine
-from hypic.data.synthetic_qa import GeneratorConfig, build_prompt, generate_example, to_json_line
+from hypic_data.synthetic_qa import GeneratorConfig, build_prompt, generate_example, to_json_line
 
 from .conftest import load_script
 

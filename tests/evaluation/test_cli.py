@@ -9,7 +9,7 @@ import hypic.evaluation.drift as drift
 import hypic.evaluation.scaling as scaling
 import hypic.evaluation.targets as targets
 from hypic.cli import main
-from hypic.data.synthetic_qa import GeneratorConfig, generate_example
+from hypic_data.synthetic_qa import GeneratorConfig, generate_example
 
 FIXTURES = Path(__file__).resolve().parents[2] / "datasets" / "longbench_fixtures"
 

@@ -8,8 +8,8 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.segment_prefill import prefill_interior, prefill_interior_steps
 from hypic.assembler import combine_batch, drain
-from hypic.segments import Run, Splice, chunk_pieces
-from hypic.store import AttentionInterior, LinearInterior
+from hypic.cache.segments import Run, Splice, chunk_pieces
+from hypic.cache.store import AttentionInterior, LinearInterior
 
 
 def test_chunk_pieces_cuts_runs_and_keeps_splices_before_runs() -> None:

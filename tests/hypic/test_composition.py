@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hypic.composition import (Family, Transition, compose_states, delta_rule_transition, diagonal_transition,
+from hypic.cache.composition import (Family, Transition, compose_states, delta_rule_transition, diagonal_transition,
                                naive_addition, scalar_transition)
 from hypic.kernels.gated_delta import naive_gated_delta_rule
 

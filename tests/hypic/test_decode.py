@@ -11,7 +11,7 @@ from hypic.decode import decode_batch
 from hypic.kernels.gated_delta import gated_delta_step as delta_rule_step
 from hypic.kernels.gated_delta import naive_gated_delta_rule
 from hypic.models.mlp import SparseMoE
-from hypic.segments import Run
+from hypic.cache.segments import Run
 from hypic.state import RequestState
 
 

@@ -7,8 +7,8 @@ import torch
 import hypic.default_model as default_model
 from hypic import CheckpointError, Engine, default_model_path
 from hypic.checkpoints import reference_classes
-from hypic.data.evaluate import exact_match
-from hypic.data.synthetic_qa import GeneratorConfig, build_prompt, generate_example
+from hypic_data.evaluate import exact_match
+from hypic_data.synthetic_qa import GeneratorConfig, build_prompt, generate_example
 
 # A held-out test example (regenerated from its seed: test-000020, 11 documents, single-hop,
 # answer "pharmacist") that the shipped model answers correctly under full recompute. It answers

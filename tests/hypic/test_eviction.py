@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from hypic.eviction import Eviction
-from hypic.segments import Seams
-from hypic.store import AttentionInterior, SegmentEntry, SegmentStore
+from hypic.cache.eviction import Eviction
+from hypic.cache.segments import Seams
+from hypic.cache.store import AttentionInterior, SegmentEntry, SegmentStore
 
 
 def entry(name: str, tokens: int, nbytes: int) -> SegmentEntry:

@@ -283,7 +283,7 @@ def test_documents_loaded_from_disk_match_reference(setup: Setup, tmp_path: Path
     """An engine warms three documents into --cache-dir; a fresh engine on the same directory (a
     restarted server: its memory empty) loads all three from disk and generates what the reference
     generates (and what the first engine generates)."""
-    from hypic.tiers.options import TierOptions
+    from hypic.cache.tiers.options import TierOptions
 
     case = layout(21, [90, 170, 45])
     tiers = TierOptions(str(tmp_path / "cache"))

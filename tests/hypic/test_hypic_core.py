@@ -8,7 +8,7 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.config import RopeConfig
 from hypic.models.rope import RotaryEmbedding
-from hypic.segments import Run, Seams, Splice, build_layout, document_boundaries, spliceable, split_prompt
+from hypic.cache.segments import Run, Seams, Splice, build_layout, document_boundaries, spliceable, split_prompt
 
 
 def _text(rng: random.Random, n: int) -> str:

@@ -9,7 +9,7 @@ from hypic import Engine
 from hypic.assembler import combine
 from hypic.checkpoints import TINY_VARIANTS, reference_classes
 from hypic.config import parse_config
-from hypic.segments import Run
+from hypic.cache.segments import Run
 from hypic.state import RequestState
 
 PROMPT_LENGTH, GREEDY_TOKENS = 150, 32

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
-from hypic.composition import Family
+from hypic.cache.composition import Family
 from hypic.config import ModelConfig
-from hypic.store import LinearInterior
+from hypic.cache.store import LinearInterior
 
 FP32 = 4
 TRANSITION_FAMILY = {"gated_delta": Family.DENSE, "lightning": Family.SCALAR, "mamba2": Family.SCALAR,

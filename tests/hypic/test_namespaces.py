@@ -9,7 +9,7 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP
 from hypic import Engine
-from hypic.segments import PromptParts
+from hypic.cache.segments import PromptParts
 
 
 def _text(rng: random.Random, n: int) -> str:

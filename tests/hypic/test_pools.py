@@ -10,11 +10,11 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
 from hypic.assembler import combine, drain
-from hypic.composition import Family, Transition
-from hypic.prefix_cache import PrefixCache, cache_key
-from hypic.segments import PromptParts, Run, Seams
+from hypic.cache.composition import Family, Transition
+from hypic.cache.prefix_cache import PrefixCache, cache_key
+from hypic.cache.segments import PromptParts, Run, Seams
 from hypic.state import AttentionLayerState, LinearLayerState, RequestState
-from hypic.store import AttentionInterior, SegmentEntry, SegmentStore
+from hypic.cache.store import AttentionInterior, SegmentEntry, SegmentStore
 
 
 def _entry(key: str, floats: int) -> SegmentEntry:
@@ -251,8 +251,8 @@ def test_plain_prompts_sharing_a_long_prefix_resume_at_the_last_interval_snapsho
 def test_tree_keys_and_common_lengths_against_their_definitions() -> None:
     """The vectorised key (id << MARK_BITS | marks; marks past the end ignored) and the halving
     common-prefix length, against the per-token formulas on random cases."""
-    from hypic.prefix_cache import _common_length
-    from hypic.segments import MARK_BITS
+    from hypic.cache.prefix_cache import _common_length
+    from hypic.cache.segments import MARK_BITS
     rng = random.Random(3)
     for _ in range(500):
         ids = [rng.randrange(1 << 20) for _ in range(rng.randint(0, 60))]

@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
-from hypic.store import SegmentEntry
-from hypic.tiers.disk import DiskTier
-from hypic.tiers.entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry
-from hypic.tiers.hierarchy import WritePolicy
-from hypic.tiers.options import TierOptions
+from hypic.cache.store import SegmentEntry
+from hypic.cache.tiers.disk import DiskTier
+from hypic.cache.tiers.entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry
+from hypic.cache.tiers.hierarchy import WritePolicy
+from hypic.cache.tiers.options import TierOptions
 
 DOCUMENTS = [f"document {i}: " + " ".join(f"fact{i}-{j}" for j in range(25)) for i in range(6)]
 MakeEngine = Callable[..., Engine]
@@ -347,7 +347,7 @@ def test_a_failing_disk_marks_the_tier_unhealthy_until_it_works_again(make: Make
     assert not status["healthy"] and "No space left" in status["error"] and status["write_errors"] == 1
     assert result.output_ids == cold_tokens(make, prompt([0, 1]))
     monkeypatch.setattr(DiskTier, "write", real_write)
-    monkeypatch.setattr("hypic.tiers.hierarchy.RETRY_S", 0.0)
+    monkeypatch.setattr("hypic.cache.tiers.hierarchy.RETRY_S", 0.0)
     engine.warmup(DOCUMENTS[2:3])
     status = disk_counters(engine)
     assert status["healthy"] and status["writes"] == 1
@@ -385,7 +385,7 @@ def test_prefetch_policies_wait_as_they_say(make: MakeEngine, monkeypatch: pytes
     """Loads that take 0.6 s each (a slow tier): wait_complete waits and hits; best_effort rebuilds
     at once; timeout (0.2 s plus the bytes at 200 MB/s here, far under 0.6 s) gives up and rebuilds.
     The answer is the same either way."""
-    from hypic.tiers import hierarchy
+    from hypic.cache.tiers import hierarchy
 
     first = make()
     first.warmup(DOCUMENTS[:2])
@@ -412,7 +412,7 @@ def test_loads_nobody_takes_are_forgotten_beyond_the_byte_bound(make: MakeEngine
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefetches of requests that never ran (cancelled, say) hold decoded entries: past the bound
     the oldest are dropped, so they cannot pile up."""
-    from hypic.tiers import hierarchy
+    from hypic.cache.tiers import hierarchy
 
     monkeypatch.setattr(hierarchy, "QUEUE_BYTES", 1000)
     tiers = tiers_of(make())

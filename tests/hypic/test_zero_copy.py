@@ -12,8 +12,8 @@ import torch
 
 from hypic import Engine
 from hypic.assembler import combine
-from hypic.prefix_cache import PAGE_TOKENS, PrefixCache, cache_key
-from hypic.segments import Run
+from hypic.cache.prefix_cache import PAGE_TOKENS, PrefixCache, cache_key
+from hypic.cache.segments import Run
 from hypic.state import AttentionLayerState, LinearLayerState, RequestState
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from hypic import Engine
 from hypic.router.bulk import ALIGN, buffer_bytes, entry_tensors, header_of, pack, unpack
 from hypic.router.channel import BulkChannel, ChannelError, GroupSpec, master_store
 from hypic.router.transfer import TransferError, entry_check
-from hypic.store import Role, SegmentEntry
+from hypic.cache.store import Role, SegmentEntry
 
 TIMEOUT_S = 3.0
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hypic import Engine
 from hypic.server.launch import start_server
-from hypic.tiers.options import TierOptions
+from hypic.cache.tiers.options import TierOptions
 
 
 def test_documents_on_disk_are_not_rebuilt_by_the_workers(tmp_path: Path, docs: list[str],

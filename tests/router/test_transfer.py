@@ -6,7 +6,7 @@ import torch
 
 from hypic import Engine
 from hypic.router import TransferError, check_entry
-from hypic.store import AttentionInterior, Role
+from hypic.cache.store import AttentionInterior, Role
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_wrong_shapes_are_refused(built) -> None:
 
 def test_a_scalar_transition_entry_passes_and_a_dense_one_is_refused(checkpoint_factory) -> None:
     """Lightning layers' T_C is [H]: an intact MiniMax entry passes; one carrying a [H, K, K] T does not."""
-    from hypic.composition import Family, Transition
+    from hypic.cache.composition import Family, Transition
 
     engine = Engine.from_pretrained(checkpoint_factory("minimax"))
     entry = engine.segment_entry(tuple(range(40, 100)), engine.policy("hypic"))[0]

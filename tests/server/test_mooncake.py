@@ -10,7 +10,7 @@ import pytest
 
 from hypic import DEFAULT_SEPARATOR as SEP
 from hypic.server.launch import ServerProcess, free_port, start_server
-from hypic.tiers import mooncake as mooncake_tier
+from hypic.cache.tiers import mooncake as mooncake_tier
 
 try:
     import mooncake.store  # noqa: F401  (needs the system's libibverbs1 and librdmacm1)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from hypic import DEFAULT_SEPARATOR as SEP
-from hypic.segments import split_prompt
+from hypic.cache.segments import split_prompt
 from hypic.tokenizer import TextTokenizer
 from hypic.server.launch import ServerProcess, start_server
 

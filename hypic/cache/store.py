@@ -15,7 +15,7 @@ import torch
 from .composition import Transition
 from .eviction import Eviction, eviction_order
 from .segments import Seams
-from .state import tensor_bytes
+from ..state import tensor_bytes
 
 
 class Role(str, Enum):
@@ -99,7 +99,7 @@ class Event(str, Enum):
 
 
 class LowerTiers(Protocol):
-    """Where memory's misses are looked up and its entries written (``hypic.tiers.StorageTiers``)."""
+    """Where memory's misses are looked up and its entries written (``hypic.cache.tiers.StorageTiers``)."""
 
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None: ...
     def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None: ...
@@ -114,7 +114,7 @@ MEMORY_TIER = "device"  # the tier name of memory hits (on a CPU server the devi
 
 class SegmentStore:
     """The public pool: whole entries under a byte budget, evicted least recently used first (or by
-    ``Eviction.COST``, see ``hypic.eviction``); pinned entries are never evicted.
+    ``Eviction.COST``, see ``hypic.cache.eviction``); pinned entries are never evicted.
 
     An entry that cannot fit (larger than the budget, or the room is held by pinned entries) is
     not stored; the request that built it still uses it. Sizes are exact tensor bytes.

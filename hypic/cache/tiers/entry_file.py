@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from ..composition import Family, Transition
-from ..config import ModelConfig
+from ...config import ModelConfig
 from ..entry_check import EntryMismatch, check_entry
-from ..errors import HypicError
+from ...errors import HypicError
 from ..segments import Seams
 from ..store import AttentionInterior, InteriorLayer, LinearInterior, Role, SegmentEntry
 

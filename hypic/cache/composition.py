@@ -8,8 +8,8 @@ from enum import Enum
 
 import torch
 
-from .kernels.gated_delta import gated_delta_rule
-from .state import tensor_bytes
+from ..kernels.gated_delta import gated_delta_rule
+from ..state import tensor_bytes
 
 
 class Family(str, Enum):

@@ -4,7 +4,7 @@ The tokenizer adds no special tokens on encode (the engine encodes each prompt p
 own and concatenates the ids); ``<|endoftext|>`` (id 0) ends every training text and
 ``<|pad|>`` (id 1) pads batches. Byte-level BPE round-trips any text exactly.
 
-Command line: ``python -m hypic.data.tokenizer --data datasets/synthetic_qa --out PATH``.
+Command line: ``python -m hypic_data.tokenizer --data datasets/synthetic_qa --out PATH``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from hypic.data.synthetic_qa import EOS_TOKEN, PAD_TOKEN, prompt_parts, read_jsonl
+from hypic_data.synthetic_qa import EOS_TOKEN, PAD_TOKEN, prompt_parts, read_jsonl
 
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN)  # ids 0 and 1, in this order
@@ -104,12 +104,12 @@ def encode_parts(tokenizer: Tokenizer, parts: Sequence[str]) -> list[int]:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(
-        prog="python -m hypic.data.tokenizer",
+        prog="python -m hypic_data.tokenizer",
         description="Train the byte-level BPE tokenizer of the synthetic QA model on a "
                     "generated dataset and save it as tokenizer.json (deterministic).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("datasets/synthetic_qa"),
-                        help="dataset directory written by hypic.data.synthetic_qa")
+                        help="dataset directory written by hypic_data.synthetic_qa")
     parser.add_argument("--out", type=Path, required=True,
                         help="output directory (gets tokenizer.json) or a .json file path")
     parser.add_argument("--vocab-size", type=int, default=TokenizerConfig.vocab_size,

@@ -1,4 +1,5 @@
-"""Smoke test of eval/bench_composition.py: a tiny model, 2-3 documents x 64 tokens, a few seconds."""
+"""Smoke test of the Fig. 12 sweeps (``hypic.evaluation.scaling``, ``hypic eval scaling``): a tiny
+model, 2-3 documents x 64 tokens, a few seconds."""
 import json
 import math
 from pathlib import Path
@@ -6,12 +7,12 @@ from types import ModuleType
 
 import pytest
 
-from .conftest import load_script
+import hypic.evaluation.scaling as scaling
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_script("bench_composition")
+    return scaling
 
 
 TINY_ARGS = ["--hidden-size", "64", "--layers", "4", "--repeats", "1", "--no-progress",

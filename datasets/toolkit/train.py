@@ -19,7 +19,7 @@ On CPU transformers would pick flash-linear-attention's Triton kernels (which ne
 whenever the package is installed; ``qwen3_5_classes`` hides the package on CPU so that
 the PyTorch reference path is used. On CUDA the FLA kernels are used when installed.
 
-Command line: ``python -m hypic.data.train --data datasets/synthetic_qa --tokenizer
+Command line: ``python -m hypic_data.train --data datasets/synthetic_qa --tokenizer
 PATH --out runs/tiny``; see ``--help``.
 """
 
@@ -46,9 +46,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from hypic.kernels.gated_delta.transformers_layout import training_gated_delta_rule
-from hypic.data.synthetic_qa import (EOS_TOKEN, PAD_TOKEN, QUESTION_TEMPLATE, prompt_parts,
+from hypic_data.synthetic_qa import (EOS_TOKEN, PAD_TOKEN, QUESTION_TEMPLATE, prompt_parts,
                                      read_jsonl)
-from hypic.data.tokenizer import encode_parts, load_tokenizer, special_token_ids, tokenizer_path
+from hypic_data.tokenizer import encode_parts, load_tokenizer, special_token_ids, tokenizer_path
 
 IGNORE_INDEX = -100
 LOG_FILE = "train_log.jsonl"
@@ -723,7 +723,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options (model shape flags override ``ModelConfig`` defaults)."""
     defaults = TrainConfig(Path(), Path(), Path())
     parser = argparse.ArgumentParser(
-        prog="python -m hypic.data.train",
+        prog="python -m hypic_data.train",
         description="Train a small Qwen3.5-architecture hybrid model (3 linear-attention "
                     "layers : 1 full-attention layer) on the synthetic QA train split. Saves "
                     "save_pretrained checkpoints with tokenizer.json beside them; the final "

@@ -9,7 +9,7 @@
 """
 from dataclasses import dataclass, replace
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .segments import Seams
 from .store import Role
 

@@ -14,7 +14,7 @@ The remaining documents are distractors of the same kinds. Each example is gener
 its own random stream, seeded by (seed, split, index), so the same seed yields the same
 bytes and a split of N examples is a prefix of a split of M > N examples.
 
-Command line: ``python -m hypic.data.synthetic_qa --out datasets/synthetic_qa`` (``--splits test``
+Command line: ``python -m hypic_data.synthetic_qa --out datasets/synthetic_qa`` (``--splits test``
 writes only the test split, the one the evaluations read: the same bytes as a full run's).
 """
 
@@ -651,7 +651,7 @@ def write_split(path: Path, examples: Iterable[dict]) -> int:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(
-        prog="python -m hypic.data.synthetic_qa",
+        prog="python -m hypic_data.synthetic_qa",
         description="Generate the synthetic multi-document QA dataset (invented entities, "
                     "single-hop and two-document bridge questions, distractor documents) as "
                     "train.jsonl, validation.jsonl and test.jsonl. The same options always "

@@ -6,7 +6,7 @@ from .disk import DiskTier
 from .entry_file import EntryIdentity
 from .hierarchy import BlobTier, PrefetchPolicy, StorageTiers, WritePolicy
 
-DEFAULT_SEGMENT_BYTES = 1 << 30  # hypic.tiers.mooncake's default, without importing Mooncake
+DEFAULT_SEGMENT_BYTES = 1 << 30  # hypic.cache.tiers.mooncake's default, without importing Mooncake
 
 
 @dataclass(frozen=True)

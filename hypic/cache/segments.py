@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import IntFlag
 from typing import Callable
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 DEFAULT_SEPARATOR = "<<PIC_SEP>>"
 

@@ -5,7 +5,7 @@ prompt with separators (``build_prompt``) and returns the generated answer text,
 backend plugs in: ``transformers_answer_fn`` (transformers' model, full recompute, built
 in here) or the HYPIC engine. Single-hop and multi-hop accuracies are reported apart.
 
-Command line: ``python -m hypic.data.evaluate --model runs/tiny --split test``.
+Command line: ``python -m hypic_data.evaluate --model runs/tiny --split test``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypic.data.synthetic_qa import DEFAULT_SEPARATOR, build_prompt, read_jsonl
+from hypic_data.synthetic_qa import DEFAULT_SEPARATOR, build_prompt, read_jsonl
 
 AnswerFn = Callable[[str], str]
 
@@ -98,8 +98,8 @@ def transformers_answer_fn(model_dir: str | Path, device: str = "auto",
     """
     import torch
 
-    from hypic.data.tokenizer import encode_parts, load_tokenizer, special_token_ids
-    from hypic.data.train import load_model
+    from hypic_data.tokenizer import encode_parts, load_tokenizer, special_token_ids
+    from hypic_data.train import load_model
 
     torch_device, model = load_model(model_dir, device, getattr(torch, dtype))
     tokenizer = load_tokenizer(model_dir)
@@ -119,7 +119,7 @@ def transformers_answer_fn(model_dir: str | Path, device: str = "auto",
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(
-        prog="python -m hypic.data.evaluate",
+        prog="python -m hypic_data.evaluate",
         description="Exact-match accuracy of greedy answers of a trained model on a synthetic "
                     "QA split, with transformers' model (full recompute), reported overall, "
                     "single-hop and multi-hop.",

@@ -1,7 +1,7 @@
 """Checks on a segment entry that did not come from this process's own prefill (a peer's shipment,
 a disk file, a shared store) before anything splices it."""
-from .config import ModelConfig
-from .errors import HypicError
+from ..config import ModelConfig
+from ..errors import HypicError
 from .store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
 
 

@@ -1,6 +1,9 @@
 """Synthetic multi-document QA data, its tokenizer, and a small hybrid model trained on it.
 
-Modules (each also a command line, ``python -m hypic.data.<module> --help``):
+Installed as ``hypic_data``, beside the serving package: ``hypic`` (the server, the engine, the
+caches) never imports it (``tests/docs/test_rooms.py``); ``hypic eval`` reads its generator.
+
+Modules (each also a command line, ``python -m hypic_data.<module> --help``):
 
 - ``synthetic_qa``: the deterministic dataset generator and the prompt builders;
 - ``tokenizer``: the byte-level BPE tokenizer trained on the generated corpus;
@@ -32,7 +35,7 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    """Resolve the re-exported names of ``hypic.data.synthetic_qa`` on first use."""
+    """Resolve the re-exported names of ``hypic_data.synthetic_qa`` on first use."""
     if name in _EXPORTS:
-        return getattr(importlib.import_module("hypic.data.synthetic_qa"), name)
+        return getattr(importlib.import_module("hypic_data.synthetic_qa"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,7 @@ The package ships the default model in ``hypic/assets/default_model`` under a 25
 a 9.6 M-parameter model is 38 MB in float32 and 19 MB in bfloat16. Our runtime and
 transformers both load the bf16 weights and compute in whatever dtype they are asked for.
 
-Command line: ``python -m hypic.data.export --src runs/tiny --dst hypic/assets/default_model``.
+Command line: ``python -m hypic_data.export --src runs/tiny --dst hypic/assets/default_model``.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def export_model(src: Path, dst: Path, dtype: str = "bfloat16") -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m hypic.data.export",
+        prog="python -m hypic_data.export",
         description="Copy a trained checkpoint (config, weights, tokenizer, training settings) "
                     "to a model directory, casting the weights (e.g. to ship the default model).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -25,7 +25,7 @@ from itertools import count, pairwise
 import torch
 
 from .segments import MARK_BITS
-from .state import (AttentionLayerState, KVBlock, LayerState, LinearLayerState, RequestState, WindowLayerState,
+from ..state import (AttentionLayerState, KVBlock, LayerState, LinearLayerState, RequestState, WindowLayerState,
                     tensor_bytes)
 
 MARK_MASK = (1 << MARK_BITS) - 1

@@ -19,7 +19,7 @@ from typing import Protocol
 from ..store import Event, SegmentEntry
 from .entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry, namespace_dir
 
-log = logging.getLogger("hypic.tiers")
+log = logging.getLogger("hypic.cache.tiers")
 RETRY_S = 5.0  # a failed tier is skipped this long before it is tried again
 QUEUE_BYTES = 1 << 30  # entries waiting to be written, and loads not yet taken, at most (more are dropped)
 
