@@ -184,6 +184,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _tier_options(serve: argparse.ArgumentParser) -> None:
     tiers = serve.add_argument_group("cache tiers (below the public pool's memory; default: none)")
+    tiers.add_argument("--host-cache-size", type=parse_size, default=None,
+                       help="with --device cuda: host memory that keeps documents the GPU's public pool evicts (L2), "
+                            "moved back to the GPU when reused, their copy started as the request arrives, e.g. "
+                            "64G (default: off; refused on a CPU server, whose pool already is host memory)")
     tiers.add_argument("--cache-dir", metavar="DIR",
                        help="keep documents' cache entries as files in DIR (created if missing): a restarted server, "
                             "or another one with the same model, dtype and seam width on DIR, serves them as hits; "
@@ -216,13 +220,15 @@ def _tier_options(serve: argparse.ArgumentParser) -> None:
 
 
 def _tiers(args: argparse.Namespace) -> TierOptions:
-    if args.cache_dir is None and args.mooncake_master is None:
-        return TierOptions()
+    host = getattr(args, "host_cache_size", None)
+    if host is not None and not args.device.startswith("cuda"):
+        raise HypicError("--host-cache-size keeps a GPU's evicted documents in host memory; on a CPU server the "
+                         "public pool already is host memory: raise --public-pool-size instead")
     if args.mooncake_master is not None and not re.fullmatch(r"[^:\s]+:\d+", args.mooncake_master):
         raise HypicError(f"--mooncake-master must be HOST:PORT, got {args.mooncake_master!r}")
     return TierOptions(args.cache_dir, args.disk_cache_size, args.mooncake_master, args.mooncake_metadata_server,
                        args.mooncake_segment_size or DEFAULT_SEGMENT_BYTES, WritePolicy(args.write_policy),
-                       PrefetchPolicy(args.prefetch_policy))
+                       PrefetchPolicy(args.prefetch_policy), host)
 
 
 def _engine(args: argparse.Namespace, choice: ModelChoice, **options: Any) -> Engine:

@@ -270,15 +270,15 @@ class Engine:
 
     def flush(self, namespace: str | None = None,
               tiers: frozenset[str] = frozenset({"memory"})) -> tuple[int, int, dict[str, int]]:
-        """Empty the tiers named in ``tiers``: ``memory`` (both pools), ``disk``, ``mooncake``;
+        """Empty the tiers named in ``tiers``: ``memory`` (both pools, and host memory below a GPU's),
+        ``disk``, ``mooncake``;
         ``namespace``: only that cache namespace's entries and trees. Returns (public entries,
         private-pool nodes, entries per lower tier) dropped. Entries in use stay."""
         public = private = 0
         if "memory" in tiers:
             trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
             public, private = self.store.clear(namespace), self.prefix_cache.clear(trees)
-        lower = set(tiers) - {"memory"}
-        dropped = self.store.lower.flush(lower, namespace) if lower and self.store.lower is not None else {}
+        dropped = self.store.lower.flush(set(tiers), namespace) if self.store.lower is not None else {}
         return public, private, dropped
 
     def close(self) -> None:

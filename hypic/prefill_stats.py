@@ -22,20 +22,21 @@ class PrefillStats:
     combined_early_tokens: int = 0  # the head of the prompt combined while its documents were still arriving
     disk_cached_tokens: int = 0  # of cached_tokens, those of documents loaded from the disk tier
     mooncake_cached_tokens: int = 0  # ... and from Mooncake Store
+    host_cached_tokens: int = 0  # ... and from host memory below a GPU's pool (L2)
 
     @property
     def cached_tokens_by_tier(self) -> dict[str, int]:
-        """Where the reused tokens came from: memory (``device``; host memory on a CPU server), the
-        host tier (none yet), the disk, Mooncake."""
-        lower = self.disk_cached_tokens + self.mooncake_cached_tokens
-        return {"device": self.cached_tokens - lower, "host": 0, "disk": self.disk_cached_tokens,
+        """Where the reused tokens came from: memory (``device``; host memory on a CPU server), host
+        memory below a GPU's pool, the disk, Mooncake."""
+        lower = self.disk_cached_tokens + self.mooncake_cached_tokens + self.host_cached_tokens
+        return {"device": self.cached_tokens - lower, "host": self.host_cached_tokens, "disk": self.disk_cached_tokens,
                 "mooncake": self.mooncake_cached_tokens}
 
     def count_hit(self, tokens: int, tier: str) -> None:
         """A document of ``tokens`` cached tokens reused from ``tier``."""
         self.segments_hit += 1
         self.cached_tokens += tokens
-        if tier in ("disk", "mooncake"):
+        if tier in ("disk", "mooncake", "host"):
             setattr(self, f"{tier}_cached_tokens", getattr(self, f"{tier}_cached_tokens") + tokens)
 
     @property
@@ -54,6 +55,7 @@ class PrefillStats:
         self.cached_tokens += head.cached_tokens
         self.disk_cached_tokens += head.disk_cached_tokens
         self.mooncake_cached_tokens += head.mooncake_cached_tokens
+        self.host_cached_tokens += head.host_cached_tokens
         self.prefix_hit_tokens = head.prefix_hit_tokens
         self.combined_early_tokens = head.prompt_tokens
         self.segments_hit += head.segments_hit

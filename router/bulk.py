@@ -1,16 +1,12 @@
 """A segment entry as one flat byte buffer plus a header (the entry with a ``TensorSpec`` in place of
 each tensor) that says how to cut the buffer back into tensors. The header is small and travels
 with Ray; the buffer travels point-to-point (``router/channel.py``)."""
-import dataclasses
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from hypic.cache.composition import Transition
-from hypic.cache.store import AttentionInterior, LinearInterior, SegmentEntry
+from hypic.cache.store import SegmentEntry, entry_tensors, with_tensors
 
 
 @dataclass(frozen=True)
@@ -23,35 +19,6 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-
-def entry_tensors(entry: SegmentEntry) -> Iterator[Any]:
-    """The entry's tensors in a fixed order: per layer T_C (if any), S_C|0, conv tail, or K, V."""
-    for layer in entry.layers:
-        if isinstance(layer, LinearInterior):
-            if layer.transition is not None:
-                yield layer.transition.value
-            yield from (layer.zero_start_state, layer.conv_tail)
-        else:
-            yield from (layer.keys, layer.values)
-
-
-def with_tensors(entry: SegmentEntry, tensors: list[Any]) -> SegmentEntry:
-    """``entry`` with its tensors replaced, in ``entry_tensors`` order, by ``tensors``."""
-    supply = iter(tensors)
-    layers = [_layer_with(layer, supply) for layer in entry.layers]
-    if next(supply, None) is not None:
-        raise ValueError("more tensors than the entry has")
-    return dataclasses.replace(entry, layers=layers)
-
-
-def _layer_with(layer: Any, supply: Iterator[Any]) -> Any:
-    if isinstance(layer, LinearInterior):
-        transition = None if layer.transition is None else Transition(layer.transition.family, next(supply))
-        return LinearInterior(transition, next(supply), next(supply))
-    if isinstance(layer, AttentionInterior):
-        return AttentionInterior(next(supply), next(supply))
-    raise TypeError(f"cannot pack a {type(layer).__name__} layer")
 
 
 def header_of(entry: SegmentEntry) -> SegmentEntry:

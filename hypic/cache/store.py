@@ -5,17 +5,18 @@ a hash collision can never splice the wrong document.
 """
 import hashlib
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import cached_property
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
+from ..state import tensor_bytes
 from .composition import Transition
 from .eviction import Eviction, eviction_order
 from .segments import Seams
-from ..state import tensor_bytes
 
 
 class Role(str, Enum):
@@ -89,6 +90,36 @@ def entry_key(fingerprint: str, seams: Seams, role: Role, token_ids: tuple[int, 
     return digest.hexdigest()
 
 
+def entry_tensors(entry: SegmentEntry) -> Iterator[Any]:
+    """The entry's tensors in a fixed order: per layer T_C (if any), S_C|0, conv tail, or K, V."""
+    for layer in entry.layers:
+        if isinstance(layer, LinearInterior):
+            if layer.transition is not None:
+                yield layer.transition.value
+            yield from (layer.zero_start_state, layer.conv_tail)
+        else:
+            yield from (layer.keys, layer.values)
+
+
+def with_tensors(entry: SegmentEntry, tensors: list[Any]) -> SegmentEntry:
+    """``entry`` with its tensors replaced, in ``entry_tensors`` order, by ``tensors`` (or by anything
+    standing for them: a transfer's header holds their shapes)."""
+    supply = iter(tensors)
+    layers = [_layer_with(layer, supply) for layer in entry.layers]
+    if next(supply, None) is not None:
+        raise ValueError("more tensors than the entry has")
+    return replace(entry, layers=layers)
+
+
+def _layer_with(layer: Any, supply: Iterator[Any]) -> Any:
+    if isinstance(layer, LinearInterior):
+        transition = None if layer.transition is None else Transition(layer.transition.family, next(supply))
+        return LinearInterior(transition, next(supply), next(supply))
+    if isinstance(layer, AttentionInterior):
+        return AttentionInterior(next(supply), next(supply))
+    raise TypeError(f"cannot pack a {type(layer).__name__} layer")
+
+
 class Event(str, Enum):
     """What happened to an entry in memory (what a lower tier's write policy reacts to)."""
 
@@ -99,11 +130,13 @@ class Event(str, Enum):
 
 
 class LowerTiers(Protocol):
-    """Where memory's misses are looked up and its entries written (``hypic.cache.tiers.StorageTiers``)."""
+    """Where memory's misses are looked up and its entries written (``hypic.cache.tiers.StorageTiers``,
+    behind ``HostTier`` on a GPU server with host memory as L2)."""
 
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None: ...
     def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None: ...
     def offer(self, entry: SegmentEntry, event: Event, origin: str = "") -> None: ...
+    def indexed(self, key: str, namespace: str) -> bool: ...  # held per a local index (no I/O: estimates)
     def flush(self, names: set[str], namespace: str | None = None) -> dict[str, int]: ...
     def close(self) -> None: ...
     def describe(self) -> dict: ...

@@ -18,6 +18,7 @@ from hypic.cache.store import SegmentEntry
 from hypic.cache.tiers.disk import DiskTier
 from hypic.cache.tiers.entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry
 from hypic.cache.tiers.hierarchy import WritePolicy
+from hypic.cache.tiers.host import HostTier
 from hypic.cache.tiers.options import TierOptions
 
 DOCUMENTS = [f"document {i}: " + " ".join(f"fact{i}-{j}" for j in range(25)) for i in range(6)]
@@ -30,7 +31,7 @@ def make(tiny_checkpoint: Path, tmp_path: Path) -> MakeEngine:
     engines: list[Engine] = []
 
     def factory(public_pool_bytes: int | None = None, cache_dir: Path | None = tmp_path / "cache", **options) -> Engine:
-        tiers = TierOptions(str(cache_dir), **options) if cache_dir is not None else TierOptions()
+        tiers = TierOptions(str(cache_dir) if cache_dir is not None else None, **options)
         engines.append(Engine.from_pretrained(tiny_checkpoint, public_pool_bytes=public_pool_bytes, tiers=tiers))
         return engines[-1]
 
@@ -69,7 +70,8 @@ def built_entry(engine: Engine, document: str) -> SegmentEntry:
 
 
 def identity(engine: Engine) -> EntryIdentity:
-    return tiers_of(engine).identity
+    lower = tiers_of(engine)
+    return (lower.below if isinstance(lower, HostTier) else lower).identity
 
 
 def test_a_file_is_safetensors_with_its_identity(make: MakeEngine, tmp_path: Path) -> None:
@@ -420,3 +422,64 @@ def test_loads_nobody_takes_are_forgotten_beyond_the_byte_bound(make: MakeEngine
         tiers.prefetch(f"key-{index}", (index,), "", 400)
     assert list(tiers.prefetches) == ["key-1", "key-2"] and tiers.prefetched_bytes == 800
     assert tiers.take("key-2", (2,), "") is None and tiers.prefetched_bytes == 400  # nothing stored: a miss
+
+
+# ----- L2: host memory below a device's pool ---------------------------------------------------------
+# On this CPU-only machine the "device" is host memory too: the tier's moves are copies between two
+# places in RAM, but what it keeps, hands back, sends below and reports is what a GPU server's does.
+def _sizes(make: MakeEngine) -> list[int]:
+    probe = make(cache_dir=None)
+    return [probe.entry_bytes(len(probe.tokenizer.encode(d))) for d in DOCUMENTS]
+
+
+def test_host_memory_keeps_what_the_device_pool_evicts(make: MakeEngine) -> None:
+    """A device pool for one document and host memory for all: three warmed documents leave two in
+    host memory (closed form); a request over the three, in another order, reuses all three from
+    there (the one the pool held is evicted by the first loaded back; the pool cannot take the
+    others while the first is in use), two of them through copies started when it was planned, and
+    answers what a server without tiers answers."""
+    sizes = _sizes(make)
+    engine = make(public_pool_bytes=max(sizes[:3]), cache_dir=None, host_bytes=sum(sizes))
+    engine.warmup(DOCUMENTS[:3])
+    host = tiers_of(engine)
+    assert len(engine.store) == 1 and len(host.entries) == 2 and host.nbytes == sizes[0] + sizes[1]
+    text = prompt([1, 0, 2])
+    assert engine.prefetch(engine.plan(engine.parse(text))) == 2 and len(host.staged) == 2
+    result = engine.generate(text, max_new_tokens=8)
+    parts = engine.parse(text)
+    interiors = [hi - lo for lo, hi in (engine.seams.interior(len(s)) for s in parts.segments)]
+    assert result.stats.cached_tokens_by_tier == {"device": 0, "host": sum(interiors), "disk": 0, "mooncake": 0}
+    assert host.staged == {} and host.counters.hits == 3
+    assert result.output_ids == cold_tokens(make, text)
+    from hypic.server.stats import _tier_lines
+
+    report = host.describe()
+    assert report["tiers"]["host"]["entries"] == 3 and report["tiers"]["host"]["bytes"] == sum(sizes[:3])
+    assert 'hypic_tier_hits_total{tier="host"} 3.0' in _tier_lines(report)
+    assert engine.flush()[2] == {"host": 3} and host.nbytes == 0  # host memory keeps its copies; a flush empties it
+
+
+def test_host_memory_sends_its_least_recently_used_below(make: MakeEngine, tmp_path: Path) -> None:
+    """Host memory for one document above a write_back disk: the device pool's evictions go to host
+    memory, host memory's to the disk (one file, nothing written before); a request over the three
+    reuses each from the tier holding it: the pool's, host memory's, the disk's."""
+    sizes = _sizes(make)
+    engine = make(public_pool_bytes=max(sizes[:3]), host_bytes=max(sizes[:3]), write_policy=WritePolicy.WRITE_BACK)
+    engine.warmup(DOCUMENTS[:3])
+    tiers_of(engine).below.drain()
+    assert _order(engine, files(tmp_path / "cache")) == [0] and list(tiers_of(engine).entries) == [_key(engine, 1)[0]]
+    result = engine.generate(prompt([2, 1, 0]), max_new_tokens=8)
+    parts = engine.parse(prompt([2, 1, 0]))
+    interiors = [hi - lo for lo, hi in (engine.seams.interior(len(s)) for s in parts.segments)]
+    assert result.stats.cached_tokens_by_tier == {"device": interiors[0], "host": interiors[1], "disk": interiors[2],
+                                                  "mooncake": 0}
+    assert result.output_ids == cold_tokens(make, prompt([2, 1, 0]))
+
+
+def test_host_memory_is_refused_on_a_cpu_server() -> None:
+    from hypic.cli import _parser, _tiers
+    from hypic.errors import HypicError
+
+    with pytest.raises(HypicError, match="public pool already is host memory"):
+        _tiers(_parser().parse_args(["serve", "--host-cache-size", "1G"]))
+    assert _tiers(_parser().parse_args(["serve", "--host-cache-size", "1G", "--device", "cuda"])).host_bytes == 1 << 30

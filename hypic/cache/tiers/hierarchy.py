@@ -318,9 +318,12 @@ class StorageTiers:
     def flush(self, names: set[str], namespace: str | None = None) -> dict[str, int]:
         """Delete the entries of the tiers named in ``names`` (of cache ``namespace`` only, if given);
         returns how many each tier dropped (a shared store may keep entries another server just read)."""
+        chosen = [t for t in self.tiers if t.name in names]
+        if not chosen:
+            return {}
         self.drain(30.0)
         dropped = {}
-        for tier in (t for t in self.tiers if t.name in names):
+        for tier in chosen:
             try:
                 dropped[tier.name] = tier.flush(None if namespace is None else namespace_dir(namespace))
             except Exception as err:

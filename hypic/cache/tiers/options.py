@@ -1,10 +1,12 @@
-"""The tier settings of a server (``--cache-dir``, ``--disk-cache-size``, ``--mooncake-master``,
-``--write-policy``) and the tiers they make."""
+"""The tier settings of a server (``--host-cache-size``, ``--cache-dir``, ``--disk-cache-size``,
+``--mooncake-master``, ``--write-policy``) and the tiers they make."""
 from dataclasses import dataclass
 
 from .disk import DiskTier
 from .entry_file import EntryIdentity
+from ..store import LowerTiers
 from .hierarchy import BlobTier, PrefetchPolicy, StorageTiers, WritePolicy
+from .host import HostTier
 
 DEFAULT_SEGMENT_BYTES = 1 << 30  # hypic.cache.tiers.mooncake's default, without importing Mooncake
 
@@ -20,17 +22,30 @@ class TierOptions:
     mooncake_segment_bytes: int = DEFAULT_SEGMENT_BYTES  # memory this server lends the shared store
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
+    host_bytes: int | None = None  # L2: host memory below a GPU's pool (None: none)
+
+    @property
+    def storage(self) -> bool:
+        """Whether any storage tier (disk, Mooncake) is asked for."""
+        return self.cache_dir is not None or self.mooncake_master is not None
 
     @property
     def enabled(self) -> bool:
-        return self.cache_dir is not None or self.mooncake_master is not None
+        return self.storage or self.host_bytes is not None
 
 
-def build_tiers(options: TierOptions, identity: EntryIdentity) -> StorageTiers | None:
+def build_tiers(options: TierOptions, identity: EntryIdentity) -> LowerTiers | None:
     """The lower tiers ``options`` ask for (None: memory only), opened; one that cannot be opened
-    now is reported unhealthy and retried, never fatal."""
-    if not options.enabled:
-        return None
+    now is reported unhealthy and retried, never fatal. Host memory (L2) comes first, then the disk,
+    then Mooncake."""
+    storage = build_storage(options, identity) if options.storage else None
+    if options.host_bytes is None:
+        return storage
+    return HostTier(options.host_bytes, identity.device, storage)
+
+
+def build_storage(options: TierOptions, identity: EntryIdentity) -> StorageTiers:
+    """The storage tiers (disk, then Mooncake) ``options`` ask for."""
     tiers: list[BlobTier] = []
     if options.cache_dir is not None:
         tiers.append(DiskTier(options.cache_dir, options.disk_bytes))
