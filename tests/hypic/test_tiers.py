@@ -424,6 +424,23 @@ def test_loads_nobody_takes_are_forgotten_beyond_the_byte_bound(make: MakeEngine
     assert tiers.take("key-2", (2,), "") is None and tiers.prefetched_bytes == 400  # nothing stored: a miss
 
 
+def test_a_document_waiting_in_the_write_queue_is_still_a_hit(make: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under write_back, memory evicts a document and its write waits in the queue (the disk held up
+    here): a request for it meanwhile takes it from the queue, as a disk hit, instead of rebuilding it."""
+    sizes = _sizes(make)
+    release, write = threading.Event(), DiskTier.write
+    monkeypatch.setattr(DiskTier, "write", lambda self, address, data: (release.wait(30), write(self, address, data)))
+    engine = make(public_pool_bytes=max(sizes[:2]), write_policy=WritePolicy.WRITE_BACK)
+    try:
+        engine.warmup(DOCUMENTS[:2])  # the first is evicted by the second: queued, not written
+        assert files(engine.store.lower.tiers[0].root) == []
+        result = engine.generate(prompt([0]), max_new_tokens=8)
+        assert result.segments_hit == 1 and result.stats.disk_cached_tokens == result.cached_tokens > 0
+    finally:
+        release.set()
+    assert result.output_ids == cold_tokens(make, prompt([0]))
+
+
 # ----- L2: host memory below a device's pool ---------------------------------------------------------
 # On this CPU-only machine the "device" is host memory too: the tier's moves are copies between two
 # places in RAM, but what it keeps, hands back, sends below and reports is what a GPU server's does.

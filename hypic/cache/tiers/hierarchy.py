@@ -108,6 +108,7 @@ class StorageTiers:
         self.lock = threading.Lock()
         self.queue: queue.Queue[_Pending | None] = queue.Queue()
         self.queued_bytes = self.dropped_writes = 0
+        self.writing: dict[str, _Pending] = {}  # entries in the write queue by key (still readable from it)
         self.reused: Counter[str] = Counter()  # memory hits per key (write_through_selective)
         for tier in tiers:
             try:
@@ -122,6 +123,9 @@ class StorageTiers:
     def load(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
         """Entry ``key`` of cache ``namespace`` from the fastest tier that holds a good copy, and that
         tier's name."""
+        queued = self._queued_write(key, token_ids, namespace)
+        if queued is not None:
+            return queued
         address = self.identity.address(key, namespace)
         for tier in self.tiers:
             if not self._usable(tier):
@@ -130,6 +134,18 @@ class StorageTiers:
             if entry is not None:
                 return entry, tier.name
         return None
+
+    def _queued_write(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
+        """Entry ``key`` if it waits in the write queue (memory evicted it under write_back a moment
+        ago: it is still at hand), and the first tier it is on its way to."""
+        with self.lock:
+            pending = self.writing.get(key)
+        if pending is None or pending.entry.token_ids != token_ids or pending.entry.namespace != namespace:
+            return None
+        counters = self.counters[pending.tiers[0].name]
+        with self.lock:
+            counters.hits += 1
+        return pending.entry, pending.tiers[0].name
 
     def indexed(self, key: str, namespace: str) -> bool:
         """Whether a usable tier's local index holds entry ``key`` of cache ``namespace`` (no I/O: for
@@ -239,7 +255,10 @@ class StorageTiers:
                 self.dropped_writes += 1
                 return
             self.queued_bytes += entry.nbytes
-        self.queue.put(_Pending(entry, tiers))
+            pending = _Pending(entry, tiers)
+            if tiers:
+                self.writing[entry.key] = pending
+        self.queue.put(pending)
 
     def _wanted(self, entry: SegmentEntry, event: Event) -> bool:
         if event is Event.EVICTED or event is Event.CLOSING:  # leaving memory: write_back's moment
@@ -266,6 +285,8 @@ class StorageTiers:
             finally:
                 with self.lock:
                     self.queued_bytes -= pending.entry.nbytes
+                    if self.writing.get(pending.entry.key) is pending:
+                        del self.writing[pending.entry.key]
                 self.queue.task_done()
         self.queue.task_done()
 
