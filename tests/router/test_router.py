@@ -85,14 +85,15 @@ def test_a_worker_builds_for_the_request_with_fewer_uncached_tokens_first(router
         return router.splitter.jobs(parts, "hypic")
 
     worker = router.workers[1]
-    busy = worker.build.remote(jobs([" ".join(docs) + f" Busy {i}." for i in range(3)]), "hypic", 5000)
+    busy = [worker.build.remote(jobs([" ".join(docs) + f" Busy {b}.{i}." for i in range(3)]), "hypic", 5000)
+            for b in range(3)]  # still busy when the two arrive, however fast the box (one such job was not)
     time.sleep(0.3)
     large = worker.build.remote(jobs([" ".join(docs) + " Large."]), "hypic", 3000)
     time.sleep(0.1)
     small = worker.build.remote(jobs([docs[9] + " Small."]), "hypic", 100)
     first, _ = ray.wait([large, small], num_returns=1)
     assert first == [small]
-    ray.get([busy, large])
+    ray.get([*busy, large])
 
 
 def test_a_plain_prompt_returns_to_the_worker_holding_its_prefix(router: Router, engine: Engine, docs: list[str]) -> None:
