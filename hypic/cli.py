@@ -191,7 +191,9 @@ def _tier_options(serve: argparse.ArgumentParser) -> None:
     tiers.add_argument("--cache-dir", metavar="DIR",
                        help="keep documents' cache entries as files in DIR (created if missing): a restarted server, "
                             "or another one with the same model, dtype and seam width on DIR, serves them as hits; "
-                            "a damaged or foreign file is a miss, deleted (default: off)")
+                            "the private pool keeps its resume points there too (each request's end, each system "
+                            "prompt's), so conversations resume after a restart; a damaged or foreign file is a "
+                            "miss, deleted (default: off)")
     tiers.add_argument("--disk-cache-size", type=parse_size, default=parse_size("16G"),
                        help="byte budget of --cache-dir; over it the least recently used files are deleted, e.g. 2G, "
                             "none (default: 16G)")

@@ -20,15 +20,16 @@ from .models import HybridModel
 from .cache.modes import ModePolicy, mode_policy, tree_namespace
 from .prefill_stats import BuiltForRequest, PrefillStats
 from .cache.plan import RequestPlan, plan_request
-from .cache.prefix_cache import PrefixCache
+from .cache.prefix_cache import PrefixCache, PrefixHit
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, split_prompt
 from .sequence import Sequence, SequenceLimits
-from .state import LinearLayerState, RequestState
+from .state import LinearLayerState, RequestState, WindowLayerState
 from .cache.store import LinearInterior, SegmentEntry, SegmentStore, entry_key
 from .cache.tiers.entry_file import EntryIdentity
 from .cache.tiers.options import TierOptions, build_tiers
+from .cache.tiers.resume import ResumeStore
 from .tokenizer import TextTokenizer
 
 DEFAULT_SNAPSHOT_INTERVAL = 256
@@ -84,7 +85,8 @@ class Engine:
     def __init__(self, model: HybridModel, tokenizer: TextTokenizer, fingerprint: str, *,
                  seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None,
                  prefix_cache: PrefixCache | None = None, chunk_tokens: int = 2048,
-                 snapshot_interval: int | None = None, state_cache_dtype: str = "float32") -> None:
+                 snapshot_interval: int | None = None, state_cache_dtype: str = "float32",
+                 resume: ResumeStore | None = None) -> None:
         if snapshot_interval is None:
             snapshot_interval = default_snapshot_interval(model.config)
         if not isinstance(seam_width, int) or seam_width < 0:
@@ -105,6 +107,7 @@ class Engine:
         self.store = store if store is not None else SegmentStore()
         self.store.rebuild_cost = lambda entry: self.rebuild_flops(len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        self.resume = resume  # the private pool's resume points on the disk tier (None: memory only)
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
@@ -131,10 +134,11 @@ class Engine:
         fingerprint = model_fingerprint(path)
         identity = EntryIdentity(fingerprint, model.dtype, DTYPE_NAMES.get(state_cache_dtype, torch.float32),
                                  model.config, model.device)
+        built = build_tiers(tiers, identity)
         return cls(model, TextTokenizer.from_dir(path), fingerprint, seam_width=seam_width,
-                   pic_separator=pic_separator, store=SegmentStore(public_pool_bytes, build_tiers(tiers, identity), eviction),
+                   pic_separator=pic_separator, store=SegmentStore(public_pool_bytes, built.public, eviction),
                    prefix_cache=PrefixCache(private_pool_bytes, private_window_bytes), chunk_tokens=chunk_tokens,
-                   snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype)
+                   snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype, resume=built.resume)
 
     # ----- caching -------------------------------------------------------------------------
     def policy(self, mode: str, namespace: str = "") -> ModePolicy:
@@ -271,21 +275,28 @@ class Engine:
     def flush(self, namespace: str | None = None,
               tiers: frozenset[str] = frozenset({"memory"})) -> tuple[int, int, dict[str, int]]:
         """Empty the tiers named in ``tiers``: ``memory`` (both pools, and host memory below a GPU's),
-        ``disk``, ``mooncake``;
+        ``disk`` (documents and the private pool's resume points), ``mooncake``;
         ``namespace``: only that cache namespace's entries and trees. Returns (public entries,
         private-pool nodes, entries per lower tier) dropped. Entries in use stay."""
         public = private = 0
         if "memory" in tiers:
             trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
             public, private = self.store.clear(namespace), self.prefix_cache.clear(trees)
+        if self.resume is not None and "disk" in tiers:
+            self.resume.drain()  # the resume points being written are flushed too
         dropped = self.store.lower.flush(set(tiers), namespace) if self.store.lower is not None else {}
+        if self.resume is not None and "disk" in tiers:
+            self.resume.forget(namespace)
         return public, private, dropped
 
     def close(self) -> None:
-        """Hand memory's entries to the lower tiers' write policy and finish their writes."""
+        """Hand memory's entries to the lower tiers' write policy and finish their writes (and the
+        resume points' under way)."""
         self.store.close()
         if self.store.lower is not None:
             self.store.lower.close()
+        if self.resume is not None:
+            self.resume.close()
 
     def state_bytes(self, tokens: int, samples: int = 1, shared_tokens: int = 0) -> int:
         """Memory a request's state takes: KV of ``tokens`` tokens per sample in every full-attention
@@ -371,12 +382,17 @@ class Engine:
 
     def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats,
                       built: BuiltForRequest) -> RequestState:
-        """The longest private-pool hit (never the whole prompt: the last token must be run); one at
-        the end of a head combined early for this request counts as that head's reuse."""
+        """The longest private-pool hit (never the whole prompt: the last token must be run), in
+        memory or, past it, among the resume points kept on disk; one at the end of a head combined
+        early for this request counts as that head's reuse."""
         empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
         if policy.tree is None:
             return empty
         hit = self.prefix_cache.match(policy.tree, key, len(key) - 1, empty)
+        kept = self._kept_resume_point(key, policy, hit.length if hit is not None else 0, empty)
+        if kept is not None:
+            hit = kept
+            stats.disk_cached_tokens += kept.length
         if hit is None:
             return empty
         head = built.head_ending_at(hit.length)
@@ -386,6 +402,25 @@ class Engine:
             stats.cached_tokens += hit.length
             stats.prefix_hit_tokens = hit.length
         return hit.state
+
+    def _kept_resume_point(self, key: list[int], policy: ModePolicy, after: int, empty: RequestState) -> PrefixHit | None:
+        """A resume point on disk longer than ``after`` (memory's), brought into the private pool (a
+        later request finds it in memory) and handed out as a hit; None if there is none."""
+        if self.resume is None or policy.tree is None:
+            return None
+        found = self.resume.find(policy.tree, policy.namespace, key, after, len(key) - 1, empty)
+        if found is None:
+            return None
+        state, snapshot = found
+        self.prefix_cache.insert(policy.tree, state, {state.length: snapshot})
+        hit = self.prefix_cache.match(policy.tree, key, state.length, empty)
+        return hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)
+
+    def _keep_resume_point(self, tree: str, namespace: str, state: RequestState, position: int,
+                           snapshot: dict[int, Any]) -> None:
+        """Offer the state after ``position`` tokens to the disk as a resume point (if there is one)."""
+        if self.resume is not None and 0 < position <= state.length:
+            self.resume.offer(tree, namespace, state, position, snapshot)
 
     def _snapshot_positions(self, parts: PromptParts, start: int, end: bool = False) -> list[int]:
         """Where the private pool keeps this prompt's linear states (after ``start``): at document
@@ -454,6 +489,9 @@ class Engine:
         result.state.marks = plan.marks
         if policy.tree is not None:
             self.prefix_cache.insert(policy.tree, result.state, result.snapshots)
+            if parts.leading and plan.spliced and len(parts.leading) in result.snapshots:  # a system prompt's end
+                self._keep_resume_point(policy.tree, policy.namespace, result.state, len(parts.leading),
+                                        result.snapshots[len(parts.leading)])
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats, result.row_logits)
 
@@ -507,6 +545,8 @@ class Engine:
             return
         linear = {i: layer for i, layer in enumerate(state.layers) if isinstance(layer, LinearLayerState)}
         self.prefix_cache.insert(tree, state, {state.length: linear})
+        rings = {i: layer.fork() for i, layer in enumerate(state.layers) if isinstance(layer, WindowLayerState)}
+        self._keep_resume_point(tree, self.policy(mode, namespace).namespace, state, state.length, {**linear, **rings})
 
     # ----- generation ----------------------------------------------------------------------
     def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None) -> list[Sequence]:

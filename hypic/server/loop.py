@@ -533,4 +533,5 @@ class EngineLoop:
                              "window_bytes": prefix.window_nbytes, "window_budget_bytes": prefix.window_budget_bytes,
                              "window_evictions": prefix.window_evictions},
             "tiers": store.lower.describe() if store.lower is not None else None,
+            "resume_points": self.engine.resume.describe() if self.engine.resume is not None else None,
         }

@@ -318,3 +318,25 @@ def test_requests_prefilled_together_match_reference(setup: Setup, name: str) ->
     assert sum(p.stats.segments_missed for p in prefills) >= 2  # the cold documents were built among the batches
     for case, prefill in zip(cases, prefills):
         assert_same_generation(engine_generation(engine, prefill), oracle.generate(case), case.leading[:10])
+
+
+# ----- a conversation resumed from the disk after a restart -----------------------------------------
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "minimax", "granitemoehybrid", "kimi_linear",
+                                  "hypic_scalar_rope", "nemotron_h", "gpt_oss", "mimo_v2_flash"])
+def test_a_conversation_resumed_from_disk_matches_reference(setup: Setup, tmp_path: Path, name: str) -> None:
+    """Turn 1 ends on an engine with --cache-dir; a restarted engine resumes turn 2 from the state
+    kept on disk (linear states, KV, sliding windows) and its first logits are the reference's full
+    forward over turn 2's ids."""
+    from hypic.cache.tiers.options import TierOptions
+
+    tiers = TierOptions(str(tmp_path / "cache"))
+    first, oracle = setup(name, True, 8, tiers=tiers)
+    ids = first.parse(random_text(random.Random(25), 220)).token_ids
+    reply = first.generate(ids, max_new_tokens=6, ignore_eos=True)
+    turn2 = ids + reply.output_ids + first.parse(random_text(random.Random(26), 30)).token_ids
+    first.close()
+    restarted, _ = setup(name, True, 8, tiers=tiers)
+    prefill = restarted.prefill(restarted.parse(turn2))
+    assert prefill.stats.prefix_hit_tokens == prefill.stats.disk_cached_tokens == len(ids) + 5
+    expected = oracle.model.run(oracle.model.empty_state(), turn2)[0][-1]
+    assert (prefill.logits - expected).abs().max().item() <= TOLERANCE

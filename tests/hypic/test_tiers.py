@@ -45,7 +45,8 @@ def prompt(order: list[int], query: str = "which fact comes first?", leading: st
 
 
 def files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.safetensors"))
+    """The documents' entry files (resume points of the private pool are named r<hash>: not these)."""
+    return sorted(p for p in root.rglob("*.safetensors") if not p.name.startswith("r"))
 
 
 def tiers_of(engine: Engine):
@@ -235,7 +236,7 @@ def test_namespaces_are_kept_apart_on_disk(make: MakeEngine, tmp_path: Path) -> 
     own = restarted.generate(prompt([0, 1]), max_new_tokens=4, namespace="team-a")
     assert own.segments_hit == 2 and own.stats.disk_cached_tokens > 0
     _, _, dropped = restarted.flush("team-a", frozenset({"disk"}))
-    assert dropped == {"disk": 2}
+    assert dropped == {"disk": 2}  # its two documents (its request's resume points go too, uncounted)
     left = {p.parent.parent.name for p in files(tmp_path / "cache")}
     assert left == {"ns-team-b"}  # team-b's two, and the two team-b built above
     assert len(files(tmp_path / "cache")) == 4
@@ -250,7 +251,7 @@ def test_a_flush_leaves_the_disk_unless_asked(make: MakeEngine, tmp_path: Path) 
     result = engine.generate(prompt([2, 0]), max_new_tokens=2)
     assert result.segments_hit == 2 and result.stats.disk_cached_tokens == result.cached_tokens
     _, _, dropped = engine.flush(tiers=frozenset({"memory", "disk"}))
-    assert dropped == {"disk": 3} and files(tmp_path / "cache") == []
+    assert dropped == {"disk": 3} and files(tmp_path / "cache") == _resume_files(tmp_path / "cache") == []
 
 
 # ----- capacity and budgets ---------------------------------------------------------------------
@@ -500,3 +501,84 @@ def test_host_memory_is_refused_on_a_cpu_server() -> None:
     with pytest.raises(HypicError, match="public pool already is host memory"):
         _tiers(_parser().parse_args(["serve", "--host-cache-size", "1G"]))
     assert _tiers(_parser().parse_args(["serve", "--host-cache-size", "1G", "--device", "cuda"])).host_bytes == 1 << 30
+
+
+# ----- the private pool's resume points on disk ------------------------------------------------------
+def _resume_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.safetensors") if p.name.startswith("r"))
+
+
+def _full_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    from hypic.assembler import combine
+    from hypic.cache.segments import Run
+    from hypic.state import RequestState
+
+    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    return combine(engine.model, ids, [Run(0, len(ids))], empty).logits
+
+
+def test_prefix_hashes_follow_their_recurrence() -> None:
+    import random
+
+    from hypic.cache.tiers.resume import MULTIPLIER, prefix_hashes
+
+    rng = random.Random(5)
+    for count in (0, 1, 7, 500):
+        keys, seed = [rng.randrange(1 << 40) for _ in range(count)], rng.randrange(1 << 64)
+        expected = [seed]
+        for key in keys:
+            expected.append((expected[-1] * MULTIPLIER + key + 1) % (1 << 64))
+        assert [int(h) for h in prefix_hashes(seed, keys)] == expected
+
+
+def test_a_restarted_engine_resumes_a_conversation_from_disk(make: MakeEngine, tmp_path: Path) -> None:
+    """Turn 1 ends on an engine with --cache-dir; after a restart on the directory, turn 2 resumes
+    where turn 1 ended (its prompt and all but its last token), as the first engine would have, with
+    full recompute's logits; an engine without the directory resumes nowhere."""
+    first = make()
+    turn1 = first.parse("you are a helpful assistant. " + DOCUMENTS[0])
+    reply = first.generate(list(turn1.token_ids), max_new_tokens=6, ignore_eos=True)
+    turn2 = list(turn1.token_ids) + reply.output_ids + first.parse(" and then?").token_ids
+    first.close()
+    assert len(_resume_files(tmp_path / "cache")) == 1
+    restarted = make()
+    resumed = restarted.prefill(restarted.parse(turn2))
+    assert resumed.stats.prefix_hit_tokens == resumed.stats.disk_cached_tokens == len(turn1.token_ids) + 5
+    assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
+    assert make(cache_dir=None).prefill(restarted.parse(turn2)).stats.prefix_hit_tokens == 0
+
+
+def test_a_restarted_engine_resumes_a_system_prompt_from_disk(make: MakeEngine, tmp_path: Path) -> None:
+    """A PIC request keeps its leading part's end on disk; after a restart, another request with the
+    same leading part and other documents resumes there, with the logits of an engine that never
+    resumed."""
+    system = "You answer from the documents only. " * 6
+    first = make()
+    first.generate(SEP.join([system, DOCUMENTS[0], DOCUMENTS[1], "which fact?"]), max_new_tokens=1)
+    first.close()
+    restarted = make()
+    text = SEP.join([system, DOCUMENTS[2], DOCUMENTS[3], "which other fact?"])
+    resumed = restarted.prefill(restarted.parse(text))
+    assert resumed.stats.prefix_hit_tokens == len(restarted.parse(text).leading)
+    fresh = make(cache_dir=None).prefill(restarted.parse(text))
+    assert fresh.stats.prefix_hit_tokens == 0 and (resumed.logits - fresh.logits).abs().max().item() < 1e-4
+
+
+def test_a_spoiled_or_foreign_resume_file_is_a_miss_and_deleted(make: MakeEngine, tmp_path: Path) -> None:
+    """A damaged resume file, or one another namespace would need, is never resumed from: the
+    damaged one is deleted and the answer is the one without it."""
+    first = make()
+    prompt = first.parse(DOCUMENTS[1]).token_ids
+    reply = first.generate(list(prompt), max_new_tokens=4, ignore_eos=True)
+    first.close()
+    turn2 = list(prompt) + reply.output_ids + [65, 66]
+    other = make().prefill(make(cache_dir=None).parse(turn2, namespace="team-b"))
+    assert other.stats.prefix_hit_tokens == 0  # the file is the shared namespace's
+    (path,) = _resume_files(tmp_path / "cache")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    restarted = make()
+    resumed = restarted.prefill(restarted.parse(turn2))
+    assert resumed.stats.prefix_hit_tokens == 0 and not path.exists() and restarted.resume.counters.bad_files == 1
+    assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4

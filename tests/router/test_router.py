@@ -85,8 +85,9 @@ def test_a_worker_builds_for_the_request_with_fewer_uncached_tokens_first(router
         return router.splitter.jobs(parts, "hypic")
 
     worker = router.workers[1]
-    busy = [worker.build.remote(jobs([" ".join(docs) + f" Busy {b}.{i}." for i in range(3)]), "hypic", 5000)
-            for b in range(3)]  # still busy when the two arrive, however fast the box (one such job was not)
+    # busy well past the two's arrival on any box (a job of three documents was done in 0.4 s on a fast one)
+    busy = [worker.build.remote(jobs([" ".join(docs) + f" Busy {b}.{i}." for i in range(8)]), "hypic", 5000)
+            for b in range(2)]
     time.sleep(0.3)
     large = worker.build.remote(jobs([" ".join(docs) + " Large."]), "hypic", 3000)
     time.sleep(0.1)

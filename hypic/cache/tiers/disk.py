@@ -92,6 +92,11 @@ class DiskTier:
     def contains(self, address: str) -> bool:
         return self.path(address).exists()
 
+    def addresses(self) -> list[str]:
+        """Every address the index holds (files found at start-up and written since)."""
+        with self.lock:
+            return list(self.files)
+
     def indexed(self, address: str) -> bool:
         """Whether the index of files holds ``address`` (no disk access: an estimate's answer)."""
         with self.lock:
@@ -133,12 +138,14 @@ class DiskTier:
             self.path(address).unlink()
 
     def flush(self, namespace_dir: str | None) -> int:
-        """Delete every entry file (of one namespace's directory, if given), this server's or not."""
+        """Delete every file (of one namespace's directory, if given), this server's or not; returns
+        how many documents' entries were among them (the private pool's resume points, named
+        ``r<hash>``, go too, uncounted)."""
         dropped = 0
         for address, path in list(self._files(namespace_dir or "*")):
             if path.name.endswith(SUFFIX):
                 self.remove(address)
-                dropped += 1
+                dropped += not path.name.startswith("r")
         return dropped
 
     def describe(self) -> dict:

@@ -89,8 +89,7 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 
 def encode_entry(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
     """The file bytes of ``entry`` (tensors on the CPU, in their stored dtypes)."""
-    tensors = {name: t.detach().to("cpu").contiguous()
-               for index, layer in enumerate(entry.layers) for name, t in _layer_tensors(index, layer).items()}
+    tensors = {name: t for index, layer in enumerate(entry.layers) for name, t in _layer_tensors(index, layer).items()}
     naive = any(isinstance(layer, LinearInterior) and layer.transition is None for layer in entry.layers)
     role = Role.NAIVE_SEGMENT if naive else Role.SEGMENT  # the naive baseline keeps no T_C
     metadata = {"format": FORMAT, "key": entry.key, "fingerprint": identity.fingerprint,
@@ -98,9 +97,15 @@ def encode_entry(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
                 "seams": f"{entry.seams.head},{entry.seams.tail}", "role": role.value, "namespace": entry.namespace,
                 "local_start": str(entry.local_start), "length": str(entry.length),
                 "token_ids": json.dumps(list(entry.token_ids)),
-                "layers": json.dumps([_layer_kind(layer) for layer in entry.layers]),
-                "checksum": _checksum(tensors)}
-    header: dict = {"__metadata__": metadata}
+                "layers": json.dumps([_layer_kind(layer) for layer in entry.layers])}
+    return pack(metadata, tensors)
+
+
+def pack(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> bytes:
+    """A safetensors file of ``tensors`` (copied to the CPU) with ``metadata`` and their SHA-256
+    (``checksum``) in its header."""
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    header: dict = {"__metadata__": {**metadata, "checksum": _checksum(tensors)}}
     offset, chunks = 0, []
     for name in sorted(tensors):
         data = _raw(tensors[name])
@@ -111,6 +116,17 @@ def encode_entry(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data section to 8 bytes
     return b"".join([struct.pack("<Q", len(encoded)), encoded, *chunks])  # one copy of the tensors
+
+
+def unpack(buffer: bytes | memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The metadata and the tensors (copies) of a file ``pack`` wrote; raises ``BadEntryFile`` if it is
+    truncated, unreadable or damaged (checksum)."""
+    header, start = _header(buffer)
+    meta = header.get("__metadata__", {})
+    tensors = _tensors(buffer, header, start)
+    if _checksum(tensors) != meta.get("checksum"):
+        raise BadEntryFile("checksum mismatch: the file is damaged")
+    return meta, tensors
 
 
 def _header(buffer: bytes | memoryview) -> tuple[dict, int]:

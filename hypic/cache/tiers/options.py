@@ -7,6 +7,7 @@ from .entry_file import EntryIdentity
 from ..store import LowerTiers
 from .hierarchy import BlobTier, PrefetchPolicy, StorageTiers, WritePolicy
 from .host import HostTier
+from .resume import ResumeStore
 
 DEFAULT_SEGMENT_BYTES = 1 << 30  # hypic.cache.tiers.mooncake's default, without importing Mooncake
 
@@ -34,21 +35,30 @@ class TierOptions:
         return self.storage or self.host_bytes is not None
 
 
-def build_tiers(options: TierOptions, identity: EntryIdentity) -> LowerTiers | None:
-    """The lower tiers ``options`` ask for (None: memory only), opened; one that cannot be opened
-    now is reported unhealthy and retried, never fatal. Host memory (L2) comes first, then the disk,
-    then Mooncake."""
-    storage = build_storage(options, identity) if options.storage else None
-    if options.host_bytes is None:
-        return storage
-    return HostTier(options.host_bytes, identity.device, storage)
+@dataclass(frozen=True)
+class Tiers:
+    """What ``build_tiers`` makes: the public pool's lower tiers, and the private pool's resume
+    points in the disk tier (None: none)."""
+
+    public: LowerTiers | None = None
+    resume: ResumeStore | None = None
 
 
-def build_storage(options: TierOptions, identity: EntryIdentity) -> StorageTiers:
-    """The storage tiers (disk, then Mooncake) ``options`` ask for."""
+def build_tiers(options: TierOptions, identity: EntryIdentity) -> Tiers:
+    """The tiers ``options`` ask for, opened; one that cannot be opened now is reported unhealthy and
+    retried, never fatal. Below the public pool host memory (L2) comes first, then the disk, then
+    Mooncake; the private pool keeps its resume points on the disk (sharing its budget)."""
+    disk = DiskTier(options.cache_dir, options.disk_bytes) if options.cache_dir is not None else None
+    storage = build_storage(options, identity, disk) if options.storage else None
+    public = storage if options.host_bytes is None else HostTier(options.host_bytes, identity.device, storage)
+    return Tiers(public, ResumeStore(disk, identity) if disk is not None else None)
+
+
+def build_storage(options: TierOptions, identity: EntryIdentity, disk: DiskTier | None = None) -> StorageTiers:
+    """The storage tiers (``disk``, then Mooncake) ``options`` ask for."""
     tiers: list[BlobTier] = []
-    if options.cache_dir is not None:
-        tiers.append(DiskTier(options.cache_dir, options.disk_bytes))
+    if disk is not None:
+        tiers.append(disk)
     if options.mooncake_master is not None:
         from .mooncake import MooncakeTier  # the package is optional
 
