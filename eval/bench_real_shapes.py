@@ -34,7 +34,7 @@ import torch
 
 from hypic import Engine
 from hypic.checkpoints import byte_level_tokenizer
-from hypic.config import parse_config
+from hypic.models.arch import parse_config
 from hypic.evaluation import scaling as composition  # the Fig. 12 sweeps and their tables
 from hypic.models import HybridModel
 from hypic.cache.prefix_cache import PrefixCache

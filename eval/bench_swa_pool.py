@@ -18,7 +18,8 @@ from pathlib import Path
 
 from hypic import Engine
 from hypic.checkpoints import write_random_checkpoint
-from hypic.config import ModelConfig, parse_config
+from hypic.config import ModelConfig
+from hypic.models.arch import parse_config
 
 GIB = 1 << 30
 MIMO_V2_FLASH = dict(  # config.json of XiaomiMiMo/MiMo-V2-Flash as transformers reads it (the fields that size the KV)

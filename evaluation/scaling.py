@@ -73,6 +73,7 @@ from tqdm import tqdm
 import hypic
 from hypic import DEFAULT_SEPARATOR, Engine, GenerationResult
 from hypic.checkpoints import write_random_checkpoint
+from hypic.models.arch import architecture
 from hypic.cache.store import LinearInterior
 from hypic.tokenizer import TextTokenizer
 
@@ -82,40 +83,9 @@ LEADING = "Answer from the documents below:"  # 32 tokens with the byte-level to
 QUESTION = "Question: what do they all say?\n"  # 32 tokens with the byte-level tokenizer
 SPEEDUP_TARGET = 10.0  # full / hypic TTFT at the 16k-token prompts
 SLOPE_RATIO_TARGET = 20.0  # full's ms per extra document / hypic's, over sweep (b) as defined
-DEFAULT_MODEL: dict[str, Any] = dict(
-    hidden_size=256, num_hidden_layers=8, intermediate_size=512,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-    linear_conv_kernel_dim=4,
-)
-MINIMAX_MODEL: dict[str, Any] = dict(  # the same widths with MiniMax's layers: Lightning heads = attention heads
-    hidden_size=256, num_hidden_layers=8, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1,
-    head_dim=64, num_local_experts=4, num_experts_per_tok=2, block_size=64,
-)
-GRANITE_MODEL: dict[str, Any] = dict(  # Mamba2 with the same state per head (64 x 64), 8 heads in 4 groups, dense MLP
-    hidden_size=256, num_hidden_layers=8, intermediate_size=512, shared_intermediate_size=512, num_local_experts=0,
-    num_attention_heads=4, num_key_value_heads=1, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
-    mamba_n_groups=4, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
-)
-KIMI_MODEL: dict[str, Any] = dict(  # KDA with 8 heads of 64 (the Qwen3.5 shapes' state), latent attention, dense MLP
-    hidden_size=256, num_hidden_layers=8, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
-    num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    num_local_experts=4, num_experts_per_tok=2, pad_token_id=None, bos_token_id=None, eos_token_id=256,
-    linear_attn_config={"head_dim": 64, "num_heads": 8, "short_conv_kernel_size": 4},
-)
-NEMOTRON_MODEL: dict[str, Any] = dict(  # Mamba2 as GRANITE_MODEL, each mixer block followed by a squared-ReLU MLP block
-    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
-    mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=4, conv_kernel=4, n_routed_experts=0,
-    chunk_size=64, pad_token_id=None, bos_token_id=None,
-)
-MIMO_MODEL: dict[str, Any] = dict(  # MiMo-V2-Flash's mix: window 129 (twice the KV heads), a full layer first and every 6th
-    hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
-    head_dim=96, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, sliding_window=129, pad_token_id=None,
-    bos_token_id=None,
-)
-ARCHITECTURES = {"qwen3_5": ("qwen3_5_text", DEFAULT_MODEL), "minimax": ("minimax", MINIMAX_MODEL),
-                 "granite": ("granitemoehybrid", GRANITE_MODEL), "kimi": ("kimi_linear", KIMI_MODEL),
-                 "nemotron": ("nemotron_h", NEMOTRON_MODEL), "mimo": ("mimo_v2_flash", MIMO_MODEL)}
+STUDY_HIDDEN, STUDY_LAYERS = 256, 8  # the random study model's size (each architecture's shapes: its ``study``)
+ARCHITECTURES = {"qwen3_5": "qwen3_5_text", "minimax": "minimax", "granite": "granitemoehybrid", "kimi": "kimi_linear",
+                 "nemotron": "nemotron_h", "mimo": "mimo_v2_flash"}  # --architecture -> model type
 FULL_SWEEP = dict(lengths=(1024, 2048, 4096), counts=(4, 8, 16), fixed_count=4, fixed_length=1024)
 TARGET_DOC_TOKENS = 16 * 1024  # the speed-up target's prompts: their documents' tokens (4 x 4k, 16 x 1k)
 SLOPE_TARGET_SHAPES = tuple((n, FULL_SWEEP["fixed_length"]) for n in FULL_SWEEP["counts"])  # (documents, tokens each)
@@ -194,9 +164,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "kimi (Kimi Delta Attention, dense T_C; latent attention), nemotron (Mamba2 blocks "
                              "and squared-ReLU MLP blocks, scalar T_C) or mimo (MiMo-V2-Flash's sliding-window "
                              "attention, window 129, a full layer first and every 6th; no linear layers)")
-    parser.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL["hidden_size"],
+    parser.add_argument("--hidden-size", type=int, default=STUDY_HIDDEN,
                         help="hidden size of the random model")
-    parser.add_argument("--layers", type=int, default=DEFAULT_MODEL["num_hidden_layers"],
+    parser.add_argument("--layers", type=int, default=STUDY_LAYERS,
                         help="layers of the random model (every 4th is full attention, the rest Gated DeltaNet)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode and shape (median reported)")
     parser.add_argument("--quick", action="store_true",
@@ -244,26 +214,12 @@ def build_shapes(args: argparse.Namespace) -> list[Shape]:
 
 
 def random_model_dir(args: argparse.Namespace, workdir: Path, max_tokens: int) -> Path:
-    """Write the seeded random default model (with --hidden-size/--layers) under ``workdir``."""
-    model_type, shapes = ARCHITECTURES[args.architecture]
-    overrides = dict(shapes, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-                     max_position_embeddings=max(4096, max_tokens + 64))
-    if model_type == "granitemoehybrid":  # the Mamba2 inner width is mamba_expand x hidden
-        overrides["mamba_d_head"] = overrides["mamba_expand"] * args.hidden_size // overrides["mamba_n_heads"]
-    if model_type == "nemotron_h":  # the Mamba2 inner width is 2 x hidden; a squared-ReLU MLP block after each mixer
-        overrides["mamba_head_dim"] = 2 * args.hidden_size // overrides["mamba_num_heads"]
-    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
-    if model_type in ("minimax", "granitemoehybrid", "kimi_linear"):  # one full-attention layer every 4, as in Qwen3.5's
-        overrides["layer_types"] = kinds
-    if model_type == "kimi_linear":  # dense MLPs, as the other shapes
-        overrides["mlp_layer_types"] = ["dense"] * args.layers
-    if model_type == "nemotron_h":
-        overrides["layers_block_type"] = [block for kind in kinds for block in (kind, "mlp")]
-    if model_type == "mimo_v2_flash":  # its own layer mix (sliding-window, no linear layers); dense MLPs as the others
-        overrides["layer_types"] = ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
-                                    for i in range(args.layers)]
-        overrides["mlp_layer_types"] = ["dense"] * args.layers
-    return write_random_checkpoint(workdir / "model", model_type, args.seed, **overrides)
+    """Write the seeded random study model of ``--architecture`` (with --hidden-size/--layers) under ``workdir``."""
+    model_type = ARCHITECTURES[args.architecture]
+    study = architecture(model_type).study
+    assert study is not None
+    fields = dict(study(args.hidden_size, args.layers), max_position_embeddings=max(4096, max_tokens + 64))
+    return write_random_checkpoint(workdir / "model", model_type, args.seed, **fields)
 
 
 def make_document(tokenizer: TextTokenizer, n_tokens: int, rng: random.Random) -> str:
@@ -547,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         longest = max(s.num_docs * s.doc_tokens for s in build_shapes(args)) + 2 * len(QUESTION) + 2 * len(LEADING)
         with tempfile.TemporaryDirectory(prefix="hypic-bench-") as workdir:
             model_dir = random_model_dir(args, Path(workdir), longest)
-            results = run_benchmark(args, model_dir, f"random {ARCHITECTURES[args.architecture][0]}")
+            results = run_benchmark(args, model_dir, f"random {ARCHITECTURES[args.architecture]}")
     results["wall_s"] = time.perf_counter() - start
     print(report(results))
     args.out.mkdir(parents=True, exist_ok=True)

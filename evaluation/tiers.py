@@ -37,7 +37,7 @@ import torch
 
 from hypic import Engine
 from hypic.cache.composition import Family, Transition
-from hypic.config import parse_config
+from hypic.models.arch import parse_config
 from hypic.cache.eviction import Eviction
 from hypic.cache.segments import Seams
 from hypic.server.launch import free_port

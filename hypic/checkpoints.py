@@ -9,61 +9,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from .models.arch import ARCHITECTURES, architecture, parse_config, qwen
+
 END_OF_TEXT = "<|endoftext|>"
-TINY_CONFIG: dict[str, Any] = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-    linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-)
 MOE_CONFIG: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   shared_expert_intermediate_size=32)
-MINIMAX_CONFIG: dict[str, Any] = dict(  # Lightning attention every other layer, 4 routed experts, blocks of 16 tokens
-    vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
-    max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-)
-GRANITE_CONFIG: dict[str, Any] = dict(  # Mamba2 layers (4 heads of 32 in 2 groups, state 16), routed + shared MLP
-    vocab_size=320, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-    max_position_embeddings=4096, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
-    mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
-    layer_types=["mamba", "attention", "mamba", "mamba"],
-)
-KIMI_CONFIG: dict[str, Any] = dict(  # KDA (4 heads of 16) at layers 1, 3, 4; latent attention at 2; 4 experts in 2 groups
-    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
-    topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None,
-    eos_token_id=256,
-    linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "full_attn_layers": [2],
-                        "kda_layers": [1, 3, 4]},
-)
-NEMOTRON_CONFIG: dict[str, Any] = dict(  # Mamba2 + MoE, attention (no RoPE), MLP, two Mamba2 in a row, Mamba2 + MoE
-    vocab_size=320, hidden_size=64, layers_block_type=["linear_attention", "moe", "full_attention", "mlp",
-                                                       "linear_attention", "linear_attention", "moe"],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=4,
-    mamba_head_dim=32, ssm_state_size=16, n_groups=2, conv_kernel=4, n_routed_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
-    routed_scaling_factor=2.0, chunk_size=16, max_position_embeddings=4096, pad_token_id=None, bos_token_id=None,
-)
-GPT_OSS_CONFIG: dict[str, Any] = dict(  # sliding (window 8) / full alternating, sinks everywhere, YaRN, 4 experts
-    vocab_size=320, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-    num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, max_position_embeddings=131072,
-    pad_token_id=None,
-)
-MIMO_CONFIG: dict[str, Any] = dict(  # full, sliding (window 8, 2 KV heads, sinks), sliding, full; K 24 wide, V 16
-    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=24, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-    n_group=1, topk_group=1, sliding_window=8,
-    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
-    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], max_position_embeddings=4096, pad_token_id=None,
-    bos_token_id=None,
-)
-FAMILY_CONFIGS: dict[str, dict[str, Any]] = {"gpt_oss": GPT_OSS_CONFIG, "mimo_v2_flash": MIMO_CONFIG,
-                                             "minimax": MINIMAX_CONFIG, "granitemoehybrid": GRANITE_CONFIG,
-                                             "kimi_linear": KIMI_CONFIG, "nemotron_h": NEMOTRON_CONFIG}
+TINY_CONFIG: dict[str, Any] = qwen.TINY  # the Qwen3.5 text model's tiny config
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {  # model type -> its architecture's tiny config (Qwen's: TINY_CONFIG)
+    model_type: arch.tiny for arch in ARCHITECTURES if arch.tiny is not qwen.TINY for model_type in arch.model_types}
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -77,31 +30,27 @@ def byte_level_tokenizer() -> Tokenizer:
 
 
 def reference_classes(model_type: str) -> tuple[type, type]:
-    """(config class, causal-LM class) of ``transformers`` for a model type, on its PyTorch path."""
+    """(config class, causal-LM class) of ``transformers`` for a model type (a multimodal wrapper's:
+    its conditional-generation class), on its PyTorch path."""
     if not torch.cuda.is_available():
         sys.modules.setdefault("fla", None)  # FLA's Triton kernels cannot run on CPU: force the fallback
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, MiniMaxConfig, MiniMaxForCausalLM
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM, NemotronHConfig, NemotronHForCausalLM
-    from transformers import GptOssConfig, GptOssForCausalLM, MiMoV2FlashConfig, MiMoV2FlashForCausalLM
-    classes = {
-        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
-        "mimo_v2_flash": (MiMoV2FlashConfig, MiMoV2FlashForCausalLM),
-        "nemotron_h": (NemotronHConfig, NemotronHForCausalLM),
-        "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM),
-        "granitemoehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
-        "minimax": (MiniMaxConfig, MiniMaxForCausalLM),
-        "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
-        "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
-        "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
-        "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
-    }
-    return classes[model_type]
+    import importlib
+
+    if model_type in WRAPPED_REFERENCES:
+        names = WRAPPED_REFERENCES[model_type]
+    else:
+        arch = architecture(model_type)
+        if arch.reference is None:
+            raise ValueError(f"{model_type} has no transformers reference")
+        names = arch.reference
+
+    def load(name: str) -> type:
+        module, _, attribute = f"transformers.{name}".rpartition(".")
+        return getattr(importlib.import_module(module), attribute)
+    return load(names[0]), load(names[1])
 
 
-NOISY_BIASES = ("gpt_oss", "mimo_v2_flash")  # model types whose zero-initialised sinks and biases get noise
+WRAPPED_REFERENCES = {"qwen3_5": ("models.qwen3_5.Qwen3_5Config", "models.qwen3_5.Qwen3_5ForConditionalGeneration")}
 
 
 def _randomize(model: torch.nn.Module, generator: torch.Generator, noisy_biases: bool = False) -> None:
@@ -112,7 +61,7 @@ def _randomize(model: torch.nn.Module, generator: torch.Generator, noisy_biases:
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "dt_bias", "conv1d.bias", "mamba.D", "mixer.D")):  # zero or one when initialised
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
-            elif name.endswith("A_log"):
+            elif name.endswith("A_log") and "forget_gate" not in name:  # Bailing's bounded gate remembers long as it is
                 param.copy_(torch.empty(param.shape).uniform_(1e-3, 3e-2, generator=generator).log())
             elif noisy_biases and name.endswith(("sinks", "bias")):
                 param.copy_(0.5 * torch.randn(param.shape, generator=generator))
@@ -135,7 +84,7 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
         config = config_class(**fields)
     config.eos_token_id = 256
     model = model_class(config).eval()
-    _randomize(model, torch.Generator().manual_seed(seed), model_type in NOISY_BIASES)
+    _randomize(model, torch.Generator().manual_seed(seed), architecture(model_type).noisy_biases)
     model.save_pretrained(path)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
     return path
@@ -168,7 +117,6 @@ def write_native_checkpoint(path: str | Path, family: str, seed: int = 0, **over
     byte-level tokenizer."""
     import json
 
-    from .config import parse_config
     from .models import HybridModel
 
     path = Path(path)
@@ -194,15 +142,29 @@ def make_long_memory(path: str | Path) -> Path:
     residual stream. On such a model HYPIC's approximation above layer 0 is O(1) (greedy outputs of
     HYPIC and full recompute differ), so a test can tell a right combine pass from full recompute."""
     weights = Path(path) / "model.safetensors"
-    tensors = load_file(str(weights))
+    tensors, bound = load_file(str(weights)), _decay_bound(Path(path))
     for name, tensor in tensors.items():
-        if name.endswith("A_log"):
-            tensors[name] = torch.full_like(tensor, math.log(LONG_MEMORY_DECAY))
+        if name.endswith("A_log"):  # a bounded decay: rate 1, dt_bias below (see _decay_bound)
+            tensors[name] = torch.full_like(tensor, math.log(LONG_MEMORY_DECAY) if bound is None else 0.0)
+        elif name.endswith("dt_bias") and bound is not None:  # bound sigmoid(x) ~ bound e^x = -LONG_MEMORY_DECAY
+            tensors[name] = torch.full_like(tensor, math.log(LONG_MEMORY_DECAY / -bound))
         elif name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "self_attn.out_proj.weight",
-                            "mamba.out_proj.weight", "mixer.out_proj.weight", "mixer.o_proj.weight")):
+                            "mamba.out_proj.weight", "mixer.out_proj.weight", "mixer.o_proj.weight",
+                            "attention.dense.weight")):
             tensors[name] = tensor * LONG_MEMORY_OUTPUT_GAIN
     save_file(tensors, str(weights), metadata={"format": "pt"})
     return Path(path)
+
+
+def _decay_bound(path: Path) -> float | None:
+    """Bailing's bounded KDA decay g = bound sigmoid(exp(A_log) (f + dt_bias)) (None: the other families'
+    g = -exp(A_log) softplus(...), made slow by a small A alone)."""
+    import json
+
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("model_type") != "bailing_hybrid" or not raw.get("kda_safe_gate", True):
+        return None
+    return float(raw.get("kda_lower_bound", -5.0))
 
 
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type, overrides): the test matrix
@@ -238,6 +200,9 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "nemotron_h-dense": ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "linear_attention",
                                                                "full_attention", "mlp", "linear_attention", "mlp"],
                                             n_routed_experts=0)),
+    "bailing_hybrid": ("bailing_hybrid", {}),
+    "bailing_hybrid-dense-softplus": ("bailing_hybrid", dict(  # no q latent, the unbounded decay, dense MLPs only
+        q_lora_rank=None, kda_safe_gate=False, first_k_dense_replace=4)),
 }
-REFERENCE_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "minimax",
-                         "granitemoehybrid", "kimi_linear", "nemotron_h", "gpt_oss", "mimo_v2_flash")  # hypic_reference runs these
+REFERENCE_MODEL_TYPES = (*(t for arch in ARCHITECTURES if arch.reference for t in arch.model_types),
+                         *WRAPPED_REFERENCES)  # hypic_reference runs these

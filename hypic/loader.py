@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, parse_config
+from .config import ModelConfig
 from .errors import CheckpointError, UnsupportedModel
 from .models import HybridModel
+from .models.arch import architecture, parse_config
 from .safetensors_reader import DTYPES, TensorReader
 
 log = logging.getLogger(__name__)
@@ -257,10 +258,11 @@ def _gpt_oss_experts(keys: dict[str, str]) -> dict[str, Source]:
     return out
 
 
-def _mlp_sources(prefix: str, keys: dict[str, str], gpt_oss: bool = False) -> dict[str, Source]:
-    """Sources of one MLP / MoE block: fused ``experts.gate_up_proj`` or per-expert tensors stacked."""
+def _mlp_sources(prefix: str, keys: dict[str, str], interleaved: bool = False) -> dict[str, Source]:
+    """Sources of one MLP / MoE block: fused ``experts.gate_up_proj`` or per-expert tensors stacked
+    (``interleaved``: gpt-oss's fused experts, gate and up interleaved)."""
     out: dict[str, Source] = {_mlp_name(name): Direct(key) for name, key in keys.items() if not name.startswith("experts.")}
-    if gpt_oss:
+    if interleaved:
         return {f"{prefix}mlp.{name}": source for name, source in {**out, **_gpt_oss_experts(keys)}.items()}
     for up in ("gate_up_proj", "up_proj"):  # fused [gate | up] (SwiGLU) or up alone (Nemotron-H's squared ReLU)
         if f"experts.{up}" in keys:
@@ -314,36 +316,15 @@ def _mixer_sources(config: ModelConfig, index: int, prefix: str, groups: dict[st
     return _linear_sources(config, prefix, groups.get("linear_attn", {}))
 
 
-NEMOTRON_NAMES = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}
-NEMOTRON_GROUPS = {"linear_attention": "mamba", "full_attention": "self_attn"}
-
-
-def _block_name(config: ModelConfig, short: str) -> str:
-    """Nemotron-H's name of a tensor in ours: block b's ``norm`` / ``mixer`` become its layer's input
-    norm and token mixer, or post-attention norm and MLP (``config.blocks`` says which)."""
-    match = LAYER_KEY.match(short)
-    if config.blocks is None or not match:
-        return short if config.blocks is None else NEMOTRON_NAMES.get(short, short)
-    block, rest = int(match.group(1)), match.group(2)
-    layout = config.blocks
-    if block in layout.mixer_blocks:
-        layer = layout.mixer_blocks.index(block)
-        norm, group = "input_layernorm", NEMOTRON_GROUPS[config.layer_types[layer]]
-    elif block in layout.ffn_blocks:
-        layer, norm, group = layout.ffn_blocks.index(block), "post_attention_layernorm", "mlp"
-    else:
-        return short
-    return f"layers.{layer}.{norm}.weight" if rest == "norm.weight" else f"layers.{layer}.{group}.{rest.removeprefix('mixer.')}"
-
-
 def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[dict[str, Source], list[str]]:
     """Where each ``HybridModel`` parameter comes from in the checkpoint, and the keys nothing uses."""
     per_layer: dict[int, dict[str, dict[str, str]]] = {}
     sources: dict[str, Source] = {}
+    arch = architecture(config.model_type)
     for key in checkpoint_keys:
         if IGNORED.match(key):
             continue
-        short = _block_name(config, _strip_prefix(key))
+        short = _strip_prefix(key) if arch.rename is None else arch.rename(config, _strip_prefix(key))
         match = LAYER_KEY.match(short)
         if not match:
             sources[short] = Direct(key)
@@ -356,7 +337,7 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
         prefix = f"layers.{index}."
         sources.update({prefix + name: Direct(key) for name, key in groups.get("", {}).items()})
         sources.update(_mixer_sources(config, index, prefix, groups))
-        sources.update(_mlp_sources(prefix, groups.get("mlp", {}), config.model_type == "gpt_oss"))
+        sources.update(_mlp_sources(prefix, groups.get("mlp", {}), arch.fused_experts))
         sources.update(_shared_mlp_sources(config, prefix, groups.get("shared_mlp", {})))
     if config.tie_word_embeddings and "embed_tokens.weight" in sources:
         sources.setdefault("lm_head.weight", sources["embed_tokens.weight"])

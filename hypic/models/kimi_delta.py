@@ -4,7 +4,9 @@ channel, S_t = (I - b_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T, o_t =
 q, k, v come out of a short causal conv + SiLU over three separate projections, q and k are
 l2-normalised; g = -exp(A_log) softplus(f_b(f_a(x)) + dt_bias) per head and key channel;
 b = sigmoid(b_proj x); the output is an RMS norm per head gated by sigmoid(g_b(g_a(x))). T_C is
-dense ([H, K, K]), composed like Gated DeltaNet's.
+dense ([H, K, K]), composed like Gated DeltaNet's. Bailing-hybrid's layers (``config.kda_gates``)
+project both gates at full rank (f_proj, g_proj) and bound the decay: g = lower_bound x
+sigmoid(exp(A_log) (f + dt_bias)).
 """
 from dataclasses import dataclass
 
@@ -56,13 +58,18 @@ class KimiDeltaAttention(nn.Module):
         width, self.kernel = self.heads * self.dim, config.linear_conv_kernel_dim
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, width, bias=False) for _ in range(3))
         self.conv_weight = nn.Parameter(torch.zeros(3 * width, self.kernel))  # the checkpoint's q_, k_, v_conv1d
-        self.f_a_proj = nn.Linear(hidden, self.dim, bias=False)  # forget gate: low rank, then per key channel
-        self.f_b_proj = nn.Linear(self.dim, width, bias=False)
+        self.gates = config.kda_gates
+        if self.gates.full_rank:
+            self.f_proj, self.g_proj = nn.Linear(hidden, width, bias=False), nn.Linear(hidden, width, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(self.heads))  # the checkpoint's shape
+        else:
+            self.f_a_proj = nn.Linear(hidden, self.dim, bias=False)  # forget gate: low rank, then per key channel
+            self.f_b_proj = nn.Linear(self.dim, width, bias=False)
+            self.g_a_proj = nn.Linear(hidden, self.dim, bias=False)
+            self.g_b_proj = nn.Linear(self.dim, width, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1))  # the checkpoint's shape
         self.dt_bias = nn.Parameter(torch.zeros(width))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1))  # the checkpoint's shape
         self.b_proj = nn.Linear(hidden, self.heads, bias=False)
-        self.g_a_proj = nn.Linear(hidden, self.dim, bias=False)
-        self.g_b_proj = nn.Linear(self.dim, width, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
@@ -70,13 +77,19 @@ class KimiDeltaAttention(nn.Module):
         """Token-wise projections of x [N, hidden]; the same for any grouping of tokens into runs."""
         n = x.shape[0]
         pre_conv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(n, self.heads, self.dim)
-        return KDAProjections(pre_conv, gate, self.forget_gate(x), torch.sigmoid(self.b_proj(x).float()))
+        gate = self.g_proj(x) if self.gates.full_rank else self.g_b_proj(self.g_a_proj(x))
+        return KDAProjections(pre_conv, gate.view(n, self.heads, self.dim), self.forget_gate(x),
+                              torch.sigmoid(self.b_proj(x).float()))
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """g = -exp(A_log) softplus(f_b(f_a(x)) + dt_bias): x [N, hidden] -> [N, H, K] fp32."""
-        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.heads, self.dim)
-        return -self.A_log.float().exp()[0, 0] * F.softplus(raw)
+        """g = -exp(A_log) softplus(f + dt_bias), or lower_bound sigmoid(exp(A_log) (f + dt_bias)), with
+        f = f_b(f_a(x)) or f_proj(x): x [N, hidden] -> [N, H, K] fp32."""
+        f = self.f_proj(x) if self.gates.full_rank else self.f_b_proj(self.f_a_proj(x))
+        raw = (f.float() + self.dt_bias.float()).view(-1, self.heads, self.dim)
+        rate = self.A_log.float().exp().view(self.heads, 1)
+        if self.gates.lower_bound is not None:
+            return self.gates.lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw)
 
     def convolve(self, window: torch.Tensor) -> torch.Tensor:
         return causal_conv(window, self.conv_weight)

@@ -34,10 +34,12 @@ def attention_factor(rope: RopeConfig) -> float:
 
 
 class RotaryEmbedding:
-    """Rotates the first ``rotary_dim`` channels of each head; the rest pass through."""
+    """Rotates ``rotary_dim`` channels of each head, the first ones (or the last: ``rope.rotated_last``);
+    the rest pass through."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> None:
-        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor) if rope.rotary_dim is None else rope.rotary_dim
+        self.first = head_dim - self.rotary_dim if rope.rotated_last else 0  # the first rotated channel
         if rope.yarn is not None:
             self.inv_freq = yarn_inv_freq(rope, rope.yarn, self.rotary_dim).to(device)
         else:
@@ -57,11 +59,11 @@ class RotaryEmbedding:
         cos, sin = self.cos_sin(positions)
         if scaled and self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
+        lo, hi = self.first, self.first + self.rotary_dim
+        rot, half = x[..., lo:hi], self.rotary_dim // 2
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         out = rot.float() * cos[:, None] + rotated_half.float() * sin[:, None]
-        return torch.cat([out.to(x.dtype), rest], dim=-1)
+        return torch.cat([x[..., :lo], out.to(x.dtype), x[..., hi:]], dim=-1)
 
     def rotate_state(self, state: torch.Tensor, delta: int) -> torch.Tensor:
         """R(delta) on the key axis of linear states [..., H, K, V] (paper eq. 7: S_C|b = R(b - a) S_C|a for

@@ -29,7 +29,8 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.;:!?0123456789"
 MODELS = ["qwen3_5_text-ratio1", "qwen3_5_text-ratio2", "qwen3_5_text-ratio3", "qwen3_5_text-full-rotary",
           "qwen3_next-moe", "qwen3_next-dense", "qwen3_next-ratio3", "qwen3_5_moe_text", "qwen3_5-wrapper", "minimax",
           "minimax-residual-scales", "granitemoehybrid", "granitemoehybrid-dense-nope", "hypic_gla", "hypic_scalar_rope",
-          "kimi_linear", "kimi_linear-dense-q-lora", "nemotron_h", "nemotron_h-dense", "gpt_oss", "mimo_v2_flash"]
+          "kimi_linear", "kimi_linear-dense-q-lora", "nemotron_h", "nemotron_h-dense", "gpt_oss", "mimo_v2_flash",
+          "bailing_hybrid", "bailing_hybrid-dense-softplus"]
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,7 @@ def test_requests_prefilled_together_match_reference(setup: Setup, name: str) ->
 
 # ----- a conversation resumed from the disk after a restart -----------------------------------------
 @pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "minimax", "granitemoehybrid", "kimi_linear",
-                                  "hypic_scalar_rope", "nemotron_h", "gpt_oss", "mimo_v2_flash"])
+                                  "hypic_scalar_rope", "nemotron_h", "gpt_oss", "mimo_v2_flash", "bailing_hybrid"])
 def test_a_conversation_resumed_from_disk_matches_reference(setup: Setup, tmp_path: Path, name: str) -> None:
     """Turn 1 ends on an engine with --cache-dir; a restarted engine resumes turn 2 from the state
     kept on disk (linear states, KV, sliding windows) and its first logits are the reference's full

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from hypic import Engine, UnsupportedModel
 from hypic.checkpoints import write_random_checkpoint
-from hypic.config import parse_config
+from hypic.models.arch import parse_config
 from hypic.models import HybridModel
 
 PEAK_SCRIPT = """
@@ -105,3 +105,38 @@ def test_nemotron_blocks_group_into_mixer_layers() -> None:
 def test_nemotron_feed_forward_without_a_mixer_before_it_is_refused(pattern: str) -> None:
     with pytest.raises(UnsupportedModel, match="does not follow a Mamba2 or attention block"):
         parse_config({**NEMOTRON_FIELDS, "hybrid_override_pattern": pattern})
+
+
+def test_bailing_loads_from_transformers_names_as_from_lings(tmp_path: Path, checkpoint_factory) -> None:
+    """A Bailing-hybrid checkpoint saved under transformers' module names (self_attn, forget_gate.*, one packed
+    conv1d, o_proj, e_score_correction_bias, embed_tokens) instead of Ling's (attention, separate q/k/v convs,
+    dense, expert_bias, word_embeddings) gives the same logits as transformers' model of the original."""
+    from hypic.assembler import combine
+    from hypic.cache.segments import Run
+    from hypic.checkpoints import reference_classes
+    from hypic.state import RequestState
+
+    original = checkpoint_factory("bailing_hybrid")
+    reference = reference_classes("bailing_hybrid")[1].from_pretrained(original).eval()
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    state = {name: tensor.contiguous() for name, tensor in reference.state_dict().items()}
+    assert any(".forget_gate.f_proj." in name for name in state) and any(name.endswith("conv1d.weight") for name in state)
+    save_file(state, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json"):
+        (renamed / name).write_bytes((original / name).read_bytes())
+    ids = list(range(3, 120))
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1].float()
+    engine = Engine.from_pretrained(renamed)
+    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    assert (combine(engine.model, ids, [Run(0, len(ids))], empty).logits - expected).abs().max().item() <= 1e-4
+
+
+def test_bailing_with_scaled_rope_is_refused() -> None:
+    from hypic.checkpoints import FAMILY_CONFIGS
+
+    raw = {**FAMILY_CONFIGS["bailing_hybrid"], "model_type": "bailing_hybrid",
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
+    with pytest.raises(UnsupportedModel, match="rope_type 'yarn'"):
+        parse_config(raw)

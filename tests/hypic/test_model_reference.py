@@ -8,7 +8,7 @@ import torch
 from hypic import Engine
 from hypic.assembler import combine
 from hypic.checkpoints import TINY_VARIANTS, reference_classes
-from hypic.config import parse_config
+from hypic.models.arch import parse_config
 from hypic.cache.segments import Run
 from hypic.state import RequestState
 
@@ -42,7 +42,8 @@ def test_full_prefill_logits_match_transformers(checkpoint_factory: Callable[...
 @pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "qwen3_5-wrapper", "minimax",
                                   "minimax-residual-scales", "granitemoehybrid", "granitemoehybrid-dense-nope",
                                   "kimi_linear", "kimi_linear-dense-q-lora", "nemotron_h", "nemotron_h-dense",
-                                  "nemotron_h-latent-moe", "gpt_oss", "mimo_v2_flash"])
+                                  "nemotron_h-latent-moe", "gpt_oss", "mimo_v2_flash",
+                                  "bailing_hybrid", "bailing_hybrid-dense-softplus"])
 def test_greedy_decode_matches_transformers(checkpoint_factory: Callable[..., Path], name: str) -> None:
     """32 greedy tokens identical, and each decode step's logits equal a full forward of the extended ids."""
     path = checkpoint_factory(name)

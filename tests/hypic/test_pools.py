@@ -270,7 +270,7 @@ def test_tree_keys_and_common_lengths_against_their_definitions() -> None:
 
 
 @pytest.mark.parametrize("variant", ["qwen3_5_text-ratio2", "qwen3_next-moe", "minimax", "kimi_linear", "granitemoehybrid",
-                                     "nemotron_h", "gpt_oss", "mimo_v2_flash"])
+                                     "nemotron_h", "gpt_oss", "mimo_v2_flash", "bailing_hybrid"])
 def test_entry_bytes_are_the_bytes_an_entry_takes(checkpoint_factory, variant: str) -> None:
     """The size the warm-up bound is judged by equals the size of the entries built (sliding-window
     layers keep a window, naive entries no transitions, a narrower state-cache dtype halves T_C and S_C|0)."""

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
-from hypic.config import ModelConfig, parse_config
+from hypic.config import ModelConfig
+from hypic.models.arch import parse_config
 from hypic.engine import default_snapshot_interval
 from hypic.state import AttentionLayerState, WindowLayerState
 

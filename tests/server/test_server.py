@@ -39,7 +39,8 @@ def hypic_server(launch) -> ServerProcess:
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_text-ratio2", "minimax", "granitemoehybrid", "hypic_gla",
-                                        "hypic_scalar_rope", "kimi_linear", "nemotron_h", "gpt_oss", "mimo_v2_flash"])
+                                        "hypic_scalar_rope", "kimi_linear", "nemotron_h", "gpt_oss", "mimo_v2_flash",
+                                        "bailing_hybrid"])
 def family_server(request: pytest.FixtureRequest, checkpoint_factory: Callable[..., Path],
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A hypic server (w = 4) on the tiny checkpoint of each linear-attention family and each

@@ -1,6 +1,6 @@
 """The reference's own reading of an HF checkpoint directory: config fields and fp32 tensors.
 
-Written from the published Qwen3-Next / Qwen3.5, MiniMax, gpt-oss and MiMo-V2-Flash layouts, sharing no code
+Written from the published Qwen3-Next / Qwen3.5, MiniMax, gpt-oss, MiMo-V2-Flash and Ling (Bailing) layouts, sharing no code
 with ``hypic.loader`` or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
 """
 import dataclasses
@@ -55,6 +55,7 @@ class RefConfig:
     value_scale: float = 1.0  # MiMo-V2-Flash: values are multiplied by it before they are cached
     swiglu: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU experts
     plain_norm: bool = False  # RMSNorm as w * x / rms(x) rather than zero-centred (1 + w) (gpt-oss, MiMo)
+    bailing: dict | None = None  # Bailing-hybrid (with ``kimi`` set): full-rank KDA gates, the decay's lower bound
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
@@ -139,6 +140,18 @@ def _kimi_config(raw: dict) -> RefConfig:
     )
 
 
+def _bailing_config(raw: dict) -> RefConfig:
+    """Bailing-hybrid as transformers saves it: Kimi-Linear's layout but for its gates, MLA with RoPE on the
+    rope parts (its own theta), dense MLPs in the first layers; linear heads are the attention's."""
+    kimi = _kimi_config({**raw, "linear_attn_config": {
+        "num_heads": raw["num_attention_heads"], "head_dim": raw.get("linear_head_dim") or raw["head_dim"],
+        "short_conv_kernel_size": raw["short_conv_kernel_size"]}})
+    rope = raw.get("rope_parameters") or {}
+    bound = raw["kda_lower_bound"] if raw.get("kda_safe_gate", True) else None
+    return dataclasses.replace(kimi, model_type="bailing_hybrid", rope_theta=rope.get("rope_theta", raw.get("rope_theta")),
+                               rotary_dim=raw["qk_rope_head_dim"], bailing={"lower_bound": bound})
+
+
 def _gpt_oss_config(raw: dict) -> RefConfig:
     """gpt-oss: attention in every layer (sliding at even layers by default), sinks, YaRN on the whole head,
     clamped SwiGLU experts in every layer. The hub's ``rope_scaling`` + ``rope_theta`` is the same dict."""
@@ -202,6 +215,8 @@ def read_config(path: Path) -> RefConfig:
         return _granite_config(raw)
     if raw["model_type"] == "kimi_linear":
         return _kimi_config(raw)
+    if raw["model_type"] == "bailing_hybrid":
+        return _bailing_config(raw)
     if raw["model_type"] == "nemotron_h":
         return _nemotron_config(raw)
     if raw["model_type"] == "gpt_oss":
@@ -243,15 +258,26 @@ def _short_name(key: str) -> str | None:
     return key
 
 
+LING_NAMES = (("word_embeddings.", "embed_tokens."), (".attention.dense.", ".self_attn.o_proj."),
+              (".attention.", ".self_attn."), (".gate.expert_bias", ".gate.e_score_correction_bias"))
+
+
+def _ling_name(name: str) -> str:
+    """A Bailing (Ling) checkpoint's tensor under transformers' module names."""
+    for old, new in LING_NAMES:
+        name = name.replace(old, new)
+    return name
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every text-model tensor in fp32, keyed like ``layers.0.linear_attn.A_log``."""
-    tensors = {}
+    tensors, ling = {}, json.loads((path / "config.json").read_text()).get("model_type") == "bailing_hybrid"
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
                 name = _short_name(key)
                 if name is not None:
-                    tensors[name] = handle.get_tensor(key).float()
+                    tensors[_ling_name(name) if ling else name] = handle.get_tensor(key).float()
     if "lm_head.weight" not in tensors:  # tied embeddings
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
     return tensors

@@ -81,6 +81,14 @@ def rotate_channels(x: torch.Tensor, angles: torch.Tensor, rd: int, factor: floa
     return torch.cat([rot * cos + half * sin, rest], dim=-1)
 
 
+def rotate_interleaved_tail(x: torch.Tensor, angles: torch.Tensor, rd: int) -> torch.Tensor:
+    """DeepSeek's MLA RoPE on the last rd channels of x [n, H, D]: pair (2i, 2i + 1) turned by angles[:, i],
+    written out as [turned evens | turned odds] (as transformers leaves them; queries and keys alike)."""
+    even, odd = x[..., -rd::2], x[..., -rd + 1 :: 2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    return torch.cat([x[..., :-rd], even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
 def inverse_frequencies(theta: float, rd: int) -> torch.Tensor:
     """RoPE's 1 / theta^(2i / rd), i < rd / 2."""
     return 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)
@@ -307,14 +315,26 @@ class ReferenceModel:
         conv = torch.cat([self.w[p + f"{name}_conv1d.weight"][:, 0] for name in "qkv"])  # one conv per input
         q, k, v = self._convolve(memory, pre, conv).chunk(3, dim=-1)
         q, k, v = (x.reshape(n, c.value_heads, c.key_dim) for x in (q, k, v))
-        gate_in = h @ self.w[p + "f_a_proj.weight"].T @ self.w[p + "f_b_proj.weight"].T
-        g = -self.w[p + "A_log"].exp().view(1, -1, 1) * F.softplus(
-            (gate_in + self.w[p + "dt_bias"]).view(n, c.value_heads, c.key_dim))
+        g, z = self._kda_gates(p, h)
         inputs = LinearInputs(pre, l2_normalize(k), v, g, torch.sigmoid(h @ self.w[p + "b_proj.weight"].T))
         o = self._delta_scan(memory, l2_normalize(q) * c.key_dim**-0.5, inputs)
-        z = (h @ self.w[p + "g_a_proj.weight"].T @ self.w[p + "g_b_proj.weight"].T).view(n, c.value_heads, c.value_dim)
         normed = plain_rms_norm(o, self.w[p + "o_norm.weight"], c.eps) * torch.sigmoid(z)
         return normed.flatten(1) @ self.w[p + "o_proj.weight"].T, inputs
+
+    def _kda_gates(self, p: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log decay g [n, H, K], output gate logits [n, H, V]). Kimi-Linear: g = -exp(A_log) softplus(f + dt_bias)
+        with f through the rank-K f_a, f_b and the gate through g_a, g_b. Bailing: full-rank f_proj and g_proj,
+        and g = lower_bound sigmoid(exp(A_log) (f + dt_bias)) when the config bounds it."""
+        c, n = self.config, h.shape[0]
+        shape = (n, c.value_heads, c.key_dim)
+        rate = self.w[p + "A_log"].exp().view(1, -1, 1)
+        if c.bailing is None:
+            f = (h @ self.w[p + "f_a_proj.weight"].T @ self.w[p + "f_b_proj.weight"].T + self.w[p + "dt_bias"]).view(shape)
+            return -rate * F.softplus(f), (h @ self.w[p + "g_a_proj.weight"].T @ self.w[p + "g_b_proj.weight"].T).view(shape)
+        f = (h @ self.w[p + "f_proj.weight"].T + self.w[p + "dt_bias"]).view(shape)
+        bound = c.bailing["lower_bound"]
+        g = -rate * F.softplus(f) if bound is None else bound * torch.sigmoid(rate * f)
+        return g, (h @ self.w[p + "g_proj.weight"].T).view(shape)
 
     def _latent_attention(self, index: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Kimi-Linear's MLA without RoPE: query [n, H, nope + rope]; key [n, H, nope + rope] = [per-head part
@@ -329,6 +349,13 @@ class ReferenceModel:
         expanded = plain_rms_norm(latent, self.w[p + "kv_a_layernorm.weight"], 1e-6) @ self.w[p + "kv_b_proj.weight"].T
         nope, value = expanded.view(n, c.heads, m["nope"] + m["value"]).split([m["nope"], m["value"]], dim=-1)
         return query, torch.cat([nope, shared[:, None].expand(-1, c.heads, -1)], dim=-1), value
+
+    def _head_gate(self, p: str, h: torch.Tensor) -> torch.Tensor | None:
+        """Bailing's MLA output gate: one logit per head [n, H], laid over the head's value channels [n, H * v]."""
+        if self.config.bailing is None:
+            return None
+        per_head = h @ self.w[p + "g_proj.weight"].T
+        return per_head.repeat_interleave(self.config.kimi["value"], dim=1)
 
     # ----- our own families (hypic_hybrid) ---------------------------------------------------
     def _gla(self, index: int, h: torch.Tensor, memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
@@ -417,6 +444,8 @@ class ReferenceModel:
         (times YaRN's attention factor, gpt-oss)."""
         inv_freq, rd, factor = self.rope[kind]
         angles = (positions.float() / self.config.rope_scale)[:, None] * inv_freq[None]
+        if self.config.bailing is not None:
+            return rotate_interleaved_tail(x, angles, rd)
         return rotate_channels(x, angles, rd, factor)
 
     def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -430,7 +459,7 @@ class ReferenceModel:
         c, p, eps, n = self.config, prefix or f"layers.{index}.{group}.", self.config.eps, h.shape[0]
         kv_heads = c.kv_heads_of(kind)
         if c.kimi is not None:
-            (query, key, value), gate = self._latent_attention(index, h), None
+            (query, key, value), gate = self._latent_attention(index, h), self._head_gate(p, h)
         elif c.lightning or c.granite is not None or c.nemotron_blocks or c.window:  # no output gate, no q / k norms
             query, gate = self._project(p + "q_proj", h).view(n, c.heads, c.head_dim), None
             key = self._project(p + "k_proj", h).view(n, kv_heads, c.head_dim)
@@ -484,7 +513,8 @@ class ReferenceModel:
         Every expert runs on every token and the routing weights (zero off the top k) mix them."""
         if self.config.granite is not None:
             return self._granite_feed_forward(index, x)
-        prefix = f"layers.{index}.{'block_sparse_moe' if self.config.lightning or self.config.kimi else 'mlp'}."
+        mixtral_names = self.config.lightning or (self.config.kimi and self.config.bailing is None)
+        prefix = f"layers.{index}.{'block_sparse_moe' if mixtral_names else 'mlp'}."
         if not self.config.is_moe(index):
             return self._swiglu(prefix, x)
         if self.config.swiglu is not None:

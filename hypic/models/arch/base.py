@@ -1,0 +1,36 @@
+"""What an architecture module declares (``hypic.models.arch``)."""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import ModelConfig
+
+Parse = Callable[[dict[str, Any], dict[str, Any]], ModelConfig]  # (text config, whole config.json) -> ours
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture: its ``model_types`` (and the multimodal types that ``wraps`` one in a
+    ``text_config``), how its ``config.json`` becomes a ``ModelConfig`` (``parse``; the linear family
+    it names chooses the token mixer), where its checkpoint names differ from ours (``rename``: a
+    tensor's name, before layers are grouped; ``fused_experts``: gpt-oss's interleaved expert
+    tensors), and for tests a tiny random config (``tiny``: fields of its ``transformers`` config
+    class, ``reference``: that class and its causal-LM class, under ``transformers``) whose
+    zero-initialised sinks and biases may want noise (``noisy_biases``); ``study``: the fields of a
+    random model of this architecture at a hidden size and layer count, its per-head linear state
+    as the Qwen3.5 study model's (64 x 64), for ``hypic eval scaling``."""
+
+    model_types: tuple[str, ...]
+    parse: Parse
+    tiny: dict[str, Any] = field(default_factory=dict)
+    reference: tuple[str, str] | None = None
+    wraps: tuple[str, ...] = ()
+    rename: Callable[[ModelConfig, str], str] | None = None
+    fused_experts: bool = False
+    noisy_biases: bool = False
+    study: Callable[[int, int], dict[str, Any]] | None = None
+
+
+def every_fourth_full(layers: int) -> list[str]:
+    """Layer kinds with a full-attention layer every fourth, as Qwen3.5's."""
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
