@@ -247,10 +247,10 @@ def _serve(args: argparse.Namespace) -> None:
 
     from .server.app import ServerInfo, build_app
     from .server.chat import load_chat_template
-    from .server.loop import EngineLoop
+    from .server.loop import EngineLoop, default_prefill_batch
 
     if args.max_prefill_batch is None:
-        args.max_prefill_batch = 16 if args.device.startswith("cuda") else 1
+        args.max_prefill_batch = default_prefill_batch(args.device)
     for name in ("max_running_requests", "max_segments", "chunked_prefill_size", "max_warmup_documents",
                  "max_prefill_batch"):
         if getattr(args, name) < 1:

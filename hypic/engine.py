@@ -578,13 +578,19 @@ class Engine:
         ``sampling``: any ``SamplingParams`` field (max_new_tokens=16, temperature=0, top_p, stop, ...);
         ``built``: what was computed for this request beforehand (see ``prefill_steps``); ``namespace``:
         the cache namespace it reuses from and caches into ("": shared)."""
+        return drain(self.generate_steps(prompt, mode=mode, built=built, namespace=namespace, **sampling))
+
+    def generate_steps(self, prompt: str | list[int], *, mode: str = "hypic", built: BuiltForRequest = BuiltForRequest(),
+                       namespace: str = "", **sampling: Any) -> Steps[GenerationResult]:
+        """``generate`` as ``Steps``: the prefill asks for its combine passes (a worker's engine loop
+        runs them among its other work); decoding runs at the end, in one go."""
         params = SamplingParams(**sampling)
         if params.n != 1:
             raise InvalidRequest("Engine.generate makes one continuation (n = 1); the server runs n > 1")
         start = time.perf_counter()
         parts = self.parse(prompt, namespace)
         (sequence,) = self.sequences(params, parts.token_ids)
-        prefill = self.prefill(parts, mode, built=built)
+        prefill = yield from self.prefill_steps(self.plan(parts, mode), built)
         logits, state, ttft = prefill.logits, prefill.state, time.perf_counter() - start
         state.reserve(state.length + params.max_new_tokens)
         while not sequence.finished:

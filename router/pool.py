@@ -15,13 +15,12 @@ from .group import BulkGroup
 from .index import SegmentIndex
 from .prefix_index import PrefixIndex
 from .transfer import ReceiveCounts
-from .plan import Plan
+from .plan import PROMPT_ORDER_TOKENS, Plan
 from .serialization import register_tensor_serializer
-from .work_queue import PROMPT_ORDER_TOKENS
 from .worker import Worker
 
 TRANSFERS = ("torch", "ray")  # bulk entries over torch.distributed (gloo), or through Ray's object store
-MAX_CALLS = 64  # a worker's calls in flight at once (they wait on its one work queue)
+MAX_CALLS = 64  # a worker's calls in flight at once (they wait on its one engine loop)
 WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskError: its worker lives on)
 
 

@@ -1,25 +1,32 @@
-"""A worker: one engine in its own process (run as a Ray actor by the router)."""
-from typing import Any
+"""A worker: one engine in its own process (run as a Ray actor by the router), scheduled by the
+engine loop the server runs (``hypic.server.loop.EngineLoop``)."""
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-from hypic.assembler import drain
+from hypic.assembler import Steps
 from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.cache.segments import PromptParts
 from hypic.cache.store import SegmentEntry
+from hypic.server.loop import EngineLoop, default_prefill_batch
 
 from .channel import BulkChannel, GroupSpec, Parcel
 from .plan import SegmentJob
 from .serialization import register_tensor_serializer
 from .transfer import ReceiveCounts, entries_of, entry_check, install_entries, receive_all
-from .work_queue import WorkQueue
+
+Result = TypeVar("Result")
 
 
 class Worker:
     """Builds document interiors for peers, installs theirs (checked), and runs combine passes.
     Ray calls its methods concurrently (a threaded actor); all engine work goes through one
-    ``WorkQueue`` thread: builds by their request's uncached tokens (``priority``), the rest first."""
+    ``EngineLoop``, the server's scheduler: builds and combine passes in chunks, builds by their
+    request's uncached tokens (``priority``), combine passes before them (a short request's
+    documents overtake a long one's between its chunks); installs, lookups and flushes run between
+    chunks. Shipping entries to peers happens on the caller's thread, off the loop."""
 
     def __init__(self, model: str, threads: int | None = None, options: dict[str, Any] | None = None) -> None:
         register_tensor_serializer()
@@ -27,7 +34,8 @@ class Worker:
             torch.set_num_threads(threads)
         self.engine = Engine.from_pretrained(model, **(options or {}))
         self.rejected_entries = 0
-        self.queue = WorkQueue()
+        self.loop = EngineLoop(self.engine, "hypic", max_prefill_batch=default_prefill_batch(str(self.engine.model.device)))
+        self.loop.start()
         self.channel: BulkChannel | None = None  # bulk transfer to the other workers (None: Ray's object store)
         self.received = ReceiveCounts()
 
@@ -47,7 +55,7 @@ class Worker:
         stay in this worker's public pool (when they fit) and go back to the caller, or, with
         ``ship_to`` = (rank, generation) of a live group, their bytes go there and parcels come
         back. ``priority``: the tokens the request still needs built (fewer go first)."""
-        return self.queue.run(lambda: self.ship(self._build_all(jobs, mode), ship_to), priority)
+        return self.ship(self.loop.run_steps(self._build_steps(jobs, mode), priority).result(), ship_to)
 
     def ship(self, entries: list[SegmentEntry], ship_to: tuple[int, int] | None) -> list[SegmentEntry | Parcel]:
         """``entries`` sent point-to-point to ``ship_to`` (parcels back), or themselves when there is
@@ -57,14 +65,17 @@ class Worker:
             return list(entries)
         return channel.ship(entries, ship_to[0])
 
-    def _build_all(self, jobs: list[SegmentJob], mode: str) -> list[SegmentEntry]:
+    def _build_steps(self, jobs: list[SegmentJob], mode: str) -> Steps[list[SegmentEntry]]:
+        """The jobs' entries, held or built (each build's combine passes asked of the loop)."""
         entries = []
         for job in jobs:
             policy = self.engine.policy(mode, job.namespace)
             entry, found = self.engine.lookup_segment(job.token_ids, policy)
             if found != job.key:
                 raise ValueError(f"job key {job.key[:12]} does not address its tokens on this worker")
-            entries.append(entry if entry is not None else drain(self.engine.build_segment(job.key, job.token_ids, policy)))
+            if entry is None:
+                entry = yield from self.engine.build_segment(job.key, job.token_ids, policy)
+            entries.append(entry)
         return entries
 
     def cache(self, jobs: list[SegmentJob], mode: str, priority: float = 0) -> list[str]:
@@ -73,7 +84,7 @@ class Worker:
 
     def fetch(self, keys: list[str], ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
         """The entries of ``keys`` this worker still holds (evicted ones are left out), shipped as ``build``'s."""
-        held = self.queue.run(lambda: [e for e in (self.engine.store.entries.get(k) for k in keys) if e is not None])
+        held = self._on_loop(lambda: [e for e in (self.engine.store.entries.get(k) for k in keys) if e is not None])
         return self.ship(held, ship_to)
 
     def install(self, mode: str, *batches: list[SegmentEntry | Parcel]) -> ReceiveCounts:
@@ -89,7 +100,7 @@ class Worker:
             self.received.add(counts)
             return counts
 
-        return self.queue.run(install)
+        return self._on_loop(install)
 
     def receive_counts(self) -> ReceiveCounts:
         """Entries received as combine node, by path (point-to-point, object store) and failed."""
@@ -103,22 +114,27 @@ class Worker:
                 built: BuiltForRequest = BuiltForRequest()) -> Prefill:
         """The request's combine pass on this worker (its combine node); the caller decodes the state.
         ``built``: what was computed for the request beforehand (its stats count it as computed)."""
-        return self.queue.run(lambda: self.engine.prefill(parts, mode, logits_from, built))
+        return self.loop.run_steps(self.engine.prefill_steps(self.engine.plan(parts, mode, logits_from), built)).result()
 
     def precombine(self, parts: PromptParts, mode: str, built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
         """Combine the head of the request this worker already holds (``Engine.precombine``), while its
         peers' last documents are on their way; returns the head's stats (None: nothing combined)."""
-        return self.queue.run(lambda: self.engine.precombine(parts, mode, built))
+        return self.loop.run_steps(self.engine.precombine_steps(self.engine.plan(parts, mode), built)).result()
 
     def generate(self, prompt: str, mode: str, sampling: dict[str, Any], built: BuiltForRequest = BuiltForRequest(),
                  namespace: str = "") -> GenerationResult:
-        return self.queue.run(lambda: self.engine.generate(prompt, mode=mode, built=built, namespace=namespace, **sampling))
+        steps = self.engine.generate_steps(prompt, mode=mode, built=built, namespace=namespace, **sampling)
+        return self.loop.run_steps(steps).result()
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every cached entry and request state (of cache ``namespace`` only, if given);
         returns the entries dropped."""
-        return self.queue.run(lambda: self.engine.flush(namespace)[0])
+        return self._on_loop(lambda: self.engine.flush(namespace)[0])
 
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""
-        return self.queue.run(lambda: list(self.engine.store.entries))
+        return self._on_loop(lambda: list(self.engine.store.entries))
+
+    def _on_loop(self, run: Callable[[], Result]) -> Result:
+        """``run`` on the loop thread between chunks (one thread owns the engine); its result or error."""
+        return self.loop.call(run).result()

@@ -20,7 +20,8 @@ from ..prefill_stats import BuiltForRequest
 from ..cache.segments import PromptParts
 from ..sequence import Sequence
 from .chat import chat_renderer
-from .loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull, input_logits_from
+from .loop import (
+    DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull, Reservation, input_logits_from)
 from .fields import check_fields
 from .gate import BodyTooLarge, Gate, GateLimits
 from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_flush,
@@ -103,7 +104,7 @@ class Peers(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-Prepared = tuple[GenerationRequest, PromptParts, list[Sequence]]
+Prepared = tuple[GenerationRequest, PromptParts, list[Sequence], int]  # ..., the state bytes it may hold
 Shape = Callable[[int, Event], list[Any]]
 
 
@@ -138,8 +139,8 @@ class Server:
             request.logprobs.input_from(len(parts.token_ids))
         top = request.logprobs.top if request.logprobs is not None else None
         sequences = self.loop.engine.sequences(request.params, parts.token_ids, top)
-        self.loop.check_state_fits(parts, request, len(sequences))  # before peers build or ship anything
-        return request, parts, sequences
+        footprint = self.loop.check_state_fits(parts, request, len(sequences))  # before peers build or ship anything
+        return request, parts, sequences, footprint
 
     async def _submit(self, http: Request, requests: list[GenerationRequest],
                       arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
@@ -148,17 +149,41 @@ class Server:
         (position in the batch, event). ``arrived``: when the HTTP request came in (its TTFT starts there)."""
         prepared = [await asyncio.to_thread(self._prepare, request, self._namespace(http, request.salt))
                     for request in requests]
-        remotes = [await self._prefill_on_peers(parts, input_logits_from(request, len(parts.token_ids)))
-                   for request, parts, _ in prepared]
+        reservations = [self.loop.reserve(footprint) if self.peers is not None else None
+                        for *_, footprint in prepared]
+        try:
+            remotes = await asyncio.gather(*(self._reserved_peer_prefill(reservation, parts, request)
+                                             for (request, parts, *_), reservation in zip(prepared, reservations)))
+            return self._queue_jobs(prepared, remotes, reservations, arrived)
+        except BaseException:
+            for reservation in reservations:  # those no submitted job took
+                if reservation is not None:
+                    self.loop.release(reservation)
+            raise
+
+    async def _reserved_peer_prefill(self, reservation: Reservation | None, parts: PromptParts,
+                                     request: GenerationRequest) -> tuple[Future | None, BuiltForRequest]:
+        """``_prefill_on_peers`` once the request's state memory is granted: a request that must wait
+        for room waits before anything is built or shipped for it (the batch's requests at once)."""
+        if reservation is not None:
+            await asyncio.wrap_future(reservation.granted)
+        return await self._prefill_on_peers(parts, input_logits_from(request, len(parts.token_ids)))
+
+    def _queue_jobs(self, prepared: list[Prepared], remotes: list[tuple[Future | None, BuiltForRequest]],
+                    reservations: list[Reservation | None],
+                    arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
+        """Submit the prepared requests; their events arrive on one queue as (position, event). A
+        reservation a job takes leaves ``reservations``."""
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         jobs = []
-        for position, (request, parts, sequences) in enumerate(prepared):
+        for position, ((request, parts, sequences, _), (remote, built)) in enumerate(zip(prepared, remotes)):
             def emit(event: Event, position: int = position) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, (position, event))
 
-            remote, built = remotes[position]
-            jobs.append(self.loop.submit(parts, request, sequences, emit, remote=remote, arrived=arrived, built=built))
+            jobs.append(self.loop.submit(parts, request, sequences, emit, remote=remote, arrived=arrived, built=built,
+                                         reservation=reservations[position]))
+            reservations[position] = None
         return jobs, events
 
     async def _prefill_on_peers(self, parts: PromptParts,

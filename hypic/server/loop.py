@@ -10,6 +10,7 @@ A request starts only when the state it may hold fits ``max_state_bytes``; the w
 bounded. An error in one request fails that request only. A request's n samples share its prefill.
 """
 import logging
+import math
 import queue
 import threading
 import time
@@ -36,6 +37,13 @@ from .stats import LoopStats
 
 log = logging.getLogger("hypic.server")
 WAIT_CREDIT_TOKENS_PER_S = 256.0  # a request that has waited t seconds counts as 256 t tokens smaller
+URGENT = -math.inf  # the priority of work that goes before any build (a worker's combine passes)
+
+
+def default_prefill_batch(device: str) -> int:
+    """Prefill passes one step runs together by default: 16 on a GPU (where batching pays), 1 on a CPU
+    (compute-bound already: eval/results/batched_prefill.md)."""
+    return 16 if device.startswith("cuda") else 1
 
 
 class QueueFull(HypicError):
@@ -69,6 +77,16 @@ def input_logits_from(request: GenerationRequest, prompt_tokens: int) -> int | N
 
 
 @dataclass(eq=False)
+class Reservation:
+    """State memory set aside for a request before anything is done for it elsewhere (peers build and
+    ship its documents only once ``granted``): counted as held from the grant until its job's prefill
+    starts or it is released. Granted first come, first served, when the room is there."""
+
+    footprint: int
+    granted: Future = field(default_factory=Future)
+
+
+@dataclass(eq=False)
 class Job:
     """A request inside the loop: its prompt, its samples, and where its events go."""
 
@@ -90,6 +108,7 @@ class Job:
     remaining: int = 0  # about how many prompt tokens its prefill still computes
     footprint: int = 0  # bytes of state its samples may hold (prompt + max_new_tokens each)
     remote: Future | None = None  # its Prefill computed elsewhere (another worker); None: here
+    reservation: Reservation | None = None  # its state memory, granted before peers worked for it
     built: BuiltForRequest = field(default_factory=BuiltForRequest)  # computed for it before its prefill
 
     @property
@@ -134,6 +153,12 @@ class Command:
     future: Future = field(default_factory=Future)
 
 
+def _left(remaining: float, done: int) -> float:
+    """A pending's priority after ``done`` tokens of its work ran: what it still needs, at least 1
+    (a priority of 0 or ``URGENT`` stays as it was)."""
+    return remaining if remaining < 1 else max(1, remaining - done)
+
+
 def input_logprobs(prompt_ids: list[int], start: int, logits: torch.Tensor, top: int) -> list[TokenLogprob | None]:
     """Logprob of each prompt token from position ``start`` (None for the first: nothing before it
     is scored), from the logits [len - start, vocab] at positions start..len-1."""
@@ -155,6 +180,8 @@ class EngineLoop:
         self.inbox: queue.Queue[Pending | Command | None] = queue.Queue()
         self.waiting: list[Pending] = []
         self.running: list[Job] = []
+        self.reserving: list[Reservation] = []  # waiting for room, first come first served
+        self.reserved: list[Reservation] = []  # granted, their jobs' prefills not started yet
         self.stats = LoopStats()
         self._queued, self._queued_lock = 0, threading.Lock()
         self.snapshot: dict[str, Any] = self._publish()
@@ -179,14 +206,15 @@ class EngineLoop:
 
     def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
                emit: Callable[[Event], None], remote: Future | None = None, arrived: float | None = None,
-               built: BuiltForRequest = BuiltForRequest()) -> Job:
+               built: BuiltForRequest = BuiltForRequest(), reservation: Reservation | None = None) -> Job:
         """Queue a validated request whose samples (``Engine.sequences``) are ready to run.
         ``remote``: its ``Prefill``, being computed elsewhere (if that fails, it is prefilled here);
         ``arrived``: when it reached the server (``time.perf_counter``; its TTFT and latency count
-        from there); ``built``: what peers and this engine computed for it beforehand."""
+        from there); ``built``: what peers and this engine computed for it beforehand;
+        ``reservation``: its state memory, granted already (``reserve``): it starts without waiting for room."""
         plan = self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))  # off the loop thread
         job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit, plan,
-                  remote=remote, built=built)
+                  remote=remote, built=built, reservation=reservation)
         if arrived is not None:
             job.start = arrived
         job.footprint = self.check_state_fits(parts, request, len(sequences))
@@ -206,6 +234,24 @@ class EngineLoop:
                                  f"and linear states, times n), over the server's --max-state-memory of "
                                  f"{self.max_state_bytes} bytes")
         return footprint
+
+    def reserve(self, footprint: int) -> Reservation:
+        """Set ``footprint`` bytes of state memory aside for a request (``check_state_fits``'s), before
+        its peers build anything: ``granted`` resolves when they fit beside what running and
+        prefilling requests and earlier reservations hold (at once without ``max_state_bytes``).
+        Hand it to ``submit``, or ``release`` it."""
+        reservation = Reservation(footprint)
+        if self.max_state_bytes is None:
+            reservation.granted.set_result(reservation)
+        else:
+            self.inbox.put(Command(lambda: self.reserving.append(reservation)))
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back a reservation no job will take (its request failed or went away)."""
+        if not reservation.granted.done():
+            reservation.granted.cancel()
+        self.inbox.put(Command(lambda: self._drop(reservation)))
 
     def warmup(self, documents: list[str], namespace: str = "") -> Future:
         """Cache documents in the server's mode and cache ``namespace``, in chunks; the future holds
@@ -232,6 +278,14 @@ class EngineLoop:
             self._enqueue(task)
         return task.future
 
+    def run_steps(self, steps: Steps[Any], priority: float = URGENT) -> Future:
+        """Run any prefill work (a Ray worker's builds and combine passes) in chunks among the loop's
+        other work, in order of ``priority`` (tokens its request still needs; ``URGENT``: before any of
+        them); the future holds what ``steps`` return."""
+        task = WarmupTask(steps, priority)
+        self._enqueue(task)
+        return task.future
+
     def call(self, run: Callable[[], Any]) -> Future:
         """Run ``run`` on the loop thread; the future holds its result or exception."""
         command = Command(run)
@@ -250,6 +304,7 @@ class EngineLoop:
                                                                   for p in self.waiting)):
                 return
             self._drop_cancelled()
+            self._grant()
             self._step_prefills()
             if self.running:
                 self._decode()
@@ -297,7 +352,26 @@ class EngineLoop:
 
     # ----- scheduling -----------------------------------------------------------------------
     def _held_bytes(self) -> int:
-        return sum(job.footprint for job in self.running) + sum(p.footprint for p in self.waiting if p.steps is not None)
+        """State memory running and prefilling requests may hold, and granted reservations."""
+        return (sum(job.footprint for job in self.running) + sum(p.footprint for p in self.waiting if p.steps is not None)
+                + sum(r.footprint for r in self.reserved))
+
+    def _grant(self) -> None:
+        """Grant waiting reservations in order while they fit (one that was cancelled is dropped)."""
+        while self.reserving and self.max_state_bytes is not None:
+            first = self.reserving[0]
+            if not first.granted.cancelled() and self._held_bytes() + first.footprint > self.max_state_bytes:
+                return
+            self.reserving.pop(0)
+            if not first.granted.cancelled():
+                self.reserved.append(first)
+                first.granted.set_result(first)
+
+    def _drop(self, reservation: Reservation | None) -> None:
+        """Stop counting ``reservation`` (granted or still waiting)."""
+        for pool in (self.reserving, self.reserved):
+            if reservation in pool:
+                pool.remove(reservation)
 
     def _startable(self, pending: Pending) -> bool:
         """A prefill under way always continues; a new one needs a running slot and room (and, if
@@ -309,6 +383,8 @@ class EngineLoop:
         started = sum(1 for p in self.waiting if isinstance(p, Job) and p.steps is not None)
         if len(self.running) + started >= self.max_running:
             return False
+        if pending.reservation in self.reserved:  # its bytes are held already
+            return True
         return self.max_state_bytes is None or self._held_bytes() + pending.footprint <= self.max_state_bytes
 
     def _by_priority(self) -> list[Pending]:
@@ -351,7 +427,7 @@ class EngineLoop:
                 self._run([pending])
             return
         for pending, work, result in zip(batch, works, results):
-            pending.remaining = max(1, pending.remaining - work.tokens)
+            pending.remaining = _left(pending.remaining, work.tokens)
             self._resume(pending, result)
 
     def _resume(self, pending: Pending, reply: CombineResult | None) -> bool:
@@ -359,6 +435,7 @@ class EngineLoop:
         next combine pass (``pending.work``) or pauses (None), or it ends or breaks (False)."""
         if isinstance(pending, Job) and pending.steps is None:
             pending.steps = self._prefill_steps(pending)
+            self._drop(pending.reservation)  # from now on its footprint counts as a started prefill
         assert pending.steps is not None
         try:
             pending.work = pending.steps.send(reply)
@@ -506,6 +583,7 @@ class EngineLoop:
         if job in self.running:
             self.running.remove(job)
         self._leave_queue(job)
+        self._drop(job.reservation)
         if job.steps is not None:
             job.steps.close()  # releases the public entries its prefill pinned
 
@@ -522,6 +600,7 @@ class EngineLoop:
         return {
             **self.stats.as_dict(), "waiting_requests": len(self.waiting), "running_requests": len(self.running),
             "held_state_bytes": self._held_bytes(), "max_state_bytes": self.max_state_bytes,
+            "reserving_requests": len(self.reserving), "reserved_state_bytes": sum(r.footprint for r in self.reserved),
             "running_state_bytes": {"full": sum(s.nbytes - s.window_nbytes for j in self.running for s in j.states),
                                     "sliding_window": sum(s.window_nbytes for j in self.running for s in j.states)},
             "running_shared_bytes": self._shared_bytes(),

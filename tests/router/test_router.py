@@ -78,15 +78,15 @@ def test_eviction_never_splices_a_wrong_entry(router: Router, engine: Engine, pi
 
 
 def test_a_worker_builds_for_the_request_with_fewer_uncached_tokens_first(router: Router, docs: list[str]) -> None:
-    """Worker 1 is busy; a request needing 3000 tokens queues before one needing 100: the second's
-    document is built first."""
+    """Worker 1 is busy with a request that goes first (priority 0); a request needing 3000 tokens queues
+    before one needing 100: the second's document is built first."""
     def jobs(texts: list[str]) -> list[SegmentJob]:
         parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *texts, ""]))
         return router.splitter.jobs(parts, "hypic")
 
     worker = router.workers[1]
     # busy well past the two's arrival on any box (a job of three documents was done in 0.4 s on a fast one)
-    busy = [worker.build.remote(jobs([" ".join(docs) + f" Busy {b}.{i}." for i in range(8)]), "hypic", 5000)
+    busy = [worker.build.remote(jobs([" ".join(docs) + f" Busy {b}.{i}." for i in range(8)]), "hypic", 0)
             for b in range(2)]
     time.sleep(0.3)
     large = worker.build.remote(jobs([" ".join(docs) + " Large."]), "hypic", 3000)

@@ -12,7 +12,7 @@ import pytest
 from hypic import Engine, InvalidRequest
 from hypic.sampling import SamplingParams
 from hypic.server import loop as loop_module
-from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event, QueueFull
+from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event, QueueFull, Reservation
 from hypic.server.protocol import GenerationRequest, LogprobRequest
 
 
@@ -47,11 +47,13 @@ def _text(seed: int, n: int) -> str:
     return "".join(rng.choice("abcdefghijklmnop ,.") for _ in range(n))
 
 
-def _submit(loop: EngineLoop, collector: Collector, name: str, prompt: str, tokens: int = 4):
+def _submit(loop: EngineLoop, collector: Collector, name: str, prompt: str, tokens: int = 4,
+            reservation: Reservation | None = None):
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     parts = loop.engine.parse(prompt)
     request = GenerationRequest(prompt, params)
-    return loop.submit(parts, request, loop.engine.sequences(params, parts.token_ids), collector.emit_for(name))
+    return loop.submit(parts, request, loop.engine.sequences(params, parts.token_ids), collector.emit_for(name),
+                       reservation=reservation)
 
 
 @pytest.fixture
@@ -129,6 +131,34 @@ def test_admission_waits_for_state_memory(engine: Engine) -> None:
         collector.wait(2)
         first_end = first.start + collector.done["first"].completion.e2e_s
         assert collector.order == ["first", "second"] and second.first_token_at > first_end
+    finally:
+        loop.stop()
+
+
+def test_a_reservation_holds_room_until_its_job_starts_or_it_is_released(engine: Engine) -> None:
+    """Room for one of two: the second reservation waits for the first; the first's job (submitted with
+    it) starts at once and counts its bytes from then on; once released, the room is the second's."""
+    one = engine.state_bytes(100 + 8)
+    loop = EngineLoop(engine, "hypic", max_state_bytes=int(1.5 * one))
+    loop.start()
+    try:
+        first = loop.reserve(one)
+        assert first.granted.result(timeout=10) is first
+        second = loop.reserve(one)
+        time.sleep(0.3)
+        assert not second.granted.done() and loop.snapshot["reserved_state_bytes"] == one
+        collector = Collector()
+        job = _submit(loop, collector, "first", _text(2, 100), tokens=64, reservation=first)
+        deadline = time.monotonic() + 30
+        while loop.snapshot["running_requests"] == 0 and not collector.done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if not collector.done:  # decoding: its own footprint is held, its reservation no longer
+            assert loop.snapshot["held_state_bytes"] == job.footprint and loop.snapshot["reserved_state_bytes"] == 0
+        collector.wait(1)
+        assert second.granted.result(timeout=10) is second  # the first's room came back when it finished
+        loop.release(second)
+        third = loop.reserve(one)
+        assert third.granted.result(timeout=10) is third and loop.snapshot["reserving_requests"] == 0
     finally:
         loop.stop()
 
