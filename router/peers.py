@@ -3,9 +3,15 @@ serves every endpoint and decodes every request as with one worker); workers 1..
 actors that prefill the request's cold documents alongside it. The combine node is the worker
 with the best cache-aware score (``plan.combine_score``; the server on ties): the server itself
 (peers ship their entries here), or a peer (everyone ships there; it runs the combine pass and
-sends back the request's state, which the server decodes)."""
+sends back the request's state, which the server decodes).
+
+``prefill_for`` is the whole of a request's peer work, in one place: plan, dispatch, the server's own
+builds (on its loop), then either receiving the peers' entries while combining early here, or
+shipping this server's entries to the remote combine node; the HTTP layer only calls it (after the
+request's state memory is reserved) and submits the job."""
 import dataclasses
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,10 +19,12 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from hypic import DEFAULT_SEPARATOR
-from hypic.engine import Engine, Prefill
+from hypic.engine import Prefill
 from hypic.prefill_stats import BuiltForRequest
 from hypic.cache.segments import PromptParts
 from hypic.cache.store import SegmentEntry
+from hypic.prefill_stats import PrefillStats
+from hypic.server.loop import EngineLoop
 
 from .plan import Plan, make_plan
 from .pool import WorkerLost, WorkerPool, start_ray
@@ -53,6 +61,75 @@ class PeerPrefill:
         if any(f != self.splitter.fingerprint for f in self.pool.fingerprints()):
             raise RuntimeError("the workers loaded a different model than the server")
         self.received = ReceiveCounts()  # entries this server received as combine node
+        self.flows = ThreadPoolExecutor(32, thread_name_prefix="hypic-peer-flow")  # each waits on the loop and peers
+        self.remote_prefills = ThreadPoolExecutor(8, thread_name_prefix="hypic-remote-prefill")  # waits on peers
+
+    def prefill_for(self, loop: EngineLoop, parts: PromptParts, logits_from: int | None) -> Future:
+        """``_prefill_flow`` on a thread of its own; the future holds its result."""
+        return self.flows.submit(self._prefill_flow, loop, parts, logits_from)
+
+    def warmup_for(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> Future:
+        """``_warmup_flow`` on a thread of its own; the future holds the documents' token counts."""
+        return self.flows.submit(self._warmup_flow, loop, documents, namespace)
+
+    def _prefill_flow(self, loop: EngineLoop, parts: PromptParts,
+                      logits_from: int | None) -> tuple[Future | None, BuiltForRequest]:
+        """A request's cold documents prefilled on the server's loop and on the peers at once.
+        Documents on disk or in Mooncake are brought up first
+        (held here, never rebuilt by a peer). If the server is the combine node, the peers' entries are
+        stored here as they come, the held head combined early (the future is None); else the
+        server's entries go to the peer that is, and the future will hold that peer's ``Prefill``.
+        Also returns what was built for the request (its stats count it)."""
+        engine, mode = loop.engine, loop.mode
+        loaded, held = loop.call(lambda: (engine.load_from_tiers(engine.plan(parts, mode)),
+                                          frozenset(engine.store.entries))).result()
+        plan = self.plan(parts, mode, held.__contains__)
+        built = dataclasses.replace(self.built_for_request(plan), loaded=loaded)
+        dispatch = self.dispatch(plan, mode)
+        local = self.local_segments(plan)
+        if local:
+            loop.build(local, parts.namespace).result()
+        if plan.combine == LOCAL:
+            return None, self._receive_combining_early(loop, dispatch, parts, built)
+        keys = self.local_shipment(plan)
+        shipped = loop.call(lambda: [e for k in keys if (e := engine.store.entries.get(k)) is not None]).result()
+        return self.remote_prefills.submit(self.prefill_remotely, dispatch, parts, logits_from, shipped, built), built
+
+    def _receive_combining_early(self, loop: EngineLoop, dispatch: Dispatch, parts: PromptParts,
+                                 built: BuiltForRequest) -> BuiltForRequest:
+        """Store the peers' entries on the server as each shipment arrives; after the server's own
+        builds (if anything comes from peers) and after arrivals while more are to come (one at a
+        time), the loop combines the prompt's held head, so the request's combine pass overlaps the
+        peers' last builds (a failed early combine only loses that head). Returns ``built`` with the
+        heads' stats."""
+        engine, mode, plan = loop.engine, dispatch.mode, dispatch.plan
+        from_peers = any(worker != LOCAL for worker in plan.builds) or bool(plan.pulls)
+        arrivals, early = self.arrivals(dispatch), [loop.precombine(parts, built)] if from_peers else []
+        try:
+            for entries, still_coming in arrivals:
+                if entries:
+                    loop.call(lambda: install_entries(engine, entries, mode)).result()
+                if still_coming and (not early or early[-1].done()):  # one at a time: the next covers more
+                    built = built.with_head(_head(early[-1]) if early else None)
+                    early.append(loop.precombine(parts, built))
+        finally:
+            arrivals.close()  # a broken install: the plan's queued tokens are released now
+        if early:
+            built = built.with_head(_head(early[-1], wait=True))
+        return built
+
+    def _warmup_flow(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> list[int]:
+        """Documents (checked already, as the engine's own warm-up checks them) spread by LPT over the
+        server's loop and the peers, each cached where it is built; their token counts."""
+        engine, mode = loop.engine, loop.mode
+        held = loop.call(lambda: frozenset(engine.store.entries)).result()
+        plan, counts = self.plan_documents(documents, mode, held.__contains__, namespace)
+        local = self.local_segments(plan)
+        building = loop.build(local, namespace) if local else None
+        self.cache(plan, mode)
+        if building is not None:
+            building.result()
+        return counts
 
     def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool],
              combine: int | None = None) -> Plan:
@@ -126,11 +203,9 @@ class PeerPrefill:
         node is lost (it is forgotten; the caller prefills locally instead)."""
         plan, lost = dispatch.plan, []
         combine = self.pool.workers[plan.combine]
-        installs = self.pool.install_on(plan.combine, dispatch.shipments, dispatch.mode, local_entries)
         try:
-            built = self.pool.combine_early(plan, parts, dispatch.mode, dispatch.builds, installs, lost, built)
-            self.pool.wait(dispatch.builds, lost)
-            self.pool.wait_installs(installs, lost)
+            built = self.pool.gather_on_combine(plan, parts, dispatch.mode, (dispatch.builds, dispatch.shipments), lost,
+                                                built, local_entries)[0]
             return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from, built), timeout=self.pool.timeout_s)
         except (WorkerLost, GetTimeoutError):
             self.pool.forget(plan.combine, kill=True)
@@ -138,14 +213,26 @@ class PeerPrefill:
         finally:
             self.pool.finish(plan, lost)
 
-    @staticmethod
-    def install(engine: Engine, entries: list[SegmentEntry], mode: str) -> list[str]:
-        """Store ``entries`` in the local engine's public pool (run on its loop thread)."""
-        return install_entries(engine, entries, mode)[0]
-
     def status(self) -> dict[str, Any]:
         status = self.pool.status()
         return {**status, "workers": [LOCAL, *status["workers"]], "received_entries": dataclasses.asdict(self.received)}
 
+    def close(self) -> None:
+        """Stop waiting on peers: flows and remote prefills not started are cancelled, no more start."""
+        self.flows.shutdown(wait=False, cancel_futures=True)
+        self.remote_prefills.shutdown(wait=False, cancel_futures=True)
+
     def shutdown(self) -> None:
+        """``close``, and stop the workers."""
+        self.close()
         self.pool.shutdown()
+
+
+def _head(early: Future, wait: bool = False) -> PrefillStats | None:
+    """An early combine's head stats (None if it combined nothing or failed); ``wait``: for it to end."""
+    if wait:
+        try:
+            early.result()
+        except Exception:  # noqa: BLE001 - a failed early combine only loses its head
+            return None
+    return None if early.exception() is not None else early.result()

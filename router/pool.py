@@ -90,6 +90,22 @@ class WorkerPool:
         refs = [ref for _, ref in shipments] + ([ray.put(self.ship(extra, combine))] if extra else [])
         return [(combine, actor.install.remote(mode, ref)) for ref in refs]
 
+    def gather_on_combine(self, plan: Plan, parts: PromptParts, mode: str, dispatched: tuple[list, list],
+                          lost: list[int], built: BuiltForRequest,
+                          extra: list[SegmentEntry] | None = None) -> tuple[BuiltForRequest, float]:
+        """Everything a remote combine node needs, brought there: each shipment of ``dispatched``
+        (``dispatch``'s builds and shipments) installed as it arrives, and ``extra`` entries from this
+        process; its held head combined early meanwhile; every build and install waited for (a failed
+        one is recomputed there). Returns ``built`` with the heads' stats, and when the builds were done
+        (``time.perf_counter``)."""
+        builds, shipments = dispatched
+        installs = self.install_on(plan.combine, shipments, mode, extra)
+        built = self.combine_early(plan, parts, mode, builds, installs, lost, built)
+        self.wait(builds, lost)
+        built_at = time.perf_counter()
+        self.wait_installs(installs, lost)
+        return built, built_at
+
     def combine_early(self, plan: Plan, parts: PromptParts, mode: str, builds: list[tuple[int, ray.ObjectRef]],
                       installs: list[tuple[int, ray.ObjectRef]], lost: list[int], built: BuiltForRequest) -> BuiltForRequest:
         """Once the combine node's own builds are done, and again as peers' entries arrive while some

@@ -88,12 +88,8 @@ class Router:
                          prompt_tokens=len(parts.token_ids), combine_tokens=self.splitter.combine_tokens(parts, mode))
         start, lost = time.perf_counter(), []
         combine = self.workers[plan.combine]
-        builds, shipments = self.pool.dispatch(plan, mode)
-        installs = self.pool.install_on(plan.combine, shipments, mode)
-        built = self.pool.combine_early(plan, parts, mode, builds, installs, lost, plan.built_for_request(plan.combine))
-        self.pool.wait(builds, lost)
-        dispatched = time.perf_counter()
-        self.pool.wait_installs(installs, lost)  # a failed shipment is recomputed there
+        built, dispatched = self.pool.gather_on_combine(plan, parts, mode, self.pool.dispatch(plan, mode), lost,
+                                                        plan.built_for_request(plan.combine))
         transferred = time.perf_counter()
         try:
             result = ray.get(combine.generate.remote(prompt, mode, sampling, built, namespace))  # every install has run

@@ -5,8 +5,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
@@ -86,22 +86,14 @@ def _sse(payload: Any) -> str:
 
 class Peers(Protocol):
     """Other workers that prefill a request's cold documents alongside this server's engine
-    (``hypic serve --workers N``: ``hypic.router.PeerPrefill``). Worker 0 is this server."""
+    (``hypic serve --workers N``: ``hypic.router.PeerPrefill``). Worker 0 is this server; the peer
+    work of a request or a warm-up happens there, in one place."""
 
-    def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool]) -> Any: ...
-    def dispatch(self, plan: Any, mode: str) -> Any: ...
-    def local_segments(self, plan: Any) -> list[tuple[int, ...]]: ...
-    def arrivals(self, dispatch: Any) -> Iterator[tuple[list[Any], int]]: ...
-    def install(self, engine: Any, entries: list[Any], mode: str) -> list[str]: ...
-    def local_shipment(self, plan: Any) -> list[str]: ...
-    def built_for_request(self, plan: Any) -> BuiltForRequest: ...
-    def prefill_remotely(self, dispatch: Any, parts: PromptParts, logits_from: int | None,
-                         local_entries: list[Any], built: BuiltForRequest) -> Any: ...
-    def plan_documents(self, documents: list[str], mode: str,
-                       held_locally: Callable[[str], bool]) -> tuple[Any, list[int]]: ...
-    def cache(self, plan: Any, mode: str) -> None: ...
-    def flush(self) -> int: ...
+    def prefill_for(self, loop: EngineLoop, parts: PromptParts, logits_from: int | None) -> Future: ...
+    def warmup_for(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> Future: ...
+    def flush(self, namespace: str | None = None) -> int: ...
     def status(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
 
 
 Prepared = tuple[GenerationRequest, PromptParts, list[Sequence], int]  # ..., the state bytes it may hold
@@ -114,14 +106,14 @@ class Server:
     def __init__(self, loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> None:
         self.loop, self.info, self.peers = loop, info, peers
         self.peer_failures = 0  # requests whose peer prefill broke (they ran here alone)
-        self.remote_prefills = ThreadPoolExecutor(8, thread_name_prefix="hypic-remote-prefill")  # waits on peers
         self.render_chat = chat_renderer(info.chat_template)
         self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
         self.started = time.time()
 
     def close(self) -> None:
         """At shutdown: stop waiting on peers (requests still waiting are cancelled)."""
-        self.remote_prefills.shutdown(wait=False, cancel_futures=True)
+        if self.peers is not None:
+            self.peers.close()
 
     # ----- request plumbing ------------------------------------------------------------------
     def _namespace(self, http: Request, salt: tuple[str, ...]) -> str:
@@ -188,69 +180,18 @@ class Server:
 
     async def _prefill_on_peers(self, parts: PromptParts,
                                 logits_from: int | None) -> tuple[Future | None, BuiltForRequest]:
-        """With peers: the request's cold documents are prefilled here (in chunks, on the loop) and
-        on the peers at once. If this server is the combine node, the peers' entries are stored here
-        (the future is None); else its entries go to the peer that is, and the returned future will
-        hold that peer's ``Prefill``. Also returns what was built for the request (its stats count
-        those documents as misses). If this breaks, the request runs here alone."""
+        """With peers: the request's cold documents are prefilled here and on the peers at once
+        (``Peers.prefill_for``); returns the future of its ``Prefill`` on a remote combine node (None:
+        it is combined here) and what was built for it. If this breaks, the request runs here alone."""
         engine, mode = self.loop.engine, self.loop.mode
         if self.peers is None or not engine.policy(mode).caches_segments:
             return None, BuiltForRequest()
-        built = BuiltForRequest()
-        try:  # documents on disk or in Mooncake come up first: held here, never rebuilt by a peer
-            loaded, held = await asyncio.wrap_future(self.loop.call(
-                lambda: (engine.load_from_tiers(engine.plan(parts, mode)), self._held_keys())))
-            plan = await asyncio.to_thread(self.peers.plan, parts, mode, held.__contains__)
-            built = replace(self.peers.built_for_request(plan), loaded=loaded)
-            return await self._peer_prefill(plan, parts, mode, logits_from, built)
+        try:
+            return await asyncio.wrap_future(self.peers.prefill_for(self.loop, parts, logits_from))
         except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
             self.peer_failures += 1
             log.warning("peer prefill failed (%s: %s); the request runs on this worker alone", type(err).__name__, err)
-            return None, built
-
-    def _held_keys(self) -> frozenset[str]:
-        """The public pool's keys now (call on the loop thread: one thread owns the engine)."""
-        return frozenset(self.loop.engine.store.entries)
-
-    async def _peer_prefill(self, plan: Any, parts: PromptParts, mode: str, logits_from: int | None,
-                            built: BuiltForRequest) -> tuple[Future | None, BuiltForRequest]:
-        assert self.peers is not None
-        dispatch = self.peers.dispatch(plan, mode)
-        local = self.peers.local_segments(plan)
-        if local:
-            await asyncio.wrap_future(self.loop.build(local, parts.namespace))
-        if plan.combine == 0:
-            from_peers = any(worker != 0 for worker in plan.builds) or bool(plan.pulls)
-            return None, await self._receive_combining_early(dispatch, parts, mode, from_peers, built)
-        store, keys = self.loop.engine.store, self.peers.local_shipment(plan)
-        shipped = await asyncio.wrap_future(self.loop.call(lambda: [e for k in keys if (e := store.entries.get(k))]))
-        return self.remote_prefills.submit(self.peers.prefill_remotely, dispatch, parts, logits_from, shipped, built), built
-
-    async def _receive_combining_early(self, dispatch: Any, parts: PromptParts, mode: str, from_peers: bool,
-                                       built: BuiltForRequest) -> BuiltForRequest:
-        """Store the peers' entries here as each shipment arrives; after this engine's own builds (if
-        anything is ``from_peers``) and after arrivals while more are to come (one at a time), the
-        loop combines the prompt's held head, so the request's combine pass overlaps the peers' last
-        builds (a failed early combine only loses that head). Returns ``built`` with the heads' stats."""
-        peers, engine = self.peers, self.loop.engine
-        assert peers is not None
-        arrivals, early = peers.arrivals(dispatch), [self.loop.precombine(parts, built)] if from_peers else []
-        try:
-            while (arrival := await asyncio.to_thread(next, arrivals, None)) is not None:
-                entries, still_coming = arrival
-                if entries:
-                    await asyncio.wrap_future(self.loop.call(lambda: peers.install(engine, entries, mode)))
-                if still_coming and (not early or early[-1].done()):  # one at a time: the next covers more
-                    built = built.with_head(_head(early[-1]) if early else None)
-                    early.append(self.loop.precombine(parts, built))
-        finally:
-            with contextlib.suppress(ValueError):  # still running in its thread: it finishes the plan there
-                arrivals.close()  # a broken install: the plan's queued tokens are released now
-        if early:
-            with contextlib.suppress(Exception):
-                await asyncio.wrap_future(early[-1])
-            built = built.with_head(_head(early[-1]))
-        return built
+            return None, BuiltForRequest()
 
     async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
         """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""
@@ -390,23 +331,11 @@ class Server:
                                  f"{self.info.max_warmup_documents} (--max-warmup-documents): send them in several calls")
         start, namespace = time.perf_counter(), self._namespace(http, salt)
         if self.peers is not None and self.loop.engine.policy(self.loop.mode).caches_segments:
-            counts = await self._warmup_on_peers(documents, namespace)
+            self.loop.engine.check_documents(documents)  # as the engine's own warm-up would, before any planning
+            counts = await asyncio.wrap_future(self.peers.warmup_for(self.loop, documents, namespace))
         else:
             counts = await asyncio.wrap_future(await asyncio.to_thread(self.loop.warmup, documents, namespace))
         return {"token_counts": counts, "documents": len(counts), "elapsed_s": time.perf_counter() - start}
-
-    async def _warmup_on_peers(self, documents: list[str], namespace: str) -> list[int]:
-        """Documents spread by LPT over this engine and the peers, each cached where it is built."""
-        engine, mode = self.loop.engine, self.loop.mode
-        engine.check_documents(documents)  # as the engine's own warm-up would, before anything is planned
-        held = await asyncio.wrap_future(self.loop.call(self._held_keys))
-        plan, counts = await asyncio.to_thread(self.peers.plan_documents, documents, mode, held.__contains__, namespace)
-        local = self.peers.local_segments(plan)
-        building = asyncio.wrap_future(self.loop.build(local, namespace)) if local else None
-        await asyncio.to_thread(self.peers.cache, plan, mode)
-        if building is not None:
-            await building
-        return counts
 
     async def flush_cache(self, http: Request) -> Any:
         """Every namespace's entries; with a ``cache_salt``, or under ``--isolate-by-key``, only the
@@ -446,11 +375,6 @@ class Server:
                 "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval,
                 "workers": {**(self.peers.status() if self.peers is not None else {"workers": [0], "lost_workers": []}),
                             "peer_prefill_failures": self.peer_failures}}
-
-
-def _head(early: Future) -> Any:
-    """A finished early combine's head stats (None if it combined nothing or failed)."""
-    return None if early.exception() is not None else early.result()
 
 
 class ModelNotFound(HypicError):

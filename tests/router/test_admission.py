@@ -4,6 +4,7 @@ its state memory), and then runs as with one worker."""
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -23,12 +24,17 @@ class RecordingPeers:
     def __init__(self, loop: EngineLoop) -> None:
         self.loop, self.running_when_planned = loop, []
 
-    def plan(self, parts: Any, mode: str, held_locally: Callable[[str], bool]) -> Any:
+    def prefill_for(self, loop: EngineLoop, parts: Any, logits_from: int | None) -> Future:
         self.running_when_planned.append(self.loop.snapshot["running_requests"])
-        raise ConnectionError("no peers in this test")
+        failed: Future = Future()
+        failed.set_exception(ConnectionError("no peers in this test"))
+        return failed
 
     def status(self) -> dict[str, Any]:
         return {"workers": [0], "lost_workers": []}
+
+    def close(self) -> None:
+        pass
 
 
 def _body(prompt: str) -> dict[str, Any]:

@@ -102,6 +102,7 @@ def test_a_lost_peer_of_the_server_costs_only_its_documents(engine: Engine, pic_
     server stores what the other peer shipped, its own prefill recomputes the rest, and the
     status reports the loss."""
     from hypic.router import PeerPrefill
+    from hypic.router.transfer import install_entries
 
     peers = PeerPrefill("default", 3, threads=1)
     try:
@@ -113,7 +114,7 @@ def test_a_lost_peer_of_the_server_costs_only_its_documents(engine: Engine, pic_
         ray.kill(peers.pool.workers[1])
         entries = [entry for batch, _ in peers.arrivals(peers.dispatch(plan, "hypic")) for entry in batch]
         assert {e.key for e in entries} == {job.key for job in plan.builds[2]}
-        assert peers.install(local, entries, "hypic") == [e.key for e in entries]
+        assert install_entries(local, entries, "hypic")[0] == [e.key for e in entries]
         assert peers.status()["workers"] == [0, 2] and peers.status()["lost_workers"] == [1]
         result = local.generate(prompt, max_new_tokens=8)
         assert result.output_ids == _expected(engine, prompt)

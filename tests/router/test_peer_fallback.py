@@ -1,8 +1,8 @@
 """A peer path that breaks costs only speed: the request runs on the server's engine alone."""
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 
 from hypic import DEFAULT_SEPARATOR, Engine, default_model_path
@@ -14,11 +14,22 @@ from hypic.server.loop import EngineLoop
 class BrokenPeers:
     """Peers whose every call fails (e.g. the Ray cluster went away)."""
 
-    def plan(self, parts: Any, mode: str, held_locally: Callable[[str], bool]) -> Any:
-        raise ConnectionError("the Ray cluster is unreachable")
+    def __init__(self) -> None:
+        self.closed = False
+
+    def prefill_for(self, loop: EngineLoop, parts: Any, logits_from: int | None) -> Future:
+        failed: Future = Future()
+        failed.set_exception(ConnectionError("the Ray cluster is unreachable"))
+        return failed
+
+    def warmup_for(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> Future:
+        raise AssertionError("a bad warm-up must be refused before the peers see it")
 
     def status(self) -> dict[str, Any]:
         return {"workers": [0], "lost_workers": [1]}
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _started_loop() -> tuple[EngineLoop, ServerInfo]:
@@ -47,16 +58,16 @@ def test_a_broken_peer_path_falls_back_to_the_local_engine(pic_prompt: Callable[
 
 def test_bad_warmup_is_refused_before_planning_and_shutdown_stops_peer_waits() -> None:
     """A document holding the separator is refused before the peers plan anything; the app's shutdown
-    closes the threads that wait on peers (nothing more can be queued there)."""
+    closes the peers' waits (nothing more can be queued there)."""
     loop, info = _started_loop()
-    app = build_app(loop, info, BrokenPeers())
+    peers = BrokenPeers()
+    app = build_app(loop, info, peers)
     try:
         with TestClient(app) as client:
             assert client.get("/health").status_code == 200
             refused = client.post("/warmup", json={"documents": [f"one {DEFAULT_SEPARATOR} two"]})
             assert refused.status_code == 400 and "PIC separator" in refused.json()["error"]["message"]
-            assert app.state.server.remote_prefills.submit(int, 1).result() == 1
+            assert not peers.closed
     finally:
         loop.stop()
-    with pytest.raises(RuntimeError, match="shutdown"):
-        app.state.server.remote_prefills.submit(int, 1)
+    assert peers.closed
