@@ -16,12 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import HypicError, InvalidRequest
-from ..prefill_stats import BuiltForRequest
 from ..cache.segments import PromptParts
 from ..sequence import Sequence
 from .chat import chat_renderer
 from .loop import (
-    DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull, Reservation, input_logits_from)
+    DoneEvent, EngineLoop, ErrorEvent, Event, Job, PeerWork, ProgressEvent, QueueFull, input_logits_from)
 from .fields import check_fields
 from .gate import BodyTooLarge, Gate, GateLimits
 from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_flush,
@@ -96,7 +95,7 @@ class Peers(Protocol):
     def close(self) -> None: ...
 
 
-Prepared = tuple[GenerationRequest, PromptParts, list[Sequence], int]  # ..., the state bytes it may hold
+Prepared = tuple[GenerationRequest, PromptParts, list[Sequence]]
 Shape = Callable[[int, Event], list[Any]]
 
 
@@ -105,7 +104,6 @@ class Server:
 
     def __init__(self, loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> None:
         self.loop, self.info, self.peers = loop, info, peers
-        self.peer_failures = 0  # requests whose peer prefill broke (they ran here alone)
         self.render_chat = chat_renderer(info.chat_template)
         self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
         self.started = time.time()
@@ -131,8 +129,8 @@ class Server:
             request.logprobs.input_from(len(parts.token_ids))
         top = request.logprobs.top if request.logprobs is not None else None
         sequences = self.loop.engine.sequences(request.params, parts.token_ids, top)
-        footprint = self.loop.check_state_fits(parts, request, len(sequences))  # before peers build or ship anything
-        return request, parts, sequences, footprint
+        self.loop.check_state_fits(parts, request, len(sequences))  # before peers build or ship anything
+        return request, parts, sequences
 
     async def _submit(self, http: Request, requests: list[GenerationRequest],
                       arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
@@ -141,57 +139,25 @@ class Server:
         (position in the batch, event). ``arrived``: when the HTTP request came in (its TTFT starts there)."""
         prepared = [await asyncio.to_thread(self._prepare, request, self._namespace(http, request.salt))
                     for request in requests]
-        reservations = [self.loop.reserve(footprint) if self.peers is not None else None
-                        for *_, footprint in prepared]
-        try:
-            remotes = await asyncio.gather(*(self._reserved_peer_prefill(reservation, parts, request)
-                                             for (request, parts, *_), reservation in zip(prepared, reservations)))
-            return self._queue_jobs(prepared, remotes, reservations, arrived)
-        except BaseException:
-            for reservation in reservations:  # those no submitted job took
-                if reservation is not None:
-                    self.loop.release(reservation)
-            raise
-
-    async def _reserved_peer_prefill(self, reservation: Reservation | None, parts: PromptParts,
-                                     request: GenerationRequest) -> tuple[Future | None, BuiltForRequest]:
-        """``_prefill_on_peers`` once the request's state memory is granted: a request that must wait
-        for room waits before anything is built or shipped for it (the batch's requests at once)."""
-        if reservation is not None:
-            await asyncio.wrap_future(reservation.granted)
-        return await self._prefill_on_peers(parts, input_logits_from(request, len(parts.token_ids)))
-
-    def _queue_jobs(self, prepared: list[Prepared], remotes: list[tuple[Future | None, BuiltForRequest]],
-                    reservations: list[Reservation | None],
-                    arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
-        """Submit the prepared requests; their events arrive on one queue as (position, event). A
-        reservation a job takes leaves ``reservations``."""
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         jobs = []
-        for position, ((request, parts, sequences, _), (remote, built)) in enumerate(zip(prepared, remotes)):
+        for position, (request, parts, sequences) in enumerate(prepared):
             def emit(event: Event, position: int = position) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, (position, event))
 
-            jobs.append(self.loop.submit(parts, request, sequences, emit, remote=remote, arrived=arrived, built=built,
-                                         reservation=reservations[position]))
-            reservations[position] = None
+            jobs.append(self.loop.submit(parts, request, sequences, emit, arrived=arrived,
+                                         peer_work=self._peer_work(parts, request)))
         return jobs, events
 
-    async def _prefill_on_peers(self, parts: PromptParts,
-                                logits_from: int | None) -> tuple[Future | None, BuiltForRequest]:
-        """With peers: the request's cold documents are prefilled here and on the peers at once
-        (``Peers.prefill_for``); returns the future of its ``Prefill`` on a remote combine node (None:
-        it is combined here) and what was built for it. If this breaks, the request runs here alone."""
+    def _peer_work(self, parts: PromptParts, request: GenerationRequest) -> PeerWork | None:
+        """With peers (and a mode that caches documents): what starts the request's documents' builds
+        on them (``Peers.prefill_for``), called by the loop once the request is admitted."""
         engine, mode = self.loop.engine, self.loop.mode
         if self.peers is None or not engine.policy(mode).caches_segments:
-            return None, BuiltForRequest()
-        try:
-            return await asyncio.wrap_future(self.peers.prefill_for(self.loop, parts, logits_from))
-        except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
-            self.peer_failures += 1
-            log.warning("peer prefill failed (%s: %s); the request runs on this worker alone", type(err).__name__, err)
-            return None, BuiltForRequest()
+            return None
+        peers, logits_from = self.peers, input_logits_from(request, len(parts.token_ids))
+        return lambda: peers.prefill_for(self.loop, parts, logits_from)
 
     async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
         """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""
@@ -374,7 +340,7 @@ class Server:
                 "uptime_s": time.time() - self.started, "version": __version__, "max_total_num_tokens": tokens,
                 "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval,
                 "workers": {**(self.peers.status() if self.peers is not None else {"workers": [0], "lost_workers": []}),
-                            "peer_prefill_failures": self.peer_failures}}
+                            "peer_prefill_failures": self.loop.snapshot["peer_prefill_failures"]}}
 
 
 class ModelNotFound(HypicError):

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -76,14 +77,18 @@ def input_logits_from(request: GenerationRequest, prompt_tokens: int) -> int | N
     return None if request.logprobs is None else request.logprobs.input_from(prompt_tokens)
 
 
-@dataclass(eq=False)
-class Reservation:
-    """State memory set aside for a request before anything is done for it elsewhere (peers build and
-    ship its documents only once ``granted``): counted as held from the grant until its job's prefill
-    starts or it is released. Granted first come, first served, when the room is there."""
+PeerWork = Callable[[], Future]  # starts a request's peer work; its future: (remote Prefill future or None, built)
 
-    footprint: int
-    granted: Future = field(default_factory=Future)
+
+class Phase(StrEnum):
+    """Where a request stands in the loop. A request with peers is admitted (room for its state) before
+    anything is built or shipped for it; without peers it goes from QUEUED to COMBINING."""
+
+    QUEUED = "queued"  # waiting for a running slot and room for its state memory
+    BUILDING = "building"  # admitted; its documents built here and on peers, their entries arriving
+    RECEIVING = "receiving"  # its combine pass runs on a peer; the state is on its way here
+    COMBINING = "combining"  # its prefill on this loop (documents missed, the combine pass), in chunks
+    DECODING = "decoding"
 
 
 @dataclass(eq=False)
@@ -108,12 +113,21 @@ class Job:
     remaining: int = 0  # about how many prompt tokens its prefill still computes
     footprint: int = 0  # bytes of state its samples may hold (prompt + max_new_tokens each)
     remote: Future | None = None  # its Prefill computed elsewhere (another worker); None: here
-    reservation: Reservation | None = None  # its state memory, granted before peers worked for it
     built: BuiltForRequest = field(default_factory=BuiltForRequest)  # computed for it before its prefill
+    peer_work: PeerWork | None = None  # started when it is admitted: its documents built on peers
+    peer: Future | None = None  # that work under way: (remote Prefill future or None, built)
+    admitted: bool = False  # it holds a running slot and its state memory
+    phases: list[Phase] = field(default_factory=lambda: [Phase.QUEUED])  # every phase it entered, in order
 
     @property
-    def awaiting_remote(self) -> bool:
-        return self.remote is not None and self.steps is None and not self.remote.done()
+    def phase(self) -> Phase:
+        return self.phases[-1]
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether it waits on work elsewhere: its peers' builds, or its combine pass on a peer."""
+        peers_busy = self.peer is not None and not self.peer.done()
+        return peers_busy or (self.remote is not None and self.steps is None and not self.remote.done())
 
     def cancel(self) -> None:
         """Safe from any thread: the loop drops the job at its next iteration."""
@@ -139,6 +153,7 @@ class WarmupTask:
     work: CombineWork | None = None
     start: float = field(default_factory=time.perf_counter)
     footprint: int = 0
+    admitted: bool = True  # like a job that holds its slot: it needs no room to run
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -180,8 +195,6 @@ class EngineLoop:
         self.inbox: queue.Queue[Pending | Command | None] = queue.Queue()
         self.waiting: list[Pending] = []
         self.running: list[Job] = []
-        self.reserving: list[Reservation] = []  # waiting for room, first come first served
-        self.reserved: list[Reservation] = []  # granted, their jobs' prefills not started yet
         self.stats = LoopStats()
         self._queued, self._queued_lock = 0, threading.Lock()
         self.snapshot: dict[str, Any] = self._publish()
@@ -205,22 +218,20 @@ class EngineLoop:
         self.inbox.put(item)
 
     def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
-               emit: Callable[[Event], None], remote: Future | None = None, arrived: float | None = None,
-               built: BuiltForRequest = BuiltForRequest(), reservation: Reservation | None = None) -> Job:
+               emit: Callable[[Event], None], arrived: float | None = None,
+               peer_work: PeerWork | None = None) -> Job:
         """Queue a validated request whose samples (``Engine.sequences``) are ready to run.
-        ``remote``: its ``Prefill``, being computed elsewhere (if that fails, it is prefilled here);
         ``arrived``: when it reached the server (``time.perf_counter``; its TTFT and latency count
-        from there); ``built``: what peers and this engine computed for it beforehand;
-        ``reservation``: its state memory, granted already (``reserve``): it starts without waiting for room."""
+        from there); ``peer_work``: with peers, what starts its documents' builds there, called once
+        the request is admitted (a slot and room for its state), so nothing is built or shipped
+        for a request that must wait; if that work fails, the request is prefilled here alone."""
         plan = self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))  # off the loop thread
         job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit, plan,
-                  remote=remote, built=built, reservation=reservation)
+                  peer_work=peer_work)
         if arrived is not None:
             job.start = arrived
         job.footprint = self.check_state_fits(parts, request, len(sequences))
         self._enqueue(job)
-        if remote is not None:  # wake the loop when the remote prefill is in
-            remote.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
         return job
 
     def check_state_fits(self, parts: PromptParts, request: GenerationRequest, samples: int) -> int:
@@ -234,24 +245,6 @@ class EngineLoop:
                                  f"and linear states, times n), over the server's --max-state-memory of "
                                  f"{self.max_state_bytes} bytes")
         return footprint
-
-    def reserve(self, footprint: int) -> Reservation:
-        """Set ``footprint`` bytes of state memory aside for a request (``check_state_fits``'s), before
-        its peers build anything: ``granted`` resolves when they fit beside what running and
-        prefilling requests and earlier reservations hold (at once without ``max_state_bytes``).
-        Hand it to ``submit``, or ``release`` it."""
-        reservation = Reservation(footprint)
-        if self.max_state_bytes is None:
-            reservation.granted.set_result(reservation)
-        else:
-            self.inbox.put(Command(lambda: self.reserving.append(reservation)))
-        return reservation
-
-    def release(self, reservation: Reservation) -> None:
-        """Give back a reservation no job will take (its request failed or went away)."""
-        if not reservation.granted.done():
-            reservation.granted.cancel()
-        self.inbox.put(Command(lambda: self._drop(reservation)))
 
     def warmup(self, documents: list[str], namespace: str = "") -> Future:
         """Cache documents in the server's mode and cache ``namespace``, in chunks; the future holds
@@ -300,11 +293,10 @@ class EngineLoop:
     def _main(self) -> None:
         torch.set_grad_enabled(False)
         while True:
-            if not self._drain(block=not self.running and all(isinstance(p, Job) and p.awaiting_remote
+            if not self._drain(block=not self.running and all(isinstance(p, Job) and p.awaiting
                                                                   for p in self.waiting)):
                 return
             self._drop_cancelled()
-            self._grant()
             self._step_prefills()
             if self.running:
                 self._decode()
@@ -352,40 +344,55 @@ class EngineLoop:
 
     # ----- scheduling -----------------------------------------------------------------------
     def _held_bytes(self) -> int:
-        """State memory running and prefilling requests may hold, and granted reservations."""
-        return (sum(job.footprint for job in self.running) + sum(p.footprint for p in self.waiting if p.steps is not None)
-                + sum(r.footprint for r in self.reserved))
-
-    def _grant(self) -> None:
-        """Grant waiting reservations in order while they fit (one that was cancelled is dropped)."""
-        while self.reserving and self.max_state_bytes is not None:
-            first = self.reserving[0]
-            if not first.granted.cancelled() and self._held_bytes() + first.footprint > self.max_state_bytes:
-                return
-            self.reserving.pop(0)
-            if not first.granted.cancelled():
-                self.reserved.append(first)
-                first.granted.set_result(first)
-
-    def _drop(self, reservation: Reservation | None) -> None:
-        """Stop counting ``reservation`` (granted or still waiting)."""
-        for pool in (self.reserving, self.reserved):
-            if reservation in pool:
-                pool.remove(reservation)
+        """State memory that running and admitted requests may hold."""
+        return sum(job.footprint for job in self.running) + sum(p.footprint for p in self.waiting if p.admitted)
 
     def _startable(self, pending: Pending) -> bool:
-        """A prefill under way always continues; a new one needs a running slot and room (and, if
-        computed elsewhere, its result)."""
-        if isinstance(pending, Job) and pending.awaiting_remote:
-            return False
-        if pending.steps is not None or isinstance(pending, WarmupTask):
-            return True
-        started = sum(1 for p in self.waiting if isinstance(p, Job) and p.steps is not None)
+        """A prefill under way continues unless it waits on peers; a new one needs a running slot and room."""
+        if isinstance(pending, WarmupTask) or pending.admitted:
+            return isinstance(pending, WarmupTask) or not self._awaiting(pending)
+        started = sum(1 for p in self.waiting if isinstance(p, Job) and p.admitted)
         if len(self.running) + started >= self.max_running:
             return False
-        if pending.reservation in self.reserved:  # its bytes are held already
-            return True
         return self.max_state_bytes is None or self._held_bytes() + pending.footprint <= self.max_state_bytes
+
+    def _admit_to_run(self, job: Job) -> bool:
+        """The job holds its slot and room from now on; with peer work, that starts (BUILDING) and
+        the job waits on it (False); else its prefill starts here (True)."""
+        job.admitted = True
+        if job.peer_work is None:
+            return True
+        start, job.peer_work = job.peer_work, None
+        job.phases.append(Phase.BUILDING)
+        try:
+            job.peer = start()
+        except Exception as err:  # noqa: BLE001 - peers that cannot even start cost only speed
+            job.peer = Future()
+            job.peer.set_exception(err)
+        job.peer.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))  # wake the loop when it is done
+        return False
+
+    def _awaiting(self, job: Job) -> bool:
+        """Whether the job still waits on peers; once their work is done, take its outcome."""
+        if job.peer is not None and job.peer.done():
+            self._take_peer_work(job)
+        return job.awaiting
+
+    def _take_peer_work(self, job: Job) -> None:
+        """The job's peer work is done: its combine pass runs on a peer (RECEIVING) or here; a failure
+        only costs speed (the request runs here alone)."""
+        assert job.peer is not None
+        peer, job.peer = job.peer, None
+        try:
+            job.remote, job.built = peer.result()
+        except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
+            self.stats.peer_prefill_failures += 1
+            log.warning("peer prefill of %s failed (%s: %s); it runs on this worker alone", job.rid,
+                        type(err).__name__, err)
+            return
+        if job.remote is not None:
+            job.phases.append(Phase.RECEIVING)
+            job.remote.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
 
     def _by_priority(self) -> list[Pending]:
         """Waiting work, fewest uncached tokens left (less its waiting credit) first."""
@@ -399,6 +406,8 @@ class EngineLoop:
         for pending in self._by_priority():
             if pending not in self.waiting or not self._startable(pending):
                 continue
+            if isinstance(pending, Job) and not pending.admitted and not self._admit_to_run(pending):
+                continue  # its peer work just started
             if pending.work is None and not self._resume(pending, None):
                 continue  # it ended (a remote prefill taken, a warm-up of cached documents) or failed
             if pending.work is None or (batch and pending.work.tokens > budget):
@@ -435,7 +444,7 @@ class EngineLoop:
         next combine pass (``pending.work``) or pauses (None), or it ends or breaks (False)."""
         if isinstance(pending, Job) and pending.steps is None:
             pending.steps = self._prefill_steps(pending)
-            self._drop(pending.reservation)  # from now on its footprint counts as a started prefill
+            pending.phases.append(Phase.COMBINING)
         assert pending.steps is not None
         try:
             pending.work = pending.steps.send(reply)
@@ -504,6 +513,7 @@ class EngineLoop:
             assert job.request.logprobs is not None
             job.input_logprobs = input_logprobs(job.parts.token_ids, job.logits_from, job.prefill.prompt_logits,
                                                 job.request.logprobs.top)
+        job.phases.append(Phase.DECODING)
         state = job.prefill.state  # decode grows each sample's state in place: every sample owns one
         job.states = [state] + [state.fork() for _ in job.sequences[1:]]
         for sample_state in job.states:
@@ -583,9 +593,16 @@ class EngineLoop:
         if job in self.running:
             self.running.remove(job)
         self._leave_queue(job)
-        self._drop(job.reservation)
         if job.steps is not None:
             job.steps.close()  # releases the public entries its prefill pinned
+
+    def _by_phase(self) -> dict[str, int]:
+        """Requests in the loop by phase."""
+        counts = {phase.value: 0 for phase in Phase}
+        for job in (*self.running, *self.waiting):
+            if isinstance(job, Job):
+                counts[job.phase.value] += 1
+        return counts
 
     def _shared_bytes(self) -> int:
         """Bytes of the KV blocks running requests read without owning them (private-pool pages,
@@ -600,7 +617,7 @@ class EngineLoop:
         return {
             **self.stats.as_dict(), "waiting_requests": len(self.waiting), "running_requests": len(self.running),
             "held_state_bytes": self._held_bytes(), "max_state_bytes": self.max_state_bytes,
-            "reserving_requests": len(self.reserving), "reserved_state_bytes": sum(r.footprint for r in self.reserved),
+            "requests_by_phase": self._by_phase(),
             "running_state_bytes": {"full": sum(s.nbytes - s.window_nbytes for j in self.running for s in j.states),
                                     "sliding_window": sum(s.window_nbytes for j in self.running for s in j.states)},
             "running_shared_bytes": self._shared_bytes(),

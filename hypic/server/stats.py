@@ -21,6 +21,7 @@ class LoopStats:
     requests_cancelled: int = 0
     requests_failed: int = 0
     requests_refused: int = 0  # queue full
+    peer_prefill_failures: int = 0  # requests whose peer work broke (they ran here alone)
     generated_tokens: int = 0
     prefill: PrefillStats = field(default_factory=PrefillStats)  # summed over prefilled requests
     ttft_sum_s: float = 0.0
@@ -55,6 +56,9 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
         metric(f"{name}_total", "counter", snapshot[name], name.replace("_", " "))
     metric("waiting_requests", "gauge", snapshot["waiting_requests"], "requests waiting for prefill")
     metric("running_requests", "gauge", snapshot["running_requests"], "requests decoding")
+    lines.extend(_metric_lines("requests_in_phase", "gauge", "requests in the loop by phase (queued, building on "
+                               "peers, receiving a peer's combine pass, combining here, decoding)",
+                               {f'{{phase="{phase}"}}': count for phase, count in snapshot["requests_by_phase"].items()}))
     for pool in ("public_pool", "private_pool"):
         metric(f"{pool}_bytes", "gauge", snapshot[pool]["bytes"], f"exact tensor bytes held by the {pool.replace('_', ' ')}")
         metric(f"{pool}_evictions_total", "counter", snapshot[pool]["evictions"], f"{pool.replace('_', ' ')} evictions")

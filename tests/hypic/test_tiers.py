@@ -582,3 +582,58 @@ def test_a_spoiled_or_foreign_resume_file_is_a_miss_and_deleted(make: MakeEngine
     resumed = restarted.prefill(restarted.parse(turn2))
     assert resumed.stats.prefix_hit_tokens == 0 and not path.exists() and restarted.resume.counters.bad_files == 1
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
+
+
+class FakeMooncakeStore:
+    """The calls of Mooncake's client that the tier makes, over a dict (what another server puts lands
+    in ``objects`` without this tier seeing it)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def is_exist(self, key: str) -> int:
+        return int(key in self.objects)
+
+    def get(self, key: str) -> bytes:
+        return self.objects.get(key, b"")
+
+    def put(self, key: str, data: bytes) -> int:
+        self.objects[key] = data
+        return 0
+
+    def remove(self, key: str) -> int:
+        self.objects.pop(key, None)
+        return 0
+
+    def remove_by_regex(self, pattern: str) -> int:
+        import re
+
+        gone = [key for key in self.objects if re.match(pattern, key)]
+        for key in gone:
+            del self.objects[key]
+        return len(gone)
+
+
+def test_mooncake_knows_what_this_server_put_or_found_until_it_sees_it_gone() -> None:
+    """The scheduler's hint (``indexed``, no I/O): true after a put or a read that found the object,
+    false before, after a remove, a namespace's flush, or a read that found it gone (evicted by the
+    master); what another server put is unknown until asked."""
+    from hypic.cache.tiers.mooncake import PREFIX, MooncakeTier
+
+    tier, store = MooncakeTier("127.0.0.1:50051"), FakeMooncakeStore()
+    tier.client = store
+    tier.write("shared/a", b"A")
+    tier.write("team/b", b"B")
+    store.objects[PREFIX + "shared/c"] = b"C"  # another server's
+    assert [tier.indexed(a) for a in ("shared/a", "team/b", "shared/c")] == [True, True, False]
+    with tier.reading("shared/c") as data:
+        assert data == b"C"
+    assert tier.indexed("shared/c")
+    del store.objects[PREFIX + "shared/a"]  # evicted by the master
+    with tier.reading("shared/a") as data:
+        assert data is None
+    assert not tier.indexed("shared/a")
+    tier.flush("team")
+    assert not tier.indexed("team/b") and tier.indexed("shared/c")
+    tier.remove("shared/c")
+    assert not tier.indexed("shared/c") and tier.describe()["known_entries"] == 0

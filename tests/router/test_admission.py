@@ -1,6 +1,6 @@
 """Admission before peers: with --workers, a request whose state does not fit beside what is running
-waits for room before anything is planned, built or shipped for it on the peers (a reservation of
-its state memory), and then runs as with one worker."""
+waits for room (QUEUED in the server's loop) before anything is planned, built or shipped for it on
+the peers, and then runs as with one worker."""
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +44,7 @@ def _body(prompt: str) -> dict[str, Any]:
 def test_a_request_that_does_not_fit_yet_waits_before_its_peers_plan_anything(
         pic_prompt: Callable[[list[int], str], str]) -> None:
     """--max-state-memory holds one request, not two: the second is planned on the peers only once the
-    first has finished (0 running then; 1 without the reservation), and both answer as one engine would."""
+    first has finished (0 running then; 1 if peer work started at submission), and both answer as one engine would."""
     engine = Engine.from_pretrained("default", dtype="float32")
     first, second = pic_prompt([0, 1, 2], "Where was the badger born?"), pic_prompt([3, 4, 5], "Who won?")
     footprint = max(engine.state_bytes(len(engine.parse(p).token_ids) + NEW_TOKENS, 1) for p in (first, second))

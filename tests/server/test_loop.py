@@ -4,15 +4,17 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hypic import Engine, InvalidRequest
+from hypic.prefill_stats import BuiltForRequest
 from hypic.sampling import SamplingParams
 from hypic.server import loop as loop_module
-from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event, QueueFull, Reservation
+from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event, PeerWork, Phase, QueueFull
 from hypic.server.protocol import GenerationRequest, LogprobRequest
 
 
@@ -48,12 +50,12 @@ def _text(seed: int, n: int) -> str:
 
 
 def _submit(loop: EngineLoop, collector: Collector, name: str, prompt: str, tokens: int = 4,
-            reservation: Reservation | None = None):
+            peer_work: PeerWork | None = None):
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     parts = loop.engine.parse(prompt)
     request = GenerationRequest(prompt, params)
     return loop.submit(parts, request, loop.engine.sequences(params, parts.token_ids), collector.emit_for(name),
-                       reservation=reservation)
+                       peer_work=peer_work)
 
 
 @pytest.fixture
@@ -135,32 +137,52 @@ def test_admission_waits_for_state_memory(engine: Engine) -> None:
         loop.stop()
 
 
-def test_a_reservation_holds_room_until_its_job_starts_or_it_is_released(engine: Engine) -> None:
-    """Room for one of two: the second reservation waits for the first; the first's job (submitted with
-    it) starts at once and counts its bytes from then on; once released, the room is the second's."""
-    one = engine.state_bytes(100 + 8)
+def _done(value: Any = None, error: Exception | None = None) -> Future:
+    future: Future = Future()
+    future.set_exception(error) if error is not None else future.set_result(value)
+    return future
+
+
+def test_peer_work_starts_once_a_request_is_admitted_and_its_phases_follow(engine: Engine,
+                                                                           tiny_checkpoint: Path) -> None:
+    """Room for one request of two: the second's peer work is started only once the first has finished
+    (QUEUED meanwhile). Phases: peers that leave the combine pass here, QUEUED BUILDING COMBINING DECODING;
+    a peer that combines (its Prefill from another engine of the model), with RECEIVING and no pass
+    here; peers that fail, the request alone here (counted). Every answer is a plain generation's."""
+    one = engine.state_bytes(100 + 64)
     loop = EngineLoop(engine, "hypic", max_state_bytes=int(1.5 * one))
     loop.start()
+    started_while_running: list[int] = []
+
+    def local_combine() -> Future:
+        started_while_running.append(loop.snapshot["running_requests"])
+        return _done((None, BuiltForRequest()))
+
+    other = Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64)
+    prompts = {name: _text(seed, 100) for seed, name in enumerate(("first", "second", "remote", "broken"), 20)}
+    remote = other.prefill(other.parse(prompts["remote"]))
     try:
-        first = loop.reserve(one)
-        assert first.granted.result(timeout=10) is first
-        second = loop.reserve(one)
-        time.sleep(0.3)
-        assert not second.granted.done() and loop.snapshot["reserved_state_bytes"] == one
         collector = Collector()
-        job = _submit(loop, collector, "first", _text(2, 100), tokens=64, reservation=first)
+        jobs = {"first": _submit(loop, collector, "first", prompts["first"], tokens=64, peer_work=local_combine)}
         deadline = time.monotonic() + 30
-        while loop.snapshot["running_requests"] == 0 and not collector.done and time.monotonic() < deadline:
+        while loop.snapshot["running_requests"] == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
-        if not collector.done:  # decoding: its own footprint is held, its reservation no longer
-            assert loop.snapshot["held_state_bytes"] == job.footprint and loop.snapshot["reserved_state_bytes"] == 0
-        collector.wait(1)
-        assert second.granted.result(timeout=10) is second  # the first's room came back when it finished
-        loop.release(second)
-        third = loop.reserve(one)
-        assert third.granted.result(timeout=10) is third and loop.snapshot["reserving_requests"] == 0
+        jobs["second"] = _submit(loop, collector, "second", prompts["second"], tokens=8, peer_work=local_combine)
+        jobs["remote"] = _submit(loop, collector, "remote", prompts["remote"], tokens=8,
+                                 peer_work=lambda: _done((_done(remote), BuiltForRequest())))
+        jobs["broken"] = _submit(loop, collector, "broken", prompts["broken"], tokens=8,
+                                 peer_work=lambda: _done(error=ConnectionError("no peers")))
+        collector.wait(4)
     finally:
         loop.stop()
+    assert started_while_running == [0, 0]
+    local = [Phase.QUEUED, Phase.BUILDING, Phase.COMBINING, Phase.DECODING]
+    assert [jobs[name].phases for name in ("first", "second", "broken")] == [local] * 3
+    assert jobs["remote"].phases == [Phase.QUEUED, Phase.BUILDING, Phase.RECEIVING, Phase.COMBINING, Phase.DECODING]
+    assert jobs["remote"].prefill is remote and loop.snapshot["peer_prefill_failures"] == 1
+    for name, prompt in prompts.items():
+        expected = other.generate(prompt, max_new_tokens=64 if name == "first" else 8, ignore_eos=True).output_ids
+        assert collector.done[name].completion.samples[0].output_ids == expected, name
 
 
 def test_samples_of_one_prompt_are_admitted_holding_it_once(engine: Engine) -> None:

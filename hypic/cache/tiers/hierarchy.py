@@ -149,7 +149,7 @@ class StorageTiers:
 
     def indexed(self, key: str, namespace: str) -> bool:
         """Whether a usable tier's local index holds entry ``key`` of cache ``namespace`` (no I/O: for
-        the scheduler's estimates; a tier without a local index, Mooncake, is not asked)."""
+        the scheduler's estimates; Mooncake's knows what this server put or found there)."""
         address = self.identity.address(key, namespace)
         return any(tier.indexed(address) for tier in self.tiers if self.counters[tier.name].healthy)
 

@@ -8,6 +8,7 @@ never waits on it; once connected, the client finds a restarted master by itself
 """
 import contextlib
 import os
+from collections import OrderedDict
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 PREFIX = "hypic/"
 from .options import DEFAULT_SEGMENT_BYTES  # memory this server lends the shared store
 DEFAULT_BUFFER_BYTES = 256 << 20  # its transfer buffer
+KNOWN_ADDRESSES = 1 << 16  # addresses this server has seen in the store, at most (the scheduler's hint)
 
 
 class MooncakeUnavailable(ConnectionError):
@@ -41,6 +43,8 @@ class MooncakeTier:
         self.client = None
         self.connecting: threading.Thread | None = None
         self.error = ""
+        self.known: OrderedDict[str, None] = OrderedDict()  # put or found here, not seen gone since; LRU
+        self.known_lock = threading.Lock()
 
     def open(self) -> None:
         """Return if connected; else start connecting (once at a time) and raise ``MooncakeUnavailable``."""
@@ -71,36 +75,58 @@ class MooncakeTier:
     @contextlib.contextmanager
     def reading(self, address: str) -> Iterator[bytes | None]:
         data = self._connected().get(PREFIX + address) if self.contains(address) else b""
+        self._saw(address, bool(data))
         yield data if data else None  # gone between the two calls (evicted): a miss
 
     def indexed(self, address: str) -> bool:
-        """No local index of what the store holds: finding out is a round trip (``contains``)."""
-        return False
+        """Whether this server put ``address`` in the store or found it there, and has not seen it gone
+        since (no I/O: a hint for the scheduler's estimates; the master or another server may have
+        evicted it meanwhile, and what other servers put is unknown until asked)."""
+        with self.known_lock:
+            return address in self.known
+
+    def _saw(self, address: str, present: bool) -> None:
+        """Keep what a call to the store said of ``address`` (the most recent ``KNOWN_ADDRESSES``)."""
+        with self.known_lock:
+            if not present:
+                self.known.pop(address, None)
+                return
+            self.known[address] = None
+            self.known.move_to_end(address)
+            while len(self.known) > KNOWN_ADDRESSES:
+                self.known.popitem(last=False)
 
     def contains(self, address: str) -> bool:
         present = self._connected().is_exist(PREFIX + address)
         if present < 0:
             raise MooncakeUnavailable(f"is_exist failed with code {present}")
+        self._saw(address, bool(present))
         return bool(present)
 
     def write(self, address: str, data: bytes) -> None:
         code = self._connected().put(PREFIX + address, data)
         if code != 0:
             raise MooncakeUnavailable(f"put of {len(data)} bytes failed with code {code}")
+        self._saw(address, True)
 
     def remove(self, address: str) -> None:
         self._connected().remove(PREFIX + address)  # a leased object stays until its lease ends
+        self._saw(address, False)
 
     def flush(self, namespace_dir: str | None) -> int:
         pattern = f"^{PREFIX}{namespace_dir}/" if namespace_dir is not None else f"^{PREFIX}"
         removed = self._connected().remove_by_regex(pattern)
         if removed < 0:
             raise MooncakeUnavailable(f"remove_by_regex failed with code {removed}")
+        with self.known_lock:
+            for address in [a for a in self.known if namespace_dir is None or a.startswith(f"{namespace_dir}/")]:
+                del self.known[address]
         return removed
 
     def describe(self) -> dict:
         return {"master": self.master, "metadata_server": self.metadata_server, "local_hostname": self.local_hostname,
-                "segment_bytes": self.segment_bytes, "connected": self.client is not None}
+                "segment_bytes": self.segment_bytes, "connected": self.client is not None,
+                "known_entries": len(self.known)}
 
 
 def _local_address(master_host: str) -> str:
