@@ -11,7 +11,7 @@ from . import DEFAULT_SEPARATOR, Engine, HypicError
 from .errors import CheckpointError
 from .evaluation.cli import add_eval_parser, eval_main
 from .cache.eviction import Eviction
-from .cache.modes import MODES
+from .cache.modes import Mode
 from .cache.tiers.hierarchy import PrefetchPolicy, WritePolicy
 from .cache.tiers.options import DEFAULT_SEGMENT_BYTES, TierOptions
 
@@ -76,7 +76,7 @@ def state_memory(text: str) -> int | None:
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local HF checkpoint directory (default: the model shipped with hypic)")
-    parser.add_argument("--mode", choices=MODES, default="hypic",
+    parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.HYPIC,
                         help="reuse strategy: hypic (segments + prefix cache), prefix (prefix cache only), "
                              "naive (segments without transitions: the baseline), full (no reuse) (default: hypic)")
     parser.add_argument("--seam-width", type=int, default=8, help="tokens recomputed at each segment end (default: 8)")

@@ -17,7 +17,7 @@ from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
-from .cache.modes import ModePolicy, mode_policy, tree_namespace
+from .cache.modes import Mode, ModePolicy, mode_policy, tree_namespace
 from .prefill_stats import BuiltForRequest, PrefillStats
 from .cache.plan import RequestPlan, plan_request
 from .cache.prefix_cache import PrefixCache, PrefixHit
@@ -72,7 +72,7 @@ class GenerationResult:
     ttft_s: float
     e2e_s: float
     finish_reason: str
-    mode: str
+    mode: Mode
     segments_hit: int = 0
     segments_missed: int = 0
     stats: PrefillStats = field(default_factory=PrefillStats, repr=False)
@@ -141,7 +141,7 @@ class Engine:
                    snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype, resume=built.resume)
 
     # ----- caching -------------------------------------------------------------------------
-    def policy(self, mode: str, namespace: str = "") -> ModePolicy:
+    def policy(self, mode: Mode | str, namespace: str = "") -> ModePolicy:
         """What ``mode`` reuses and how, for this engine's seam width and model, inside cache
         ``namespace`` ("": the shared one)."""
         return mode_policy(mode, self.seam_width, self.model.config.linear_conv_kernel_dim).scoped(namespace)
@@ -182,25 +182,25 @@ class Engine:
         self.store.put(entry)
         return entry
 
-    def warmup(self, documents: list[str], mode: str = "hypic", namespace: str = "") -> list[int]:
+    def warmup(self, documents: list[str], mode: Mode | str = Mode.HYPIC, namespace: str = "") -> list[int]:
         """Cache each document as a PIC segment the way ``mode`` does (hypic or naive), in cache
         ``namespace``; returns each document's token count. Documents too short to have an interior
         are counted but not cached."""
         return drain(self.warmup_steps(documents, mode, namespace))
 
-    def warmup_steps(self, documents: list[str], mode: str = "hypic",
+    def warmup_steps(self, documents: list[str], mode: Mode | str = Mode.HYPIC,
                      namespace: str = "") -> Steps[list[int]]:
         """``warmup`` one chunk of work per ``next()`` (what a serving loop interleaves with decode);
         the documents are checked, and bad ones refused, before it returns."""
         policy, encoded = self._warmup_plan(documents, mode, namespace)
         return self._warmup_run(policy, encoded)
 
-    def build_steps(self, segments: list[tuple[int, ...]], mode: str = "hypic",
+    def build_steps(self, segments: list[tuple[int, ...]], mode: Mode | str = Mode.HYPIC,
                     namespace: str = "") -> Steps[list[int]]:
         """``warmup_steps`` for documents already split and tokenized (a router's share of a request)."""
         return self._warmup_run(self._caching_policy(mode, namespace), segments)
 
-    def _caching_policy(self, mode: str, namespace: str = "") -> ModePolicy:
+    def _caching_policy(self, mode: Mode | str, namespace: str = "") -> ModePolicy:
         """The policy of ``mode`` in ``namespace``, which must cache segments to warm anything up."""
         policy = self.policy(mode, namespace)
         if not policy.caches_segments:
@@ -228,7 +228,7 @@ class Engine:
                 raise InvalidRequest(f"document {index} contains the PIC separator {self.pic_separator!r}: a request "
                                      "would split it into two segments; warm up each part as its own document")
 
-    def _warmup_plan(self, documents: list[str], mode: str,
+    def _warmup_plan(self, documents: list[str], mode: Mode | str,
                      namespace: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
         policy = self._caching_policy(mode, namespace)
         self.check_documents(documents)
@@ -242,7 +242,7 @@ class Engine:
                                  f"({budget} bytes): warm up fewer at once, or raise --public-pool-size")
         return policy, encoded
 
-    def entry_bytes(self, tokens: int, mode: str = "hypic") -> int:
+    def entry_bytes(self, tokens: int, mode: Mode | str = Mode.HYPIC) -> int:
         """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (0: it has no
         interior): each attention layer's interior K and V (a window's worth at most), each linear
         layer's T_C, S_C|0 and conv tail."""
@@ -316,7 +316,7 @@ class Engine:
         linear = (recurrent + conv) * len(config.linear_layers())
         return kv + samples * (rings + linear)
 
-    def plan(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None) -> RequestPlan:
+    def plan(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC, logits_from: int | None = None) -> RequestPlan:
         """What a prefill of ``parts`` under ``mode`` reuses, worked out once (see ``RequestPlan``):
         the segments it splices (none from ``logits_from`` on), their public-pool keys, its layout
         marks and its private-pool key. Pure: safe on any thread."""
@@ -495,7 +495,7 @@ class Engine:
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats, result.row_logits)
 
-    def prefill(self, parts: PromptParts, mode: str = "hypic", logits_from: int | None = None,
+    def prefill(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC, logits_from: int | None = None,
                 built: BuiltForRequest = BuiltForRequest()) -> Prefill:
         """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive) in one go."""
         return drain(self.prefill_steps(self.plan(parts, mode, logits_from), built))
@@ -519,7 +519,7 @@ class Engine:
         resume = self.prefix_cache.peek(policy.tree, head_plan.tree_key, len(head_plan.tree_key) - 1)
         return head_plan if any(parts.segment_starts[i] >= resume for i in head_plan.spliced) else None
 
-    def precombine(self, parts: PromptParts, mode: str = "hypic",
+    def precombine(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC,
                    built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
         """The combine pass over the held head of ``parts`` (``held_head``), its state kept in the
         private pool, so the whole request later resumes at that head's end (a combine node does this
@@ -537,7 +537,7 @@ class Engine:
         prefill = yield from self.prefill_steps(head, built, snapshot_end=True)
         return prefill.stats
 
-    def remember(self, state: RequestState, mode: str, namespace: str = "") -> None:
+    def remember(self, state: RequestState, mode: Mode | str, namespace: str = "") -> None:
         """Keep a finished request's state in the private pool of cache ``namespace`` (multi-turn
         reuse of its whole text)."""
         tree = self.policy(mode, namespace).tree
@@ -572,7 +572,7 @@ class Engine:
         logits, states = decode_batch(self.model, [state], [token])
         return logits[0], states[0]
 
-    def generate(self, prompt: str | list[int], *, mode: str = "hypic", built: BuiltForRequest = BuiltForRequest(),
+    def generate(self, prompt: str | list[int], *, mode: Mode | str = Mode.HYPIC, built: BuiltForRequest = BuiltForRequest(),
                  namespace: str = "", **sampling: Any) -> GenerationResult:
         """Prefill ``prompt`` (separators mark PIC segments) under ``mode`` and decode one continuation.
         ``sampling``: any ``SamplingParams`` field (max_new_tokens=16, temperature=0, top_p, stop, ...);
@@ -580,11 +580,11 @@ class Engine:
         the cache namespace it reuses from and caches into ("": shared)."""
         return drain(self.generate_steps(prompt, mode=mode, built=built, namespace=namespace, **sampling))
 
-    def generate_steps(self, prompt: str | list[int], *, mode: str = "hypic", built: BuiltForRequest = BuiltForRequest(),
+    def generate_steps(self, prompt: str | list[int], *, mode: Mode | str = Mode.HYPIC, built: BuiltForRequest = BuiltForRequest(),
                        namespace: str = "", **sampling: Any) -> Steps[GenerationResult]:
         """``generate`` as ``Steps``: the prefill asks for its combine passes (a worker's engine loop
         runs them among its other work); decoding runs at the end, in one go."""
-        params = SamplingParams(**sampling)
+        params, mode = SamplingParams(**sampling), Mode.parse(mode)
         if params.n != 1:
             raise InvalidRequest("Engine.generate makes one continuation (n = 1); the server runs n > 1")
         start = time.perf_counter()

@@ -22,6 +22,7 @@ from hypic import DEFAULT_SEPARATOR
 from hypic.engine import Prefill
 from hypic.prefill_stats import BuiltForRequest
 from hypic.cache.segments import PromptParts
+from hypic.cache.modes import Mode
 from hypic.cache.store import SegmentEntry
 from hypic.prefill_stats import PrefillStats
 from hypic.server.loop import EngineLoop
@@ -39,7 +40,7 @@ class Dispatch:
     """A plan whose peer work has started: its build and shipment refs (see ``WorkerPool.dispatch``)."""
 
     plan: Plan
-    mode: str
+    mode: Mode
     builds: list[tuple[int, ray.ObjectRef]]
     shipments: list[tuple[int, ray.ObjectRef]]
 
@@ -131,7 +132,7 @@ class PeerPrefill:
             building.result()
         return counts
 
-    def plan(self, parts: PromptParts, mode: str, held_locally: Callable[[str], bool],
+    def plan(self, parts: PromptParts, mode: Mode, held_locally: Callable[[str], bool],
              combine: int | None = None) -> Plan:
         """Documents the local engine holds are hits there; the rest go by LPT over every live worker,
         the request's combine pass counted on its combine node. The combine node is the best-scoring
@@ -143,14 +144,14 @@ class PeerPrefill:
             return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=combine,
                              combine_tokens=combine_tokens)
 
-    def plan_documents(self, documents: list[str], mode: str, held_locally: Callable[[str], bool],
+    def plan_documents(self, documents: list[str], mode: Mode, held_locally: Callable[[str], bool],
                        namespace: str = "") -> tuple[Plan, list[int]]:
         """A warm-up's documents (in cache ``namespace``) spread by LPT over every live worker (those
         held anywhere skipped), and each document's token count."""
         parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]), namespace)
         return self.plan(parts, mode, held_locally, combine=LOCAL), [len(segment) for segment in parts.segments]
 
-    def cache(self, plan: Plan, mode: str) -> None:
+    def cache(self, plan: Plan, mode: Mode) -> None:
         """Build the peers' part of a warm-up plan; the entries stay on the peers."""
         self.pool.cache(plan, mode)
 
@@ -162,7 +163,7 @@ class PeerPrefill:
         """The cold documents the local engine prefills itself."""
         return [job.token_ids for job in plan.builds.get(LOCAL, [])]
 
-    def dispatch(self, plan: Plan, mode: str) -> Dispatch:
+    def dispatch(self, plan: Plan, mode: Mode) -> Dispatch:
         """Start the peers' part of ``plan`` (their builds and pulls); returns at once."""
         builds, shipments = self.pool.dispatch(plan, mode)
         return Dispatch(plan, mode, builds, shipments)

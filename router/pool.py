@@ -9,6 +9,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.cache.segments import PromptParts
+from hypic.cache.modes import Mode
 from hypic.cache.store import SegmentEntry
 
 from .group import BulkGroup
@@ -60,7 +61,7 @@ class WorkerPool:
     def fingerprints(self) -> list[str]:
         return ray.get([worker.fingerprint.remote() for worker in self.workers.values()])
 
-    def dispatch(self, plan: Plan, mode: str) -> tuple[list[tuple[int, ray.ObjectRef]], list[tuple[int, ray.ObjectRef]]]:
+    def dispatch(self, plan: Plan, mode: Mode) -> tuple[list[tuple[int, ray.ObjectRef]], list[tuple[int, ray.ObjectRef]]]:
         """One build task per cold document an actor builds (each actor's in LPT order). Returns
         every build's (worker, ref) and what goes to the combine node (peers' builds in the order
         they finish, then the pulls)."""
@@ -82,7 +83,7 @@ class WorkerPool:
                      if i < len(refs) and w != plan.combine]
         return builds, shipments + pulls
 
-    def install_on(self, combine: int, shipments: list[tuple[int, ray.ObjectRef]], mode: str,
+    def install_on(self, combine: int, shipments: list[tuple[int, ray.ObjectRef]], mode: Mode,
                    extra: list[SegmentEntry] | None = None) -> list[tuple[int, ray.ObjectRef]]:
         """The combine node's install of each shipment, run as each one arrives, and of ``extra``
         entries sent from this process (point-to-point when this process is in a live group)."""
@@ -90,7 +91,7 @@ class WorkerPool:
         refs = [ref for _, ref in shipments] + ([ray.put(self.ship(extra, combine))] if extra else [])
         return [(combine, actor.install.remote(mode, ref)) for ref in refs]
 
-    def gather_on_combine(self, plan: Plan, parts: PromptParts, mode: str, dispatched: tuple[list, list],
+    def gather_on_combine(self, plan: Plan, parts: PromptParts, mode: Mode, dispatched: tuple[list, list],
                           lost: list[int], built: BuiltForRequest,
                           extra: list[SegmentEntry] | None = None) -> tuple[BuiltForRequest, float]:
         """Everything a remote combine node needs, brought there: each shipment of ``dispatched``
@@ -106,7 +107,7 @@ class WorkerPool:
         self.wait_installs(installs, lost)
         return built, built_at
 
-    def combine_early(self, plan: Plan, parts: PromptParts, mode: str, builds: list[tuple[int, ray.ObjectRef]],
+    def combine_early(self, plan: Plan, parts: PromptParts, mode: Mode, builds: list[tuple[int, ray.ObjectRef]],
                       installs: list[tuple[int, ray.ObjectRef]], lost: list[int], built: BuiltForRequest) -> BuiltForRequest:
         """Once the combine node's own builds are done, and again as peers' entries arrive while some
         are still on their way, it combines the head of the prompt it holds (``Worker.precombine``;
@@ -162,7 +163,7 @@ class WorkerPool:
         for worker, tokens in plan.build_tokens().items():
             self.queued[worker] += tokens
 
-    def cache(self, plan: Plan, mode: str) -> list[int]:
+    def cache(self, plan: Plan, mode: Mode) -> list[int]:
         """Build the plan's documents on its actors and keep them there (a warm-up); returns the
         workers lost meanwhile."""
         with self.lock:

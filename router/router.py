@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from hypic.cache.modes import Mode
 from hypic.engine import GenerationResult
 
 from .index import SegmentIndex
@@ -68,7 +69,7 @@ class Router:
     def index(self) -> SegmentIndex:
         return self.pool.index
 
-    def warmup(self, documents: list[str], worker: int, mode: str = "hypic", namespace: str = "") -> list[str]:
+    def warmup(self, documents: list[str], worker: int, mode: Mode | str = Mode.HYPIC, namespace: str = "") -> list[str]:
         """Cache ``documents`` on one worker (as a PIC segment each, in cache ``namespace``); returns their keys."""
         parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]), namespace)
         jobs = self.splitter.jobs(parts, mode)
@@ -76,7 +77,7 @@ class Router:
         self.pool.sync(worker)
         return [j.key for j in jobs]
 
-    def generate(self, prompt: str, *, mode: str = "hypic", namespace: str = "", **sampling: Any) -> RoutedResult:
+    def generate(self, prompt: str, *, mode: Mode | str = Mode.HYPIC, namespace: str = "", **sampling: Any) -> RoutedResult:
         """Run ``prompt`` across the workers in cache ``namespace`` ("": shared); the output equals a
         single engine's."""
         if not self.workers:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypic import DEFAULT_SEPARATOR, default_model_path
-from hypic.cache.modes import mode_policy
+from hypic.cache.modes import Mode, mode_policy
 from hypic.cache.plan import RequestPlan, plan_request
 from hypic.cache.segments import PromptParts, split_prompt
 from hypic.cache.store import SegmentEntry
@@ -47,24 +47,24 @@ class Splitter:
                                  f"{self.max_positions}")
         return replace(parts, namespace=namespace) if namespace else parts
 
-    def entry_check(self, mode: str) -> Callable[[SegmentEntry], None]:
+    def entry_check(self, mode: Mode) -> Callable[[SegmentEntry], None]:
         """The check a received entry of ``mode``'s role must pass for this model."""
         if self.config is None:
             raise ValueError("this splitter was made without the model's config")
         return entry_check(self.fingerprint, mode_policy(mode, self.seam_width, self.conv_kernel).role, self.config)
 
-    def plan(self, parts: PromptParts, mode: str) -> RequestPlan:
+    def plan(self, parts: PromptParts, mode: Mode) -> RequestPlan:
         """The request's plan, as an engine of this model makes it (``hypic.cache.plan.plan_request``)."""
         policy = mode_policy(mode, self.seam_width, self.conv_kernel).scoped(parts.namespace)
         return plan_request(parts, policy, self.fingerprint)
 
-    def combine_tokens(self, parts: PromptParts, mode: str) -> int:
+    def combine_tokens(self, parts: PromptParts, mode: Mode) -> int:
         """The tokens a combine pass of ``mode`` recomputes once every document is cached: the prompt
         less the interiors it splices."""
         plan = self.plan(parts, mode)
         return len(parts.token_ids) - sum(plan.interior_tokens(i) for i in plan.spliced)
 
-    def jobs(self, parts: PromptParts, mode: str) -> list[SegmentJob]:
+    def jobs(self, parts: PromptParts, mode: Mode) -> list[SegmentJob]:
         """The documents ``mode`` splices from the public pool, keyed as the engines key them."""
         plan = self.plan(parts, mode)
         return [SegmentJob(key, ids, plan.policy.namespace) for _, key, ids in plan.documents()]

@@ -6,6 +6,7 @@ from hypic.config import ModelConfig
 from hypic.engine import Engine
 from hypic.cache.entry_check import EntryMismatch as TransferError  # the router's name for it
 from hypic.cache.entry_check import check_entry
+from hypic.cache.modes import Mode
 from hypic.cache.store import Role, SegmentEntry
 
 from .channel import BulkChannel, ChannelError, Parcel
@@ -16,7 +17,7 @@ def entries_of(batches: list[list[SegmentEntry]]) -> list[SegmentEntry]:
     return [entry for batch in batches for entry in batch]
 
 
-def install_entries(engine: Engine, entries: list[SegmentEntry], mode: str) -> tuple[list[str], int]:
+def install_entries(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> tuple[list[str], int]:
     """Check and store received entries in ``engine``'s public pool; returns the keys kept and how
     many were refused (dropped: the combine pass recomputes them)."""
     policy, kept, refused = engine.policy(mode), [], 0

@@ -9,6 +9,7 @@ from hypic.assembler import Steps
 from hypic.engine import Engine, GenerationResult, Prefill
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.cache.segments import PromptParts
+from hypic.cache.modes import Mode
 from hypic.cache.store import SegmentEntry
 from hypic.server.loop import EngineLoop, default_prefill_batch
 
@@ -49,7 +50,7 @@ class Worker:
     def fingerprint(self) -> str:
         return self.engine.fingerprint
 
-    def build(self, jobs: list[SegmentJob], mode: str, priority: float = 0,
+    def build(self, jobs: list[SegmentJob], mode: Mode, priority: float = 0,
               ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
         """Each job's document prefilled alone unless this worker already holds it; the entries
         stay in this worker's public pool (when they fit) and go back to the caller, or, with
@@ -65,7 +66,7 @@ class Worker:
             return list(entries)
         return channel.ship(entries, ship_to[0])
 
-    def _build_steps(self, jobs: list[SegmentJob], mode: str) -> Steps[list[SegmentEntry]]:
+    def _build_steps(self, jobs: list[SegmentJob], mode: Mode) -> Steps[list[SegmentEntry]]:
         """The jobs' entries, held or built (each build's combine passes asked of the loop)."""
         entries = []
         for job in jobs:
@@ -78,7 +79,7 @@ class Worker:
             entries.append(entry)
         return entries
 
-    def cache(self, jobs: list[SegmentJob], mode: str, priority: float = 0) -> list[str]:
+    def cache(self, jobs: list[SegmentJob], mode: Mode, priority: float = 0) -> list[str]:
         """``build`` for a warm-up: the entries stay here; only their keys go back."""
         return [entry.key for entry in self.build(jobs, mode, priority)]
 
@@ -87,7 +88,7 @@ class Worker:
         held = self._on_loop(lambda: [e for e in (self.engine.store.entries.get(k) for k in keys) if e is not None])
         return self.ship(held, ship_to)
 
-    def install(self, mode: str, *batches: list[SegmentEntry | Parcel]) -> ReceiveCounts:
+    def install(self, mode: Mode, *batches: list[SegmentEntry | Parcel]) -> ReceiveCounts:
         """Receive, check and store peers' entries (each batch: one peer's list); returns how they
         came. An entry that fails its check or does not arrive is dropped (and counted): the
         combine pass recomputes it."""
@@ -110,18 +111,18 @@ class Worker:
         """How many received entries failed their check."""
         return self.rejected_entries
 
-    def prefill(self, parts: PromptParts, mode: str, logits_from: int | None = None,
+    def prefill(self, parts: PromptParts, mode: Mode, logits_from: int | None = None,
                 built: BuiltForRequest = BuiltForRequest()) -> Prefill:
         """The request's combine pass on this worker (its combine node); the caller decodes the state.
         ``built``: what was computed for the request beforehand (its stats count it as computed)."""
         return self.loop.run_steps(self.engine.prefill_steps(self.engine.plan(parts, mode, logits_from), built)).result()
 
-    def precombine(self, parts: PromptParts, mode: str, built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
+    def precombine(self, parts: PromptParts, mode: Mode, built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
         """Combine the head of the request this worker already holds (``Engine.precombine``), while its
         peers' last documents are on their way; returns the head's stats (None: nothing combined)."""
         return self.loop.run_steps(self.engine.precombine_steps(self.engine.plan(parts, mode), built)).result()
 
-    def generate(self, prompt: str, mode: str, sampling: dict[str, Any], built: BuiltForRequest = BuiltForRequest(),
+    def generate(self, prompt: str, mode: Mode, sampling: dict[str, Any], built: BuiltForRequest = BuiltForRequest(),
                  namespace: str = "") -> GenerationResult:
         steps = self.engine.generate_steps(prompt, mode=mode, built=built, namespace=namespace, **sampling)
         return self.loop.run_steps(steps).result()

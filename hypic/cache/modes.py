@@ -8,19 +8,39 @@
 - ``full``: no reuse at all.
 """
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 from ..errors import InvalidRequest
 from .segments import Seams
 from .store import Role
 
-MODES = ("hypic", "full", "prefix", "naive")
+
+class Mode(StrEnum):
+    """A prefill mode's name: parsed once where it comes in (``--mode``, a library call), a plain
+    string on the wire (Ray, JSON)."""
+
+    HYPIC = "hypic"
+    FULL = "full"
+    PREFIX = "prefix"
+    NAIVE = "naive"
+
+    @classmethod
+    def parse(cls, value: "Mode | str") -> "Mode":
+        """``value`` as a ``Mode``; raises ``InvalidRequest`` naming the modes there are."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidRequest(f"mode must be one of {MODES}, got {value!r}") from None
+
+
+MODES = tuple(mode.value for mode in Mode)
 
 
 @dataclass(frozen=True)
 class ModePolicy:
     """How one prefill mode reuses work."""
 
-    name: str
+    name: Mode
     seams: Seams | None  # how PIC segments are cut; None: segments are not cached
     role: Role  # the kind of public-pool entry it builds and hits
     transitions: bool  # entries carry T_C and compose by eq. 6; else S_C|0 only, composed by addition
@@ -44,14 +64,15 @@ def tree_namespace(tree: str) -> str:
     return tree.partition("@")[2]
 
 
-def mode_policy(mode: str, seam_width: int, conv_kernel: int) -> ModePolicy:
+def mode_policy(mode: Mode | str, seam_width: int, conv_kernel: int) -> ModePolicy:
     """The policy of ``mode`` for an engine of seam width w on a model of conv width k."""
-    if mode == "hypic":
-        return ModePolicy(mode, Seams.for_model(seam_width, conv_kernel), Role.SEGMENT, True, f"hypic:w={seam_width}")
-    if mode == "naive":
-        return ModePolicy(mode, Seams(0, 0), Role.NAIVE_SEGMENT, False, "naive")
-    if mode == "prefix":
-        return ModePolicy(mode, None, Role.SEGMENT, True, "exact")
-    if mode == "full":
-        return ModePolicy(mode, None, Role.SEGMENT, True, None)
-    raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
+    match Mode.parse(mode):
+        case Mode.HYPIC:
+            return ModePolicy(Mode.HYPIC, Seams.for_model(seam_width, conv_kernel), Role.SEGMENT, True,
+                              f"hypic:w={seam_width}")
+        case Mode.NAIVE:
+            return ModePolicy(Mode.NAIVE, Seams(0, 0), Role.NAIVE_SEGMENT, False, "naive")
+        case Mode.PREFIX:
+            return ModePolicy(Mode.PREFIX, None, Role.SEGMENT, True, "exact")
+        case Mode.FULL:
+            return ModePolicy(Mode.FULL, None, Role.SEGMENT, True, None)

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..errors import HypicError, InvalidRequest
 from ..cache.segments import PromptParts
+from ..cache.modes import Mode
 from ..sequence import Sequence
 from .chat import chat_renderer
 from .loop import (
@@ -45,7 +46,7 @@ class ServerInfo:
     random_weights: bool
     chat_template_from_model: bool
     chat_template: str
-    mode: str
+    mode: Mode
     seam_width: int
     pic_separator: str
     max_segments: int

@@ -28,6 +28,7 @@ from ..assembler import CombineResult, CombineWork, Steps, combine_batch
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
 from ..cache.plan import RequestPlan
+from ..cache.modes import Mode
 from ..errors import HypicError, InvalidRequest
 from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..cache.segments import PromptParts
@@ -98,7 +99,7 @@ class Job:
     rid: str
     parts: PromptParts
     request: GenerationRequest
-    mode: str
+    mode: Mode
     sequences: list[Sequence]
     emit: Callable[[Event], None]
     plan: RequestPlan  # what its prefill reuses (``Engine.plan``), worked out when it is submitted
@@ -187,9 +188,9 @@ class EngineLoop:
     together (None: no bound); ``max_queued``: requests that may wait (more are refused);
     ``max_prefill_batch``: the most prefill passes one step runs together."""
 
-    def __init__(self, engine: Engine, mode: str, max_running: int = 64, max_queued: int = 256,
+    def __init__(self, engine: Engine, mode: Mode | str, max_running: int = 64, max_queued: int = 256,
                  max_state_bytes: int | None = None, max_prefill_batch: int = 16) -> None:
-        self.engine, self.mode, self.max_running = engine, mode, max_running
+        self.engine, self.mode, self.max_running = engine, Mode.parse(mode), max_running
         self.max_prefill_batch = max_prefill_batch  # prefill passes run together in one step, at most
         self.max_queued, self.max_state_bytes = max_queued, max_state_bytes
         self.inbox: queue.Queue[Pending | Command | None] = queue.Queue()

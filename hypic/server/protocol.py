@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..cache.modes import Mode
 from ..errors import InvalidRequest
 from ..prefill_stats import PrefillStats
 from ..sampling import SamplingParams
@@ -105,7 +106,7 @@ class Completion:
     prefill: PrefillStats  # what its prefill reused, wherever it ran (zeros until it is prefilled)
     ttft_s: float  # from the request's arrival at the server, like e2e_s
     e2e_s: float
-    mode: str
+    mode: Mode
     input_logprobs: list[TokenLogprob | None] | None = None  # from the requested start; None first
 
     @property
