@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .models.arch import ARCHITECTURES, architecture, parse_config, qwen
+from .models.arch import ARCHITECTURES, Architecture, architecture, parse_config, qwen
 
 END_OF_TEXT = "<|endoftext|>"
 MOE_CONFIG: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -53,17 +53,18 @@ def reference_classes(model_type: str) -> tuple[type, type]:
 WRAPPED_REFERENCES = {"qwen3_5": ("models.qwen3_5.Qwen3_5Config", "models.qwen3_5.Qwen3_5ForConditionalGeneration")}
 
 
-def _randomize(model: torch.nn.Module, generator: torch.Generator, noisy_biases: bool = False) -> None:
+def _randomize(model: torch.nn.Module, generator: torch.Generator, arch: Architecture) -> None:
     """Zero-initialised norms would hide layout bugs, and the default decays (A up to 16) forget
-    everything within a few tokens: give norms noise and the linear layers long memory (and, with
-    ``noisy_biases``, attention sinks and biases noise too)."""
+    everything within a few tokens: give norms noise and the linear layers long memory (unless the
+    architecture's own decays remember long, ``keeps_decay``; and, with ``noisy_biases``, attention
+    sinks and biases noise too)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "dt_bias", "conv1d.bias", "mamba.D", "mixer.D")):  # zero or one when initialised
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
-            elif name.endswith("A_log") and "forget_gate" not in name:  # Bailing's bounded gate remembers long as it is
+            elif name.endswith("A_log") and not arch.keeps_decay:
                 param.copy_(torch.empty(param.shape).uniform_(1e-3, 3e-2, generator=generator).log())
-            elif noisy_biases and name.endswith(("sinks", "bias")):
+            elif arch.noisy_biases and name.endswith(("sinks", "bias")):
                 param.copy_(0.5 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # Kimi-Linear's router bias: zero would hide its use
@@ -84,7 +85,7 @@ def write_random_checkpoint(path: str | Path, model_type: str = "qwen3_5_text", 
         config = config_class(**fields)
     config.eos_token_id = 256
     model = model_class(config).eval()
-    _randomize(model, torch.Generator().manual_seed(seed), architecture(model_type).noisy_biases)
+    _randomize(model, torch.Generator().manual_seed(seed), architecture(model_type))
     model.save_pretrained(path)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
     return path
@@ -157,14 +158,11 @@ def make_long_memory(path: str | Path) -> Path:
 
 
 def _decay_bound(path: Path) -> float | None:
-    """Bailing's bounded KDA decay g = bound sigmoid(exp(A_log) (f + dt_bias)) (None: the other families'
-    g = -exp(A_log) softplus(...), made slow by a small A alone)."""
+    """The lower bound of a bounded KDA decay g = bound sigmoid(exp(A_log) (f + dt_bias)) (Bailing's), as
+    the checkpoint's parsed config says; None: g = -exp(A_log) softplus(...), made slow by a small A alone."""
     import json
 
-    raw = json.loads((path / "config.json").read_text())
-    if raw.get("model_type") != "bailing_hybrid" or not raw.get("kda_safe_gate", True):
-        return None
-    return float(raw.get("kda_lower_bound", -5.0))
+    return parse_config(json.loads((path / "config.json").read_text())).kda_gates.lower_bound
 
 
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type, overrides): the test matrix

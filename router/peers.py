@@ -7,8 +7,8 @@ sends back the request's state, which the server decodes).
 
 ``prefill_for`` is the whole of a request's peer work, in one place: plan, dispatch, the server's own
 builds (on its loop), then either receiving the peers' entries while combining early here, or
-shipping this server's entries to the remote combine node; the HTTP layer only calls it (after the
-request's state memory is reserved) and submits the job."""
+shipping this server's entries to the remote combine node; the server's loop starts it once it has
+admitted the request (a slot and room for its state), the HTTP layer only hands it over."""
 import dataclasses
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +23,7 @@ from hypic.engine import Prefill
 from hypic.prefill_stats import BuiltForRequest
 from hypic.cache.segments import PromptParts
 from hypic.cache.modes import Mode
+from hypic.cache.plan import RequestPlan
 from hypic.cache.store import SegmentEntry
 from hypic.prefill_stats import PrefillStats
 from hypic.server.loop import EngineLoop
@@ -65,25 +66,23 @@ class PeerPrefill:
         self.flows = ThreadPoolExecutor(32, thread_name_prefix="hypic-peer-flow")  # each waits on the loop and peers
         self.remote_prefills = ThreadPoolExecutor(8, thread_name_prefix="hypic-remote-prefill")  # waits on peers
 
-    def prefill_for(self, loop: EngineLoop, parts: PromptParts, logits_from: int | None) -> Future:
-        """``_prefill_flow`` on a thread of its own; the future holds its result."""
-        return self.flows.submit(self._prefill_flow, loop, parts, logits_from)
+    def prefill_for(self, loop: EngineLoop, request: RequestPlan) -> Future:
+        """``_prefill_flow`` of a request the loop planned, on a thread of its own; the future holds its result."""
+        return self.flows.submit(self._prefill_flow, loop, request)
 
     def warmup_for(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> Future:
         """``_warmup_flow`` on a thread of its own; the future holds the documents' token counts."""
         return self.flows.submit(self._warmup_flow, loop, documents, namespace)
 
-    def _prefill_flow(self, loop: EngineLoop, parts: PromptParts,
-                      logits_from: int | None) -> tuple[Future | None, BuiltForRequest]:
+    def _prefill_flow(self, loop: EngineLoop, request: RequestPlan) -> tuple[Future | None, BuiltForRequest]:
         """A request's cold documents prefilled on the server's loop and on the peers at once.
         Documents on disk or in Mooncake are brought up first
         (held here, never rebuilt by a peer). If the server is the combine node, the peers' entries are
         stored here as they come, the held head combined early (the future is None); else the
         server's entries go to the peer that is, and the future will hold that peer's ``Prefill``.
         Also returns what was built for the request (its stats count it)."""
-        engine, mode = loop.engine, loop.mode
-        loaded, held = loop.call(lambda: (engine.load_from_tiers(engine.plan(parts, mode)),
-                                          frozenset(engine.store.entries))).result()
+        engine, mode, parts = loop.engine, loop.mode, request.parts
+        loaded, held = loop.call(lambda: (engine.load_from_tiers(request), frozenset(engine.store.entries))).result()
         plan = self.plan(parts, mode, held.__contains__)
         built = dataclasses.replace(self.built_for_request(plan), loaded=loaded)
         dispatch = self.dispatch(plan, mode)
@@ -94,7 +93,8 @@ class PeerPrefill:
             return None, self._receive_combining_early(loop, dispatch, parts, built)
         keys = self.local_shipment(plan)
         shipped = loop.call(lambda: [e for k in keys if (e := engine.store.entries.get(k)) is not None]).result()
-        return self.remote_prefills.submit(self.prefill_remotely, dispatch, parts, logits_from, shipped, built), built
+        remote = self.remote_prefills.submit(self.prefill_remotely, dispatch, parts, request.logits_from, shipped, built)
+        return remote, built
 
     def _receive_combining_early(self, loop: EngineLoop, dispatch: Dispatch, parts: PromptParts,
                                  built: BuiltForRequest) -> BuiltForRequest:
@@ -116,7 +116,7 @@ class PeerPrefill:
         finally:
             arrivals.close()  # a broken install: the plan's queued tokens are released now
         if early:
-            built = built.with_head(_head(early[-1], wait=True))
+            built = built.with_head(_head(early[-1]))  # waits for the last one
         return built
 
     def _warmup_flow(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> list[int]:
@@ -229,11 +229,6 @@ class PeerPrefill:
         self.pool.shutdown()
 
 
-def _head(early: Future, wait: bool = False) -> PrefillStats | None:
-    """An early combine's head stats (None if it combined nothing or failed); ``wait``: for it to end."""
-    if wait:
-        try:
-            early.result()
-        except Exception:  # noqa: BLE001 - a failed early combine only loses its head
-            return None
+def _head(early: Future) -> PrefillStats | None:
+    """An early combine's head stats, once it is done (None if it combined nothing or failed)."""
     return None if early.exception() is not None else early.result()

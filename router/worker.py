@@ -35,7 +35,7 @@ class Worker:
             torch.set_num_threads(threads)
         self.engine = Engine.from_pretrained(model, **(options or {}))
         self.rejected_entries = 0
-        self.loop = EngineLoop(self.engine, "hypic", max_prefill_batch=default_prefill_batch(str(self.engine.model.device)))
+        self.loop = EngineLoop(self.engine, Mode.HYPIC, max_prefill_batch=default_prefill_batch(str(self.engine.model.device)))
         self.loop.start()
         self.channel: BulkChannel | None = None  # bulk transfer to the other workers (None: Ray's object store)
         self.received = ReceiveCounts()

@@ -18,6 +18,7 @@ from .. import __version__
 from ..errors import HypicError, InvalidRequest
 from ..cache.segments import PromptParts
 from ..cache.modes import Mode
+from ..cache.plan import RequestPlan
 from ..sequence import Sequence
 from .chat import chat_renderer
 from .loop import (
@@ -89,7 +90,7 @@ class Peers(Protocol):
     (``hypic serve --workers N``: ``hypic.router.PeerPrefill``). Worker 0 is this server; the peer
     work of a request or a warm-up happens there, in one place."""
 
-    def prefill_for(self, loop: EngineLoop, parts: PromptParts, logits_from: int | None) -> Future: ...
+    def prefill_for(self, loop: EngineLoop, request: RequestPlan) -> Future: ...
     def warmup_for(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> Future: ...
     def flush(self, namespace: str | None = None) -> int: ...
     def status(self) -> dict[str, Any]: ...
@@ -148,17 +149,16 @@ class Server:
                 loop.call_soon_threadsafe(events.put_nowait, (position, event))
 
             jobs.append(self.loop.submit(parts, request, sequences, emit, arrived=arrived,
-                                         peer_work=self._peer_work(parts, request)))
+                                         peer_work=self._peer_work()))
         return jobs, events
 
-    def _peer_work(self, parts: PromptParts, request: GenerationRequest) -> PeerWork | None:
-        """With peers (and a mode that caches documents): what starts the request's documents' builds
-        on them (``Peers.prefill_for``), called by the loop once the request is admitted."""
-        engine, mode = self.loop.engine, self.loop.mode
-        if self.peers is None or not engine.policy(mode).caches_segments:
+    def _peer_work(self) -> PeerWork | None:
+        """With peers (and a mode that caches documents): what starts a request's documents' builds on
+        them (``Peers.prefill_for``), called by the loop once the request is admitted."""
+        peers, loop = self.peers, self.loop
+        if peers is None or not loop.engine.policy(loop.mode).caches_segments:
             return None
-        peers, logits_from = self.peers, input_logits_from(request, len(parts.token_ids))
-        return lambda: peers.prefill_for(self.loop, parts, logits_from)
+        return lambda plan: peers.prefill_for(loop, plan)
 
     async def _collect(self, http: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Completion]:
         """Every job's finished completion, in order; all are cancelled as soon as the client goes away."""

@@ -78,7 +78,7 @@ def input_logits_from(request: GenerationRequest, prompt_tokens: int) -> int | N
     return None if request.logprobs is None else request.logprobs.input_from(prompt_tokens)
 
 
-PeerWork = Callable[[], Future]  # starts a request's peer work; its future: (remote Prefill future or None, built)
+PeerWork = Callable[[RequestPlan], Future]  # starts a request's peer work on its plan; the future: (remote Prefill future or None, built)
 
 
 class Phase(StrEnum):
@@ -154,7 +154,6 @@ class WarmupTask:
     work: CombineWork | None = None
     start: float = field(default_factory=time.perf_counter)
     footprint: int = 0
-    admitted: bool = True  # like a job that holds its slot: it needs no room to run
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -298,6 +297,7 @@ class EngineLoop:
                                                                   for p in self.waiting)):
                 return
             self._drop_cancelled()
+            self._take_peer_work()
             self._step_prefills()
             if self.running:
                 self._decode()
@@ -346,12 +346,15 @@ class EngineLoop:
     # ----- scheduling -----------------------------------------------------------------------
     def _held_bytes(self) -> int:
         """State memory that running and admitted requests may hold."""
-        return sum(job.footprint for job in self.running) + sum(p.footprint for p in self.waiting if p.admitted)
+        admitted = sum(p.footprint for p in self.waiting if isinstance(p, Job) and p.admitted)
+        return sum(job.footprint for job in self.running) + admitted
 
     def _startable(self, pending: Pending) -> bool:
         """A prefill under way continues unless it waits on peers; a new one needs a running slot and room."""
-        if isinstance(pending, WarmupTask) or pending.admitted:
-            return isinstance(pending, WarmupTask) or not self._awaiting(pending)
+        if isinstance(pending, WarmupTask):
+            return True
+        if pending.admitted:
+            return not pending.awaiting
         started = sum(1 for p in self.waiting if isinstance(p, Job) and p.admitted)
         if len(self.running) + started >= self.max_running:
             return False
@@ -366,20 +369,24 @@ class EngineLoop:
         start, job.peer_work = job.peer_work, None
         job.phases.append(Phase.BUILDING)
         try:
-            job.peer = start()
+            job.peer = start(job.plan)
         except Exception as err:  # noqa: BLE001 - peers that cannot even start cost only speed
             job.peer = Future()
             job.peer.set_exception(err)
-        job.peer.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))  # wake the loop when it is done
+        self._wake_when_done(job.peer)
         return False
 
-    def _awaiting(self, job: Job) -> bool:
-        """Whether the job still waits on peers; once their work is done, take its outcome."""
-        if job.peer is not None and job.peer.done():
-            self._take_peer_work(job)
-        return job.awaiting
+    def _wake_when_done(self, future: Future) -> None:
+        """The loop's next iteration runs as soon as ``future`` is done (it may be blocked waiting)."""
+        future.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
 
-    def _take_peer_work(self, job: Job) -> None:
+    def _take_peer_work(self) -> None:
+        """Take the outcome of every job's finished peer work (``_peer_outcome``)."""
+        for job in self.waiting:
+            if isinstance(job, Job) and job.peer is not None and job.peer.done():
+                self._peer_outcome(job)
+
+    def _peer_outcome(self, job: Job) -> None:
         """The job's peer work is done: its combine pass runs on a peer (RECEIVING) or here; a failure
         only costs speed (the request runs here alone)."""
         assert job.peer is not None
@@ -393,7 +400,7 @@ class EngineLoop:
             return
         if job.remote is not None:
             job.phases.append(Phase.RECEIVING)
-            job.remote.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
+            self._wake_when_done(job.remote)
 
     def _by_priority(self) -> list[Pending]:
         """Waiting work, fewest uncached tokens left (less its waiting credit) first."""

@@ -24,7 +24,7 @@ class RecordingPeers:
     def __init__(self, loop: EngineLoop) -> None:
         self.loop, self.running_when_planned = loop, []
 
-    def prefill_for(self, loop: EngineLoop, parts: Any, logits_from: int | None) -> Future:
+    def prefill_for(self, loop: EngineLoop, request: Any) -> Future:
         self.running_when_planned.append(self.loop.snapshot["running_requests"])
         failed: Future = Future()
         failed.set_exception(ConnectionError("no peers in this test"))

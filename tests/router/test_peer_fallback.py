@@ -17,7 +17,7 @@ class BrokenPeers:
     def __init__(self) -> None:
         self.closed = False
 
-    def prefill_for(self, loop: EngineLoop, parts: Any, logits_from: int | None) -> Future:
+    def prefill_for(self, loop: EngineLoop, request: Any) -> Future:
         failed: Future = Future()
         failed.set_exception(ConnectionError("the Ray cluster is unreachable"))
         return failed

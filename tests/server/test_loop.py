@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from hypic import Engine, InvalidRequest
+from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest
 from hypic.sampling import SamplingParams
 from hypic.server import loop as loop_module
@@ -147,14 +148,14 @@ def test_peer_work_starts_once_a_request_is_admitted_and_its_phases_follow(engin
                                                                            tiny_checkpoint: Path) -> None:
     """Room for one request of two: the second's peer work is started only once the first has finished
     (QUEUED meanwhile). Phases: peers that leave the combine pass here, QUEUED BUILDING COMBINING DECODING;
-    a peer that combines (its Prefill from another engine of the model), with RECEIVING and no pass
-    here; peers that fail, the request alone here (counted). Every answer is a plain generation's."""
+    a peer that combines (its Prefill from another engine of the model, taken as it comes), with RECEIVING;
+    peers that fail, the request alone here (counted). Every answer is a plain generation's."""
     one = engine.state_bytes(100 + 64)
     loop = EngineLoop(engine, "hypic", max_state_bytes=int(1.5 * one))
     loop.start()
     started_while_running: list[int] = []
 
-    def local_combine() -> Future:
+    def local_combine(plan: RequestPlan) -> Future:
         started_while_running.append(loop.snapshot["running_requests"])
         return _done((None, BuiltForRequest()))
 
@@ -169,9 +170,9 @@ def test_peer_work_starts_once_a_request_is_admitted_and_its_phases_follow(engin
             time.sleep(0.001)
         jobs["second"] = _submit(loop, collector, "second", prompts["second"], tokens=8, peer_work=local_combine)
         jobs["remote"] = _submit(loop, collector, "remote", prompts["remote"], tokens=8,
-                                 peer_work=lambda: _done((_done(remote), BuiltForRequest())))
+                                 peer_work=lambda plan: _done((_done(remote), BuiltForRequest())))
         jobs["broken"] = _submit(loop, collector, "broken", prompts["broken"], tokens=8,
-                                 peer_work=lambda: _done(error=ConnectionError("no peers")))
+                                 peer_work=lambda plan: _done(error=ConnectionError("no peers")))
         collector.wait(4)
     finally:
         loop.stop()

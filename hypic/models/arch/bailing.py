@@ -97,4 +97,4 @@ TINY: dict[str, Any] = dict(  # KDA (4 heads of 16) at layers 1 and 3, MLA with 
     rope_theta=10000.0, pad_token_id=None, bos_token_id=None, eos_token_id=256,
 )
 ARCHITECTURE = Architecture(("bailing_hybrid",), bailing_config, TINY, rename=bailing_name,
-                            reference=("BailingHybridConfig", "BailingHybridForCausalLM"))
+                            reference=("BailingHybridConfig", "BailingHybridForCausalLM"), keeps_decay=True)

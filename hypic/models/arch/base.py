@@ -16,7 +16,8 @@ class Architecture:
     tensor's name, before layers are grouped; ``fused_experts``: gpt-oss's interleaved expert
     tensors), and for tests a tiny random config (``tiny``: fields of its ``transformers`` config
     class, ``reference``: that class and its causal-LM class, under ``transformers``) whose
-    zero-initialised sinks and biases may want noise (``noisy_biases``); ``study``: the fields of a
+    zero-initialised sinks and biases may want noise (``noisy_biases``) and whose initial decays are
+    kept as they are where they already remember long (``keeps_decay``: Bailing's bounded gate); ``study``: the fields of a
     random model of this architecture at a hidden size and layer count, its per-head linear state
     as the Qwen3.5 study model's (64 x 64), for ``hypic eval scaling``."""
 
@@ -28,6 +29,7 @@ class Architecture:
     rename: Callable[[ModelConfig, str], str] | None = None
     fused_experts: bool = False
     noisy_biases: bool = False
+    keeps_decay: bool = False
     study: Callable[[int, int], dict[str, Any]] | None = None
 
 
