@@ -198,7 +198,8 @@ def _tier_options(serve: argparse.ArgumentParser) -> None:
                        help="byte budget of --cache-dir; over it the least recently used files are deleted, e.g. 2G, "
                             "none (default: 16G)")
     tiers.add_argument("--mooncake-master", metavar="HOST:PORT",
-                       help="share documents' cache entries with every server on this Mooncake Store master "
+                       help="share documents' cache entries, and the private pool's resume points (so a "
+                            "conversation continues on any server), with every server on this Mooncake Store master "
                             "(needs the mooncake-transfer-engine package; a master that is down is reported in "
                             "/get_server_info and retried, never fatal) (default: off)")
     tiers.add_argument("--mooncake-metadata-server", metavar="URL",

@@ -107,7 +107,7 @@ class Engine:
         self.store = store if store is not None else SegmentStore()
         self.store.rebuild_cost = lambda entry: self.rebuild_flops(len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
-        self.resume = resume  # the private pool's resume points on the disk tier (None: memory only)
+        self.resume = resume  # the private pool's resume points on disk and in Mooncake (None: memory only)
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
@@ -275,14 +275,14 @@ class Engine:
     def flush(self, namespace: str | None = None,
               tiers: frozenset[str] = frozenset({"memory"})) -> tuple[int, int, dict[str, int]]:
         """Empty the tiers named in ``tiers``: ``memory`` (both pools, and host memory below a GPU's),
-        ``disk`` (documents and the private pool's resume points), ``mooncake``;
+        ``disk``, ``mooncake`` (documents and the private pool's resume points);
         ``namespace``: only that cache namespace's entries and trees. Returns (public entries,
         private-pool nodes, entries per lower tier) dropped. Entries in use stay."""
         public = private = 0
         if "memory" in tiers:
             trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
             public, private = self.store.clear(namespace), self.prefix_cache.clear(trees)
-        if self.resume is not None and "disk" in tiers:
+        if self.resume is not None and tiers & {"disk", "mooncake"}:
             self.resume.drain()  # the resume points being written are flushed too
         dropped = self.store.lower.flush(set(tiers), namespace) if self.store.lower is not None else {}
         if self.resume is not None and "disk" in tiers:
@@ -383,16 +383,19 @@ class Engine:
     def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats,
                       built: BuiltForRequest) -> RequestState:
         """The longest private-pool hit (never the whole prompt: the last token must be run), in
-        memory or, past it, among the resume points kept on disk; one at the end of a head combined
-        early for this request counts as that head's reuse."""
+        memory or, past it, among the resume points kept on disk or in Mooncake; one at the end of a
+        head combined early for this request counts as that head's reuse."""
         empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
         if policy.tree is None:
             return empty
         hit = self.prefix_cache.match(policy.tree, key, len(key) - 1, empty)
         kept = self._kept_resume_point(key, policy, hit.length if hit is not None else 0, empty)
         if kept is not None:
-            hit = kept
-            stats.disk_cached_tokens += kept.length
+            hit, tier = kept
+            if tier == "mooncake":
+                stats.mooncake_cached_tokens += hit.length
+            else:
+                stats.disk_cached_tokens += hit.length
         if hit is None:
             return empty
         head = built.head_ending_at(hit.length)
@@ -403,22 +406,25 @@ class Engine:
             stats.prefix_hit_tokens = hit.length
         return hit.state
 
-    def _kept_resume_point(self, key: list[int], policy: ModePolicy, after: int, empty: RequestState) -> PrefixHit | None:
-        """A resume point on disk longer than ``after`` (memory's), brought into the private pool (a
-        later request finds it in memory) and handed out as a hit; None if there is none."""
+    def _kept_resume_point(self, key: list[int], policy: ModePolicy, after: int,
+                           empty: RequestState) -> tuple[PrefixHit, str] | None:
+        """A resume point on disk or in Mooncake longer than ``after`` (memory's), brought into the
+        private pool (a later request finds it in memory) and handed out as a hit, with the name of
+        the tier it came from; None if there is none."""
         if self.resume is None or policy.tree is None:
             return None
         found = self.resume.find(policy.tree, policy.namespace, key, after, len(key) - 1, empty)
         if found is None:
             return None
-        state, snapshot = found
-        self.prefix_cache.insert(policy.tree, state, {state.length: snapshot})
+        state = found.state
+        self.prefix_cache.insert(policy.tree, state, {state.length: found.snapshot})
         hit = self.prefix_cache.match(policy.tree, key, state.length, empty)
-        return hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)
+        return (hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)), found.tier
 
     def _keep_resume_point(self, tree: str, namespace: str, state: RequestState, position: int,
                            snapshot: dict[int, Any]) -> None:
-        """Offer the state after ``position`` tokens to the disk as a resume point (if there is one)."""
+        """Offer the state after ``position`` tokens to the disk and Mooncake as a resume point (if
+        either is there)."""
         if self.resume is not None and 0 < position <= state.length:
             self.resume.offer(tree, namespace, state, position, snapshot)
 

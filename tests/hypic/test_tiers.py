@@ -590,15 +590,20 @@ class FakeMooncakeStore:
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
+        self.batches: list[int] = []  # names asked for in each batched existence check
 
     def is_exist(self, key: str) -> int:
         return int(key in self.objects)
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.batches.append(len(keys))
+        return [int(key in self.objects) for key in keys]
 
     def get(self, key: str) -> bytes:
         return self.objects.get(key, b"")
 
     def put(self, key: str, data: bytes) -> int:
-        self.objects[key] = data
+        self.objects.setdefault(key, data)  # as the master: a name that exists keeps its first value
         return 0
 
     def remove(self, key: str) -> int:
@@ -637,3 +642,99 @@ def test_mooncake_knows_what_this_server_put_or_found_until_it_sees_it_gone() ->
     assert not tier.indexed("team/b") and tier.indexed("shared/c")
     tier.remove("shared/c")
     assert not tier.indexed("shared/c") and tier.describe()["known_entries"] == 0
+
+
+# ----- the private pool's resume points in Mooncake -------------------------------------------------
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> FakeMooncakeStore:
+    """One store that every engine made with ``mooncake_master`` connects to at once."""
+    from hypic.cache.tiers.mooncake import MooncakeTier
+
+    shared = FakeMooncakeStore()
+    monkeypatch.setattr(MooncakeTier, "open", lambda tier: setattr(tier, "client", shared))
+    return shared
+
+
+def _server(make: MakeEngine) -> Engine:
+    """An engine on the fake master and no disk."""
+    return make(cache_dir=None, mooncake_master="127.0.0.1:50051")
+
+
+def test_resume_points_in_mooncake_are_found_by_markers_in_two_batched_probes(make: MakeEngine,
+                                                                             store: FakeMooncakeStore) -> None:
+    """Positions come back longest first from the two longest marked blocks past ``after``, each
+    found with one probe of the block markers and one of those blocks' positions (closed form)."""
+    import numpy as np
+
+    from hypic.cache.tiers.shared_resume import BLOCK
+
+    shared = _server(make).resume.shared
+    hashes = np.arange(1000, 1261, dtype=np.uint64)  # h_0 .. h_260
+    for position in (5, 64, 130, 200):
+        shared.write("ns", hashes[: position + 1], b"state")
+    assert shared.positions("ns", hashes, 0) == [200, 130]
+    assert store.batches == [len(range(0, 261, BLOCK)), 2 * BLOCK]
+    assert shared.positions("ns", hashes, 150) == [200]
+    assert shared.positions("ns", hashes[:100], 0) == [64, 5] and shared.positions("ns", hashes, 200) == []
+    assert shared.positions("other", hashes, 0) == []
+
+
+def test_a_conversation_continues_on_another_server_through_mooncake(make: MakeEngine, store: FakeMooncakeStore) -> None:
+    """Turn 1 ends on one server; turn 2, sent to another server on the same master, resumes where
+    turn 1 ended, with full recompute's logits, counted as Mooncake's tokens; a server without the
+    master resumes nowhere."""
+    first = _server(make)
+    turn1 = first.parse("you are a helpful assistant. " + DOCUMENTS[0] + DOCUMENTS[1])
+    reply = first.generate(list(turn1.token_ids), max_new_tokens=6, ignore_eos=True)
+    first.resume.drain()
+    turn2 = list(turn1.token_ids) + reply.output_ids + first.parse(" and then?").token_ids
+    assert len(turn1.token_ids) > 64
+    other = _server(make)
+    resumed = other.prefill(other.parse(turn2))
+    assert resumed.stats.prefix_hit_tokens == len(turn1.token_ids) + 5
+    assert resumed.stats.cached_tokens_by_tier["mooncake"] == len(turn1.token_ids) + 5
+    assert (resumed.logits - _full_logits(other, turn2)).abs().max().item() < 1e-4
+    assert other.resume.describe()["hits"] == 1
+    assert make(cache_dir=None).prefill(other.parse(turn2)).stats.prefix_hit_tokens == 0
+
+
+def test_a_system_prompt_resumes_on_another_server_through_mooncake(make: MakeEngine, store: FakeMooncakeStore) -> None:
+    """A PIC request's leading part ends in Mooncake; another server's request with the same leading
+    part and other documents resumes there, with the logits of a server that never resumed."""
+    system = "You answer from the documents only. " * 6
+    first = _server(make)
+    first.generate(SEP.join([system, DOCUMENTS[0], DOCUMENTS[1], "which fact?"]), max_new_tokens=1)
+    first.resume.drain()
+    other = _server(make)
+    text = SEP.join([system, DOCUMENTS[2], DOCUMENTS[3], "which other fact?"])
+    resumed = other.prefill(other.parse(text))
+    assert resumed.stats.prefix_hit_tokens == resumed.stats.cached_tokens_by_tier["mooncake"] == len(other.parse(text).leading)
+    fresh = make(cache_dir=None).prefill(other.parse(text))
+    assert (resumed.logits - fresh.logits).abs().max().item() < 1e-4
+
+
+def test_a_damaged_resume_object_or_a_lost_master_is_a_miss(make: MakeEngine, store: FakeMooncakeStore) -> None:
+    """A resume object whose bytes were damaged is never resumed from (deleted); a master that stops
+    answering makes the next request a miss with the right answer and the tier unhealthy."""
+    from hypic.cache.tiers.mooncake import PREFIX
+
+    first = _server(make)
+    prompt = first.parse(DOCUMENTS[1]).token_ids
+    reply = first.generate(list(prompt), max_new_tokens=4, ignore_eos=True)
+    first.resume.drain()
+    turn2 = list(prompt) + reply.output_ids + [65, 66]
+    (name,) = [key for key in store.objects if key.startswith(PREFIX) and "/r" in key]
+    store.objects[name] = store.objects[name][:-3] + bytes(b ^ 0xFF for b in store.objects[name][-3:])
+    other = _server(make)
+    resumed = other.prefill(other.parse(turn2))
+    assert resumed.stats.prefix_hit_tokens == 0 and name not in store.objects and other.resume.counters.bad_files == 1
+    assert (resumed.logits - _full_logits(other, turn2)).abs().max().item() < 1e-4
+
+    def down(keys: list[str]) -> list[int]:
+        raise ConnectionError("master gone")
+
+    third = _server(make)
+    store.batch_is_exist = down
+    lost = third.prefill(third.parse(turn2))
+    assert lost.stats.prefix_hit_tokens == 0 and (lost.logits - resumed.logits).abs().max().item() < 1e-4
+    assert not tiers_of(third).describe()["tiers"]["mooncake"]["healthy"]

@@ -66,6 +66,23 @@ def test_two_servers_share_documents_through_one_master(tiny_checkpoint: Path, t
         assert meta["segments_hit"] == 3 and meta["cached_tokens_by_tier"]["mooncake"] == meta["cached_tokens"] > 0
         assert shared["output_ids"] == expected["output_ids"]
 
+        # a conversation's turn 2 on the other server resumes where turn 1 ended (the private pool's
+        # resume point in the store); the same request recomputed from scratch answers the same
+        prompt1 = a.post("/tokenize", {"prompt": DOCUMENTS[6] + DOCUMENTS[5]})["tokens"]
+        kept = a.get("/get_server_info")["resume_points"]["mooncake"]["written"]
+        turn1 = a.post("/generate", {"input_ids": prompt1,
+                                     "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+        wait_for(lambda: a.get("/get_server_info")["resume_points"]["mooncake"]["written"] > kept, "turn 1's resume point")
+        turn2 = {"input_ids": prompt1 + turn1["output_ids"] + [65, 66],
+                 "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        continued = b.post("/generate", turn2)
+        assert continued["meta_info"]["prefix_hit_tokens"] == len(prompt1) + 5
+        assert continued["meta_info"]["cached_tokens_by_tier"]["mooncake"] == len(prompt1) + 5
+        time.sleep(0.5)  # past the read's lease (200 ms), which keeps an object from removal
+        b.post("/flush_cache?tiers=memory,mooncake", {})
+        recomputed = b.post("/generate", turn2)
+        assert recomputed["meta_info"]["prefix_hit_tokens"] == 0 and recomputed["output_ids"] == continued["output_ids"]
+
         master.stop(signal.SIGKILL)
         down = ask(b, [3, 4])["meta_info"]  # never an error: built here
         assert down["segments_missed"] == 2 and down["cached_tokens_by_tier"]["mooncake"] == 0

@@ -128,7 +128,7 @@ class StorageTiers:
             return queued
         address = self.identity.address(key, namespace)
         for tier in self.tiers:
-            if not self._usable(tier):
+            if not self.usable(tier):
                 continue
             entry = self._load_from(tier, address, key, token_ids)
             if entry is not None:
@@ -155,7 +155,7 @@ class StorageTiers:
 
     def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None:
         """Start loading entry ``key`` in the background (a request that needs it just arrived)."""
-        if key in self.prefetches or not any(self._usable(tier) for tier in self.tiers):
+        if key in self.prefetches or not any(self.usable(tier) for tier in self.tiers):
             return
         deadline = time.monotonic() + PREFETCH_BASE_S + expected_bytes / PREFETCH_BYTES_PER_S
         future = self.prefetcher.submit(self.load, key, token_ids, namespace)
@@ -195,7 +195,7 @@ class StorageTiers:
             self._remove(tier, address)
             entry = None
         except Exception as err:  # an I/O or connection failure: the tier is down, not the entry bad
-            self._fail(tier, err)
+            self.fail(tier, err)
             return None
         with self.lock:
             if entry is None:
@@ -207,7 +207,7 @@ class StorageTiers:
             counters.load_seconds += time.perf_counter() - start
         return entry
 
-    def _usable(self, tier: BlobTier) -> bool:
+    def usable(self, tier: BlobTier) -> bool:
         """Healthy, or failed over ``RETRY_S`` ago and open again now (a master back, a disk freed)."""
         counters = self.counters[tier.name]
         if counters.healthy:
@@ -217,7 +217,7 @@ class StorageTiers:
         try:
             tier.open()
         except Exception as err:
-            self._fail(tier, err)
+            self.fail(tier, err)
             return False
         log.info("%s tier available again", tier.name)
         with self.lock:
@@ -226,15 +226,15 @@ class StorageTiers:
 
     def ready(self) -> bool:
         """Whether every tier answers now (Mooncake connects in the background after a start)."""
-        return all(self._usable(tier) for tier in self.tiers)
+        return all(self.usable(tier) for tier in self.tiers)
 
     def _remove(self, tier: BlobTier, address: str) -> None:
         try:
             tier.remove(address)
         except Exception as err:
-            self._fail(tier, err)
+            self.fail(tier, err)
 
-    def _fail(self, tier: BlobTier, err: BaseException) -> None:
+    def fail(self, tier: BlobTier, err: BaseException) -> None:
         log.warning("%s tier unavailable (%s: %s); serving without it", tier.name, type(err).__name__, err)
         with self.lock:
             self.counters[tier.name].failed(err)
@@ -292,16 +292,16 @@ class StorageTiers:
 
     def _probe(self) -> None:
         for tier in self.tiers:
-            if self._usable(tier):
+            if self.usable(tier):
                 try:
                     tier.contains("probe/health")
                 except Exception as err:
-                    self._fail(tier, err)
+                    self.fail(tier, err)
 
     def _write(self, pending: _Pending) -> None:
         address, data = self.identity.address(pending.entry.key, pending.entry.namespace), None
         for tier in pending.tiers:
-            if not self._usable(tier):
+            if not self.usable(tier):
                 continue
             try:
                 if tier.contains(address):
@@ -310,7 +310,7 @@ class StorageTiers:
                 tier.write(address, data)
             except Exception as err:
                 self._count(tier, "write_errors")
-                self._fail(tier, err)
+                self.fail(tier, err)
                 continue
             with self.lock:
                 counters = self.counters[tier.name]
@@ -348,7 +348,7 @@ class StorageTiers:
             try:
                 dropped[tier.name] = tier.flush(None if namespace is None else namespace_dir(namespace))
             except Exception as err:
-                self._fail(tier, err)
+                self.fail(tier, err)
                 dropped[tier.name] = 0
         return dropped
 

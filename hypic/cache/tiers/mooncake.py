@@ -103,6 +103,13 @@ class MooncakeTier:
         self._saw(address, bool(present))
         return bool(present)
 
+    def contains_all(self, addresses: list[str]) -> list[bool]:
+        """Which of ``addresses`` the store holds, in one call."""
+        answers = self._connected().batch_is_exist([PREFIX + address for address in addresses])
+        if len(answers) != len(addresses) or any(answer < 0 for answer in answers):
+            raise MooncakeUnavailable(f"batch_is_exist of {len(addresses)} names failed")
+        return [bool(answer) for answer in answers]
+
     def write(self, address: str, data: bytes) -> None:
         code = self._connected().put(PREFIX + address, data)
         if code != 0:

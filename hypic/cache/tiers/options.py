@@ -8,6 +8,7 @@ from ..store import LowerTiers
 from .hierarchy import BlobTier, PrefetchPolicy, StorageTiers, WritePolicy
 from .host import HostTier
 from .resume import ResumeStore
+from .shared_resume import SharedResumePoints
 
 DEFAULT_SEGMENT_BYTES = 1 << 30  # hypic.cache.tiers.mooncake's default, without importing Mooncake
 
@@ -38,7 +39,7 @@ class TierOptions:
 @dataclass(frozen=True)
 class Tiers:
     """What ``build_tiers`` makes: the public pool's lower tiers, and the private pool's resume
-    points in the disk tier (None: none)."""
+    points in the disk tier and Mooncake (None: neither)."""
 
     public: LowerTiers | None = None
     resume: ResumeStore | None = None
@@ -47,11 +48,15 @@ class Tiers:
 def build_tiers(options: TierOptions, identity: EntryIdentity) -> Tiers:
     """The tiers ``options`` ask for, opened; one that cannot be opened now is reported unhealthy and
     retried, never fatal. Below the public pool host memory (L2) comes first, then the disk, then
-    Mooncake; the private pool keeps its resume points on the disk (sharing its budget)."""
+    Mooncake; the private pool keeps its resume points on the disk (sharing its budget) and in
+    Mooncake (beside the public pool's entries)."""
     disk = DiskTier(options.cache_dir, options.disk_bytes) if options.cache_dir is not None else None
     storage = build_storage(options, identity, disk) if options.storage else None
     public = storage if options.host_bytes is None else HostTier(options.host_bytes, identity.device, storage)
-    return Tiers(public, ResumeStore(disk, identity) if disk is not None else None)
+    shared = next((SharedResumePoints(tier, storage) for tier in storage.tiers if tier.name == "mooncake"),
+                  None) if storage is not None else None
+    resume = ResumeStore(disk, identity, shared) if disk is not None or shared is not None else None
+    return Tiers(public, resume)
 
 
 def build_storage(options: TierOptions, identity: EntryIdentity, disk: DiskTier | None = None) -> StorageTiers:
