@@ -297,6 +297,7 @@ class EngineLoop:
                                                                   for p in self.waiting)):
                 return
             self._drop_cancelled()
+            self._start_peer_work()
             self._take_peer_work()
             self._step_prefills()
             if self.running:
@@ -355,10 +356,29 @@ class EngineLoop:
             return True
         if pending.admitted:
             return not pending.awaiting
+        return self._fits(pending)
+
+    def _fits(self, job: Job, slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
+        """Whether a new job gets a running slot and room for its state beside the running and admitted
+        ones and what jobs ahead of it, about to start, will take (``slots_ahead``, ``bytes_ahead``)."""
         started = sum(1 for p in self.waiting if isinstance(p, Job) and p.admitted)
-        if len(self.running) + started >= self.max_running:
+        if len(self.running) + started + slots_ahead >= self.max_running:
             return False
-        return self.max_state_bytes is None or self._held_bytes() + pending.footprint <= self.max_state_bytes
+        held = self._held_bytes() + bytes_ahead + job.footprint
+        return self.max_state_bytes is None or held <= self.max_state_bytes
+
+    def _start_peer_work(self) -> None:
+        """Admit every job with peer work that fits now, in priority order, so its peers build while
+        this server runs other prefills (the prefill steps admit a job only when they reach it); the
+        room a job ahead of it will take here stays that job's."""
+        slots_ahead = bytes_ahead = 0
+        for pending in self._by_priority():
+            if not isinstance(pending, Job) or pending.admitted or not self._fits(pending, slots_ahead, bytes_ahead):
+                continue
+            if pending.peer_work is None:
+                slots_ahead, bytes_ahead = slots_ahead + 1, bytes_ahead + pending.footprint
+            else:
+                self._admit_to_run(pending)
 
     def _admit_to_run(self, job: Job) -> bool:
         """The job holds its slot and room from now on; with peer work, that starts (BUILDING) and
@@ -401,6 +421,8 @@ class EngineLoop:
         if job.remote is not None:
             job.phases.append(Phase.RECEIVING)
             self._wake_when_done(job.remote)
+        else:  # its documents are in the pool now: it ranks by what its combine pass computes
+            job.remaining = self.engine.uncached_tokens(job.plan)
 
     def _by_priority(self) -> list[Pending]:
         """Waiting work, fewest uncached tokens left (less its waiting credit) first."""

@@ -186,6 +186,67 @@ def test_peer_work_starts_once_a_request_is_admitted_and_its_phases_follow(engin
         assert collector.done[name].completion.samples[0].output_ids == expected, name
 
 
+def test_peers_build_while_another_prefill_runs_and_the_job_then_ranks_by_its_combine_pass(
+        engine: Engine, tiny_checkpoint: Path) -> None:
+    """One prefill a step: a cold 300-token prompt ranks before a PIC request with 3 cold 150-token
+    documents, whose peer work (here: the documents built into this server's pool, as peers install
+    them) starts at once, not after the other's prefill; with its documents in, its combine pass
+    (seams and query) ranks first and finishes before the cold prompt's first token. Answers equal
+    plain generation's."""
+    from hypic import DEFAULT_SEPARATOR as SEP
+
+    documents = [_text(seed, 150) for seed in (31, 32, 33)]
+    pic = SEP.join(["lead", *documents, "which?"])
+    loop = EngineLoop(engine, "hypic", max_prefill_batch=1)
+    others_first_token: list[float | None] = []
+
+    def build_on_peers(plan: RequestPlan) -> Future:
+        others_first_token.append(jobs["cold"].first_token_at)
+        engine.warmup(documents)
+        return _done((None, BuiltForRequest()))
+
+    collector = Collector()
+    jobs = {"cold": _submit(loop, collector, "cold", _text(30, 300))}
+    jobs["pic"] = _submit(loop, collector, "pic", pic, peer_work=build_on_peers)
+    loop.start()
+    try:
+        collector.wait(2)
+    finally:
+        loop.stop()
+    assert others_first_token == [None]
+    assert jobs["pic"].first_token_at < jobs["cold"].first_token_at
+    other = Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64)
+    other.warmup(documents)
+    for name, prompt in (("cold", _text(30, 300)), ("pic", pic)):
+        assert collector.done[name].completion.samples[0].output_ids == other.generate(
+            prompt, max_new_tokens=4, ignore_eos=True).output_ids, name
+
+
+def test_peer_work_leaves_the_room_a_higher_ranked_job_here_takes(engine: Engine) -> None:
+    """One running slot: a cold 100-token prompt ranks before a PIC request with peer work; the peer
+    work does not take the slot first (which would make the better-ranked prompt wait for the other's
+    whole request): it starts once the prompt has finished."""
+    from hypic import DEFAULT_SEPARATOR as SEP
+
+    documents = [_text(seed, 150) for seed in (41, 42)]
+    loop = EngineLoop(engine, "hypic", max_running=1)
+    finished_when_started: list[list[str]] = []
+
+    def build_on_peers(plan: RequestPlan) -> Future:
+        finished_when_started.append(collector.order)
+        return _done((None, BuiltForRequest()))
+
+    collector = Collector()
+    _submit(loop, collector, "short", _text(40, 100))
+    _submit(loop, collector, "pic", SEP.join(["lead", *documents, "which?"]), peer_work=build_on_peers)
+    loop.start()
+    try:
+        collector.wait(2)
+    finally:
+        loop.stop()
+    assert finished_when_started == [["short"]] and collector.order == ["short", "pic"]
+
+
 def test_samples_of_one_prompt_are_admitted_holding_it_once(engine: Engine) -> None:
     """n = 4 samples fork from one prefill and share its KV: a budget of the prompt's KV once, each
     sample's 8 new tokens and linear states (closed form) admits the request; counting the prompt
