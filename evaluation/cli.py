@@ -36,7 +36,8 @@ SERVICE_STUDIES = {
                 "(paper Fig. 14)",
     "soak": "a shared server under steady mixed load with faults: wrong answers, 5xx, RSS, TTFT, recovery",
     "tiers": "the public pool's disk and Mooncake tiers: load latency per tier, time to the first hit after a "
-             "restart, hit rate and TTFT as the document set outgrows memory (lru vs cost eviction)",
+             "restart, hit rate and TTFT as the document set outgrows memory (lru vs cost eviction), a chat continued "
+             "on another server through Mooncake",
 }
 
 

@@ -16,6 +16,12 @@ Three parts, each one run on this machine, ratios taken within the run:
   request, sequential) as the document set grows from ``--fractions`` x what the public pool holds
   (``--memory-docs`` documents' worth): memory only vs memory + disk (vs + Mooncake), each with
   ``--eviction lru`` and ``cost``. The private pool is off, so every reuse is a document's.
+- ``conversation`` (with ``--mooncake``): a chat of ``--turns`` turns (a system prompt, then each
+  turn the whole history, a new user message of ``--turn-words`` words and ``--turn-tokens``
+  greedy output tokens) where every turn lands on a server that has not seen the conversation (the
+  private pool emptied before each turn, as behind a load balancer that does not stick): with the
+  private pool's resume points in Mooncake the turn resumes where the previous one ended; without
+  them it is recomputed; the same server keeping its memory is the reference.
 
 Writes ``OUT/tiers.jsonl`` (every measurement), ``OUT/tiers_summary.json`` and ``OUT/tiers.png``,
 and prints the tables. Timings on a shared CPU box are indicative; the ratios are the result.
@@ -48,7 +54,8 @@ from hypic.cache.tiers.options import TierOptions
 from .studies import plain_log_ticks, pyplot, save_figure
 from .trace import Trace, TraceConfig
 
-PARTS = ("latency", "restart", "capacity")
+PARTS = ("latency", "restart", "capacity", "conversation")
+CONVERSATION_WAYS = ("another server, memory only", "another server, resume points in Mooncake", "same server")
 QWEN35_SHAPES = dict(  # Qwen3.5-35B-A3B's text config: what its entry holds per layer
     model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
     full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -75,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="document-set sizes, in multiples of what the public pool holds")
     parser.add_argument("--requests", type=int, default=60, help="timed requests per capacity point")
     parser.add_argument("--warm-requests", type=int, default=30, help="untimed requests before them")
+    parser.add_argument("--turns", type=int, default=8, help="turns of the conversation part's chat")
+    parser.add_argument("--turn-words", type=int, default=150, help="words of each user message of that chat")
+    parser.add_argument("--turn-tokens", type=int, default=32, help="greedy output tokens of each of its turns")
     parser.add_argument("--mooncake", action="store_true",
                         help="also measure Mooncake Store (a master started here on loopback)")
     parser.add_argument("--out", type=Path, default=Path("eval/runs"), help="folder of the JSONL, summary and figure")
@@ -283,6 +293,55 @@ def _capacity_point(args: argparse.Namespace, label: str, eviction: Eviction, op
     return records
 
 
+# ----- conversation ---------------------------------------------------------------------------------
+def _chat_messages(args: argparse.Namespace, seed: int) -> list[str]:
+    """The system prompt and the user messages of one chat."""
+    trace = Trace(TraceConfig(documents=args.turns + 1, docs_per_request=1, seed=seed,
+                              mean_input_words=args.turn_words))
+    return ["You are a helpful assistant. Answer briefly. " + trace.documents[0],
+            *(f" User: {d} Assistant:" for d in trace.documents[1:])]
+
+
+def _conversation_engine(args: argparse.Namespace, way: str, mooncake: dict[str, Any]) -> Engine:
+    tiers = TierOptions(**mooncake) if "Mooncake" in way else TierOptions()
+    engine = Engine.from_pretrained(args.model, tiers=tiers)
+    _connected(engine)
+    if "Mooncake" in way:
+        engine.flush(tiers=frozenset({"mooncake"}))
+    return engine
+
+
+def _chat(args: argparse.Namespace, engine: Engine, way: str, repeat: int) -> list[dict[str, Any]]:
+    """One chat's turns on ``engine``, each after emptying its memory unless ``way`` keeps it."""
+    records, history = [], []
+    for turn, message in enumerate(_chat_messages(args, 100 + repeat)):
+        history += engine.tokenizer.encode(message)
+        if way != "same server":
+            engine.flush()
+        result = engine.generate(list(history), max_new_tokens=args.turn_tokens, ignore_eos=True)
+        if engine.resume is not None:
+            engine.resume.drain()  # the next turn comes after this one's resume point is stored
+        records.append({"part": "conversation", "way": way, "repeat": repeat, "turn": turn,
+                        "prompt_tokens": result.prompt_tokens, "ttft_s": result.ttft_s,
+                        "prefix_hit_tokens": result.stats.prefix_hit_tokens,
+                        "by_tier": result.stats.cached_tokens_by_tier})
+        history += result.output_ids
+    return records
+
+
+def run_conversation(args: argparse.Namespace, mooncake: dict[str, Any]) -> list[dict[str, Any]]:
+    if not mooncake:
+        print("the conversation part needs --mooncake: skipped", file=sys.stderr)
+        return []
+    records = []
+    for way in CONVERSATION_WAYS:
+        engine = _conversation_engine(args, way, mooncake)
+        for repeat in range(args.repeats):
+            records += _chat(args, engine, way, repeat)
+        engine.close()
+    return records
+
+
 # ----- summary and report -----------------------------------------------------------------------
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
@@ -310,6 +369,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                     "p50_ttft_s": ttfts[len(ttfts) // 2], "p90_ttft_s": ttfts[int(0.9 * (len(ttfts) - 1))],
                     "requests": len(chosen)}
         summary["capacity"] = points
+    conversation = [r for r in records if r["part"] == "conversation" and r["turn"] > 0]
+    if conversation:
+        summary["conversation"] = {way: {
+            "median_ttft_s": statistics.median(r["ttft_s"] for r in conversation if r["way"] == way),
+            "resumed_fraction": sum(r["prefix_hit_tokens"] for r in conversation if r["way"] == way)
+                                / sum(r["prompt_tokens"] for r in conversation if r["way"] == way),
+            "turns": sum(1 for r in conversation if r["way"] == way)} for way in CONVERSATION_WAYS}
     return summary
 
 
@@ -357,6 +423,8 @@ def run_tiers(args: argparse.Namespace) -> dict[str, Any]:
             records += run_restart(args, folder)
         if "capacity" in args.parts:
             records += run_capacity(args, folder, mooncake)
+        if "conversation" in args.parts:
+            records += run_conversation(args, mooncake)
     with (args.out / "tiers.jsonl").open("w") as handle:
         for record in records:
             handle.write(json.dumps(record) + "\n")

@@ -26,3 +26,27 @@ def test_the_tiers_study_runs_and_reports(tiny_checkpoint: Path, tmp_path: Path)
         assert capacity[f"memory/{eviction} @ 0.5x"]["hit_rate"] == 1.0  # everything fits: no miss once warm
     assert sum(r["by_tier"]["disk"] > 0 for r in records if r["part"] == "capacity" and r["config"].startswith("+disk"))
     assert (out / "tiers.png").stat().st_size > 0
+
+
+def test_the_conversation_part_resumes_each_turn_on_another_server_through_mooncake(tiny_checkpoint: Path,
+                                                                                    tmp_path: Path) -> None:
+    """Every turn after the first resumes where the previous turn ended (its prompt and all but its
+    last output token, closed form) from Mooncake when memory was emptied, from memory on the same
+    server, and nowhere without the resume points."""
+    out, turn_tokens = tmp_path / "out", 4
+    status = main(["eval", "tiers", "--model", str(tiny_checkpoint), "--parts", "conversation", "--mooncake",
+                   "--repeats", "1", "--turns", "3", "--turn-words", "20", "--turn-tokens", str(turn_tokens),
+                   "--out", str(out)])
+    assert status in (0, None)
+    records = [json.loads(line) for line in (out / "tiers.jsonl").read_text().splitlines()]
+    by_way: dict[str, list[dict]] = {}
+    for record in records:
+        by_way.setdefault(record["way"], []).append(record)
+    for way, tier in (("another server, resume points in Mooncake", "mooncake"), ("same server", "device")):
+        turns = by_way[way]
+        assert len(turns) == 4 and turns[0]["prefix_hit_tokens"] == 0
+        for before, turn in zip(turns, turns[1:]):
+            assert turn["prefix_hit_tokens"] == turn["by_tier"][tier] == before["prompt_tokens"] + turn_tokens - 1
+    assert all(r["prefix_hit_tokens"] == 0 for r in by_way["another server, memory only"])
+    summary = json.loads((out / "tiers_summary.json").read_text())["conversation"]
+    assert summary["another server, memory only"]["resumed_fraction"] == 0 < summary["same server"]["resumed_fraction"]
