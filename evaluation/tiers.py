@@ -21,7 +21,8 @@ Three parts, each one run on this machine, ratios taken within the run:
   greedy output tokens) where every turn lands on a server that has not seen the conversation (the
   private pool emptied before each turn, as behind a load balancer that does not stick): with the
   private pool's resume points in Mooncake the turn resumes where the previous one ended; without
-  them it is recomputed; the same server keeping its memory is the reference.
+  them it is recomputed; the same server keeping its memory is the reference. Also the bytes put
+  in Mooncake against the size of the states resumed (a turn writes only its new KV chunks).
 
 Writes ``OUT/tiers.jsonl`` (every measurement), ``OUT/tiers_summary.json`` and ``OUT/tiers.png``,
 and prints the tables. Timings on a shared CPU box are indicative; the ratios are the result.
@@ -318,15 +319,24 @@ def _chat(args: argparse.Namespace, engine: Engine, way: str, repeat: int) -> li
         history += engine.tokenizer.encode(message)
         if way != "same server":
             engine.flush()
+        written = _shared_bytes(engine)
         result = engine.generate(list(history), max_new_tokens=args.turn_tokens, ignore_eos=True)
         if engine.resume is not None:
             engine.resume.drain()  # the next turn comes after this one's resume point is stored
         records.append({"part": "conversation", "way": way, "repeat": repeat, "turn": turn,
                         "prompt_tokens": result.prompt_tokens, "ttft_s": result.ttft_s,
                         "prefix_hit_tokens": result.stats.prefix_hit_tokens,
-                        "by_tier": result.stats.cached_tokens_by_tier})
+                        "by_tier": result.stats.cached_tokens_by_tier,
+                        "mooncake_written_bytes": _shared_bytes(engine) - written,
+                        "state_bytes": engine.state_bytes(result.prompt_tokens + args.turn_tokens - 1)})
         history += result.output_ids
     return records
+
+
+def _shared_bytes(engine: Engine) -> int:
+    """Bytes of resume points ``engine`` has put in Mooncake so far."""
+    shared = engine.resume.shared if engine.resume is not None else None
+    return shared.counters.written_bytes if shared is not None else 0
 
 
 def run_conversation(args: argparse.Namespace, mooncake: dict[str, Any]) -> list[dict[str, Any]]:
@@ -369,12 +379,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                     "p50_ttft_s": ttfts[len(ttfts) // 2], "p90_ttft_s": ttfts[int(0.9 * (len(ttfts) - 1))],
                     "requests": len(chosen)}
         summary["capacity"] = points
-    conversation = [r for r in records if r["part"] == "conversation" and r["turn"] > 0]
+    chats = [r for r in records if r["part"] == "conversation"]
+    conversation = [r for r in chats if r["turn"] > 0]  # TTFT and reuse: the turns that can resume
     if conversation:
         summary["conversation"] = {way: {
             "median_ttft_s": statistics.median(r["ttft_s"] for r in conversation if r["way"] == way),
             "resumed_fraction": sum(r["prefix_hit_tokens"] for r in conversation if r["way"] == way)
                                 / sum(r["prompt_tokens"] for r in conversation if r["way"] == way),
+            "mooncake_written_mb": sum(r["mooncake_written_bytes"] for r in chats if r["way"] == way) / 2**20,
+            "resume_states_mb": sum(r["state_bytes"] for r in chats if r["way"] == way) / 2**20,
             "turns": sum(1 for r in conversation if r["way"] == way)} for way in CONVERSATION_WAYS}
     return summary
 

@@ -45,8 +45,9 @@ def prompt(order: list[int], query: str = "which fact comes first?", leading: st
 
 
 def files(root: Path) -> list[Path]:
-    """The documents' entry files (resume points of the private pool are named r<hash>: not these)."""
-    return sorted(p for p in root.rglob("*.safetensors") if not p.name.startswith("r"))
+    """The documents' entry files (resume points of the private pool, heads named r<hash> and KV
+    chunks k<hash>, are not these)."""
+    return sorted(p for p in root.rglob("*.safetensors") if p.name[0] not in "rk")
 
 
 def tiers_of(engine: Engine):
@@ -280,6 +281,9 @@ def test_the_disk_budget_keeps_the_most_recently_used_files(tmp_path: Path) -> N
     reopened.open()
     reopened.write("shared/" + "e" * 64, bytes(100))
     assert reopened.contains("shared/" + "d" * 64) and not reopened.contains("shared/" + "b" * 64)
+    assert reopened.touch("shared/" + "d" * 64) and not reopened.touch("shared/" + "b" * 64)  # d: most recent, no read
+    reopened.write("shared/" + "f" * 64, bytes(100))
+    assert reopened.contains("shared/" + "d" * 64) and not reopened.contains("shared/" + "e" * 64)
 
 
 def test_two_writers_of_one_address_leave_one_whole_file(tmp_path: Path) -> None:
@@ -504,8 +508,9 @@ def test_host_memory_is_refused_on_a_cpu_server() -> None:
 
 
 # ----- the private pool's resume points on disk ------------------------------------------------------
-def _resume_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.safetensors") if p.name.startswith("r"))
+def _resume_files(root: Path, kind: str = "r") -> list[Path]:
+    """The resume points' heads (``kind`` r) or KV chunks (k)."""
+    return sorted(p for p in root.rglob("*.safetensors") if p.name.startswith(kind))
 
 
 def _full_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
@@ -581,6 +586,49 @@ def test_a_spoiled_or_foreign_resume_file_is_a_miss_and_deleted(make: MakeEngine
     restarted = make()
     resumed = restarted.prefill(restarted.parse(turn2))
     assert resumed.stats.prefix_hit_tokens == 0 and not path.exists() and restarted.resume.counters.bad_files == 1
+    assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
+
+
+def test_a_conversation_writes_each_kv_chunk_once_and_resumes_from_chunks_of_every_turn(make: MakeEngine,
+                                                                                      tmp_path: Path) -> None:
+    """Three turns end at p1 < p2 < p3 (each a resume point): the disk holds the full chunks of p3
+    once and one tail per resume point not on a chunk edge (closed form), each written once; after a
+    restart, turn 4 resumes at p3 from chunks written by all three turns, with full recompute's logits."""
+    from hypic.cache.tiers.resume_objects import CHUNK_TOKENS
+
+    first = make()
+    history, ends = [], []
+    for turn in range(3):
+        history += first.parse(f" turn {turn}: " + DOCUMENTS[turn] + DOCUMENTS[turn + 3]).token_ids
+        reply = first.generate(list(history), max_new_tokens=5, ignore_eos=True)
+        ends.append(len(history) + 4)
+        history += reply.output_ids
+    first.close()
+    assert ends[0] > CHUNK_TOKENS and ends[-1] > 2 * CHUNK_TOKENS
+    chunks = ends[-1] // CHUNK_TOKENS + sum(end % CHUNK_TOKENS != 0 for end in ends)
+    assert len(_resume_files(tmp_path / "cache", "k")) == first.resume.counters.chunks_written == chunks
+    assert len(_resume_files(tmp_path / "cache")) == 3
+    restarted = make()
+    turn4 = history + first.parse(" and then?").token_ids
+    resumed = restarted.prefill(restarted.parse(turn4))
+    assert resumed.stats.prefix_hit_tokens == resumed.stats.disk_cached_tokens == ends[-1]
+    assert (resumed.logits - _full_logits(restarted, turn4)).abs().max().item() < 1e-4
+
+
+def test_a_resume_point_whose_chunk_is_gone_is_a_miss_and_deleted(make: MakeEngine, tmp_path: Path) -> None:
+    """The disk evicted one KV chunk of a resume point: the point is never resumed from (its head is
+    deleted) and the answer is the one without it."""
+    first = make()
+    prompt = first.parse(DOCUMENTS[1] + DOCUMENTS[2] + DOCUMENTS[3]).token_ids
+    reply = first.generate(list(prompt), max_new_tokens=4, ignore_eos=True)
+    first.close()
+    (head,), chunks = _resume_files(tmp_path / "cache"), _resume_files(tmp_path / "cache", "k")
+    assert len(chunks) >= 2
+    chunks[0].unlink()
+    restarted = make()
+    turn2 = list(prompt) + reply.output_ids + [65, 66]
+    resumed = restarted.prefill(restarted.parse(turn2))
+    assert resumed.stats.prefix_hit_tokens == 0 and not head.exists() and restarted.resume.counters.bad_files == 1
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
@@ -671,7 +719,7 @@ def test_resume_points_in_mooncake_are_found_by_markers_in_two_batched_probes(ma
     shared = _server(make).resume.shared
     hashes = np.arange(1000, 1261, dtype=np.uint64)  # h_0 .. h_260
     for position in (5, 64, 130, 200):
-        shared.write("ns", hashes[: position + 1], b"state")
+        shared.write("ns", hashes[: position + 1], b"state", [])
     assert shared.positions("ns", hashes, 0) == [200, 130]
     assert store.batches == [len(range(0, 261, BLOCK)), 2 * BLOCK]
     assert shared.positions("ns", hashes, 150) == [200]

@@ -92,6 +92,16 @@ class DiskTier:
     def contains(self, address: str) -> bool:
         return self.path(address).exists()
 
+    def touch(self, address: str) -> bool:
+        """Mark an indexed file most recently used (a newer resume point refers to it); False if the
+        index does not hold it."""
+        with self.lock:
+            size = self.files.get(address)
+        if size is None:
+            return False
+        self._touch(address, size)
+        return True
+
     def addresses(self) -> list[str]:
         """Every address the index holds (files found at start-up and written since)."""
         with self.lock:
@@ -139,13 +149,13 @@ class DiskTier:
 
     def flush(self, namespace_dir: str | None) -> int:
         """Delete every file (of one namespace's directory, if given), this server's or not; returns
-        how many documents' entries were among them (the private pool's resume points, named
-        ``r<hash>``, go too, uncounted)."""
+        how many documents' entries were among them (the private pool's resume points, heads named
+        ``r<hash>`` and KV chunks ``k<hash>``, go too, uncounted)."""
         dropped = 0
         for address, path in list(self._files(namespace_dir or "*")):
             if path.name.endswith(SUFFIX):
                 self.remove(address)
-                dropped += not path.name.startswith("r")
+                dropped += path.name[0] not in "rk"  # a document's name is a hex digest
         return dropped
 
     def describe(self) -> dict:

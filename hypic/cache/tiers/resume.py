@@ -3,38 +3,39 @@ again after a restart or by another server.
 
 Two kinds of resume point outlive the server: the end of every request (the next turn of its
 conversation resumes there) and the end of a PIC prompt's leading part (a system prompt). Each is
-one self-describing object: the KV of every position before it in each full-attention layer, each
-linear layer's state and conv window, each sliding-window layer's last window, the tokens it
-follows (ids with layout marks: a state assembled from spliced documents is resumed only under the
-same segmentation) and the model's identity, with a checksum. On disk it is a file of the disk
-tier (its budget, its recency, its namespace's directory); in Mooncake an object beside the public
-pool's entries, found by markers (``shared_resume``). Its name is a 64-bit polynomial hash of the
-private-pool tree and those tokens, so the hashes of all of a prompt's prefixes come from one
-vectorised pass; the positions whose hash names a resume point are tried longest first (the disk's
-before Mooncake's at one position), and an object's tokens are compared before it is used. A
-damaged or foreign one is a miss, deleted.
+a head and the KV chunks it names (``resume_objects``), self-describing objects with the model's
+identity, their tokens (ids with layout marks: a state assembled from spliced documents is resumed
+only under the same segmentation) and a checksum. On disk they are files of the disk tier (its
+budget, its recency, its namespace's directory); in Mooncake objects beside the public pool's
+entries, heads found by markers (``shared_resume``). A head's name is a 64-bit polynomial hash of
+the private-pool tree and its tokens, so the hashes of all of a prompt's prefixes come from one
+vectorised pass; the positions whose hash names a head are tried longest first (the disk's before
+Mooncake's at one position), and every object's tokens are compared before it is used. A damaged,
+foreign or incomplete one (a chunk evicted) is a miss, its head deleted.
 """
 import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..prefix_cache import MARK_MASK, Snapshot, cache_key
-from ..segments import MARK_BITS
-from ...state import AttentionLayerState, LayerState, LinearLayerState, RequestState, WindowLayerState
+from ..prefix_cache import Snapshot, cache_key
+from ...state import RequestState
 from .disk import DiskTier
 from .entry_file import BadEntryFile, EntryIdentity, namespace_dir, pack, unpack
 from .hierarchy import BlobTier
-from .shared_resume import SharedResumePoints, resume_address
+from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, ResumeParts, check, chunk_meta, chunk_names, chunk_spans,
+                             chunk_tensors, head_address, identity_meta, resume_parts, state_from)
+from .shared_resume import SharedResumePoints
 
 log = logging.getLogger("hypic.tiers")
-FORMAT = "hypic-resume-state/1"
 MULTIPLIER = 0x100000001B3  # odd: invertible modulo 2^64
+Chunks = list[tuple[str, Callable[[], bytes]]]  # a resume point's chunk objects: name, and how to pack it
 
 
 def prefix_hashes(seed: int, keys: list[int]) -> np.ndarray:
@@ -61,11 +62,13 @@ class ResumeFound:
 
 @dataclass
 class ResumeCounters:
-    written: int = 0
+    written: int = 0  # heads written to the disk
+    chunks_written: int = 0
+    written_bytes: int = 0  # heads and chunks
     write_errors: int = 0
     hits: int = 0
     misses: int = 0
-    bad_files: int = 0
+    bad_files: int = 0  # damaged, foreign or incomplete heads (deleted)
 
 
 class ResumeStore:
@@ -101,31 +104,51 @@ class ResumeStore:
         value = int(hashes[-1])
         to_disk = self.disk is not None and value not in self.known.get(directory, ())
         to_shared = self.shared is not None and self.shared.wanted(directory, value)
-        tensors = _tensors(state, position, snapshot) if to_disk or to_shared else None
-        if tensors is None:
+        parts = resume_parts(state, position, snapshot) if to_disk or to_shared else None
+        if parts is None:
             return
-        meta = {"format": FORMAT, "fingerprint": self.identity.fingerprint, "model_dtype": str(self.identity.model_dtype),
-                "state_dtype": str(self.identity.state_dtype), "tree": tree, "length": str(position),
-                "keys": json.dumps(keys)}
         if to_disk:
             self.known.setdefault(directory, set()).add(value)
-        self.pending.append(self.writer.submit(self._write, directory, hashes, meta, tensors, to_disk, to_shared))
+        self.pending.append(self.writer.submit(self._write, tree, directory, keys, hashes, parts, to_disk, to_shared))
         self.pending = [f for f in self.pending if not f.done()]
 
-    def _write(self, directory: str, hashes: np.ndarray, meta: dict[str, str], tensors: dict[str, torch.Tensor],
+    def _write(self, tree: str, directory: str, keys: list[int], hashes: np.ndarray, parts: ResumeParts,
                to_disk: bool, to_shared: bool) -> None:
-        address, data = resume_address(directory, int(hashes[-1])), pack(meta, tensors)
+        """The head and the chunks a tier does not hold yet (each packed once for both tiers)."""
+        names, packed = chunk_names(hashes, directory), {}
+
+        def packer(name: str, start: int, end: int) -> Callable[[], bytes]:
+            def make() -> bytes:
+                if name not in packed:
+                    packed[name] = pack(chunk_meta(self.identity, keys, start, end), chunk_tensors(parts, start, end))
+                return packed[name]
+            return make
+
+        chunks = [(name, packer(name, *span)) for name, span in zip(names, chunk_spans(len(keys)))] if parts.kv else []
+        meta = {**identity_meta(self.identity, HEAD_FORMAT), "tree": tree, "length": str(len(keys)),
+                "keys": json.dumps(keys), "chunks": json.dumps([name for name, _ in chunks])}
+        head = pack(meta, parts.head)
         if to_disk:
-            assert self.disk is not None
-            try:
-                self.disk.write(address, data)
-                self.counters.written += 1
-            except Exception as err:  # a full disk or a removed directory: the resume point is just not kept
-                log.warning("resume point %s not written (%s: %s)", address, type(err).__name__, err)
-                self.counters.write_errors += 1
+            self._write_disk(head_address(directory, int(hashes[-1])), head, chunks)
         if to_shared:
             assert self.shared is not None
-            self.shared.write(directory, hashes, data)
+            self.shared.write(directory, hashes, head, chunks)
+
+    def _write_disk(self, address: str, head: bytes, chunks: Chunks) -> None:
+        assert self.disk is not None
+        try:
+            for name, make in chunks:
+                if not self.disk.touch(name):  # held chunks become as recent as the head that needs them
+                    data = make()
+                    self.disk.write(name, data)
+                    self.counters.chunks_written += 1
+                    self.counters.written_bytes += len(data)
+            self.disk.write(address, head)
+            self.counters.written += 1
+            self.counters.written_bytes += len(head)
+        except Exception as err:  # a full disk or a removed directory: the resume point is just not kept
+            log.warning("resume point %s not written (%s: %s)", address, type(err).__name__, err)
+            self.counters.write_errors += 1
 
     # ----- reads ---------------------------------------------------------------------------
     def find(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
@@ -145,7 +168,7 @@ class ResumeStore:
         if self.shared is not None:
             candidates += [(p, 0, self.shared.tier) for p in self.shared.positions(directory, hashes, after)]
         for position, _, tier in sorted(candidates, key=lambda c: c[:2], reverse=True):
-            loaded = self._load(tier, resume_address(directory, int(hashes[position])), key[:position], template)
+            loaded = self._load(tier, head_address(directory, int(hashes[position])), key[:position], template)
             if loaded is not None:
                 self.counters.hits += 1
                 return ResumeFound(*loaded, tier.name)
@@ -154,14 +177,17 @@ class ResumeStore:
 
     def _load(self, tier: BlobTier, address: str, keys: list[int],
               template: RequestState) -> tuple[RequestState, Snapshot] | None:
+        """The resume point whose head is ``address`` in ``tier``; None (a miss) if it is gone, or
+        damaged, foreign or incomplete (then its head is deleted)."""
         try:
-            with tier.reading(address) as buffer:
-                if buffer is None:
-                    self._forget(tier, address)
-                    return None
-                meta, tensors = unpack(buffer)
-                self._check(meta, keys)
-                return self._state(tensors, keys, template)
+            head = self._read(tier, address)
+            if head is None:
+                self._forget(tier, address)
+                return None
+            meta, tensors = head
+            check(meta, self.identity, HEAD_FORMAT, keys)
+            kv = self._read_chunks(tier, json.loads(meta["chunks"]), keys)
+            return state_from(tensors, kv, keys, template, self.identity.device)
         except (BadEntryFile, KeyError, ValueError) as err:
             log.warning("resume point %s in the %s tier unusable (%s); deleted", address, tier.name, err)
             self.counters.bad_files += 1
@@ -174,44 +200,36 @@ class ResumeStore:
                 self.shared.storage.fail(tier, err)
         return None
 
+    @staticmethod
+    def _read(tier: BlobTier, address: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        with tier.reading(address) as buffer:
+            return None if buffer is None else unpack(buffer)
+
+    def _read_chunks(self, tier: BlobTier, names: list[str], keys: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each full-attention layer's KV of every position of ``keys``, from its chunks in order."""
+        spans = chunk_spans(len(keys)) if names else []
+        if len(names) != len(spans):
+            raise BadEntryFile(f"{len(names)} chunks named for {len(keys)} positions")
+        pieces: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, (start, end) in zip(names, spans):
+            chunk = self._read(tier, name)
+            if chunk is None:
+                raise BadEntryFile(f"its chunk {name} is gone")
+            meta, tensors = chunk
+            check(meta, self.identity, CHUNK_FORMAT, keys[start:end], start)
+            for tensor_name, tensor in tensors.items():
+                index, _, kind = tensor_name.partition(".")
+                pair = pieces.setdefault(int(index), [])
+                if kind == "keys":
+                    pair.append((tensor, tensors[f"{index}.values"]))
+        return {index: (torch.cat([k for k, _ in pair], dim=1), torch.cat([v for _, v in pair], dim=1))
+                for index, pair in pieces.items()}
+
     def _forget(self, tier: BlobTier, address: str) -> None:
         if tier is not self.disk:
             return  # the shared tier's index forgets by itself
         directory, _, name = address.partition("/")
         self.known.get(directory, set()).discard(int(name[1:], 16))
-
-    def _check(self, meta: dict, keys: list[int]) -> None:
-        expected = {"format": FORMAT, "fingerprint": self.identity.fingerprint,
-                    "model_dtype": str(self.identity.model_dtype), "state_dtype": str(self.identity.state_dtype)}
-        for name, value in expected.items():
-            if meta.get(name) != value:
-                raise BadEntryFile(f"{name} is {meta.get(name)!r}, expected {value!r}")
-        if meta.get("keys") != json.dumps(keys):
-            raise BadEntryFile("the file holds another prefix's tokens")
-
-    def _state(self, tensors: dict[str, torch.Tensor], keys: list[int],
-               template: RequestState) -> tuple[RequestState, Snapshot]:
-        """The resume point's state (its KV the request's own) and its snapshot, on the engine's device."""
-        device, position = self.identity.device, len(keys)
-        layers: list[LayerState] = []
-        snapshot: Snapshot = {}
-        for index, empty in enumerate(template.layers):
-            if isinstance(empty, LinearLayerState):
-                recurrent, conv = tensors[f"{index}.state"].to(device), tensors[f"{index}.conv"].to(device)
-                _check_shape(recurrent, empty.recurrent, conv, empty.conv)
-                snapshot[index] = layer = LinearLayerState(recurrent, conv)
-            elif isinstance(empty, WindowLayerState):
-                keys_, values = tensors[f"{index}.keys"].to(device), tensors[f"{index}.values"].to(device)
-                snapshot[index] = WindowLayerState(keys_, values, empty.window, position)
-                layer = snapshot[index].fork()
-            else:
-                keys_, values = tensors[f"{index}.keys"].to(device), tensors[f"{index}.values"].to(device)
-                if keys_.shape[1] != position or keys_.shape[0] != empty.keys.shape[0]:
-                    raise ValueError(f"layer {index}: keys of shape {tuple(keys_.shape)} for {position} positions")
-                layer = AttentionLayerState(keys_, values)
-            layers.append(layer)
-        marks = {p: k & MARK_MASK for p, k in enumerate(keys) if k & MARK_MASK}
-        return RequestState(layers, position, [k >> MARK_BITS for k in keys], marks), snapshot
 
     def drain(self) -> None:
         """Wait for the writes under way (a flush of the disk must see their files)."""
@@ -235,23 +253,3 @@ class ResumeStore:
         shared = {"mooncake": self.shared.describe()} if self.shared is not None else {}
         return {"resume_points": sum(len(v) for v in self.known.values()), **vars(self.counters), **shared}
 
-
-def _tensors(state: RequestState, position: int, snapshot: Snapshot) -> dict[str, torch.Tensor] | None:
-    """What a resume point at ``position`` holds, by name; None if a layer has no state there."""
-    tensors: dict[str, torch.Tensor] = {}
-    for index, layer in enumerate(state.layers):
-        if isinstance(layer, AttentionLayerState):
-            tensors[f"{index}.keys"], tensors[f"{index}.values"] = layer.kv(0, position)
-        elif isinstance(snapshot.get(index), LinearLayerState):
-            tensors[f"{index}.state"], tensors[f"{index}.conv"] = snapshot[index].tensors()
-        elif isinstance(snapshot.get(index), WindowLayerState):
-            tensors[f"{index}.keys"], tensors[f"{index}.values"] = snapshot[index].held()[:2]
-        else:
-            return None
-    return tensors
-
-
-def _check_shape(recurrent: torch.Tensor, expected: torch.Tensor, conv: torch.Tensor, expected_conv: torch.Tensor) -> None:
-    if recurrent.shape != expected.shape or conv.shape != expected_conv.shape:
-        raise ValueError(f"a linear state of shape {tuple(recurrent.shape)} / {tuple(conv.shape)} where the model "
-                         f"has {tuple(expected.shape)} / {tuple(expected_conv.shape)}")

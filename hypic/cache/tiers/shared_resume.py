@@ -4,18 +4,21 @@ The disk tier lists its files at start, so a request's prefixes are matched agai
 names. Mooncake cannot list objects, and probing every prefix of an 8k-token prompt would be 8k
 existence checks. So each resume point at position p is put with a small marker named by the hash
 of its prompt up to ``p - p % BLOCK``: a request probes one marker per ``BLOCK`` tokens of its
-prompt in one batched call, then the positions of the longest marked blocks in a second one. Both
-kinds of object are immutable (a put of a name that exists keeps the first value), so servers
+prompt in one batched call, then the positions of the longest marked blocks in a second one. A
+resume point's KV chunks are put only where the store lacks them (one batched check). Every kind
+of object is immutable (a put of a name that exists keeps the first value), so servers
 writing the same conversation at once never conflict; a marker whose resume point the master
 evicted only costs a probe.
 """
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from .hierarchy import BlobTier, StorageTiers
+from .resume_objects import head_address
 
 log = logging.getLogger("hypic.tiers")
 BLOCK = 64  # tokens a marker covers: a prompt of n tokens costs n / BLOCK probes, then up to BLOCK
@@ -31,14 +34,11 @@ class SharedTier(BlobTier, Protocol):
 
 @dataclass
 class SharedCounters:
-    written: int = 0
+    written: int = 0  # heads
+    chunks_written: int = 0
+    written_bytes: int = 0  # heads and chunks
     write_errors: int = 0
     probes: int = 0  # batched existence checks
-
-
-def resume_address(directory: str, value: int) -> str:
-    """Where the resume point named by prefix hash ``value`` lives (the disk tier's name too)."""
-    return f"{directory}/r{value:016x}"
 
 
 def marker_address(directory: str, value: int) -> str:
@@ -58,18 +58,26 @@ class SharedResumePoints:
 
     def wanted(self, directory: str, value: int) -> bool:
         """Whether a resume point named ``value`` is worth putting (not put or seen here before)."""
-        return not self.tier.indexed(resume_address(directory, value))
+        return not self.tier.indexed(head_address(directory, value))
 
-    def write(self, directory: str, hashes: np.ndarray, data: bytes) -> None:
-        """Put the resume point at position ``len(hashes) - 1`` (``hashes``: its prompt's prefix
-        hashes h_0..h_p), then its block's marker."""
+    def write(self, directory: str, hashes: np.ndarray, head: bytes, chunks: list[tuple[str, Callable[[], bytes]]]) -> None:
+        """Put the resume point at position ``len(hashes) - 1`` (``hashes``: its prompt's prefix hashes
+        h_0..h_p): the chunks the store lacks (one batched check), its head, then its block's marker."""
         position = len(hashes) - 1
         if not self.usable():
             return
         try:
-            self.tier.write(resume_address(directory, int(hashes[position])), data)
+            held = self.tier.contains_all([name for name, _ in chunks]) if chunks else []
+            for (name, make), present in zip(chunks, held):
+                if not present:
+                    data = make()
+                    self.tier.write(name, data)
+                    self.counters.chunks_written += 1
+                    self.counters.written_bytes += len(data)
+            self.tier.write(head_address(directory, int(hashes[position])), head)
             self.tier.write(marker_address(directory, int(hashes[position - position % BLOCK])), MARKER)
             self.counters.written += 1
+            self.counters.written_bytes += len(head)
         except Exception as err:  # too large for the store, or the master gone: not kept there
             self.counters.write_errors += 1
             self.storage.fail(self.tier, err)
@@ -88,7 +96,7 @@ class SharedResumePoints:
             candidates = [p for span in spans for p in reversed(span)]
             if not candidates:
                 return []
-            held = self._present([resume_address(directory, int(hashes[p])) for p in candidates])
+            held = self._present([head_address(directory, int(hashes[p])) for p in candidates])
         except Exception as err:
             self.storage.fail(self.tier, err)
             return []

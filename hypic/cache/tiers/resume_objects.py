@@ -1,0 +1,123 @@
+"""What a resume point is made of in a storage tier: one head and the KV chunks it names.
+
+A resume point at position p is the private pool's state after p tokens. Its full-attention KV is
+cut into chunks of ``CHUNK_TOKENS`` positions at fixed offsets (0, C, 2C, ...; the last one ends at
+p), each an object named by the hash of the prompt up to the chunk's end: the next turn of a
+conversation, or another request with the same system prompt, names the same full chunks, so a
+tier holds each once and a turn writes only the KV of its new tokens (and its last, partial
+chunk). The head holds everything else (each linear layer's state and conv window, each
+sliding-window layer's last window), the tokens (ids with layout marks) and the names of its
+chunks. Every object carries the model's identity and its tokens, compared before use, and a
+checksum (``entry_file.pack``).
+"""
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..prefix_cache import MARK_MASK, Snapshot
+from ..segments import MARK_BITS
+from ...state import AttentionLayerState, LayerState, LinearLayerState, RequestState, WindowLayerState
+from .entry_file import BadEntryFile, EntryIdentity
+
+HEAD_FORMAT = "hypic-resume-state/2"
+CHUNK_FORMAT = "hypic-resume-kv/1"
+CHUNK_TOKENS = 256  # positions of KV per chunk object
+
+
+def head_address(directory: str, value: int) -> str:
+    """Where the head of the resume point named by prefix hash ``value`` lives."""
+    return f"{directory}/r{value:016x}"
+
+
+def chunk_address(directory: str, value: int) -> str:
+    """Where the KV chunk ending where prefix hash ``value`` was taken lives."""
+    return f"{directory}/k{value:016x}"
+
+
+def chunk_spans(position: int) -> list[tuple[int, int]]:
+    """The chunks of the first ``position`` positions: [0, C), [C, 2C), ..., [., position)."""
+    return [(start, min(start + CHUNK_TOKENS, position)) for start in range(0, position, CHUNK_TOKENS)]
+
+
+@dataclass
+class ResumeParts:
+    """A resume point's tensors: the head's (linear states, window tails) and each full-attention
+    layer's KV [Hkv, p, D] (views of the request's state: positions before p never change)."""
+
+    head: dict[str, torch.Tensor]
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def resume_parts(state: RequestState, position: int, snapshot: Snapshot) -> ResumeParts | None:
+    """``state``'s resume point at ``position``; None if a layer has no state there."""
+    head: dict[str, torch.Tensor] = {}
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for index, layer in enumerate(state.layers):
+        if isinstance(layer, AttentionLayerState):
+            kv[index] = layer.kv(0, position)
+        elif isinstance(snapshot.get(index), LinearLayerState):
+            head[f"{index}.state"], head[f"{index}.conv"] = snapshot[index].tensors()
+        elif isinstance(snapshot.get(index), WindowLayerState):
+            head[f"{index}.keys"], head[f"{index}.values"] = snapshot[index].held()[:2]
+        else:
+            return None
+    return ResumeParts(head, kv)
+
+
+def identity_meta(identity: EntryIdentity, form: str) -> dict[str, str]:
+    return {"format": form, "fingerprint": identity.fingerprint, "model_dtype": str(identity.model_dtype),
+            "state_dtype": str(identity.state_dtype)}
+
+
+def chunk_tensors(parts: ResumeParts, start: int, end: int) -> dict[str, torch.Tensor]:
+    return {f"{index}.{name}": tensor[:, start:end]
+            for index, pair in parts.kv.items() for name, tensor in zip(("keys", "values"), pair)}
+
+
+def chunk_meta(identity: EntryIdentity, keys: list[int], start: int, end: int) -> dict[str, str]:
+    return {**identity_meta(identity, CHUNK_FORMAT), "start": str(start), "keys": json.dumps(keys[start:end])}
+
+
+def check(meta: dict, identity: EntryIdentity, form: str, keys: list[int], start: int = 0) -> None:
+    """Raise ``BadEntryFile`` unless ``meta`` is an object of ``form`` made by this model for ``keys``
+    (the tokens from ``start`` on)."""
+    for name, value in identity_meta(identity, form).items():
+        if meta.get(name) != value:
+            raise BadEntryFile(f"{name} is {meta.get(name)!r}, expected {value!r}")
+    if meta.get("keys") != json.dumps(keys) or meta.get("start", "0") != str(start):
+        raise BadEntryFile("the object holds another prefix's tokens")
+
+
+def chunk_names(hashes: np.ndarray, directory: str) -> list[str]:
+    """The chunk objects of the resume point at ``len(hashes) - 1`` (``hashes``: h_0 .. h_p)."""
+    return [chunk_address(directory, int(hashes[end])) for _, end in chunk_spans(len(hashes) - 1)]
+
+
+def state_from(head: dict[str, torch.Tensor], kv: dict[int, tuple[torch.Tensor, torch.Tensor]], keys: list[int],
+               template: RequestState, device: torch.device) -> tuple[RequestState, Snapshot]:
+    """The resume point's state (its KV the request's own) and its snapshot, on ``device``
+    (``template``: an empty state of the model); raises ValueError on shapes the model does not have."""
+    position = len(keys)
+    layers: list[LayerState] = []
+    snapshot: Snapshot = {}
+    for index, empty in enumerate(template.layers):
+        if isinstance(empty, LinearLayerState):
+            recurrent, conv = head[f"{index}.state"].to(device), head[f"{index}.conv"].to(device)
+            if recurrent.shape != empty.recurrent.shape or conv.shape != empty.conv.shape:
+                raise ValueError(f"a linear state of shape {tuple(recurrent.shape)} / {tuple(conv.shape)} where the "
+                                 f"model has {tuple(empty.recurrent.shape)} / {tuple(empty.conv.shape)}")
+            snapshot[index] = layer = LinearLayerState(recurrent, conv)
+        elif isinstance(empty, WindowLayerState):
+            keys_, values = head[f"{index}.keys"].to(device), head[f"{index}.values"].to(device)
+            snapshot[index] = WindowLayerState(keys_, values, empty.window, position)
+            layer = snapshot[index].fork()
+        else:
+            keys_, values = kv[index][0].to(device), kv[index][1].to(device)
+            if keys_.shape[1] != position or keys_.shape[0] != empty.keys.shape[0]:
+                raise ValueError(f"layer {index}: keys of shape {tuple(keys_.shape)} for {position} positions")
+            layer = AttentionLayerState(keys_, values)
+        layers.append(layer)
+    marks = {p: k & MARK_MASK for p, k in enumerate(keys) if k & MARK_MASK}
+    return RequestState(layers, position, [k >> MARK_BITS for k in keys], marks), snapshot
