@@ -217,9 +217,10 @@ def _tier_options(serve: argparse.ArgumentParser) -> None:
                             "wait_complete = until every load is done; timeout = up to 0.2 s plus 1 s per 200 MB "
                             "to load (default: timeout)")
     tiers.add_argument("--write-policy", choices=[p.value for p in WritePolicy], default="write_through",
-                       help="when a document's entry is written below memory, in the background: write_through = "
-                            "when it is built; write_through_selective = when it is first reused; write_back = when "
-                            "memory evicts it or the server stops gracefully (default: write_through)")
+                       help="when a document's entry, or a private-pool resume point, is written below memory, in "
+                            "the background: write_through = when it is built (a request's end); "
+                            "write_through_selective = when it is first reused; write_back = when memory evicts it "
+                            "or the server stops gracefully (default: write_through)")
 
 
 def _tiers(args: argparse.Namespace) -> TierOptions:

@@ -20,15 +20,16 @@ from .models import HybridModel
 from .cache.modes import Mode, ModePolicy, mode_policy, tree_namespace
 from .prefill_stats import BuiltForRequest, PrefillStats
 from .cache.plan import RequestPlan, plan_request
-from .cache.prefix_cache import PrefixCache, PrefixHit
+from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, split_prompt
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState, WindowLayerState
-from .cache.store import LinearInterior, SegmentEntry, SegmentStore, entry_key
+from .cache.store import Event, LinearInterior, SegmentEntry, SegmentStore, entry_key
 from .cache.tiers.entry_file import EntryIdentity
 from .cache.tiers.options import TierOptions, build_tiers
+from .cache.tiers.hierarchy import WritePolicy
 from .cache.tiers.resume import ResumeStore
 from .tokenizer import TextTokenizer
 
@@ -108,6 +109,8 @@ class Engine:
         self.store.rebuild_cost = lambda entry: self.rebuild_flops(len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.resume = resume  # the private pool's resume points on disk and in Mooncake (None: memory only)
+        if resume is not None and resume.write_policy is WritePolicy.WRITE_BACK:
+            self.prefix_cache.on_drop = self._resume_point_dropped
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
@@ -296,6 +299,8 @@ class Engine:
         if self.store.lower is not None:
             self.store.lower.close()
         if self.resume is not None:
+            for tree, node in self.prefix_cache.resume_points():  # write_back's last moment
+                self._resume_point_dropped(tree, node, Event.CLOSING)
             self.resume.close()
 
     def state_bytes(self, tokens: int, samples: int = 1, shared_tokens: int = 0) -> int:
@@ -390,6 +395,8 @@ class Engine:
             return empty
         hit = self.prefix_cache.match(policy.tree, key, len(key) - 1, empty)
         kept = self._kept_resume_point(key, policy, hit.length if hit is not None else 0, empty)
+        if kept is None and hit is not None:  # resumed from memory: write_through_selective's moment
+            self._keep_resume_point(policy.tree, policy.namespace, hit.state, hit.length, hit.snapshot, Event.HIT)
         if kept is not None:
             hit, tier = kept
             if tier == "mooncake":
@@ -421,12 +428,21 @@ class Engine:
         hit = self.prefix_cache.match(policy.tree, key, state.length, empty)
         return (hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)), found.tier
 
+    def _resume_point_dropped(self, tree: str, node: RadixNode, event: Event = Event.EVICTED) -> None:
+        """A private-pool resume point leaves memory (evicted, or the server stops): offered to the
+        tiers below (``write_back`` writes it)."""
+        if self.resume is None or not self.resume.wanted(event) or node.snapshot is None:
+            return
+        empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+        state = self.prefix_cache.state_at(node, empty)
+        self._keep_resume_point(tree, tree_namespace(tree), state, node.depth, node.snapshot, event)
+
     def _keep_resume_point(self, tree: str, namespace: str, state: RequestState, position: int,
-                           snapshot: dict[int, Any]) -> None:
+                           snapshot: dict[int, Any], event: Event = Event.MADE) -> None:
         """Offer the state after ``position`` tokens to the disk and Mooncake as a resume point (if
         either is there)."""
         if self.resume is not None and 0 < position <= state.length:
-            self.resume.offer(tree, namespace, state, position, snapshot)
+            self.resume.offer(tree, namespace, state, position, snapshot, event)
 
     def _snapshot_positions(self, parts: PromptParts, start: int, end: bool = False) -> list[int]:
         """Where the private pool keeps this prompt's linear states (after ``start``): at document

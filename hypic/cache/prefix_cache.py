@@ -18,7 +18,7 @@ bytes in memory. A split copies at most the one page it cuts through.
 """
 import heapq
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import count, pairwise
 
@@ -114,10 +114,12 @@ class PrefixLease:
 
 @dataclass
 class PrefixHit:
-    """A private-pool hit: the request's state after its first ``length`` tokens."""
+    """A private-pool hit: the request's state after its first ``length`` tokens, and the snapshot
+    it resumed from (the node's own: the request's rings are copies it writes into)."""
 
     length: int
     state: RequestState
+    snapshot: Snapshot = field(default_factory=dict)
 
 
 def cache_key(token_ids: list[int], marks: Mapping[int, int]) -> list[int]:
@@ -162,6 +164,8 @@ class PrefixCache:
         self._clock = count(1)
         self._leaves: dict[RadixNode, None] = {}  # nodes without children, oldest first (the eviction candidates)
         self._lock = threading.Lock()  # for ``RadixNode.users``, which a dropped lease lowers on any thread
+        # told of every resume point that leaves memory (its tree and node, before it goes): write_back's moment
+        self.on_drop: Callable[[str, RadixNode], None] | None = None
 
     # ----- lookup -------------------------------------------------------------------------
     def match(self, tree: str, key: list[int], limit: int, template: RequestState) -> PrefixHit | None:
@@ -172,7 +176,8 @@ class PrefixCache:
             self.misses += 1
             return None
         self.hits += 1
-        return PrefixHit(best.depth, self._assemble(best, key, template))
+        assert best.snapshot is not None
+        return PrefixHit(best.depth, self._assemble(best, key, template), best.snapshot)
 
     def peek(self, tree: str, key: list[int], limit: int) -> int:
         """The length ``match`` would resume from, without assembling it or counting it."""
@@ -201,8 +206,13 @@ class PrefixCache:
             walk.last_used = tick
             walk = walk.parent
         path.reverse()
+        return self._state(path, key, template, PrefixLease(path, self._lock))
+
+    @staticmethod
+    def _state(path: list[RadixNode], key: list[int], template: RequestState, lease: PrefixLease | None) -> RequestState:
+        """The state at the end of ``path`` (root's child to a snapshotted node), its KV the path's pages."""
+        node = path[-1]
         assert node.snapshot is not None
-        lease = PrefixLease(path, self._lock)
         layers: list[LayerState] = []
         for index, empty in enumerate(template.layers):
             if isinstance(empty, LinearLayerState):
@@ -217,6 +227,34 @@ class PrefixCache:
         prefix = key[: node.depth]
         marks = {position: k & MARK_MASK for position, k in enumerate(prefix) if k & MARK_MASK}
         return RequestState(layers, node.depth, [k >> MARK_BITS for k in prefix], marks)
+
+    def state_at(self, node: RadixNode, template: RequestState) -> RequestState:
+        """The state at a snapshotted ``node``'s end, nothing pinned or made recent (to write it below
+        memory as it leaves, or at a stop)."""
+        path: list[RadixNode] = []
+        walk: RadixNode | None = node
+        while walk is not None and walk.parent is not None:
+            path.append(walk)
+            walk = walk.parent
+        path.reverse()
+        return self._state(path, [k for n in path for k in n.edge], template, None)
+
+    def resume_points(self) -> Iterator[tuple[str, RadixNode]]:
+        """Every snapshotted node and its tree's name."""
+        for tree, root in list(self.roots.items()):
+            for node in self._nodes([root]):
+                if node.snapshot is not None and node.parent is not None:
+                    yield tree, node
+
+    def _dropping(self, node: RadixNode) -> None:
+        """``node``'s resume point leaves memory: tell ``on_drop``."""
+        if self.on_drop is None or node.snapshot is None:
+            return
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        tree = next(name for name, root in self.roots.items() if root is top)
+        self.on_drop(tree, node)
 
     # ----- insertion ----------------------------------------------------------------------
     def insert(self, tree: str, state: RequestState, snapshots: dict[int, Snapshot]) -> None:
@@ -295,6 +333,7 @@ class PrefixCache:
         while self.nbytes > self.budget_bytes and leaves:
             node = heapq.heappop(leaves)[2]
             parent = node.parent
+            self._dropping(node)
             self._remove(node)
             self.evictions += 1
             if parent is not None and parent.parent is not None and not parent.children and parent.users == 0:
@@ -309,6 +348,7 @@ class PrefixCache:
         for node in holders:  # dropping a snapshot makes no new holder: one sorted walk
             if self.window_nbytes <= self.window_budget_bytes:
                 break
+            self._dropping(node)
             self._drop_snapshot(node)
             self.window_evictions += 1
 

@@ -632,6 +632,60 @@ def test_a_resume_point_whose_chunk_is_gone_is_a_miss_and_deleted(make: MakeEngi
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
+def _conversation(engine: Engine, text: str, tokens: int = 5) -> tuple[list[int], list[int]]:
+    """A first turn on ``engine`` (its prompt ids, and the next turn's ids: prompt, output, a question)."""
+    prompt = list(engine.parse(text).token_ids)
+    reply = engine.generate(list(prompt), max_new_tokens=tokens, ignore_eos=True)
+    return prompt, prompt + reply.output_ids + list(engine.parse(" and then?").token_ids)
+
+
+def test_write_through_selective_keeps_a_resume_point_once_memory_resumes_from_it(make: MakeEngine,
+                                                                                  tmp_path: Path) -> None:
+    """Under write_through_selective a request's end is not written when it is made, but when the next
+    turn resumes from it in memory; a restarted engine resumes there from the disk."""
+    first = make(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    prompt, turn2 = _conversation(first, DOCUMENTS[0] + DOCUMENTS[1])
+    first.resume.drain()
+    assert _resume_files(tmp_path / "cache") == []
+    assert first.prefill(first.parse(turn2)).stats.prefix_hit_tokens == len(prompt) + 4
+    first.close()
+    assert len(_resume_files(tmp_path / "cache")) == 1
+    restarted = make()
+    resumed = restarted.prefill(restarted.parse(turn2))
+    assert resumed.stats.disk_cached_tokens == len(prompt) + 4
+    assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
+
+
+def test_write_back_keeps_a_resume_point_when_memory_evicts_it_and_at_a_stop(tiny_checkpoint: Path,
+                                                                             tmp_path: Path) -> None:
+    """Under write_back nothing is written while the private pool holds a conversation; when a later
+    request makes it evict the conversation's end, that end is written, and another engine on the
+    directory resumes there with full recompute's logits; what is still in memory is written at a
+    graceful stop."""
+    texts = [DOCUMENTS[0] + DOCUMENTS[1], DOCUMENTS[2] + DOCUMENTS[3] + DOCUMENTS[4]]
+    sizing = Engine.from_pretrained(tiny_checkpoint)  # the private pool's bytes of the second, then of both
+    _conversation(sizing, texts[1])
+    alone = sizing.prefix_cache.nbytes
+    _conversation(sizing, texts[0])
+    both = sizing.prefix_cache.nbytes
+    tiers = TierOptions(str(tmp_path / "cache"), write_policy=WritePolicy.WRITE_BACK)
+    engine = Engine.from_pretrained(tiny_checkpoint, private_pool_bytes=alone + (both - alone) // 2, tiers=tiers)
+    prompt, turn2 = _conversation(engine, texts[0])
+    engine.resume.drain()
+    assert _resume_files(tmp_path / "cache") == []
+    _conversation(engine, texts[1])  # its insertion evicts the first conversation's deepest nodes
+    engine.resume.drain()
+    assert engine.prefix_cache.evictions > 0 and _resume_files(tmp_path / "cache")
+    other = Engine.from_pretrained(tiny_checkpoint, tiers=TierOptions(str(tmp_path / "cache")))
+    resumed = other.prefill(other.parse(turn2))
+    assert resumed.stats.disk_cached_tokens == len(prompt) + 4
+    assert (resumed.logits - _full_logits(other, turn2)).abs().max().item() < 1e-4
+    other.close()
+    before = len(_resume_files(tmp_path / "cache"))
+    engine.close()
+    assert len(_resume_files(tmp_path / "cache")) > before  # the second conversation's, at the stop
+
+
 class FakeMooncakeStore:
     """The calls of Mooncake's client that the tier makes, over a dict (what another server puts lands
     in ``objects`` without this tier seeing it)."""

@@ -55,7 +55,7 @@ def build_tiers(options: TierOptions, identity: EntryIdentity) -> Tiers:
     public = storage if options.host_bytes is None else HostTier(options.host_bytes, identity.device, storage)
     shared = next((SharedResumePoints(tier, storage) for tier in storage.tiers if tier.name == "mooncake"),
                   None) if storage is not None else None
-    resume = ResumeStore(disk, identity, shared) if disk is not None or shared is not None else None
+    resume = ResumeStore(disk, identity, shared, options.write_policy) if disk is not None or shared is not None else None
     return Tiers(public, resume)
 
 

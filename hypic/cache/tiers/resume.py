@@ -28,7 +28,8 @@ from ..prefix_cache import Snapshot, cache_key
 from ...state import RequestState
 from .disk import DiskTier
 from .entry_file import BadEntryFile, EntryIdentity, namespace_dir, pack, unpack
-from .hierarchy import BlobTier
+from ..store import Event
+from .hierarchy import BlobTier, WritePolicy
 from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, ResumeParts, check, chunk_meta, chunk_names, chunk_spans,
                              chunk_tensors, head_address, identity_meta, resume_parts, state_from)
 from .shared_resume import SharedResumePoints
@@ -75,8 +76,9 @@ class ResumeStore:
     """Resume points of the private pool as files of ``disk`` and objects of ``shared`` (either may be
     None). ``offer`` writes in the background; ``find`` runs on the engine loop."""
 
-    def __init__(self, disk: DiskTier | None, identity: EntryIdentity, shared: SharedResumePoints | None = None) -> None:
-        self.disk, self.identity, self.shared = disk, identity, shared
+    def __init__(self, disk: DiskTier | None, identity: EntryIdentity, shared: SharedResumePoints | None = None,
+                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
+        self.disk, self.identity, self.shared, self.write_policy = disk, identity, shared, write_policy
         self.known: dict[str, set[int]] = {}  # namespace directory -> hashes the disk's files are named by
         self.counters = ResumeCounters()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hypic-resume-writer")
@@ -92,11 +94,23 @@ class ResumeStore:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
     # ----- writes --------------------------------------------------------------------------
-    def offer(self, tree: str, namespace: str, state: RequestState, position: int, snapshot: Snapshot) -> None:
+    def wanted(self, event: Event) -> bool:
+        """Whether the write policy keeps a resume point on ``event``, as it keeps documents:
+        ``write_through`` when it is made (a request's end, a system prompt's), ``write_through_selective``
+        when memory resumes from it (first time), ``write_back`` when it leaves memory or the server stops."""
+        if event is Event.EVICTED or event is Event.CLOSING:
+            return self.write_policy is WritePolicy.WRITE_BACK
+        if event is Event.MADE:
+            return self.write_policy is WritePolicy.WRITE_THROUGH
+        return self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
+
+    def offer(self, tree: str, namespace: str, state: RequestState, position: int, snapshot: Snapshot,
+              event: Event = Event.MADE) -> None:
         """Keep ``state``'s first ``position`` tokens as a resume point of ``tree`` (``snapshot``: its
-        linear and sliding-window layers' states there) in each tier that lacks it; written in the
-        background (the KV read is immutable by then: positions before ``position`` never change)."""
-        if self.closed:  # after a graceful stop nothing more is written (as the storage tiers do)
+        linear and sliding-window layers' states there) in each tier that lacks it, if the write policy
+        wants it on ``event``; written in the background (the KV read is immutable by then: positions
+        before ``position`` never change)."""
+        if self.closed or not self.wanted(event):  # after a graceful stop nothing more is written
             return
         keys = cache_key(state.token_ids[:position], state.marks)
         directory = namespace_dir(namespace)
@@ -251,5 +265,6 @@ class ResumeStore:
 
     def describe(self) -> dict:
         shared = {"mooncake": self.shared.describe()} if self.shared is not None else {}
-        return {"resume_points": sum(len(v) for v in self.known.values()), **vars(self.counters), **shared}
+        return {"resume_points": sum(len(v) for v in self.known.values()), "write_policy": self.write_policy.value,
+                "write_queue": sum(1 for f in self.pending if not f.done()), **vars(self.counters), **shared}
 
