@@ -73,6 +73,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
            "resume points that lost their sliding-window tails to the window budget")
     if snapshot.get("tiers"):
         lines += _tier_lines(snapshot["tiers"])
+    if snapshot.get("resume_points"):
+        lines += _resume_lines(snapshot["resume_points"])
     lines += ["# HELP hypic_time_to_first_token_seconds time to first token", "# TYPE hypic_time_to_first_token_seconds histogram"]
     for bound, count in zip(TTFT_BUCKETS, snapshot["ttft_buckets"]):
         lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="{bound}"}} {count}')
@@ -104,6 +106,29 @@ TIER_METRICS = (  # (name, kind, field of a tier's status, help)
     ("tier_write_errors_total", "counter", "write_errors", "writes that failed"),
     ("tier_evictions_total", "counter", "evictions", "entries the tier evicted to stay within its budget"),
 )
+
+
+RESUME_METRICS = (  # (name, kind, field of a tier's resume-point counters, help)
+    ("resume_points_written_total", "counter", "written", "private-pool resume points written to the tier"),
+    ("resume_chunks_written_total", "counter", "chunks_written", "their KV chunks written (a chunk held already is not)"),
+    ("resume_written_bytes_total", "counter", "written_bytes", "bytes of resume points and chunks written to the tier"),
+    ("resume_write_errors_total", "counter", "write_errors", "resume-point writes that failed"),
+)
+
+
+def _resume_lines(report: dict[str, Any]) -> list[str]:
+    """The private pool's resume points below memory: finds, and writes per tier (label ``tier``)."""
+    lines = []
+    for name, kind, key, help_text in (
+            ("resume_hits_total", "counter", "hits", "requests resumed from a resume point below memory"),
+            ("resume_misses_total", "counter", "misses", "lookups below memory that found none"),
+            ("resume_bad_total", "counter", "bad_files", "damaged, foreign or incomplete resume points found, deleted"),
+            ("resume_write_queue", "gauge", "write_queue", "resume points waiting to be written")):
+        lines += _metric_lines(name, kind, help_text, {"": float(report[key])})
+    for name, kind, key, help_text in RESUME_METRICS:
+        lines += _metric_lines(name, kind, help_text, {f'{{tier="{tier}"}}': float(counters[key])
+                                                       for tier, counters in report["tiers"].items()})
+    return lines
 
 
 def _metric_lines(name: str, kind: str, help_text: str, samples: dict[str, float]) -> list[str]:

@@ -606,7 +606,12 @@ def test_a_conversation_writes_each_kv_chunk_once_and_resumes_from_chunks_of_eve
     first.close()
     assert ends[0] > CHUNK_TOKENS and ends[-1] > 2 * CHUNK_TOKENS
     chunks = ends[-1] // CHUNK_TOKENS + sum(end % CHUNK_TOKENS != 0 for end in ends)
-    assert len(_resume_files(tmp_path / "cache", "k")) == first.resume.counters.chunks_written == chunks
+    assert len(_resume_files(tmp_path / "cache", "k")) == first.resume.disk_writes.chunks_written == chunks
+    from hypic.server.stats import _resume_lines
+
+    metrics = _resume_lines(first.resume.describe())
+    assert f'hypic_resume_chunks_written_total{{tier="disk"}} {float(chunks)}' in metrics
+    assert 'hypic_resume_points_written_total{tier="disk"} 3.0' in metrics and "hypic_resume_write_queue 0.0" in metrics
     assert len(_resume_files(tmp_path / "cache")) == 3
     restarted = make()
     turn4 = history + first.parse(" and then?").token_ids
@@ -796,7 +801,10 @@ def test_a_conversation_continues_on_another_server_through_mooncake(make: MakeE
     assert resumed.stats.prefix_hit_tokens == len(turn1.token_ids) + 5
     assert resumed.stats.cached_tokens_by_tier["mooncake"] == len(turn1.token_ids) + 5
     assert (resumed.logits - _full_logits(other, turn2)).abs().max().item() < 1e-4
-    assert other.resume.describe()["hits"] == 1
+    assert other.resume.describe()["hits"] == 1 and first.resume.describe()["tiers"]["mooncake"]["written"] == 1
+    from hypic.server.stats import _resume_lines
+
+    assert "hypic_resume_hits_total 1.0" in _resume_lines(other.resume.describe())
     assert make(cache_dir=None).prefill(other.parse(turn2)).stats.prefix_hit_tokens == 0
 
 

@@ -77,6 +77,9 @@ def test_two_servers_share_documents_through_one_master(tiny_checkpoint: Path, t
         continued = b.post("/generate", turn2)
         assert continued["meta_info"]["prefix_hit_tokens"] == len(prompt1) + 5
         assert continued["meta_info"]["cached_tokens_by_tier"]["mooncake"] == len(prompt1) + 5
+        metrics = dict(line.rsplit(" ", 1) for line in b.get("/metrics").splitlines() if not line.startswith("#"))
+        assert float(metrics["hypic_resume_hits_total"]) >= 1
+        assert float(metrics['hypic_resume_points_written_total{tier="mooncake"}']) >= 1
         time.sleep(0.5)  # past the read's lease (200 ms), which keeps an object from removal
         b.post("/flush_cache?tiers=memory,mooncake", {})
         recomputed = b.post("/generate", turn2)

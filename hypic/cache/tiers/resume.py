@@ -32,7 +32,7 @@ from ..store import Event
 from .hierarchy import BlobTier, WritePolicy
 from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, ResumeParts, check, chunk_meta, chunk_names, chunk_spans,
                              chunk_tensors, head_address, identity_meta, resume_parts, state_from)
-from .shared_resume import SharedResumePoints
+from .shared_resume import SharedResumePoints, WriteCounters
 
 log = logging.getLogger("hypic.tiers")
 MULTIPLIER = 0x100000001B3  # odd: invertible modulo 2^64
@@ -63,10 +63,8 @@ class ResumeFound:
 
 @dataclass
 class ResumeCounters:
-    written: int = 0  # heads written to the disk
-    chunks_written: int = 0
-    written_bytes: int = 0  # heads and chunks
-    write_errors: int = 0
+    """Lookups below memory (every tier)."""
+
     hits: int = 0
     misses: int = 0
     bad_files: int = 0  # damaged, foreign or incomplete heads (deleted)
@@ -81,6 +79,7 @@ class ResumeStore:
         self.disk, self.identity, self.shared, self.write_policy = disk, identity, shared, write_policy
         self.known: dict[str, set[int]] = {}  # namespace directory -> hashes the disk's files are named by
         self.counters = ResumeCounters()
+        self.disk_writes = WriteCounters()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hypic-resume-writer")
         self.pending: list[Future] = []  # writes not known to be done
         self.closed = False
@@ -155,14 +154,14 @@ class ResumeStore:
                 if not self.disk.touch(name):  # held chunks become as recent as the head that needs them
                     data = make()
                     self.disk.write(name, data)
-                    self.counters.chunks_written += 1
-                    self.counters.written_bytes += len(data)
+                    self.disk_writes.chunks_written += 1
+                    self.disk_writes.written_bytes += len(data)
             self.disk.write(address, head)
-            self.counters.written += 1
-            self.counters.written_bytes += len(head)
+            self.disk_writes.written += 1
+            self.disk_writes.written_bytes += len(head)
         except Exception as err:  # a full disk or a removed directory: the resume point is just not kept
             log.warning("resume point %s not written (%s: %s)", address, type(err).__name__, err)
-            self.counters.write_errors += 1
+            self.disk_writes.write_errors += 1
 
     # ----- reads ---------------------------------------------------------------------------
     def find(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
@@ -264,7 +263,11 @@ class ResumeStore:
         self.writer.shutdown(wait=True)
 
     def describe(self) -> dict:
-        shared = {"mooncake": self.shared.describe()} if self.shared is not None else {}
-        return {"resume_points": sum(len(v) for v in self.known.values()), "write_policy": self.write_policy.value,
-                "write_queue": sum(1 for f in self.pending if not f.done()), **vars(self.counters), **shared}
+        """Lookups, the write policy and queue, and writes per tier (``tiers``)."""
+        tiers = {"disk": {"resume_points": sum(len(v) for v in self.known.values()), **vars(self.disk_writes)}} \
+            if self.disk is not None else {}
+        if self.shared is not None:
+            tiers["mooncake"] = self.shared.describe()
+        return {"write_policy": self.write_policy.value, "write_queue": sum(1 for f in self.pending if not f.done()),
+                **vars(self.counters), "tiers": tiers}
 

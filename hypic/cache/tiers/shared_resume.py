@@ -33,12 +33,13 @@ class SharedTier(BlobTier, Protocol):
 
 
 @dataclass
-class SharedCounters:
+class WriteCounters:
+    """Resume points written to one tier."""
+
     written: int = 0  # heads
     chunks_written: int = 0
     written_bytes: int = 0  # heads and chunks
     write_errors: int = 0
-    probes: int = 0  # batched existence checks
 
 
 def marker_address(directory: str, value: int) -> str:
@@ -51,7 +52,8 @@ class SharedResumePoints:
 
     def __init__(self, tier: SharedTier, storage: StorageTiers) -> None:
         self.tier, self.storage = tier, storage
-        self.counters = SharedCounters()
+        self.counters = WriteCounters()
+        self.probes = 0  # batched existence checks
 
     def usable(self) -> bool:
         return self.storage.usable(self.tier)
@@ -103,8 +105,8 @@ class SharedResumePoints:
         return [p for p, hit in zip(candidates, held) if hit]
 
     def _present(self, addresses: list[str]) -> list[bool]:
-        self.counters.probes += 1
+        self.probes += 1
         return self.tier.contains_all(addresses)
 
     def describe(self) -> dict:
-        return dict(vars(self.counters))
+        return {**vars(self.counters), "probes": self.probes}
