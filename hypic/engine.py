@@ -335,8 +335,15 @@ class Engine:
         return [(key, ids) for _, key, ids in plan.documents() if self.store.peek(key, ids) is None]
 
     def prefetch(self, plan: RequestPlan) -> int:
-        """Start loading, from the lower tiers, the documents ``plan`` splices that memory lacks (a
-        serving loop calls this as the request arrives); returns how many."""
+        """Start loading, from the lower tiers, the documents ``plan`` splices that memory lacks, and
+        looking for a resume point longer than memory's (a serving loop calls this as the request
+        arrives); returns how many documents."""
+        tree = plan.policy.tree
+        if self.resume is not None and tree is not None:
+            key = plan.tree_key
+            after = self.prefix_cache.peek(tree, key, len(key) - 1)
+            empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+            self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty)
         missing = self._not_in_memory(plan)
         for key, ids in missing:
             self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
@@ -420,7 +427,7 @@ class Engine:
         the tier it came from; None if there is none."""
         if self.resume is None or policy.tree is None:
             return None
-        found = self.resume.find(policy.tree, policy.namespace, key, after, len(key) - 1, empty)
+        found = self.resume.take(policy.tree, policy.namespace, key, after, len(key) - 1, empty)
         if found is None:
             return None
         state = found.state

@@ -644,6 +644,54 @@ def _conversation(engine: Engine, text: str, tokens: int = 5) -> tuple[list[int]
     return prompt, prompt + reply.output_ids + list(engine.parse(" and then?").token_ids)
 
 
+def test_a_resume_point_is_looked_up_as_its_request_arrives(make: MakeEngine, tmp_path: Path) -> None:
+    """``prefetch`` (the loop calls it as a request arrives) reads the resume point in the background;
+    the prefill takes what it read: with the files gone meanwhile the request still resumes there,
+    with full recompute's logits, and the read ran on a prefetch thread."""
+    import threading
+
+    first = make()
+    prompt, turn2 = _conversation(first, DOCUMENTS[0] + DOCUMENTS[1])
+    first.close()
+    restarted = make()
+    readers: list[str] = []
+    reading = restarted.resume.disk.reading
+
+    def recorded(address: str):
+        readers.append(threading.current_thread().name)
+        return reading(address)
+
+    restarted.resume.disk.reading = recorded
+    parts = restarted.parse(turn2)
+    restarted.prefetch(restarted.plan(parts))
+    (lookup,) = restarted.resume.prefetches.values()
+    lookup.result(timeout=30)
+    for path in (tmp_path / "cache").rglob("*.safetensors"):
+        path.unlink()
+    resumed = restarted.prefill(parts)
+    assert resumed.stats.disk_cached_tokens == len(prompt) + 4 and restarted.resume.prefetches == {}
+    assert readers and all(name.startswith("hypic-resume-prefetch") for name in readers)
+    assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
+
+
+def test_a_prefetched_resume_point_gives_way_to_a_longer_one_memory_made_meanwhile(make: MakeEngine) -> None:
+    """Turn 3 arrives while only turn 1's end is on disk (its lookup finds that); turn 2 then ends in
+    this engine's memory: turn 3 resumes from memory at turn 2's end, not from the shorter one read."""
+    first = make()
+    prompt, turn2 = _conversation(first, DOCUMENTS[0] + DOCUMENTS[1])
+    first.close()
+    reply = make(cache_dir=None).generate(list(turn2), max_new_tokens=5, ignore_eos=True)
+    turn3 = turn2 + reply.output_ids + [65, 66]
+    engine = make()
+    parts = engine.parse(turn3)
+    engine.prefetch(engine.plan(parts))
+    (lookup,) = engine.resume.prefetches.values()
+    assert lookup.result(timeout=30).state.length == len(prompt) + 4
+    engine.generate(list(turn2), max_new_tokens=5, ignore_eos=True)
+    resumed = engine.prefill(parts)
+    assert resumed.stats.prefix_hit_tokens == resumed.stats.cached_tokens_by_tier["device"] == len(turn2) + 4
+
+
 def test_write_through_selective_keeps_a_resume_point_once_memory_resumes_from_it(make: MakeEngine,
                                                                                   tmp_path: Path) -> None:
     """Under write_through_selective a request's end is not written when it is made, but when the next

@@ -17,6 +17,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, ResumeParts, check, chun
 from .shared_resume import SharedResumePoints, WriteCounters
 
 log = logging.getLogger("hypic.tiers")
+MAX_PREFETCHES = 64  # lookups started and not taken yet, at most
 MULTIPLIER = 0x100000001B3  # odd: invertible modulo 2^64
 Chunks = list[tuple[str, Callable[[], bytes]]]  # a resume point's chunk objects: name, and how to pack it
 
@@ -78,7 +81,10 @@ class ResumeStore:
                  write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
         self.disk, self.identity, self.shared, self.write_policy = disk, identity, shared, write_policy
         self.known: dict[str, set[int]] = {}  # namespace directory -> hashes the disk's files are named by
+        self.lock = threading.Lock()  # for ``known``: lookups run on prefetch threads too
         self.counters = ResumeCounters()
+        self.prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hypic-resume-prefetch")
+        self.prefetches: OrderedDict[tuple, Future] = OrderedDict()  # lookups started as requests arrived
         self.disk_writes = WriteCounters()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hypic-resume-writer")
         self.pending: list[Future] = []  # writes not known to be done
@@ -115,13 +121,15 @@ class ResumeStore:
         directory = namespace_dir(namespace)
         hashes = prefix_hashes(self._seed(tree), keys)
         value = int(hashes[-1])
-        to_disk = self.disk is not None and value not in self.known.get(directory, ())
+        with self.lock:
+            to_disk = self.disk is not None and value not in self.known.get(directory, ())
         to_shared = self.shared is not None and self.shared.wanted(directory, value)
         parts = resume_parts(state, position, snapshot) if to_disk or to_shared else None
         if parts is None:
             return
         if to_disk:
-            self.known.setdefault(directory, set()).add(value)
+            with self.lock:
+                self.known.setdefault(directory, set()).add(value)
         self.pending.append(self.writer.submit(self._write, tree, directory, keys, hashes, parts, to_disk, to_shared))
         self.pending = [f for f in self.pending if not f.done()]
 
@@ -164,28 +172,56 @@ class ResumeStore:
             self.disk_writes.write_errors += 1
 
     # ----- reads ---------------------------------------------------------------------------
-    def find(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
+    def prefetch(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
+                 template: RequestState) -> None:
+        """Start ``take``'s lookup in the background (a request that may resume below memory just
+        arrived): its reads overlap the request's wait instead of holding up the engine loop later."""
+        ident = _identity(tree, namespace, key)
+        if self.closed or limit <= after or ident in self.prefetches or not self._anywhere(namespace):
+            return
+        self.prefetches[ident] = self.prefetcher.submit(self._find, tree, namespace, key, after, limit, template)
+        while len(self.prefetches) > MAX_PREFETCHES:  # requests that went away
+            self.prefetches.popitem(last=False)
+
+    def take(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
              template: RequestState) -> ResumeFound | None:
         """The longest kept resume point of ``tree`` on ``key`` (a request's private-pool key) that ends
-        past ``after`` and within ``limit`` tokens; None if there is none. ``template``: an empty
-        state of the model (layer kinds, device, dtype)."""
+        past ``after`` and within ``limit`` tokens, through the lookup ``prefetch`` started for it (waited
+        for) if there is one; None if there is none. ``template``: an empty state of the model."""
+        started = self.prefetches.pop(_identity(tree, namespace, key), None)
+        try:
+            found = started.result() if started is not None else self._find(tree, namespace, key, after, limit, template)
+        except Exception as err:  # noqa: BLE001 - a broken lookup costs only the resume
+            log.warning("resume point lookup failed (%s: %s)", type(err).__name__, err)
+            found = None
+        if found is None or not after < found.state.length <= limit:  # memory may hold a longer one by now
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        return found
+
+    def _anywhere(self, namespace: str) -> bool:
+        with self.lock:
+            return self.shared is not None or bool(self.known.get(namespace_dir(namespace)))
+
+    def _find(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
+              template: RequestState) -> ResumeFound | None:
         directory = namespace_dir(namespace)
-        known = self.known.get(directory)
-        if limit <= after or not (known or self.shared is not None):
+        with self.lock:
+            known = np.fromiter(self.known.get(directory, ()), dtype=np.uint64)
+        if limit <= after or not (len(known) or self.shared is not None):
             return None
         hashes = prefix_hashes(self._seed(tree), key[:limit])
         candidates = []  # (position, the disk first at one position, tier)
-        if known:
-            found = np.isin(hashes, np.fromiter(known, dtype=np.uint64, count=len(known)))
+        if len(known):
+            found = np.isin(hashes, known)
             candidates += [(int(p), 1, self.disk) for p in np.flatnonzero(found) if p > after]
         if self.shared is not None:
             candidates += [(p, 0, self.shared.tier) for p in self.shared.positions(directory, hashes, after)]
         for position, _, tier in sorted(candidates, key=lambda c: c[:2], reverse=True):
             loaded = self._load(tier, head_address(directory, int(hashes[position])), key[:position], template)
             if loaded is not None:
-                self.counters.hits += 1
                 return ResumeFound(*loaded, tier.name)
-        self.counters.misses += 1
         return None
 
     def _load(self, tier: BlobTier, address: str, keys: list[int],
@@ -242,7 +278,8 @@ class ResumeStore:
         if tier is not self.disk:
             return  # the shared tier's index forgets by itself
         directory, _, name = address.partition("/")
-        self.known.get(directory, set()).discard(int(name[1:], 16))
+        with self.lock:
+            self.known.get(directory, set()).discard(int(name[1:], 16))
 
     def drain(self) -> None:
         """Wait for the writes under way (a flush of the disk must see their files)."""
@@ -252,22 +289,30 @@ class ResumeStore:
 
     def forget(self, namespace: str | None) -> None:
         """The disk's files of ``namespace`` (None: all) were flushed: nothing is kept for it."""
-        if namespace is None:
-            self.known.clear()
-        else:
-            self.known.pop(namespace_dir(namespace), None)
+        with self.lock:
+            if namespace is None:
+                self.known.clear()
+            else:
+                self.known.pop(namespace_dir(namespace), None)
 
     def close(self) -> None:
         """Finish the writes under way; later offers are ignored."""
         self.closed = True
+        self.prefetcher.shutdown(wait=True, cancel_futures=True)
         self.writer.shutdown(wait=True)
 
     def describe(self) -> dict:
         """Lookups, the write policy and queue, and writes per tier (``tiers``)."""
-        tiers = {"disk": {"resume_points": sum(len(v) for v in self.known.values()), **vars(self.disk_writes)}} \
-            if self.disk is not None else {}
+        with self.lock:
+            held = sum(len(v) for v in self.known.values())
+        tiers = {"disk": {"resume_points": held, **vars(self.disk_writes)}} if self.disk is not None else {}
         if self.shared is not None:
             tiers["mooncake"] = self.shared.describe()
         return {"write_policy": self.write_policy.value, "write_queue": sum(1 for f in self.pending if not f.done()),
                 **vars(self.counters), "tiers": tiers}
 
+
+
+def _identity(tree: str, namespace: str, key: list[int]) -> tuple:
+    """What a prefetched lookup is filed under: the request's tree, namespace and key."""
+    return tree, namespace, len(key), hash(tuple(key))
