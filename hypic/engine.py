@@ -1,6 +1,7 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -349,6 +350,12 @@ class Engine:
             self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
                                       self.entry_bytes(len(ids), plan.policy.name))
         return len(missing)
+
+    def resume_lookup(self, plan: RequestPlan) -> Future | None:
+        """The background lookup of ``plan``'s resume point that ``prefetch`` started, if one runs."""
+        if self.resume is None or plan.policy.tree is None:
+            return None
+        return self.resume.lookup(plan.policy.tree, plan.policy.namespace, plan.tree_key)
 
     def load_from_tiers(self, plan: RequestPlan) -> tuple[tuple[str, str], ...]:
         """Bring the documents ``plan`` splices that only a lower tier holds into memory now (a router

@@ -40,6 +40,7 @@ from .stats import LoopStats
 log = logging.getLogger("hypic.server")
 WAIT_CREDIT_TOKENS_PER_S = 256.0  # a request that has waited t seconds counts as 256 t tokens smaller
 URGENT = -math.inf  # the priority of work that goes before any build (a worker's combine passes)
+LOOKUP_WAIT_S = 2.0  # a request waits this long at most for its resume point's read before it starts
 
 
 def default_prefill_batch(device: str) -> int:
@@ -117,6 +118,7 @@ class Job:
     built: BuiltForRequest = field(default_factory=BuiltForRequest)  # computed for it before its prefill
     peer_work: PeerWork | None = None  # started when it is admitted: its documents built on peers
     peer: Future | None = None  # that work under way: (remote Prefill future or None, built)
+    lookup: Future | None = None  # its resume point being looked up below memory (started as it arrived)
     admitted: bool = False  # it holds a running slot and its state memory
     phases: list[Phase] = field(default_factory=lambda: [Phase.QUEUED])  # every phase it entered, in order
 
@@ -126,9 +128,17 @@ class Job:
 
     @property
     def awaiting(self) -> bool:
-        """Whether it waits on work elsewhere: its peers' builds, or its combine pass on a peer."""
+        """Whether it waits on work elsewhere: its resume point's lookup, its peers' builds, or its
+        combine pass on a peer."""
         peers_busy = self.peer is not None and not self.peer.done()
-        return peers_busy or (self.remote is not None and self.steps is None and not self.remote.done())
+        return self.looking_up or peers_busy or (self.remote is not None and self.steps is None and not self.remote.done())
+
+    @property
+    def looking_up(self) -> bool:
+        """Whether its resume point is still being read below memory (waited for ``LOOKUP_WAIT_S`` at
+        most: then it starts, and its prefill waits for the read, as without a lookup)."""
+        return (self.lookup is not None and not self.admitted and not self.lookup.done()
+                and time.perf_counter() - self.start < LOOKUP_WAIT_S)
 
     def cancel(self) -> None:
         """Safe from any thread: the loop drops the job at its next iteration."""
@@ -327,6 +337,9 @@ class EngineLoop:
             self.stats.requests_received += 1
             item.remaining = self.engine.uncached_tokens(item.plan)
             self.engine.prefetch(item.plan)  # its documents load from disk/Mooncake while it waits
+            item.lookup = self.engine.resume_lookup(item.plan)  # and its resume point, off this thread
+            if item.lookup is not None:
+                self._wake_when_done(item.lookup)
         self.waiting.append(item)
 
     def _leave_queue(self, item: Pending) -> None:
@@ -356,7 +369,7 @@ class EngineLoop:
             return True
         if pending.admitted:
             return not pending.awaiting
-        return self._fits(pending)
+        return not pending.looking_up and self._fits(pending)
 
     def _fits(self, job: Job, slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
         """Whether a new job gets a running slot and room for its state beside the running and admitted
@@ -373,7 +386,9 @@ class EngineLoop:
         room a job ahead of it will take here stays that job's."""
         slots_ahead = bytes_ahead = 0
         for pending in self._by_priority():
-            if not isinstance(pending, Job) or pending.admitted or not self._fits(pending, slots_ahead, bytes_ahead):
+            if not isinstance(pending, Job) or pending.admitted or pending.looking_up:
+                continue
+            if not self._fits(pending, slots_ahead, bytes_ahead):
                 continue
             if pending.peer_work is None:
                 slots_ahead, bytes_ahead = slots_ahead + 1, bytes_ahead + pending.footprint

@@ -247,6 +247,58 @@ def test_peer_work_leaves_the_room_a_higher_ranked_job_here_takes(engine: Engine
     assert finished_when_started == [["short"]] and collector.order == ["short", "pic"]
 
 
+def test_decoding_goes_on_while_a_request_reads_its_resume_point_from_disk(tiny_checkpoint: Path,
+                                                                           tmp_path: Path) -> None:
+    """A conversation's turn 2 arrives while another request decodes; its resume point's read from
+    disk is slowed to 1 s: the loop starts the request only once the read is done, so the decoding
+    request's tokens never pause for it (the longest gap well under the read), and turn 2 resumes from
+    disk with the answer of an engine that never resumed."""
+    from hypic.cache.tiers.options import TierOptions
+    from hypic.server.loop import ProgressEvent
+
+    tiers = TierOptions(str(tmp_path / "cache"))
+    first = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
+    prompt = list(first.parse(_text(50, 300)).token_ids)
+    reply = first.generate(list(prompt), max_new_tokens=5, ignore_eos=True)
+    first.close()
+    turn2 = prompt + reply.output_ids + [65, 66]
+    engine = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
+    reading = engine.resume.disk.reading
+
+    def slow(address: str):
+        time.sleep(1.0 if "/r" in address else 0)
+        return reading(address)
+
+    engine.resume.disk.reading = slow
+    loop, collector, ticks = EngineLoop(engine, "hypic"), Collector(), []
+    loop.start()
+    try:
+        params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
+        parts = engine.parse(_text(51, 20))
+        emit = collector.emit_for("long")
+
+        def timed(event: Event) -> None:
+            if isinstance(event, ProgressEvent):
+                ticks.append(time.perf_counter())
+            emit(event)
+
+        loop.submit(parts, GenerationRequest("", params, stream=True), engine.sequences(params, parts.token_ids), timed)
+        while len(ticks) < 20:
+            time.sleep(0.001)
+        params2 = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        parts2 = engine.parse(turn2)
+        loop.submit(parts2, GenerationRequest(turn2, params2), engine.sequences(params2, parts2.token_ids),
+                    collector.emit_for("turn2"))
+        collector.wait(2)
+    finally:
+        loop.stop()
+    completion = collector.done["turn2"].completion
+    assert completion.prefill.disk_cached_tokens == len(prompt) + 4
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5
+    expected = Engine.from_pretrained(tiny_checkpoint).generate(turn2, max_new_tokens=4, ignore_eos=True)
+    assert completion.samples[0].output_ids == expected.output_ids
+
+
 def test_samples_of_one_prompt_are_admitted_holding_it_once(engine: Engine) -> None:
     """n = 4 samples fork from one prefill and share its KV: a budget of the prompt's KV once, each
     sample's 8 new tokens and linear states (closed form) admits the request; counting the prompt

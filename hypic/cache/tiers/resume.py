@@ -183,6 +183,10 @@ class ResumeStore:
         while len(self.prefetches) > MAX_PREFETCHES:  # requests that went away
             self.prefetches.popitem(last=False)
 
+    def lookup(self, tree: str, namespace: str, key: list[int]) -> Future | None:
+        """The lookup ``prefetch`` started for this key, if it is still to be taken."""
+        return self.prefetches.get(_identity(tree, namespace, key))
+
     def take(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
              template: RequestState) -> ResumeFound | None:
         """The longest kept resume point of ``tree`` on ``key`` (a request's private-pool key) that ends
