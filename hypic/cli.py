@@ -212,8 +212,9 @@ def _tier_options(serve: argparse.ArgumentParser) -> None:
     tiers.add_argument("--mooncake-segment-size", type=parse_size, default=parse_size("1G"),
                        help="memory this server lends the Mooncake store for everyone's entries (default: 1G)")
     tiers.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default="timeout",
-                       help="a request's documents start loading from disk/Mooncake when it arrives; its prefill "
-                            "then waits: best_effort = not at all (what is not loaded yet is rebuilt); "
+                       help="a request's documents start loading from disk/Mooncake when it arrives; the scheduler "
+                            "holds the request back meanwhile (serving the others): best_effort = not at all (what "
+                            "is not loaded yet is rebuilt); "
                             "wait_complete = until every load is done; timeout = up to 0.2 s plus 1 s per 200 MB "
                             "to load (default: timeout)")
     tiers.add_argument("--write-policy", choices=[p.value for p in WritePolicy], default="write_through",

@@ -27,7 +27,7 @@ from .segment_prefill import prefill_interior_steps
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, split_prompt
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState, WindowLayerState
-from .cache.store import Event, LinearInterior, SegmentEntry, SegmentStore, entry_key
+from .cache.store import Event, LinearInterior, Load, SegmentEntry, SegmentStore, entry_key
 from .cache.tiers.entry_file import EntryIdentity
 from .cache.tiers.options import TierOptions, build_tiers
 from .cache.tiers.hierarchy import WritePolicy
@@ -335,21 +335,21 @@ class Engine:
             return []
         return [(key, ids) for _, key, ids in plan.documents() if self.store.peek(key, ids) is None]
 
-    def prefetch(self, plan: RequestPlan) -> int:
+    def prefetch(self, plan: RequestPlan) -> list[Load]:
         """Start loading, from the lower tiers, the documents ``plan`` splices that memory lacks, and
         looking for a resume point longer than memory's (a serving loop calls this as the request
-        arrives); returns how many documents."""
+        arrives); returns the documents' loads, each with until when the prefetch policy has the
+        request wait for it (the lookup: ``resume_lookup``)."""
         tree = plan.policy.tree
         if self.resume is not None and tree is not None:
             key = plan.tree_key
             after = self.prefix_cache.peek(tree, key, len(key) - 1)
             empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
             self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty)
-        missing = self._not_in_memory(plan)
-        for key, ids in missing:
-            self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
-                                      self.entry_bytes(len(ids), plan.policy.name))
-        return len(missing)
+        loads = [self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
+                                           self.entry_bytes(len(ids), plan.policy.name))
+                 for key, ids in self._not_in_memory(plan)]
+        return [load for load in loads if load is not None]
 
     def resume_lookup(self, plan: RequestPlan) -> Future | None:
         """The background lookup of ``plan``'s resume point that ``prefetch`` started, if one runs."""

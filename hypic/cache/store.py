@@ -6,6 +6,7 @@ a hash collision can never splice the wrong document.
 import hashlib
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import cached_property
@@ -129,12 +130,15 @@ class Event(str, Enum):
     CLOSING = "closing"  # the server stops gracefully
 
 
+Load = tuple[Future, float]  # a background load, and until when (time.monotonic) a request waits for it
+
+
 class LowerTiers(Protocol):
     """Where memory's misses are looked up and its entries written (``hypic.cache.tiers.StorageTiers``,
     behind ``HostTier`` on a GPU server with host memory as L2)."""
 
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None: ...
-    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None: ...
+    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> Load | None: ...
     def offer(self, entry: SegmentEntry, event: Event, origin: str = "") -> None: ...
     def indexed(self, key: str, namespace: str) -> bool: ...  # held per a local index (no I/O: estimates)
     def flush(self, names: set[str], namespace: str | None = None) -> dict[str, int]: ...

@@ -28,6 +28,7 @@ from ..assembler import CombineResult, CombineWork, Steps, combine_batch
 from ..decode import decode_batch
 from ..engine import Engine, Prefill
 from ..cache.plan import RequestPlan
+from ..cache.store import Load
 from ..cache.modes import Mode
 from ..errors import HypicError, InvalidRequest
 from ..prefill_stats import BuiltForRequest, PrefillStats
@@ -118,7 +119,9 @@ class Job:
     built: BuiltForRequest = field(default_factory=BuiltForRequest)  # computed for it before its prefill
     peer_work: PeerWork | None = None  # started when it is admitted: its documents built on peers
     peer: Future | None = None  # that work under way: (remote Prefill future or None, built)
-    lookup: Future | None = None  # its resume point being looked up below memory (started as it arrived)
+    # reads below memory started as it arrived (documents, its resume point), each with until when
+    # (time.monotonic) it waits for them before it starts
+    loads: list[Load] = field(default_factory=list)
     admitted: bool = False  # it holds a running slot and its state memory
     phases: list[Phase] = field(default_factory=lambda: [Phase.QUEUED])  # every phase it entered, in order
 
@@ -135,10 +138,13 @@ class Job:
 
     @property
     def looking_up(self) -> bool:
-        """Whether its resume point is still being read below memory (waited for ``LOOKUP_WAIT_S`` at
-        most: then it starts, and its prefill waits for the read, as without a lookup)."""
-        return (self.lookup is not None and not self.admitted and not self.lookup.done()
-                and time.perf_counter() - self.start < LOOKUP_WAIT_S)
+        """Whether it still waits, before it starts, for what it reads below memory: its documents as
+        long as the prefetch policy says, its resume point ``LOOKUP_WAIT_S`` at most (then it starts,
+        and its prefill takes what is in, as without the wait)."""
+        if self.admitted:
+            return False
+        now = time.monotonic()
+        return any(not future.done() and now < until for future, until in self.loads)
 
     def cancel(self) -> None:
         """Safe from any thread: the loop drops the job at its next iteration."""
@@ -336,10 +342,12 @@ class EngineLoop:
         if isinstance(item, Job):
             self.stats.requests_received += 1
             item.remaining = self.engine.uncached_tokens(item.plan)
-            self.engine.prefetch(item.plan)  # its documents load from disk/Mooncake while it waits
-            item.lookup = self.engine.resume_lookup(item.plan)  # and its resume point, off this thread
-            if item.lookup is not None:
-                self._wake_when_done(item.lookup)
+            item.loads = self.engine.prefetch(item.plan)  # its documents load from disk/Mooncake meanwhile
+            lookup = self.engine.resume_lookup(item.plan)  # and its resume point is read, off this thread
+            if lookup is not None:
+                item.loads.append((lookup, time.monotonic() + LOOKUP_WAIT_S))
+            for future, _ in item.loads:
+                self._wake_when_done(future)
         self.waiting.append(item)
 
     def _leave_queue(self, item: Pending) -> None:

@@ -247,29 +247,11 @@ def test_peer_work_leaves_the_room_a_higher_ranked_job_here_takes(engine: Engine
     assert finished_when_started == [["short"]] and collector.order == ["short", "pic"]
 
 
-def test_decoding_goes_on_while_a_request_reads_its_resume_point_from_disk(tiny_checkpoint: Path,
-                                                                           tmp_path: Path) -> None:
-    """A conversation's turn 2 arrives while another request decodes; its resume point's read from
-    disk is slowed to 1 s: the loop starts the request only once the read is done, so the decoding
-    request's tokens never pause for it (the longest gap well under the read), and turn 2 resumes from
-    disk with the answer of an engine that never resumed."""
-    from hypic.cache.tiers.options import TierOptions
+def _decode_beside(engine: Engine, text: str | list[int]) -> tuple[list[float], Any]:
+    """A request decoding 3000 tokens and, once it has 20, ``text`` (4 tokens): the decoding one's
+    token times and the other's completion."""
     from hypic.server.loop import ProgressEvent
 
-    tiers = TierOptions(str(tmp_path / "cache"))
-    first = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
-    prompt = list(first.parse(_text(50, 300)).token_ids)
-    reply = first.generate(list(prompt), max_new_tokens=5, ignore_eos=True)
-    first.close()
-    turn2 = prompt + reply.output_ids + [65, 66]
-    engine = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
-    reading = engine.resume.disk.reading
-
-    def slow(address: str):
-        time.sleep(1.0 if "/r" in address else 0)
-        return reading(address)
-
-    engine.resume.disk.reading = slow
     loop, collector, ticks = EngineLoop(engine, "hypic"), Collector(), []
     loop.start()
     try:
@@ -286,16 +268,73 @@ def test_decoding_goes_on_while_a_request_reads_its_resume_point_from_disk(tiny_
         while len(ticks) < 20:
             time.sleep(0.001)
         params2 = SamplingParams(max_new_tokens=4, ignore_eos=True)
-        parts2 = engine.parse(turn2)
-        loop.submit(parts2, GenerationRequest(turn2, params2), engine.sequences(params2, parts2.token_ids),
-                    collector.emit_for("turn2"))
+        parts2 = engine.parse(text)
+        loop.submit(parts2, GenerationRequest(text, params2), engine.sequences(params2, parts2.token_ids),
+                    collector.emit_for("other"))
         collector.wait(2)
     finally:
         loop.stop()
-    completion = collector.done["turn2"].completion
+    return ticks, collector.done["other"].completion
+
+
+def _slowed(engine: Engine, kind: str) -> None:
+    """Reads of the disk tier's files of ``kind`` (resume heads "r", or documents "") take 1 s more."""
+    disk = engine.resume.disk
+    reading = disk.reading
+
+    def slow(address: str):
+        name = address.rpartition("/")[2]
+        time.sleep(1.0 if (name[0] == "r" if kind == "r" else name[0] not in "rkm") else 0)
+        return reading(address)
+
+    disk.reading = slow
+
+
+def test_decoding_goes_on_while_a_request_reads_its_resume_point_from_disk(tiny_checkpoint: Path,
+                                                                           tmp_path: Path) -> None:
+    """A conversation's turn 2 arrives while another request decodes; its resume point's read from
+    disk is slowed to 1 s: the loop starts the request only once the read is done, so the decoding
+    request's tokens never pause for it (the longest gap well under the read), and turn 2 resumes from
+    disk with the answer of an engine that never resumed."""
+    from hypic.cache.tiers.options import TierOptions
+
+    tiers = TierOptions(str(tmp_path / "cache"))
+    first = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
+    prompt = list(first.parse(_text(50, 300)).token_ids)
+    reply = first.generate(list(prompt), max_new_tokens=5, ignore_eos=True)
+    first.close()
+    turn2 = prompt + reply.output_ids + [65, 66]
+    engine = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
+    _slowed(engine, "r")
+    ticks, completion = _decode_beside(engine, turn2)
     assert completion.prefill.disk_cached_tokens == len(prompt) + 4
     assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5
     expected = Engine.from_pretrained(tiny_checkpoint).generate(turn2, max_new_tokens=4, ignore_eos=True)
+    assert completion.samples[0].output_ids == expected.output_ids
+
+
+def test_decoding_goes_on_while_a_request_waits_for_its_documents_from_disk(tiny_checkpoint: Path,
+                                                                           tmp_path: Path) -> None:
+    """Under --prefetch-policy wait_complete a request's two documents load from a disk slowed to 1 s
+    each while another request decodes: the loop holds the request back until they are in (it never
+    waits for them itself: the longest gap well under a load), then splices both, with the answer of
+    an engine that built them."""
+    from hypic import DEFAULT_SEPARATOR as SEP
+    from hypic.cache.tiers.hierarchy import PrefetchPolicy
+    from hypic.cache.tiers.options import TierOptions
+
+    documents = [_text(60, 200), _text(61, 200)]
+    first = Engine.from_pretrained(tiny_checkpoint, tiers=TierOptions(str(tmp_path / "cache")))
+    first.warmup(documents)
+    first.close()
+    engine = Engine.from_pretrained(tiny_checkpoint, tiers=TierOptions(
+        str(tmp_path / "cache"), prefetch_policy=PrefetchPolicy.WAIT_COMPLETE))
+    _slowed(engine, "")
+    text = SEP.join(["lead", *documents, "which?"])
+    ticks, completion = _decode_beside(engine, text)
+    assert completion.prefill.segments_hit == 2 and completion.prefill.disk_cached_tokens > 0
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5
+    expected = Engine.from_pretrained(tiny_checkpoint).generate(text, max_new_tokens=4, ignore_eos=True)
     assert completion.samples[0].output_ids == expected.output_ids
 
 

@@ -6,6 +6,7 @@ never waits on a disk or a network. A tier that fails is marked unhealthy and sk
 ``RETRY_S`` seconds, then tried again: the server keeps serving from what it has.
 """
 import logging
+import math
 import queue
 import threading
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from ..store import Event, SegmentEntry
+from ..store import Event, Load, SegmentEntry
 from .entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry, namespace_dir
 
 log = logging.getLogger("hypic.cache.tiers")
@@ -153,10 +154,15 @@ class StorageTiers:
         address = self.identity.address(key, namespace)
         return any(tier.indexed(address) for tier in self.tiers if self.counters[tier.name].healthy)
 
-    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None:
-        """Start loading entry ``key`` in the background (a request that needs it just arrived)."""
-        if key in self.prefetches or not any(self.usable(tier) for tier in self.tiers):
-            return
+    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> Load | None:
+        """Start loading entry ``key`` in the background (a request that needs it just arrived); returns
+        the load and until when (``time.monotonic``) the prefetch policy has the request wait for it
+        (a scheduler holds the request back meanwhile, so ``take`` need not wait on its thread)."""
+        if key in self.prefetches:
+            future, deadline, _ = self.prefetches[key]
+            return future, self._wait_until(deadline)
+        if not any(self.usable(tier) for tier in self.tiers):
+            return None
         deadline = time.monotonic() + PREFETCH_BASE_S + expected_bytes / PREFETCH_BYTES_PER_S
         future = self.prefetcher.submit(self.load, key, token_ids, namespace)
         self.prefetches[key] = (future, deadline, expected_bytes)
@@ -164,6 +170,11 @@ class StorageTiers:
         self.prefetch_counts["started"] += 1
         while len(self.prefetches) > MAX_PREFETCHES or self.prefetched_bytes > QUEUE_BYTES:
             self.prefetched_bytes -= self.prefetches.popitem(last=False)[1][2]  # a cancelled request's, say
+        return future, self._wait_until(deadline)
+
+    def _wait_until(self, deadline: float) -> float:
+        return {PrefetchPolicy.BEST_EFFORT: 0.0, PrefetchPolicy.WAIT_COMPLETE: math.inf,
+                PrefetchPolicy.TIMEOUT: deadline}[self.prefetch_policy]
 
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
         """``load``, through the prefetch started for ``key`` if there is one, waiting for it as the

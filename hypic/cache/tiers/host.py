@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..store import Event, LowerTiers, SegmentEntry, entry_tensors, with_tensors
+from ..store import Event, Load, LowerTiers, SegmentEntry, entry_tensors, with_tensors
 
 MAX_STAGED = 64  # copies to the device started and not yet taken, at most (older ones are dropped)
 
@@ -72,8 +72,9 @@ class HostTier:
         self.counters.misses += 1
         return self.below.take(key, token_ids, namespace) if self.below is not None else None
 
-    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> None:
-        """Start the copy of entry ``key`` to the device if host memory holds it, else ask below."""
+    def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> Load | None:
+        """Start the copy of entry ``key`` to the device if host memory holds it (nothing to wait for:
+        the copy is queued on the device), else ask below."""
         held = self.entries.get(key)
         if held is not None and held.token_ids == token_ids:
             if key not in self.staged:
@@ -81,7 +82,8 @@ class HostTier:
                 while len(self.staged) > MAX_STAGED:
                     self.staged.popitem(last=False)
         elif self.below is not None:
-            self.below.prefetch(key, token_ids, namespace, expected_bytes)
+            return self.below.prefetch(key, token_ids, namespace, expected_bytes)
+        return None
 
     def _load(self, entry: SegmentEntry) -> SegmentEntry:
         start = time.perf_counter()
