@@ -357,6 +357,11 @@ class Engine:
             return None
         return self.resume.lookup(plan.policy.tree, plan.policy.namespace, plan.tree_key)
 
+    def discard_prefetch(self, plan: RequestPlan) -> None:
+        """Drop what ``prefetch`` read for ``plan``'s resume point (its request went away unserved)."""
+        if self.resume is not None and plan.policy.tree is not None:
+            self.resume.discard(plan.policy.tree, plan.policy.namespace, plan.tree_key)
+
     def load_from_tiers(self, plan: RequestPlan) -> tuple[tuple[str, str], ...]:
         """Bring the documents ``plan`` splices that only a lower tier holds into memory now (a router
         plans with what memory holds); returns (key, tier) of each loaded."""

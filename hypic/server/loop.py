@@ -648,6 +648,8 @@ class EngineLoop:
         self._leave_queue(job)
         if job.steps is not None:
             job.steps.close()  # releases the public entries its prefill pinned
+        else:
+            self.engine.discard_prefetch(job.plan)  # gone before it started: what was read for it is dropped
 
     def _by_phase(self) -> dict[str, int]:
         """Requests in the loop by phase."""

@@ -338,6 +338,37 @@ def test_decoding_goes_on_while_a_request_waits_for_its_documents_from_disk(tiny
     assert completion.samples[0].output_ids == expected.output_ids
 
 
+def test_a_request_cancelled_while_its_resume_point_is_read_leaves_nothing_held(tiny_checkpoint: Path,
+                                                                                tmp_path: Path) -> None:
+    """Cancelled while its resume point's read (slowed to 1 s) runs, a request ends without starting,
+    and the lookup started for it is dropped, not kept for nobody."""
+    from hypic.cache.tiers.options import TierOptions
+
+    tiers = TierOptions(str(tmp_path / "cache"))
+    first = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
+    prompt = list(first.parse(_text(52, 300)).token_ids)
+    prompt += first.generate(list(prompt), max_new_tokens=5, ignore_eos=True).output_ids
+    first.close()
+    engine = Engine.from_pretrained(tiny_checkpoint, tiers=tiers)
+    _slowed(engine, "r")
+    loop, collector = EngineLoop(engine, "hypic"), Collector()
+    loop.start()
+    try:
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        parts = engine.parse(prompt + [65, 66, 67, 68, 69, 70])
+        job = loop.submit(parts, GenerationRequest("", params), engine.sequences(params, parts.token_ids),
+                          collector.emit_for("gone"))
+        deadline = time.monotonic() + 30
+        while not job.loads and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(engine.resume.prefetches) == 1
+        job.cancel()
+        collector.wait(1)
+    finally:
+        loop.stop()
+    assert job.prefill is None and engine.resume.prefetches == {} and loop.stats.requests_cancelled == 1
+
+
 def test_samples_of_one_prompt_are_admitted_holding_it_once(engine: Engine) -> None:
     """n = 4 samples fork from one prefill and share its KV: a budget of the prompt's KV once, each
     sample's 8 new tokens and linear states (closed form) admits the request; counting the prompt

@@ -37,7 +37,7 @@ from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, ResumeParts, check, chun
 from .shared_resume import SharedResumePoints, WriteCounters
 
 log = logging.getLogger("hypic.tiers")
-MAX_PREFETCHES = 64  # lookups started and not taken yet, at most
+MAX_PREFETCHES = 16  # lookups started and not taken yet, at most (each may hold a whole state)
 MULTIPLIER = 0x100000001B3  # odd: invertible modulo 2^64
 Chunks = list[tuple[str, Callable[[], bytes]]]  # a resume point's chunk objects: name, and how to pack it
 
@@ -186,6 +186,13 @@ class ResumeStore:
     def lookup(self, tree: str, namespace: str, key: list[int]) -> Future | None:
         """The lookup ``prefetch`` started for this key, if it is still to be taken."""
         return self.prefetches.get(_identity(tree, namespace, key))
+
+    def discard(self, tree: str, namespace: str, key: list[int]) -> None:
+        """Forget the lookup ``prefetch`` started for this key (its request went away): a state read
+        for nobody must not be held."""
+        started = self.prefetches.pop(_identity(tree, namespace, key), None)
+        if started is not None:
+            started.cancel()
 
     def take(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
              template: RequestState) -> ResumeFound | None:
