@@ -300,8 +300,9 @@ class Engine:
         if self.store.lower is not None:
             self.store.lower.close()
         if self.resume is not None:
-            for tree, node in self.prefix_cache.resume_points():  # write_back's last moment
-                self._resume_point_dropped(tree, node, Event.CLOSING)
+            if self.resume.wanted(Event.CLOSING):  # write_back's last moment
+                for tree, node in self.prefix_cache.resume_points():
+                    self._resume_point_dropped(tree, node, Event.CLOSING)
             self.resume.close()
 
     def state_bytes(self, tokens: int, samples: int = 1, shared_tokens: int = 0) -> int:

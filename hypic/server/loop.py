@@ -131,8 +131,8 @@ class Job:
 
     @property
     def awaiting(self) -> bool:
-        """Whether it waits on work elsewhere: its resume point's lookup, its peers' builds, or its
-        combine pass on a peer."""
+        """Whether it waits on work elsewhere: its reads below memory (``looking_up``), its peers'
+        builds, or its combine pass on a peer."""
         peers_busy = self.peer is not None and not self.peer.done()
         return self.looking_up or peers_busy or (self.remote is not None and self.steps is None and not self.remote.done())
 

@@ -75,7 +75,8 @@ class ResumeCounters:
 
 class ResumeStore:
     """Resume points of the private pool as files of ``disk`` and objects of ``shared`` (either may be
-    None). ``offer`` writes in the background; ``find`` runs on the engine loop."""
+    None). ``offer`` writes in the background; ``take`` runs on the engine loop, through the lookup
+    ``prefetch`` started on a thread of its own as the request arrived (or itself, without one)."""
 
     def __init__(self, disk: DiskTier | None, identity: EntryIdentity, shared: SharedResumePoints | None = None,
                  write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
