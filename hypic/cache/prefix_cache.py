@@ -80,7 +80,8 @@ class RadixNode:
     depth: int  # tokens from the root to this node's end
     children: dict[int, "RadixNode"] = field(default_factory=dict)
     snapshot: Snapshot | None = None
-    last_used: int = 0
+    last_used: int = 0  # a request passed through or ended here
+    snapshot_used: int = 0  # its snapshot was taken or resumed from
     users: int = 0  # requests reading this node's pages (see ``PrefixLease``): never evicted while > 0
 
     @property
@@ -147,7 +148,8 @@ def _common_length(a: tuple[int, ...], b: list[int], offset: int) -> int:
 
 
 class PrefixCache:
-    """Radix trees of request states under one byte budget, evicting least recently used leaves.
+    """Radix trees of request states under one byte budget, evicting least recently used leaves and
+    inner snapshots (``_evict``).
     Sliding-window layers keep no KV along the edges, only their last ``window`` tokens in each
     snapshot (the SWA pool, O(window) per resume point); ``window_budget_bytes`` bounds those
     apart from the full-attention KV: over it, the least recently used snapshots lose their
@@ -160,9 +162,10 @@ class PrefixCache:
         self.budget_bytes, self.window_budget_bytes = budget_bytes, window_budget_bytes
         self.roots: dict[str, RadixNode] = {}
         self.nbytes = self.window_nbytes = 0
-        self.hits = self.misses = self.evictions = self.window_evictions = 0
+        self.hits = self.misses = self.evictions = self.window_evictions = self.snapshot_evictions = 0
         self._clock = count(1)
         self._leaves: dict[RadixNode, None] = {}  # nodes without children, oldest first (the eviction candidates)
+        self._snapshots: dict[RadixNode, None] = {}  # nodes with a snapshot (inner ones: candidates to drop it)
         self._lock = threading.Lock()  # for ``RadixNode.users``, which a dropped lease lowers on any thread
         # told of every resume point that leaves memory (its tree and node, before it goes): write_back's moment
         self.on_drop: Callable[[str, RadixNode], None] | None = None
@@ -177,7 +180,9 @@ class PrefixCache:
             return None
         self.hits += 1
         assert best.snapshot is not None
-        return PrefixHit(best.depth, self._assemble(best, key, template), best.snapshot)
+        state = self._assemble(best, key, template)
+        best.snapshot_used = best.last_used
+        return PrefixHit(best.depth, state, best.snapshot)
 
     def peek(self, tree: str, key: list[int], limit: int) -> int:
         """The length ``match`` would resume from, without assembling it or counting it."""
@@ -268,8 +273,10 @@ class PrefixCache:
         key, tick = cache_key(state.token_ids, state.marks), next(self._clock)
         for position in positions:
             node = self._extend(node, state, key, position, tick)
+            node.snapshot_used = tick
             if node.snapshot is None:
                 node.snapshot = {i: _kept(s) for i, s in snapshots[position].items() if i in needed}
+                self._snapshots[node] = None
                 self.nbytes += sum(s.nbytes for s in node.snapshot.values())
                 self.window_nbytes += _window_bytes(node)
         self._evict_windows()
@@ -323,21 +330,35 @@ class PrefixCache:
         return nodes
 
     def _evict(self) -> None:
-        """Drop least recently used leaves until the tree fits its budget, passing by pinned ones
-        (a request reads their pages); a parent becomes a candidate once its last child is gone."""
+        """Over the budget, in least recently used order (pinned nodes passed by: a request reads their
+        pages): a leaf goes whole, by when a request last ended or passed there; an inner node gives
+        up its snapshot (its linear states; its KV serves the deeper nodes) by when that snapshot was
+        last taken or resumed from, so the snapshots a long prompt leaves on its way, never resumed
+        from, go before the ends that conversations resume at. A parent becomes a leaf candidate once
+        its last child is gone, and goes at once if it holds no snapshot (KV nothing resumes from)."""
         if self.budget_bytes is None or self.nbytes <= self.budget_bytes:
             return
         order = count()
-        leaves = [(n.last_used, next(order), n) for n in self._leaves if n.users == 0]
-        heapq.heapify(leaves)
-        while self.nbytes > self.budget_bytes and leaves:
-            node = heapq.heappop(leaves)[2]
+        candidates = [(n.last_used, 0, next(order), n) for n in self._leaves if n.users == 0]
+        candidates += [(n.snapshot_used, 1, next(order), n) for n in self._snapshots if n.children and n.users == 0]
+        heapq.heapify(candidates)
+        while candidates and (self.nbytes > self.budget_bytes or candidates[0][0] < 0):
+            node = heapq.heappop(candidates)[3]
+            if node.children:
+                if node.snapshot is not None:
+                    self._dropping(node)
+                    self._drop_snapshot(node)
+                    self.snapshot_evictions += 1
+                continue
+            if node.parent is None or node.parent.children.get(node.edge[0]) is not node:
+                continue  # gone already (a former inner node, queued twice)
             parent = node.parent
             self._dropping(node)
             self._remove(node)
             self.evictions += 1
-            if parent is not None and parent.parent is not None and not parent.children and parent.users == 0:
-                heapq.heappush(leaves, (parent.last_used, next(order), parent))
+            if parent.parent is not None and not parent.children and parent.users == 0:
+                dead = parent.snapshot is None
+                heapq.heappush(candidates, (-1 if dead else parent.last_used, 0, next(order), parent))
 
     def _evict_windows(self) -> None:
         """Over the window budget: the least recently used snapshots holding windows are dropped,
@@ -358,6 +379,7 @@ class PrefixCache:
         self.window_nbytes -= _window_bytes(node)
         self.nbytes -= sum(s.nbytes for s in node.snapshot.values())
         node.snapshot = None
+        self._snapshots.pop(node, None)
 
     def _remove(self, node: RadixNode) -> None:
         parent = node.parent
@@ -366,6 +388,7 @@ class PrefixCache:
         self.window_nbytes -= _window_bytes(node)
         del parent.children[node.edge[0]]
         self._leaves.pop(node, None)
+        self._snapshots.pop(node, None)
         if parent.parent is not None and not parent.children:
             self._leaves[parent] = None
 
@@ -380,6 +403,7 @@ class PrefixCache:
             self.nbytes -= node.nbytes
             self.window_nbytes -= _window_bytes(node)
             self._leaves.pop(node, None)
+            self._snapshots.pop(node, None)
             node.parent, node.children = None, {}
         return len(nodes) - len(names)
 

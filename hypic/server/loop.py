@@ -682,7 +682,8 @@ class EngineLoop:
             "private_pool": {"bytes": prefix.nbytes, "budget_bytes": prefix.budget_bytes, "hits": prefix.hits,
                              "misses": prefix.misses, "evictions": prefix.evictions,
                              "window_bytes": prefix.window_nbytes, "window_budget_bytes": prefix.window_budget_bytes,
-                             "window_evictions": prefix.window_evictions},
+                             "window_evictions": prefix.window_evictions,
+                             "snapshot_evictions": prefix.snapshot_evictions},
             "tiers": store.lower.describe() if store.lower is not None else None,
             "resume_points": self.engine.resume.describe() if self.engine.resume is not None else None,
         }

@@ -69,6 +69,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
            "bytes of KV the running requests read without owning it (private-pool pages, prompts shared by samples)")
     metric("private_pool_window_bytes", "gauge", snapshot["private_pool"]["window_bytes"],
            "bytes of sliding-window tails held by the private pool (included in private_pool_bytes)")
+    metric("private_pool_snapshot_evictions_total", "counter", snapshot["private_pool"]["snapshot_evictions"],
+           "inner resume points that gave up their linear states (their KV kept for deeper ones)")
     metric("private_pool_window_evictions_total", "counter", snapshot["private_pool"]["window_evictions"],
            "resume points that lost their sliding-window tails to the window budget")
     if snapshot.get("tiers"):

@@ -115,6 +115,41 @@ def test_eviction_climbs_a_chain_once_its_leaves_are_gone() -> None:
     assert cache.peek("m", cache_key(state.token_ids, {}), limit=24) == 8
 
 
+def test_snapshots_a_prompt_leaves_on_its_way_go_before_the_end_its_conversation_resumes_at() -> None:
+    """A prompt's prefill leaves a snapshot every 4 tokens (one insert); its request's end is kept
+    later (another insert). Over budget, the inner snapshots go first, least recently taken first
+    (4, then 8), their KV kept; the end stays the longest resume point (closed form: sizes from an
+    unbounded pool). Evicting leaves only would have dropped the end (a resume at 20)."""
+    state = _random_state(24, 7)
+    on_the_way, end = {p: {0: state.layers[0]} for p in range(4, 21, 4)}, {24: {0: state.layers[0]}}
+    unbounded = PrefixCache()
+    unbounded.insert("m", state, on_the_way)
+    unbounded.insert("m", state, end)
+    snap, total = state.layers[0].nbytes, unbounded.nbytes
+    cache = PrefixCache(budget_bytes=total - snap - snap // 2)
+    cache.insert("m", state, on_the_way)
+    assert cache.snapshot_evictions == cache.evictions == 0
+    cache.insert("m", state, end)
+    key = cache_key(state.token_ids, {})
+    assert (cache.snapshot_evictions, cache.evictions, cache.nbytes) == (2, 0, total - 2 * snap)
+    assert [cache.peek("m", key, limit) for limit in (24, 23, 11)] == [24, 20, 0]
+    hit = cache.match("m", key, 24, _template())
+    assert hit is not None and torch.equal(hit.state.layers[1].keys, state.layers[1].keys)
+
+
+def test_kv_no_snapshot_resumes_from_goes_with_the_leaf_that_needed_it() -> None:
+    """When every inner snapshot is gone and the leaf goes too, the chain's KV has no resume point
+    left: it goes at once, under budget or not (nothing can resume from KV without linear states)."""
+    state = _random_state(24, 7)
+    snap = state.layers[0].nbytes
+    cache = PrefixCache()
+    cache.insert("m", state, {p: {0: state.layers[0]} for p in range(4, 21, 4)})
+    total = cache.nbytes + snap + 2 * 4 * 4 * 4  # the end's snapshot and 4 more positions of KV (float32)
+    cache.budget_bytes = total - 5 * snap - 1
+    cache.insert("m", state, {24: {0: state.layers[0]}})
+    assert (cache.snapshot_evictions, cache.evictions, cache.nbytes, len(cache)) == (5, 6, 0, 0)
+
+
 def test_a_flushed_tree_frees_its_tensors_at_once() -> None:
     """A flushed tree's tensors are freed when it is dropped, by reference counting, not at the
     interpreter's next full garbage collection: a soak with flushes once grew the server by
