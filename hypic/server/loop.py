@@ -309,8 +309,8 @@ class EngineLoop:
     def _main(self) -> None:
         torch.set_grad_enabled(False)
         while True:
-            if not self._drain(block=not self.running and all(isinstance(p, Job) and p.awaiting
-                                                                  for p in self.waiting)):
+            idle = not self.running and all(isinstance(p, Job) and p.awaiting for p in self.waiting)
+            if not self._drain(self._idle_wait() if idle else None):
                 return
             self._drop_cancelled()
             self._start_peer_work()
@@ -320,10 +320,19 @@ class EngineLoop:
                 self._decode()
             self.snapshot = self._publish()
 
-    def _drain(self, block: bool) -> bool:
-        """Take everything queued (waiting for the first item when idle); False on shutdown."""
+    def _idle_wait(self) -> float:
+        """How long an idle loop waits for news: until the first hold on a waiting job's reads runs
+        out (it starts then, loaded or not), 0.5 s at most."""
+        now = time.monotonic()
+        holds = [until - now for p in self.waiting if isinstance(p, Job) and not p.admitted
+                 for future, until in p.loads if not future.done() and until > now]
+        return max(0.001, min([0.5, *holds]))
+
+    def _drain(self, wait_s: float | None) -> bool:
+        """Take everything queued (waiting up to ``wait_s`` for the first item; None: not at all);
+        False on shutdown."""
         try:
-            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait_s) if wait_s is not None else self.inbox.get_nowait()
         except queue.Empty:
             return True
         while True:

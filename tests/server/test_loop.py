@@ -338,6 +338,37 @@ def test_decoding_goes_on_while_a_request_waits_for_its_documents_from_disk(tiny
     assert completion.samples[0].output_ids == expected.output_ids
 
 
+def test_a_request_whose_documents_load_too_slowly_starts_when_its_wait_runs_out(tiny_checkpoint: Path,
+                                                                                tmp_path: Path) -> None:
+    """Under the default prefetch policy (timeout: 0.2 s for entries this small) a request whose two
+    documents take 2 s each to load starts when that wait runs out, though nothing else wakes the
+    idle loop, and rebuilds them: its first token well before the loop's 0.5 s idle tick or the loads."""
+    from hypic import DEFAULT_SEPARATOR as SEP
+    from hypic.cache.tiers.options import TierOptions
+
+    documents = [_text(62, 200), _text(63, 200)]
+    first = Engine.from_pretrained(tiny_checkpoint, tiers=TierOptions(str(tmp_path / "cache")))
+    first.warmup(documents)
+    first.close()
+    engine = Engine.from_pretrained(tiny_checkpoint, tiers=TierOptions(str(tmp_path / "cache")))
+    reading = engine.resume.disk.reading
+
+    def slow(address: str):
+        time.sleep(2.0 if address.rpartition("/")[2][0] not in "rkm" else 0)
+        return reading(address)
+
+    engine.resume.disk.reading = slow
+    loop, collector = EngineLoop(engine, "hypic"), Collector()
+    loop.start()
+    try:
+        _submit(loop, collector, "late", SEP.join(["lead", *documents, "which?"]))
+        collector.wait(1)
+    finally:
+        loop.stop()
+    completion = collector.done["late"].completion
+    assert completion.prefill.segments_missed == 2 and completion.ttft_s < 0.4
+
+
 def test_a_request_cancelled_while_its_resume_point_is_read_leaves_nothing_held(tiny_checkpoint: Path,
                                                                                 tmp_path: Path) -> None:
     """Cancelled while its resume point's read (slowed to 1 s) runs, a request ends without starting,
