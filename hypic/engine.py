@@ -1,7 +1,6 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
 import math
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -339,24 +338,18 @@ class Engine:
     def prefetch(self, plan: RequestPlan) -> list[Load]:
         """Start loading, from the lower tiers, the documents ``plan`` splices that memory lacks, and
         looking for a resume point longer than memory's (a serving loop calls this as the request
-        arrives); returns the documents' loads, each with until when the prefetch policy has the
-        request wait for it (the lookup: ``resume_lookup``)."""
+        arrives); returns those loads, each with until when its request is held back for it (the
+        prefetch policy's wait for a document, ``resume.LOOKUP_WAIT_S`` for the resume point)."""
+        loads = [self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
+                                           self.entry_bytes(len(ids), plan.policy.name))
+                 for key, ids in self._not_in_memory(plan)]
         tree = plan.policy.tree
         if self.resume is not None and tree is not None:
             key = plan.tree_key
             after = self.prefix_cache.peek(tree, key, len(key) - 1)
             empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
-            self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty)
-        loads = [self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
-                                           self.entry_bytes(len(ids), plan.policy.name))
-                 for key, ids in self._not_in_memory(plan)]
+            loads.append(self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty))
         return [load for load in loads if load is not None]
-
-    def resume_lookup(self, plan: RequestPlan) -> Future | None:
-        """The background lookup of ``plan``'s resume point that ``prefetch`` started, if one runs."""
-        if self.resume is None or plan.policy.tree is None:
-            return None
-        return self.resume.lookup(plan.policy.tree, plan.policy.namespace, plan.tree_key)
 
     def discard_prefetch(self, plan: RequestPlan) -> None:
         """Drop what ``prefetch`` read for ``plan``'s resume point (its request went away unserved)."""

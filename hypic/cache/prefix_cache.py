@@ -54,6 +54,16 @@ def _paged(keys: torch.Tensor, values: torch.Tensor, lo: int) -> list[KVBlock]:
     return [(keys[:, a - lo : b - lo].clone(), values[:, a - lo : b - lo].clone()) for a, b in pairwise(cuts)]
 
 
+def _path(node: "RadixNode") -> list["RadixNode"]:
+    """The nodes from the root's child down to ``node``."""
+    path: list[RadixNode] = []
+    walk: RadixNode | None = node
+    while walk is not None and walk.parent is not None:
+        path.append(walk)
+        walk = walk.parent
+    return path[::-1]
+
+
 def _cut_pages(pages: list[KVBlock], at: int) -> tuple[list[KVBlock], list[KVBlock]]:
     """Pages holding n positions split into the first ``at`` positions' and the rest's; a page cut
     through is copied in two (the halves own exactly their bytes)."""
@@ -204,13 +214,9 @@ class PrefixCache:
     def _assemble(self, node: RadixNode, key: list[int], template: RequestState) -> RequestState:
         """The state at ``node``'s end, reading the path's pages in place (nothing copied but the
         sliding-window rings, which the request writes into)."""
-        path, tick = [], next(self._clock)
-        walk: RadixNode | None = node
-        while walk is not None and walk.parent is not None:
-            path.append(walk)
+        path, tick = _path(node), next(self._clock)
+        for walk in path:
             walk.last_used = tick
-            walk = walk.parent
-        path.reverse()
         return self._state(path, key, template, PrefixLease(path, self._lock))
 
     @staticmethod
@@ -236,30 +242,24 @@ class PrefixCache:
     def state_at(self, node: RadixNode, template: RequestState) -> RequestState:
         """The state at a snapshotted ``node``'s end, nothing pinned or made recent (to write it below
         memory as it leaves, or at a stop)."""
-        path: list[RadixNode] = []
-        walk: RadixNode | None = node
-        while walk is not None and walk.parent is not None:
-            path.append(walk)
-            walk = walk.parent
-        path.reverse()
+        path = _path(node)
         return self._state(path, [k for n in path for k in n.edge], template, None)
 
     def resume_points(self) -> Iterator[tuple[str, RadixNode]]:
         """Every snapshotted node and its tree's name."""
-        for tree, root in list(self.roots.items()):
-            for node in self._nodes([root]):
-                if node.snapshot is not None and node.parent is not None:
-                    yield tree, node
+        for node in list(self._snapshots):
+            yield self._tree_of(node), node
 
-    def _dropping(self, node: RadixNode) -> None:
-        """``node``'s resume point leaves memory: tell ``on_drop``."""
-        if self.on_drop is None or node.snapshot is None:
-            return
+    def _tree_of(self, node: RadixNode) -> str:
         top = node
         while top.parent is not None:
             top = top.parent
-        tree = next(name for name, root in self.roots.items() if root is top)
-        self.on_drop(tree, node)
+        return next(name for name, root in self.roots.items() if root is top)
+
+    def _dropping(self, node: RadixNode) -> None:
+        """``node``'s resume point leaves memory: tell ``on_drop``."""
+        if self.on_drop is not None and node.snapshot is not None:
+            self.on_drop(self._tree_of(node), node)
 
     # ----- insertion ----------------------------------------------------------------------
     def insert(self, tree: str, state: RequestState, snapshots: dict[int, Snapshot]) -> None:
@@ -365,7 +365,7 @@ class PrefixCache:
         the full-attention KV of their edges kept (deeper snapshots still need it)."""
         if self.window_budget_bytes is None or self.window_nbytes <= self.window_budget_bytes:
             return
-        holders = sorted((n for n in self._nodes() if _window_bytes(n)), key=lambda n: n.last_used)
+        holders = sorted((n for n in self._snapshots if _window_bytes(n)), key=lambda n: n.last_used)
         for node in holders:  # dropping a snapshot makes no new holder: one sorted walk
             if self.window_nbytes <= self.window_budget_bytes:
                 break

@@ -41,7 +41,6 @@ from .stats import LoopStats
 log = logging.getLogger("hypic.server")
 WAIT_CREDIT_TOKENS_PER_S = 256.0  # a request that has waited t seconds counts as 256 t tokens smaller
 URGENT = -math.inf  # the priority of work that goes before any build (a worker's combine passes)
-LOOKUP_WAIT_S = 2.0  # a request waits this long at most for its resume point's read before it starts
 
 
 def default_prefill_batch(device: str) -> int:
@@ -139,12 +138,13 @@ class Job:
     @property
     def looking_up(self) -> bool:
         """Whether it still waits, before it starts, for what it reads below memory: its documents as
-        long as the prefetch policy says, its resume point ``LOOKUP_WAIT_S`` at most (then it starts,
-        and its prefill takes what is in, as without the wait)."""
-        if self.admitted:
-            return False
-        now = time.monotonic()
-        return any(not future.done() and now < until for future, until in self.loads)
+        long as the prefetch policy says, its resume point ``resume.LOOKUP_WAIT_S`` at most (then it
+        starts, and its prefill takes what is in, as without the wait)."""
+        return bool(self.holds(time.monotonic()))
+
+    def holds(self, now: float) -> list[float]:
+        """Until when (``time.monotonic``) each read it is still held back for runs; none once admitted."""
+        return [] if self.admitted else [until for future, until in self.loads if not future.done() and now < until]
 
     def cancel(self) -> None:
         """Safe from any thread: the loop drops the job at its next iteration."""
@@ -324,8 +324,7 @@ class EngineLoop:
         """How long an idle loop waits for news: until the first hold on a waiting job's reads runs
         out (it starts then, loaded or not), 0.5 s at most."""
         now = time.monotonic()
-        holds = [until - now for p in self.waiting if isinstance(p, Job) and not p.admitted
-                 for future, until in p.loads if not future.done() and until > now]
+        holds = [until - now for p in self.waiting if isinstance(p, Job) for until in p.holds(now)]
         return max(0.001, min([0.5, *holds]))
 
     def _drain(self, wait_s: float | None) -> bool:
@@ -351,10 +350,7 @@ class EngineLoop:
         if isinstance(item, Job):
             self.stats.requests_received += 1
             item.remaining = self.engine.uncached_tokens(item.plan)
-            item.loads = self.engine.prefetch(item.plan)  # its documents load from disk/Mooncake meanwhile
-            lookup = self.engine.resume_lookup(item.plan)  # and its resume point is read, off this thread
-            if lookup is not None:
-                item.loads.append((lookup, time.monotonic() + LOOKUP_WAIT_S))
+            item.loads = self.engine.prefetch(item.plan)  # its documents and resume point are read meanwhile
             for future, _ in item.loads:
                 self._wake_when_done(future)
         self.waiting.append(item)

@@ -184,8 +184,8 @@ class StorageTiers:
             return self.load(key, token_ids, namespace)
         future, deadline, expected_bytes = started
         self.prefetched_bytes -= expected_bytes
-        wait = {PrefetchPolicy.BEST_EFFORT: 0.0, PrefetchPolicy.WAIT_COMPLETE: None,
-                PrefetchPolicy.TIMEOUT: max(0.0, deadline - time.monotonic())}[self.prefetch_policy]
+        until = self._wait_until(deadline)
+        wait = None if until == math.inf else max(0.0, until - time.monotonic())
         try:
             found = future.result(timeout=wait)
         except FutureTimeout:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,16 +31,17 @@ from ..prefix_cache import Snapshot, cache_key
 from ...state import RequestState
 from .disk import DiskTier
 from .entry_file import BadEntryFile, EntryIdentity, namespace_dir, pack, unpack
-from ..store import Event
+from ..store import Event, Load
 from .hierarchy import BlobTier, WritePolicy
-from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, ResumeParts, check, chunk_meta, chunk_names, chunk_spans,
-                             chunk_tensors, head_address, identity_meta, resume_parts, state_from)
-from .shared_resume import SharedResumePoints, WriteCounters
+from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, Chunks, ResumeParts, WriteCounters, check, chunk_meta,
+                             chunk_names, chunk_spans, chunk_tensors, head_address, identity_meta, put_resume_point,
+                             resume_parts, state_from)
+from .shared_resume import SharedResumePoints
 
 log = logging.getLogger("hypic.tiers")
 MAX_PREFETCHES = 16  # lookups started and not taken yet, at most (each may hold a whole state)
+LOOKUP_WAIT_S = 2.0  # a request is held back this long at most for its resume point's read
 MULTIPLIER = 0x100000001B3  # odd: invertible modulo 2^64
-Chunks = list[tuple[str, Callable[[], bytes]]]  # a resume point's chunk objects: name, and how to pack it
 
 
 def prefix_hashes(seed: int, keys: list[int]) -> np.ndarray:
@@ -159,34 +161,27 @@ class ResumeStore:
     def _write_disk(self, address: str, head: bytes, chunks: Chunks) -> None:
         assert self.disk is not None
         try:
-            for name, make in chunks:
-                if not self.disk.touch(name):  # held chunks become as recent as the head that needs them
-                    data = make()
-                    self.disk.write(name, data)
-                    self.disk_writes.chunks_written += 1
-                    self.disk_writes.written_bytes += len(data)
-            self.disk.write(address, head)
-            self.disk_writes.written += 1
-            self.disk_writes.written_bytes += len(head)
+            held = [self.disk.touch(name) for name, _ in chunks]  # held ones become as recent as this head
+            put_resume_point(self.disk, address, head, chunks, held, self.disk_writes)
         except Exception as err:  # a full disk or a removed directory: the resume point is just not kept
             log.warning("resume point %s not written (%s: %s)", address, type(err).__name__, err)
             self.disk_writes.write_errors += 1
 
     # ----- reads ---------------------------------------------------------------------------
     def prefetch(self, tree: str, namespace: str, key: list[int], after: int, limit: int,
-                 template: RequestState) -> None:
+                 template: RequestState) -> Load | None:
         """Start ``take``'s lookup in the background (a request that may resume below memory just
-        arrived): its reads overlap the request's wait instead of holding up the engine loop later."""
+        arrived): its reads overlap the request's wait instead of holding up the engine loop later.
+        Returns the lookup and until when (``time.monotonic``) its request is held back for it."""
         ident = _identity(tree, namespace, key)
-        if self.closed or limit <= after or ident in self.prefetches or not self._anywhere(namespace):
-            return
-        self.prefetches[ident] = self.prefetcher.submit(self._find, tree, namespace, key, after, limit, template)
-        while len(self.prefetches) > MAX_PREFETCHES:  # requests that went away
-            self.prefetches.popitem(last=False)
-
-    def lookup(self, tree: str, namespace: str, key: list[int]) -> Future | None:
-        """The lookup ``prefetch`` started for this key, if it is still to be taken."""
-        return self.prefetches.get(_identity(tree, namespace, key))
+        if self.closed or limit <= after or not self._anywhere(namespace):
+            return None
+        if ident not in self.prefetches:
+            self.prefetches[ident] = self.prefetcher.submit(self._find, tree, namespace, key, after, limit, template)
+            while len(self.prefetches) > MAX_PREFETCHES:  # requests that went away
+                self.prefetches.popitem(last=False)
+        started = self.prefetches.get(ident)
+        return (started, time.monotonic() + LOOKUP_WAIT_S) if started is not None else None
 
     def discard(self, tree: str, namespace: str, key: list[int]) -> None:
         """Forget the lookup ``prefetch`` started for this key (its request went away): a state read

@@ -11,6 +11,7 @@ chunks. Every object carries the model's identity and its tokens, compared befor
 checksum (``entry_file.pack``).
 """
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,10 +21,37 @@ from ..prefix_cache import MARK_MASK, Snapshot
 from ..segments import MARK_BITS
 from ...state import AttentionLayerState, LayerState, LinearLayerState, RequestState, WindowLayerState
 from .entry_file import BadEntryFile, EntryIdentity
+from .hierarchy import BlobTier
 
 HEAD_FORMAT = "hypic-resume-state/2"
 CHUNK_FORMAT = "hypic-resume-kv/1"
 CHUNK_TOKENS = 256  # positions of KV per chunk object
+Chunks = list[tuple[str, Callable[[], bytes]]]  # a resume point's chunk objects: name, and how to pack it
+
+
+@dataclass
+class WriteCounters:
+    """Resume points written to one tier."""
+
+    written: int = 0  # heads
+    chunks_written: int = 0
+    written_bytes: int = 0  # heads and chunks
+    write_errors: int = 0
+
+
+def put_resume_point(tier: BlobTier, address: str, head: bytes, chunks: Chunks, held: list[bool],
+                     counters: WriteCounters) -> None:
+    """Write the chunks ``tier`` does not hold (``held``, one flag per chunk), then the head that
+    names them (a head is never there before its chunks)."""
+    for (name, make), present in zip(chunks, held):
+        if not present:
+            data = make()
+            tier.write(name, data)
+            counters.chunks_written += 1
+            counters.written_bytes += len(data)
+    tier.write(address, head)
+    counters.written += 1
+    counters.written_bytes += len(head)
 
 
 def head_address(directory: str, value: int) -> str:

@@ -11,14 +11,12 @@ writing the same conversation at once never conflict; a marker whose resume poin
 evicted only costs a probe.
 """
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from .hierarchy import BlobTier, StorageTiers
-from .resume_objects import head_address
+from .resume_objects import Chunks, WriteCounters, head_address, put_resume_point
 
 log = logging.getLogger("hypic.tiers")
 BLOCK = 64  # tokens a marker covers: a prompt of n tokens costs n / BLOCK probes, then up to BLOCK
@@ -32,14 +30,6 @@ class SharedTier(BlobTier, Protocol):
     def contains_all(self, addresses: list[str]) -> list[bool]: ...
 
 
-@dataclass
-class WriteCounters:
-    """Resume points written to one tier."""
-
-    written: int = 0  # heads
-    chunks_written: int = 0
-    written_bytes: int = 0  # heads and chunks
-    write_errors: int = 0
 
 
 def marker_address(directory: str, value: int) -> str:
@@ -62,7 +52,7 @@ class SharedResumePoints:
         """Whether a resume point named ``value`` is worth putting (not put or seen here before)."""
         return not self.tier.indexed(head_address(directory, value))
 
-    def write(self, directory: str, hashes: np.ndarray, head: bytes, chunks: list[tuple[str, Callable[[], bytes]]]) -> None:
+    def write(self, directory: str, hashes: np.ndarray, head: bytes, chunks: Chunks) -> None:
         """Put the resume point at position ``len(hashes) - 1`` (``hashes``: its prompt's prefix hashes
         h_0..h_p): the chunks the store lacks (one batched check), its head, then its block's marker."""
         position = len(hashes) - 1
@@ -70,16 +60,9 @@ class SharedResumePoints:
             return
         try:
             held = self.tier.contains_all([name for name, _ in chunks]) if chunks else []
-            for (name, make), present in zip(chunks, held):
-                if not present:
-                    data = make()
-                    self.tier.write(name, data)
-                    self.counters.chunks_written += 1
-                    self.counters.written_bytes += len(data)
-            self.tier.write(head_address(directory, int(hashes[position])), head)
+            put_resume_point(self.tier, head_address(directory, int(hashes[position])), head, chunks, held,
+                             self.counters)
             self.tier.write(marker_address(directory, int(hashes[position - position % BLOCK])), MARKER)
-            self.counters.written += 1
-            self.counters.written_bytes += len(head)
         except Exception as err:  # too large for the store, or the master gone: not kept there
             self.counters.write_errors += 1
             self.storage.fail(self.tier, err)
