@@ -15,12 +15,11 @@ from typing import Any, TypeVar
 import torch
 
 from .cache.composition import Transition, compose_states, naive_addition
-from .kernels.gated_delta import gated_delta_rule_varlen
 from .models import HybridModel
 from .models.attention import AttentionInputs, GatedAttention
-from .models.gated_deltanet import GatedDeltaNet, RecurrenceInputs
 from .models.linear import LinearMixer, RunRecurrence, last_rows
 from .models.rope import RotaryEmbedding
+from .runs_together import conv_windows, recurrences_together, runs_batched
 from .cache.segments import Piece, Run, Splice, chunk_pieces
 from .state import AttentionLayerState, LinearLayerState, RequestState, WindowLayerState
 from .cache.store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntry
@@ -110,94 +109,6 @@ def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
     return torch.cat(runs).to(device)
 
 
-def _conv_windows(mixer: LinearMixer, pre_conv: torch.Tensor, pieces: list[Piece], entries: dict[int, SegmentEntry],
-                  index: int, conv: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each run's conv window (the k-1 inputs before it: the previous run's, or a spliced interior's
-    cached tail; then its own), as views of one tensor, and the post-conv rows of all runs [N, C].
-    One convolution covers every window laid end to end; the rows straddling two windows are dropped."""
-    parts, lengths, offset, width = [], [], 0, mixer.kernel - 1
-    for piece in pieces:
-        if isinstance(piece, Splice):
-            cached = entries[piece.segment].layers[index]
-            assert isinstance(cached, LinearInterior)
-            conv = cached.conv_tail
-        else:
-            own = pre_conv[offset : offset + piece.length]
-            parts += [conv.to(pre_conv.dtype), own]
-            lengths.append(piece.length)
-            conv = last_rows(own if piece.length >= width else torch.cat([conv.to(pre_conv.dtype), own]), width)
-            offset += piece.length
-    stacked = torch.cat(parts)
-    starts = [sum(lengths[:i]) + i * width for i in range(len(lengths))]  # each window's first row
-    windows = [stacked[lo : lo + n + width] for lo, n in zip(starts, lengths)]
-    post_conv = mixer.convolve(stacked)  # row j: the token at window row j + width
-    if len(lengths) == 1:
-        return windows, post_conv
-    rows = torch.cat([torch.arange(lo, lo + n) for lo, n in zip(starts, lengths)])
-    return windows, post_conv[rows.to(post_conv.device)]
-
-
-def runs_batched(device: torch.device) -> bool:
-    """Whether a combine pass runs a linear layer's runs in one varlen call (chaining their states
-    through transitions first) instead of one call per run: on CUDA, where per-run calls are
-    host-bound (0.75 ms of Python and launches each against ~40 us of GPU work, H100)."""
-    return device.type == "cuda"
-
-
-def _batched_recurrence(mixer: GatedDeltaNet, inputs: RecurrenceInputs, pieces: list[Piece],
-                        entries: dict[int, SegmentEntry], index: int, state: torch.Tensor, naive: bool,
-                        windows: list[torch.Tensor], snapshots: dict[int, dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """All runs of a linear layer in two varlen calls, each run cut at the snapshot positions inside
-    it. First every part from zero (its S_r|0) and from I with zero values (its transition T_r) at
-    once; then the state entering each part follows by chaining S <- T_r S + S_r|0 across parts and
-    S <- T_C S + S_C|0 across splices; then every part from its entering state. Returns the outputs
-    [N, Hv, V] and the final state; records the snapshots."""
-    runs = [piece for piece in pieces if isinstance(piece, Run)]
-    bounds = [[0, *(p - run.start for p in sorted(snapshots) if run.start < p < run.start + run.length), run.length]
-              for run in runs]
-    lengths = [b - a for edges in bounds for a, b in itertools.pairwise(edges)]
-    zero_states, transitions = _run_maps(inputs, lengths)
-    compose = naive_addition if naive else compose_states
-    entering, run = [], 0
-    for piece in pieces:
-        if isinstance(piece, Splice):
-            cached = entries[piece.segment].layers[index]
-            assert isinstance(cached, LinearInterior)
-            state, conv = compose(state, [cached.for_compute()]), cached.conv_tail
-        else:
-            for cut in bounds[run][1:]:
-                entering.append(state)
-                part = len(entering) - 1
-                state = torch.baddbmm(zero_states[part], transitions[part], state)
-                conv = windows[run][cut : cut + mixer.kernel - 1]
-                if cut < piece.length:
-                    snapshots[piece.start + cut][index] = LinearLayerState(state, conv)
-            run += 1
-        if piece.start + piece.length in snapshots:
-            snapshots[piece.start + piece.length][index] = LinearLayerState(state, conv)
-    outputs, finals = gated_delta_rule_varlen(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, lengths,
-                                              torch.stack(entering))
-    return outputs, finals[-1]
-
-
-def _run_maps(inputs: RecurrenceInputs, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each run's affine map S -> T_r S + S_r|0: S_r|0 [R, H, K, V] and T_r [R, H, K, K]. One varlen
-    call runs every run twice (from zero with its values; from I with zero values) when K = V."""
-    runs, heads, dim = len(lengths), inputs.k.shape[1], inputs.k.shape[2]
-    zeros = inputs.v.new_zeros(runs, heads, dim, inputs.v.shape[2])
-    eye = torch.eye(dim, device=inputs.k.device).expand(runs, heads, dim, dim)
-    if inputs.v.shape[2] == dim:
-        twice = lambda x, y: torch.cat([x, y])  # noqa: E731
-        _, finals = gated_delta_rule_varlen(twice(inputs.q, inputs.q), twice(inputs.k, inputs.k),
-                                            twice(inputs.v, torch.zeros_like(inputs.v)), twice(inputs.g, inputs.g),
-                                            twice(inputs.beta, inputs.beta), lengths * 2, torch.cat([zeros, eye]))
-        return finals[:runs], finals[runs:]
-    _, zero_states = gated_delta_rule_varlen(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, lengths, zeros)
-    _, transitions = gated_delta_rule_varlen(inputs.q, inputs.k, torch.zeros_like(inputs.k), inputs.g, inputs.beta,
-                                             lengths, eye)
-    return zero_states, transitions
-
-
 def token_rows(proj: Any, lo: int, hi: int) -> Any:
     """A mixer's projections (a dataclass of [N, ...] tensors) for tokens lo..hi-1 only (views)."""
     part = copy.copy(proj)
@@ -211,33 +122,34 @@ def _linear_layer(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, 
                   rows: list[tuple[int, int]], index: int, snapshots: list[dict[int, dict]],
                   ) -> tuple[torch.Tensor, list[LinearLayerState]]:
     """Token-wise projections and output of every work's tokens at once; the conv and the recurrence
-    per work (see ``_linear_runs``)."""
+    per work (``_linear_runs``), except on CUDA, where the runs of every work that captures no
+    segment interior go together in varlen calls (``recurrences_together``)."""
     proj = mixer.project(h, positions)
-    outputs, states = [], []
-    for work, (lo, hi), taken in zip(works, rows, snapshots):
-        output, state = _linear_runs(mixer, token_rows(proj, lo, hi), work, index, taken, h.device)
-        outputs.append(output)
-        states.append(state)
+    projs = [token_rows(proj, lo, hi) for lo, hi in rows]
+    together = [i for i, work in enumerate(works) if work.capture is None] \
+        if mixer.batched_runs and runs_batched(h.device) else []
+    outputs: list[Any] = [None] * len(works)
+    states: list[Any] = [None] * len(works)
+    if together:
+        output, made = recurrences_together(mixer, [projs[i] for i in together], [works[i] for i in together], index,
+                                            [snapshots[i] for i in together])
+        for i, part, state in zip(together, output.split([rows[i][1] - rows[i][0] for i in together]), made):
+            outputs[i], states[i] = part, state
+    for i in sorted(set(range(len(works))) - set(together)):
+        outputs[i], states[i] = _linear_runs(mixer, projs[i], works[i], index, snapshots[i])
     return mixer.output(torch.cat(outputs), proj, h.dtype), states
 
 
-def _linear_runs(mixer: LinearMixer, proj: Any, work: "CombineWork", index: int, snapshots: dict[int, dict],
-                 device: torch.device) -> tuple[torch.Tensor, LinearLayerState]:
+def _linear_runs(mixer: LinearMixer, proj: Any, work: "CombineWork", index: int,
+                 snapshots: dict[int, dict]) -> tuple[torch.Tensor, LinearLayerState]:
     """One request's recurrence over its runs (varlen token-wise work first), composing the
     interiors spliced since the previous run before each; returns its outputs [N, H, V] and state.
     Records the layer's state in ``snapshots[p]`` for every requested position p (inside or at the
     end of a piece)."""
     pieces, entries, init, capture = work.pieces, work.entries, work.init.layers[index], work.capture
     assert isinstance(init, LinearLayerState)
-    windows, post_conv = _conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
+    windows, post_conv = conv_windows(mixer, proj.pre_conv, pieces, entries, index, init.conv)
     inputs = mixer.recurrence_inputs(post_conv, proj)
-    parts = sum(isinstance(piece, Run) for piece in pieces) + sum(
-        piece.start < p < piece.start + piece.length for piece in pieces if isinstance(piece, Run) for p in snapshots)
-    if parts > 1 and capture is None and mixer.batched_runs and runs_batched(device):
-        assert isinstance(mixer, GatedDeltaNet)
-        output, state = _batched_recurrence(mixer, inputs, pieces, entries, index, init.recurrent, work.naive, windows,
-                                            snapshots)
-        return output, LinearLayerState(state, last_rows(windows[-1], mixer.kernel - 1).clone())
     state, conv, outputs, offset = init.recurrent, init.conv, [], 0
     compose = naive_addition if work.naive else compose_states
     runs_left = iter(windows)

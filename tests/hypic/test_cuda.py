@@ -89,3 +89,55 @@ def test_moe_checkpoint_in_bfloat16_on_cuda_tracks_float32_on_cpu(checkpoint_fac
         assert prefill.stats.segments_hit == 4
         logits[device] = prefill.logits
     assert _rel(logits["cuda"], logits["cpu"]) < 3e-2
+
+
+def test_requests_prefilled_together_on_cuda_match_each_alone(engines: dict[str, Engine],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests (two PIC over cached documents, two cold) prefilled together as the engine loop
+    batches them: each linear layer's runs of all four in FLA's varlen calls, each request from its
+    own entering state; every request's logits equal its prefill alone on the CPU."""
+    import hypic.assembler as assembler
+    from hypic.assembler import drain_together
+
+    widths: list[int] = []
+    together = assembler.recurrences_together
+    monkeypatch.setattr(assembler, "recurrences_together", lambda *a: widths.append(len(a[2])) or together(*a))
+    prompts = [_prompt(seed)[0] for seed in (5, 6)] + [_prompt(seed)[0].replace(SEP, " ") for seed in (7, 8)]
+    cuda, cpu = engines["cuda"], engines["cpu"]
+    for engine in (cuda, cpu):
+        engine.warmup([doc for seed in (5, 6) for doc in _prompt(seed)[1]])
+        engine.prefix_cache.clear()
+    batched = drain_together([cuda.prefill_steps(cuda.plan(cuda.parse(p))) for p in prompts])
+    assert max(widths) == 4
+    for prompt, result in zip(prompts, batched):
+        alone = cpu.prefill(cpu.parse(prompt), "hypic")
+        assert _rel(result.logits, alone.logits) < 2e-3
+
+
+def test_host_memory_on_cuda_hands_back_evicted_documents(tiny_checkpoint: Path) -> None:
+    """L2 on a GPU server: a device pool for one document above pinned host memory for all; a request
+    over three documents takes two from host memory (copies started when it was planned) and its
+    logits equal the CPU engine's over the same documents."""
+    from hypic.cache.tiers.options import TierOptions
+
+    prompt, docs = _prompt(9)
+    probe = Engine.from_pretrained(tiny_checkpoint, device="cuda", seam_width=8)
+    sizes = [probe.entry_bytes(len(probe.tokenizer.encode(d))) for d in docs]
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cuda", seam_width=8, public_pool_bytes=max(sizes),
+                                    tiers=TierOptions(host_bytes=sum(sizes)))
+    engine.warmup(docs)
+    host = engine.store.lower
+    assert len(host.entries) == len(docs) - 1
+    assert all(t.is_pinned() for entry in host.entries.values() for t in _tensors(entry))
+    engine.prefetch(engine.plan(engine.parse(prompt)))
+    assert len(host.staged) >= 2
+    result = engine.prefill(engine.parse(prompt), "hypic")
+    assert result.stats.cached_tokens_by_tier["host"] > 0 and result.stats.segments_hit == len(docs)
+    cpu = Engine.from_pretrained(tiny_checkpoint, device="cpu", seam_width=8)
+    cpu.warmup(docs)
+    assert _rel(result.logits, cpu.prefill(cpu.parse(prompt), "hypic").logits) < 2e-3
+
+
+def _tensors(entry) -> list[torch.Tensor]:
+    from hypic.cache.store import entry_tensors
+    return entry_tensors(entry)

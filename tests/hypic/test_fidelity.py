@@ -262,9 +262,9 @@ def test_runs_batched_into_varlen_calls_match_reference(setup: Setup, monkeypatc
     snapshots that pass recorded at document ends."""
     import hypic.assembler as assembler
     calls = []
-    batched = assembler._batched_recurrence
+    together = assembler.recurrences_together
     monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
-    monkeypatch.setattr(assembler, "_batched_recurrence", lambda *a: calls.append(1) or batched(*a))
+    monkeypatch.setattr(assembler, "recurrences_together", lambda *a: calls.append(1) or together(*a))
     case = layout(21, [70, 260, 2 * seam_width - 1, 41, 90])
     engine, oracle = setup(name, long_memory, seam_width)
     engine.warmup(list(case.documents))
@@ -275,6 +275,34 @@ def test_runs_batched_into_varlen_calls_match_reference(setup: Setup, monkeypatc
     resumed = engine.prefill(engine.parse(again.text))
     assert resumed.stats.prefix_hit_tokens == len(case.leading) + 70 + 260
     assert_same_generation(engine_generation(engine, resumed), oracle.generate(again))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe"])
+def test_snapshots_of_requests_run_together_match_reference_states(setup: Setup, monkeypatch: pytest.MonkeyPatch,
+                                                                   name: str) -> None:
+    """Two prompts' passes in one ``combine_batch`` with the CUDA strategy forced (one varlen call
+    for both): each state they record, inside a run (chained through the runs' maps) and at a pass's
+    end (the varlen call's own final state), is the reference model's state after as many tokens."""
+    import hypic.assembler as assembler
+    from hypic.assembler import CombineWork, combine_batch
+    from hypic.cache.segments import Run
+    from hypic.state import RequestState
+
+    monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
+    engine, oracle = setup(name, True, 8)
+    rng = random.Random(31)
+    prompts = [engine.parse(random_text(rng, n)).token_ids for n in (90, 57)]
+    cuts = [[30, 61, len(prompts[0])], [11, len(prompts[1])]]
+    empty = lambda: RequestState.empty(engine.model.config, engine.model.device, engine.model.dtype)  # noqa: E731
+    results = combine_batch([CombineWork(engine.model, ids, [Run(0, len(ids))], empty(), snapshot_at=at)
+                             for ids, at in zip(prompts, cuts)])
+    for ids, at, result in zip(prompts, cuts, results):
+        for position in at:
+            expected = oracle.model.empty_state()
+            oracle.model.run(expected, ids[:position])
+            for index in engine.model.config.linear_layers():
+                ours, theirs = result.snapshots[position][index].recurrent, expected.layers[index].state
+                assert (ours - theirs).abs().max().item() <= TOLERANCE * max(1.0, theirs.abs().max().item())
 
 
 # ----- documents loaded from the disk tier (a restarted server) ------------------------------------
@@ -301,14 +329,25 @@ def test_documents_loaded_from_disk_match_reference(setup: Setup, tmp_path: Path
 
 
 # ----- several requests' passes in one batch (the serving loop's batched prefill) ------------------
-@pytest.mark.parametrize("name", MODELS)
-def test_requests_prefilled_together_match_reference(setup: Setup, name: str) -> None:
+@pytest.mark.parametrize("name, varlen", [(name, False) for name in MODELS]
+                         + [("qwen3_5_text-ratio2", True), ("qwen3_next-moe", True)])
+def test_requests_prefilled_together_match_reference(setup: Setup, monkeypatch: pytest.MonkeyPatch, name: str,
+                                                     varlen: bool) -> None:
     """Three requests' prefills driven together, every round's combine passes in one
     ``combine_batch`` (as the engine loop runs them): a PIC layout with one warm and two cold
     documents (built in the same batches as the others' passes), its documents reordered behind
     another leading part, and a prompt with no documents. Each equals the reference: first logits
-    and 16 greedy steps."""
+    and 16 greedy steps; so does a longer prompt resuming where the first ended. ``varlen``: with
+    the CUDA strategy forced on the CPU, every request's runs of a linear layer in one varlen call
+    (``recurrences_together``), several requests in one (a document being built runs apart)."""
+    import hypic.assembler as assembler
     from hypic.assembler import drain_together
+
+    widths: list[int] = []
+    if varlen:
+        together = assembler.recurrences_together
+        monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
+        monkeypatch.setattr(assembler, "recurrences_together", lambda *a: widths.append(len(a[2])) or together(*a))
 
     first = layout(23, [90, 150, 40])
     cases = [first, Layout("another leading part", tuple(first.documents[i] for i in (2, 0, 1)), "the query?"),
@@ -317,8 +356,13 @@ def test_requests_prefilled_together_match_reference(setup: Setup, name: str) ->
     engine.warmup([first.documents[1]])
     prefills = drain_together([engine.prefill_steps(engine.plan(engine.parse(case.text))) for case in cases])
     assert sum(p.stats.segments_missed for p in prefills) >= 2  # the cold documents were built among the batches
+    assert not varlen or max(widths) >= 2
     for case, prefill in zip(cases, prefills):
         assert_same_generation(engine_generation(engine, prefill), oracle.generate(case), case.leading[:10])
+    longer = Layout(first.leading, first.documents, first.query + " and one more thing")  # resumes at the first's end
+    resumed = engine.prefill(engine.parse(longer.text))
+    assert resumed.stats.prefix_hit_tokens >= len(engine.parse(first.text).token_ids) - 1  # its last token's logits
+    assert_same_generation(engine_generation(engine, resumed), oracle.generate(longer), "resumed")
 
 
 # ----- a conversation resumed from the disk after a restart -----------------------------------------
