@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError
 
 from hypic import DEFAULT_SEPARATOR
 from hypic.engine import Prefill
@@ -29,7 +28,7 @@ from hypic.prefill_stats import PrefillStats
 from hypic.server.loop import EngineLoop
 
 from .plan import Plan, make_plan
-from .pool import WorkerLost, WorkerPool, start_ray
+from .pool import WorkerPool, start_ray
 from .splitter import Splitter
 from .transfer import ReceiveCounts, install_entries, receive_all
 
@@ -202,17 +201,10 @@ class PeerPrefill:
         combine pass; returns its ``Prefill`` (the state the server decodes; its stats count
         ``built`` and the heads combined early as computed for the request). Raises if the combine
         node is lost (it is forgotten; the caller prefills locally instead)."""
-        plan, lost = dispatch.plan, []
-        combine = self.pool.workers[plan.combine]
-        try:
-            built = self.pool.gather_on_combine(plan, parts, dispatch.mode, (dispatch.builds, dispatch.shipments), lost,
-                                                built, local_entries)[0]
-            return ray.get(combine.prefill.remote(parts, dispatch.mode, logits_from, built), timeout=self.pool.timeout_s)
-        except (WorkerLost, GetTimeoutError):
-            self.pool.forget(plan.combine, kill=True)
-            raise
-        finally:
-            self.pool.finish(plan, lost)
+        return self.pool.run_on_combine(
+            dispatch.plan, parts, dispatch.mode, (dispatch.builds, dispatch.shipments), built,
+            lambda combine, built: combine.prefill.remote(parts, dispatch.mode, logits_from, built),
+            local_entries, self.pool.timeout_s).value
 
     def status(self) -> dict[str, Any]:
         status = self.pool.status()

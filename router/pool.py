@@ -2,6 +2,8 @@
 queued on each, and the workers lost."""
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -33,6 +35,18 @@ def start_ray(cpus: int, address: str | None) -> None:
         else:
             ray.init(address=address, log_to_driver=False)
     register_tensor_serializer()
+
+
+@dataclass
+class RemoteRun:
+    """What ``WorkerPool.run_on_combine`` brings back: the combine node's answer, when the request's
+    builds were done and when its entries were all on the combine node (``time.perf_counter``), and
+    the workers lost meanwhile."""
+
+    value: Any
+    built_at: float
+    gathered_at: float
+    lost: list[int]
 
 
 class WorkerPool:
@@ -90,6 +104,26 @@ class WorkerPool:
         actor = self.workers[combine]
         refs = [ref for _, ref in shipments] + ([ray.put(self.ship(extra, combine))] if extra else [])
         return [(combine, actor.install.remote(mode, ref)) for ref in refs]
+
+    def run_on_combine(self, plan: Plan, parts: PromptParts, mode: Mode, dispatched: tuple[list, list],
+                       built: BuiltForRequest, call: Callable[[Any, BuiltForRequest], ray.ObjectRef],
+                       extra: list[SegmentEntry] | None = None, timeout_s: float | None = None) -> RemoteRun:
+        """The remote-combine half of a request, one copy for the router and for the server's peers:
+        everything gathered on the combine node (``gather_on_combine``), then ``call(its actor, built
+        with the heads' stats)``, waited for (``timeout_s``: at most that long); the plan is finished
+        either way. A combine node lost or timed out is forgotten (killed if it timed out), and the
+        error raised."""
+        lost: list[int] = []
+        combine = self.workers[plan.combine]
+        try:
+            built, built_at = self.gather_on_combine(plan, parts, mode, dispatched, lost, built, extra)
+            gathered_at = time.perf_counter()
+            return RemoteRun(ray.get(call(combine, built), timeout=timeout_s), built_at, gathered_at, lost)
+        except (WorkerLost, GetTimeoutError) as err:
+            self.forget(plan.combine, kill=isinstance(err, GetTimeoutError))
+            raise
+        finally:
+            self.finish(plan, lost)
 
     def gather_on_combine(self, plan: Plan, parts: PromptParts, mode: Mode, dispatched: tuple[list, list],
                           lost: list[int], built: BuiltForRequest,

@@ -25,7 +25,7 @@ from hypic.engine import GenerationResult
 
 from .index import SegmentIndex
 from .plan import Plan, make_plan
-from .pool import WorkerLost, WorkerPool, start_ray
+from .pool import WorkerPool, start_ray
 from .splitter import Splitter
 
 
@@ -87,22 +87,14 @@ class Router:
             loads, prefixes = dict(self.pool.queued), self.pool.prefixes.matched(parts.token_ids, namespace)
         plan = make_plan(self.splitter.jobs(parts, mode), self.index, loads, prefixes=prefixes,
                          prompt_tokens=len(parts.token_ids), combine_tokens=self.splitter.combine_tokens(parts, mode))
-        start, lost = time.perf_counter(), []
-        combine = self.workers[plan.combine]
-        built, dispatched = self.pool.gather_on_combine(plan, parts, mode, self.pool.dispatch(plan, mode), lost,
-                                                        plan.built_for_request(plan.combine))
-        transferred = time.perf_counter()
-        try:
-            result = ray.get(combine.generate.remote(prompt, mode, sampling, built, namespace))  # every install has run
-            with self.pool.lock:  # its engine keeps the prompt's prefix in its private pool
-                self.pool.prefixes.record(plan.combine, parts.token_ids, namespace)
-        except WorkerLost:
-            self.pool.forget(plan.combine)
-            raise
-        finally:
-            self.pool.finish(plan, lost)
-        return RoutedResult(result, plan, dispatched - start, transferred - dispatched,
-                            time.perf_counter() - transferred, lost, result.stats.combined_early_tokens)
+        start = time.perf_counter()
+        run = self.pool.run_on_combine(plan, parts, mode, self.pool.dispatch(plan, mode),
+                                       plan.built_for_request(plan.combine),
+                                       lambda combine, built: combine.generate.remote(prompt, mode, sampling, built, namespace))
+        with self.pool.lock:  # its engine keeps the prompt's prefix in its private pool
+            self.pool.prefixes.record(plan.combine, parts.token_ids, namespace)
+        return RoutedResult(run.value, plan, run.built_at - start, run.gathered_at - run.built_at,
+                            time.perf_counter() - run.gathered_at, run.lost, run.value.stats.combined_early_tokens)
 
     def shutdown(self) -> None:
         self.pool.shutdown()

@@ -22,7 +22,7 @@ from ..cache.plan import RequestPlan
 from ..sequence import Sequence
 from .chat import chat_renderer
 from .loop import (
-    DoneEvent, EngineLoop, ErrorEvent, Event, Job, PeerWork, ProgressEvent, QueueFull, input_logits_from)
+    DoneEvent, EngineLoop, ErrorEvent, Event, Job, PeerWork, ProgressEvent, QueueFull)
 from .fields import check_fields
 from .gate import BodyTooLarge, Gate, GateLimits
 from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_flush,

@@ -97,6 +97,23 @@ def test_a_lost_combine_node_fails_only_its_request(router: Router, engine: Engi
     assert routed.plan.combine in {1, 2} and routed.result.output_ids == _expected(engine, prompt)
 
 
+def test_a_combine_node_lost_while_it_decodes_is_forgotten(router: Router, engine: Engine, pic_prompt: Prompt,
+                                                          docs: list[str]) -> None:
+    """The combine node holds every document (nothing to build or ship) and dies during its long
+    decode: the request fails with the loss, the router forgets the node, the next request runs
+    on the others."""
+    router.warmup([docs[7], docs[8], docs[9]], worker=0)
+    prompt = pic_prompt([7, 8, 9], "Where was the vole born?")
+    killer = threading.Timer(1.5, ray.kill, args=(router.workers[0],))
+    killer.start()
+    with pytest.raises(RayActorError):
+        router.generate(prompt, max_new_tokens=7_000, ignore_eos=True)  # ~30 s of decoding
+    killer.join()
+    assert 0 not in router.workers
+    routed = router.generate(prompt, max_new_tokens=8)
+    assert routed.plan.combine in {1, 2} and routed.result.output_ids == _expected(engine, prompt)
+
+
 def test_a_lost_peer_of_the_server_costs_only_its_documents(engine: Engine, pic_prompt: Prompt) -> None:
     """The server's peer prefill (``hypic serve --workers 3``): a peer dies before shipping; the
     server stores what the other peer shipped, its own prefill recomputes the rest, and the
