@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "hypic/"
-from .options import DEFAULT_SEGMENT_BYTES  # memory this server lends the shared store
+DEFAULT_SEGMENT_BYTES = 1 << 30  # memory this server lends the shared store
 DEFAULT_BUFFER_BYTES = 256 << 20  # its transfer buffer
 KNOWN_ADDRESSES = 1 << 16  # addresses this server has seen in the store, at most (the scheduler's hint)
 

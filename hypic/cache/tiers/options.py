@@ -7,10 +7,9 @@ from .entry_file import EntryIdentity
 from ..store import LowerTiers
 from .hierarchy import BlobTier, PrefetchPolicy, StorageTiers, WritePolicy
 from .host import HostTier
+from .mooncake import DEFAULT_SEGMENT_BYTES, MooncakeTier  # the mooncake package itself is imported on first use
 from .resume import ResumeStore
 from .shared_resume import SharedResumePoints
-
-DEFAULT_SEGMENT_BYTES = 1 << 30  # hypic.cache.tiers.mooncake's default, without importing Mooncake
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,5 @@ def build_storage(options: TierOptions, identity: EntryIdentity, disk: DiskTier 
     if disk is not None:
         tiers.append(disk)
     if options.mooncake_master is not None:
-        from .mooncake import MooncakeTier  # the package is optional
-
         tiers.append(MooncakeTier(options.mooncake_master, options.mooncake_metadata, options.mooncake_segment_bytes))
     return StorageTiers(tiers, identity, options.write_policy, options.prefetch_policy)
