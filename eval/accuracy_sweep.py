@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hypic import DEFAULT_SEPARATOR, Engine
+from hypic import Engine
 from hypic_data.evaluate import exact_match
 from hypic_data.synthetic_qa import build_prompt, read_jsonl
 from hypic.evaluation.metrics import state_drift

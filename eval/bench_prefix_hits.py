@@ -99,7 +99,7 @@ def concurrent_memory(engine: Engine, prefix_tokens: int, concurrent: int) -> di
     hold states resumed from it, against one copy of its KV plus what the requests and the private
     pool hold besides (closed form: each request's own tokens and linear states; the pool's count of
     its new nodes but the prefix's KV). Ideally 1 copy; a hit that copies the prefix costs one more each."""
-    config, vocab, tree = engine.model.config, engine.model.config.vocab_size, engine.policy("hypic").tree
+    config, vocab = engine.model.config, engine.model.config.vocab_size
     engine.prefill(engine.parse(_ids(prefix_tokens + TAIL, 99, vocab)))  # warm: the allocator's and the model's first use
     prefix = _ids(prefix_tokens, 7, vocab)
     copy = prefix_tokens * sum(config.kv_elements(i) for i in config.attention_layers()) * engine.model.dtype.itemsize

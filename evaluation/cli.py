@@ -14,6 +14,7 @@ import torch
 
 from hypic import Engine
 from hypic.errors import HypicError
+from hypic.cache.modes import Mode
 
 from .data import DATASETS, DataError, load
 from .drift import drift_figure, format_drift, run_drift, summarize_drift
@@ -103,7 +104,7 @@ def _methods(args: argparse.Namespace) -> list[Method]:
     if args.study == "seam":
         if any(w < 0 for w in args.widths):
             raise MethodError("seam widths must be >= 0")
-        return [Method("hypic", w) for w in args.widths]
+        return [Method(Mode.HYPIC, w) for w in args.widths]
     return [parse_method(text) for text in args.methods]
 
 

@@ -11,6 +11,7 @@ import torch
 
 from hypic import Engine
 from hypic.state import LinearLayerState
+from hypic.cache.modes import Mode
 
 from .data import Sample
 from .methods import Method, fresh_engine
@@ -34,7 +35,7 @@ def run_drift(base: Engine, samples: Sequence[Sample], methods: Sequence[Method]
     records = []
     for sample in tqdm(samples, desc="drift", unit="sample", disable=not progress, file=sys.stderr):
         missing = [m for m in methods if results.get((sample.dataset, sample.id, m.label)) is None]
-        reference = final_states(base, sample, Method("full"), warm) if missing else []
+        reference = final_states(base, sample, Method(Mode.FULL), warm) if missing else []
         for method in methods:
             if method in missing:
                 drift = state_drift(final_states(base, sample, method, warm), reference)

@@ -9,6 +9,7 @@ fresh pools, so nothing carries over between samples.
 from dataclasses import dataclass
 
 from hypic import Engine, GenerationResult
+from hypic.cache.modes import Mode
 
 from .data import Sample
 
@@ -24,7 +25,7 @@ class MethodError(ValueError):
 class Method:
     """An engine mode with, for hypic, its seam width."""
 
-    mode: str
+    mode: Mode
     seam_width: int = DEFAULT_WIDTH
 
     @property
@@ -38,10 +39,10 @@ def parse_method(text: str) -> Method:
     if mode not in MODES or (width and mode != "hypic"):
         raise MethodError(f"unknown method {text!r}: full, prefix, naive, hypic or hypic:W (W a seam width)")
     if not width:
-        return Method(mode)
+        return Method(Mode(mode))
     if not width.isdigit():
         raise MethodError(f"method {text!r}: the seam width must be an integer >= 0")
-    return Method(mode, int(width))
+    return Method(Mode(mode), int(width))
 
 
 def fresh_engine(base: Engine, sample: Sample, method: Method, warm: bool) -> Engine:

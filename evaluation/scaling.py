@@ -74,6 +74,7 @@ import hypic
 from hypic import DEFAULT_SEPARATOR, Engine, GenerationResult
 from hypic.checkpoints import write_random_checkpoint
 from hypic.models.arch import architecture
+from hypic.cache.modes import Mode
 from hypic.cache.store import LinearInterior
 from hypic.tokenizer import TextTokenizer
 
@@ -259,7 +260,7 @@ def check_all_hit(result: GenerationResult, num_docs: int) -> None:
                              f"({result.segments_missed} missed): the warm-up did not cache them all")
 
 
-def timed_runs(engine: Engine, prompt: str, mode: str, repeats: int) -> list[GenerationResult]:
+def timed_runs(engine: Engine, prompt: str, mode: Mode, repeats: int) -> list[GenerationResult]:
     """One untimed warm-up request, then ``repeats`` timed ones (TTFT of one generated token)."""
     engine.generate(prompt, max_new_tokens=1, mode=mode)
     return [engine.generate(prompt, max_new_tokens=1, mode=mode) for _ in range(repeats)]
@@ -273,10 +274,10 @@ def measure_shape(engine: Engine, shape: Shape, repeats: int, seed: int) -> Shap
     engine.warmup(documents)
     check_all_hit(engine.generate(prompt, max_new_tokens=1, mode="hypic"), shape.num_docs)
     warmup_s = time.perf_counter() - start
-    hypic_runs = timed_runs(engine, prompt, "hypic", repeats)
+    hypic_runs = timed_runs(engine, prompt, Mode.HYPIC, repeats)
     for result in hypic_runs:
         check_all_hit(result, shape.num_docs)
-    full_runs = timed_runs(engine, prompt, "full", repeats)
+    full_runs = timed_runs(engine, prompt, Mode.FULL, repeats)
     hypic_ms = [r.ttft_s * 1e3 for r in hypic_runs]
     full_ms = [r.ttft_s * 1e3 for r in full_runs]
     hypic_median, full_median = statistics.median(hypic_ms), statistics.median(full_ms)

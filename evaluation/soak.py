@@ -36,7 +36,7 @@ import httpx
 
 from .data import DataError
 from .soak_report import draw_soak, format_soak, summarize_soak
-from .soak_workload import Client, Outcome, Workload
+from .soak_workload import Client, Workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,6 @@ first-token times must come from one distribution (no timing leak across namespa
 import json
 import random
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -13,13 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from hypic.cache.modes import Mode
+
 from .data import Sample
 from .methods import Method, MethodError
 from .metrics import METRICS, first_divergence
 from .results import ResultLog
 from .targets import Target
 
-FULL = Method("full")
+FULL = Method(Mode.FULL)
 LOG_TICK_LADDER = ((1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 5), (1, 3), (1,))  # mantissas per decade, densest first
 
 

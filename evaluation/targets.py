@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import httpx
 
 from hypic import DEFAULT_SEPARATOR, Engine
+from hypic.cache.modes import Mode
 
 from .data import Sample
 from .methods import Method, MethodError, run_sample
@@ -61,7 +62,7 @@ class ServerTarget:
         self.url = url.rstrip("/")
         self.client = httpx.Client(base_url=self.url, timeout=timeout_s)
         info = self._call("GET", "/get_server_info")
-        self.method = Method(info["mode"], int(info.get("seam_width", 8))) if "mode" in info else Method("prefix")
+        self.method = Method(Mode.parse(info["mode"]), int(info.get("seam_width", 8))) if "mode" in info else Method(Mode.PREFIX)
         self.separator = info.get("pic_separator", DEFAULT_SEPARATOR)
 
     def _call(self, verb: str, path: str, body: Any = None) -> Any:
