@@ -139,7 +139,7 @@ def _entering_states(mixer: LinearMixer, work: PassOfRuns, index: int, runs: Run
     transitions of its splices; records every snapshot but one at the pass's end (its last part's
     final state, which only the varlen call gives)."""
     init = work.init.layers[index]
-    assert isinstance(init, LinearLayerState)
+    assert isinstance(init, LinearLayerState) and not mixer.rotates_state  # S_C|0 is composed as cached
     compose = naive_addition if work.naive else compose_states
     state, conv, entering, parts, run = init.recurrent, init.conv, [], len(runs.lengths), 0
     for piece in work.pieces:
