@@ -222,6 +222,42 @@ def test_peers_build_while_another_prefill_runs_and_the_job_then_ranks_by_its_co
             prompt, max_new_tokens=4, ignore_eos=True).output_ids, name
 
 
+def test_a_batch_s_requests_wait_on_their_peers_together(engine: Engine, tiny_checkpoint: Path) -> None:
+    """A batch of three PIC prompts (three jobs, as the HTTP layer submits a batch): the loop starts
+    the peer work of all three before any of it is done, so their peers build concurrently, not one
+    request's after another's; each answer equals plain generation's."""
+    from hypic import DEFAULT_SEPARATOR as SEP
+
+    release, started = threading.Event(), []
+
+    def peer_work(plan: RequestPlan) -> Future:
+        started.append(plan)
+        future: Future = Future()
+        threading.Thread(target=lambda: release.wait(30) and future.set_result((None, BuiltForRequest()))).start()
+        return future
+
+    prompts = {name: SEP.join(["lead", _text(seed, 80), _text(seed + 1, 60), f"which {name}?"])
+               for name, seed in (("a", 41), ("b", 43), ("c", 45))}
+    loop, collector = EngineLoop(engine, "hypic"), Collector()
+    for name, prompt in prompts.items():
+        _submit(loop, collector, name, prompt, peer_work=peer_work)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(started) == 3 and not collector.done  # all waiting on their peers at once
+        release.set()
+        collector.wait(3)
+    finally:
+        release.set()
+        loop.stop()
+    other = Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64)
+    for name, prompt in prompts.items():
+        assert collector.done[name].completion.samples[0].output_ids == other.generate(
+            prompt, max_new_tokens=4, ignore_eos=True).output_ids, name
+
+
 def test_peer_work_leaves_the_room_a_higher_ranked_job_here_takes(engine: Engine) -> None:
     """One running slot: a cold 100-token prompt ranks before a PIC request with peer work; the peer
     work does not take the slot first (which would make the better-ranked prompt wait for the other's
