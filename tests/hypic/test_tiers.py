@@ -637,6 +637,50 @@ def test_a_resume_point_whose_chunk_is_gone_is_a_miss_and_deleted(make: MakeEngi
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
+def _thue_morse(length: int, zero: int, one: int) -> list[int]:
+    return [one if bin(i).count("1") % 2 else zero for i in range(length)]
+
+
+def test_chunk_names_differ_where_the_64_bit_prefix_hashes_collide() -> None:
+    """A Thue-Morse prompt of 1,024 tokens and its complement have equal 64-bit rolling hashes under
+    any seed (closed form: their difference is (y - x) times prod_j (1 - M^(2^j)), j < 10, of 2-adic
+    valuation 64 for this M), so they and anything after them would share chunk names by that hash;
+    the digests that name chunks share none."""
+    from hypic.cache.tiers.resume import prefix_hashes
+    from hypic.cache.tiers.resume_objects import chunk_names
+
+    a, b, after = _thue_morse(1024, 5, 9), _thue_morse(1024, 9, 5), list(range(20, 320))
+    for seed in (0, 12345, 2**63 + 7):
+        assert prefix_hashes(seed, a + after)[-1] == prefix_hashes(seed, b + after)[-1]
+    assert not set(chunk_names("s", a + after, "d")) & set(chunk_names("s", b + after, "d"))
+    assert chunk_names("s", a + after, "d")[:4] == chunk_names("s", a + after[:10], "d")[:4]  # shared prefix, shared chunks
+
+
+def test_a_prefix_with_a_colliding_hash_never_lends_its_kv(make: MakeEngine, tmp_path: Path) -> None:
+    """A Thue-Morse prefix A and its complement B collide under the 64-bit hash. A conversation on A
+    leaves its chunks up to 1,024; a prompt B + C leaves KV computed after B for C's first chunk; A's
+    next turn A + C (to a different end) stores its resume point; a restarted engine continuing it
+    resumes from the disk with full recompute's logits: no chunk of B's stood in for A's (with chunks
+    named by the 64-bit hash, B's chunk [1024, 1280) passes every check and its KV is used). A
+    longer A + C meets B + C's head under its own hash: a miss, and the head is left alone."""
+    a, b, c = _thue_morse(1024, 5, 9), _thue_morse(1024, 9, 5), [20 + (i * 7) % 200 for i in range(300)]
+    for engine_ids in (a + c[:10], b + c, a + c[:280]):
+        engine = make()
+        engine.generate(engine_ids, max_new_tokens=1)
+        engine.close()
+    last = make()
+    turn = a + c[:280] + [30, 31, 32]
+    resumed = last.prefill(last.parse(turn))
+    assert resumed.stats.disk_cached_tokens == len(a) + 280
+    assert (resumed.logits - _full_logits(last, turn)).abs().max().item() < 1e-4
+    heads = _resume_files(tmp_path / "cache")
+    longer = a + c + [40]  # at 1,324 its hash is B + C's: that head is another prompt's, a miss left in place
+    probe = make()
+    resumed = probe.prefill(probe.parse(longer))
+    assert resumed.stats.disk_cached_tokens == len(a) + 280 and probe.resume.counters.bad_files == 0
+    assert all(head.exists() for head in heads) and len(heads) == 3
+
+
 def _conversation(engine: Engine, text: str, tokens: int = 5) -> tuple[list[int], list[int]]:
     """A first turn on ``engine`` (its prompt ids, and the next turn's ids: prompt, output, a question)."""
     prompt = list(engine.parse(text).token_ids)

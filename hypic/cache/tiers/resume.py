@@ -33,9 +33,9 @@ from .disk import DiskTier
 from .entry_file import BadEntryFile, EntryIdentity, namespace_dir, pack, unpack
 from ..store import Event, Load
 from .hierarchy import BlobTier, WritePolicy
-from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, Chunks, ResumeParts, WriteCounters, check, chunk_meta,
-                             chunk_names, chunk_spans, chunk_tensors, head_address, identity_meta, put_resume_point,
-                             resume_parts, state_from)
+from .resume_objects import (CHUNK_FORMAT, HEAD_FORMAT, Chunks, ForeignPrefix, ResumeParts, WriteCounters, check,
+                             chunk_meta, chunk_names, chunk_spans, chunk_tensors, head_address, identity_meta,
+                             put_resume_point, resume_parts, state_from)
 from .shared_resume import SharedResumePoints
 
 log = logging.getLogger("hypic.tiers")
@@ -97,9 +97,11 @@ class ResumeStore:
             if name.startswith("r") and len(name) == 17:
                 self.known.setdefault(directory, set()).add(int(name[1:], 16))
 
+    def _seed_text(self, tree: str) -> str:
+        return f"{self.identity.fingerprint}|{self.identity.model_dtype}|{self.identity.state_dtype}|{tree}"
+
     def _seed(self, tree: str) -> int:
-        text = f"{self.identity.fingerprint}|{self.identity.model_dtype}|{self.identity.state_dtype}|{tree}"
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+        return int.from_bytes(hashlib.sha256(self._seed_text(tree).encode()).digest()[:8], "little")
 
     # ----- writes --------------------------------------------------------------------------
     def wanted(self, event: Event) -> bool:
@@ -139,7 +141,7 @@ class ResumeStore:
     def _write(self, tree: str, directory: str, keys: list[int], hashes: np.ndarray, parts: ResumeParts,
                to_disk: bool, to_shared: bool) -> None:
         """The head and the chunks a tier does not hold yet (each packed once for both tiers)."""
-        names, packed = chunk_names(hashes, directory), {}
+        names, packed = chunk_names(self._seed_text(tree), keys, directory), {}
 
         def packer(name: str, start: int, end: int) -> Callable[[], bytes]:
             def make() -> bytes:
@@ -241,7 +243,10 @@ class ResumeStore:
                 self._forget(tier, address)
                 return None
             meta, tensors = head
-            check(meta, self.identity, HEAD_FORMAT, keys)
+            try:
+                check(meta, self.identity, HEAD_FORMAT, keys)
+            except ForeignPrefix:  # another prompt's, under a colliding name: a miss, not ours to delete
+                return None
             kv = self._read_chunks(tier, json.loads(meta["chunks"]), keys)
             return state_from(tensors, kv, keys, template, self.identity.device)
         except (BadEntryFile, KeyError, ValueError) as err:

@@ -2,7 +2,7 @@
 
 A resume point at position p is the private pool's state after p tokens. Its full-attention KV is
 cut into chunks of ``CHUNK_TOKENS`` positions at fixed offsets (0, C, 2C, ...; the last one ends at
-p), each an object named by the hash of the prompt up to the chunk's end: the next turn of a
+p), each an object named by a digest (BLAKE2b-128) of the prompt up to the chunk's end: the next turn of a
 conversation, or another request with the same system prompt, names the same full chunks, so a
 tier holds each once and a turn writes only the KV of its new tokens (and its last, partial
 chunk). The head holds everything else (each linear layer's state and conv window, each
@@ -10,6 +10,7 @@ sliding-window layer's last window), the tokens (ids with layout marks) and the 
 chunks. Every object carries the model's identity and its tokens, compared before use, and a
 checksum (``entry_file.pack``).
 """
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from ...state import AttentionLayerState, LayerState, LinearLayerState, RequestS
 from .entry_file import BadEntryFile, EntryIdentity
 from .hierarchy import BlobTier
 
-HEAD_FORMAT = "hypic-resume-state/2"
-CHUNK_FORMAT = "hypic-resume-kv/1"
+HEAD_FORMAT = "hypic-resume-state/3"  # /3: chunks named by a digest of their whole prefix (/2 by a 64-bit hash)
+CHUNK_FORMAT = "hypic-resume-kv/2"
 CHUNK_TOKENS = 256  # positions of KV per chunk object
 Chunks = list[tuple[str, Callable[[], bytes]]]  # a resume point's chunk objects: name, and how to pack it
 
@@ -59,9 +60,21 @@ def head_address(directory: str, value: int) -> str:
     return f"{directory}/r{value:016x}"
 
 
-def chunk_address(directory: str, value: int) -> str:
-    """Where the KV chunk ending where prefix hash ``value`` was taken lives."""
-    return f"{directory}/k{value:016x}"
+def chunk_address(directory: str, digest: str) -> str:
+    """Where the KV chunk whose prefix (up to its end) has ``digest`` (``prefix_digests``) lives."""
+    return f"{directory}/k{digest}"
+
+
+def prefix_digests(seed: str, keys: list[int], ends: list[int]) -> list[str]:
+    """BLAKE2b-128 of ``seed`` and the tokens ``keys[:end]`` for each of the increasing ``ends``, as
+    hex: a chunk's name. Unlike the 64-bit rolling hashes that find heads (whose own tokens are
+    checked), a name no other prefix can be made to share: a chunk checks only its own tokens."""
+    digest, done, names = hashlib.blake2b(seed.encode(), digest_size=16), 0, []
+    for end in ends:
+        digest.update(np.asarray(keys[done:end], dtype="<i8").tobytes())
+        done = end
+        names.append(digest.copy().hexdigest())
+    return names
 
 
 def chunk_spans(position: int) -> list[tuple[int, int]]:
@@ -108,6 +121,10 @@ def chunk_meta(identity: EntryIdentity, keys: list[int], start: int, end: int) -
     return {**identity_meta(identity, CHUNK_FORMAT), "start": str(start), "keys": json.dumps(keys[start:end])}
 
 
+class ForeignPrefix(BadEntryFile):
+    """A sound object of another prompt (a head found under a colliding 64-bit name)."""
+
+
 def check(meta: dict, identity: EntryIdentity, form: str, keys: list[int], start: int = 0) -> None:
     """Raise ``BadEntryFile`` unless ``meta`` is an object of ``form`` made by this model for ``keys``
     (the tokens from ``start`` on)."""
@@ -115,12 +132,13 @@ def check(meta: dict, identity: EntryIdentity, form: str, keys: list[int], start
         if meta.get(name) != value:
             raise BadEntryFile(f"{name} is {meta.get(name)!r}, expected {value!r}")
     if meta.get("keys") != json.dumps(keys) or meta.get("start", "0") != str(start):
-        raise BadEntryFile("the object holds another prefix's tokens")
+        raise ForeignPrefix("the object holds another prefix's tokens")
 
 
-def chunk_names(hashes: np.ndarray, directory: str) -> list[str]:
-    """The chunk objects of the resume point at ``len(hashes) - 1`` (``hashes``: h_0 .. h_p)."""
-    return [chunk_address(directory, int(hashes[end])) for _, end in chunk_spans(len(hashes) - 1)]
+def chunk_names(seed: str, keys: list[int], directory: str) -> list[str]:
+    """The chunk objects of the resume point after ``keys``."""
+    ends = [end for _, end in chunk_spans(len(keys))]
+    return [chunk_address(directory, digest) for digest in prefix_digests(seed, keys, ends)]
 
 
 def state_from(head: dict[str, torch.Tensor], kv: dict[int, tuple[torch.Tensor, torch.Tensor]], keys: list[int],
