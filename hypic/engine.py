@@ -347,7 +347,7 @@ class Engine:
         if self.resume is not None and tree is not None:
             key = plan.tree_key
             after = self.prefix_cache.peek(tree, key, len(key) - 1)
-            empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+            empty = self._empty_state()
             loads.append(self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty))
         return [load for load in loads if load is not None]
 
@@ -403,7 +403,7 @@ class Engine:
         """The longest private-pool hit (never the whole prompt: the last token must be run), in
         memory or, past it, among the resume points kept on disk or in Mooncake; one at the end of a
         head combined early for this request counts as that head's reuse."""
-        empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+        empty = self._empty_state()
         if policy.tree is None:
             return empty
         hit = self.prefix_cache.match(policy.tree, key, len(key) - 1, empty)
@@ -441,12 +441,16 @@ class Engine:
         hit = self.prefix_cache.match(policy.tree, key, state.length, empty)
         return (hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)), found.tier
 
+    def _empty_state(self) -> RequestState:
+        """A state of no tokens on the model's device (the template states are assembled on)."""
+        return RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+
     def _resume_point_dropped(self, tree: str, node: RadixNode, event: Event = Event.EVICTED) -> None:
         """A private-pool resume point leaves memory (evicted, or the server stops): offered to the
         tiers below (``write_back`` writes it)."""
         if self.resume is None or not self.resume.wanted(event) or node.snapshot is None:
             return
-        empty = RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+        empty = self._empty_state()
         state = self.prefix_cache.state_at(node, empty)
         self._keep_resume_point(tree, tree_namespace(tree), state, node.depth, node.snapshot, event)
 

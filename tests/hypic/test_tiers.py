@@ -718,6 +718,26 @@ def test_a_resume_point_is_looked_up_as_its_request_arrives(make: MakeEngine, tm
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
+def test_a_lookup_prefetched_for_one_key_never_serves_another(make: MakeEngine) -> None:
+    """Two keys of one length whose Python hashes are equal (one token raised by 2^61 - 1, which
+    ``hash`` of an int reduces away): the lookup prefetched for the conversation's key finds its
+    resume point; taking for the other key (whose prefix differs early) finds nothing, and the
+    first key still gets its own."""
+    first = make()
+    prompt, turn2 = _conversation(first, DOCUMENTS[0] + DOCUMENTS[1])
+    first.close()
+    engine = make()
+    plan = engine.plan(engine.parse(turn2))
+    tree, namespace, key = plan.policy.tree, plan.policy.namespace, plan.tree_key
+    other = [k + (2**61 - 1) if i == 10 else k for i, k in enumerate(key)]
+    assert hash(tuple(other)) == hash(tuple(key)) and other != key
+    empty = engine._empty_state()
+    lookup, _ = engine.resume.prefetch(tree, namespace, key, 0, len(key) - 1, empty)
+    assert lookup.result(timeout=30).state.length == len(prompt) + 4
+    assert engine.resume.take(tree, namespace, other, 0, len(other) - 1, empty) is None
+    assert engine.resume.take(tree, namespace, key, 0, len(key) - 1, empty).state.length == len(prompt) + 4
+
+
 def test_a_prefetched_resume_point_gives_way_to_a_longer_one_memory_made_meanwhile(make: MakeEngine) -> None:
     """Turn 3 arrives while only turn 1's end is on disk (its lookup finds that); turn 2 then ends in
     this engine's memory: turn 3 resumes from memory at turn 2's end, not from the shorter one read."""

@@ -10,8 +10,9 @@ budget, its recency, its namespace's directory); in Mooncake objects beside the 
 entries, heads found by markers (``shared_resume``). A head's name is a 64-bit polynomial hash of
 the private-pool tree and its tokens, so the hashes of all of a prompt's prefixes come from one
 vectorised pass; the positions whose hash names a head are tried longest first (the disk's before
-Mooncake's at one position), and every object's tokens are compared before it is used. A damaged,
-foreign or incomplete one (a chunk evicted) is a miss, its head deleted.
+Mooncake's at one position), and every object's tokens are compared before it is used. A damaged
+one, another model's or an incomplete one (a chunk evicted) is a miss, its head deleted; another
+prompt's head under a colliding name is a miss left in place.
 """
 import contextlib
 import hashlib
@@ -72,7 +73,7 @@ class ResumeCounters:
 
     hits: int = 0
     misses: int = 0
-    bad_files: int = 0  # damaged, foreign or incomplete heads (deleted)
+    bad_files: int = 0  # damaged, another model's or incomplete heads (deleted)
 
 
 class ResumeStore:
@@ -235,8 +236,8 @@ class ResumeStore:
 
     def _load(self, tier: BlobTier, address: str, keys: list[int],
               template: RequestState) -> tuple[RequestState, Snapshot] | None:
-        """The resume point whose head is ``address`` in ``tier``; None (a miss) if it is gone, or
-        damaged, foreign or incomplete (then its head is deleted)."""
+        """The resume point whose head is ``address`` in ``tier``; None (a miss) if it is gone, another
+        prompt's, or damaged, another model's or incomplete (then its head is deleted)."""
         try:
             head = self._read(tier, address)
             if head is None:
@@ -324,7 +325,7 @@ class ResumeStore:
                 **vars(self.counters), "tiers": tiers}
 
 
-
 def _identity(tree: str, namespace: str, key: list[int]) -> tuple:
-    """What a prefetched lookup is filed under: the request's tree, namespace and key."""
-    return tree, namespace, len(key), hash(tuple(key))
+    """What a prefetched lookup is filed under: the request's tree, namespace and whole key (a hash
+    of the key alone could hand one request another's lookup)."""
+    return tree, namespace, tuple(key)

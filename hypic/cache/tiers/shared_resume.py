@@ -30,8 +30,6 @@ class SharedTier(BlobTier, Protocol):
     def contains_all(self, addresses: list[str]) -> list[bool]: ...
 
 
-
-
 def marker_address(directory: str, value: int) -> str:
     return f"{directory}/m{value:016x}"
 
