@@ -17,10 +17,18 @@ from .config import ModelConfig
 @dataclass
 class LinearLayerState:
     """Recurrent state [Hv, K, V] fp32 and conv window [k-1, C] of one Gated DeltaNet layer
-    (replaced, never written in place: sharing one between requests is safe)."""
+    (replaced, never written in place: sharing one between requests is safe). ``owner``: what holds
+    the memory the tensors view (a private-pool slot), kept alive with them."""
 
     recurrent: torch.Tensor
     conv: torch.Tensor
+    owner: object = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        """Pickled as copies when the tensors view a pool slot (a view would carry its whole slab)."""
+        if self.owner is None:
+            return self.__dict__
+        return {"recurrent": self.recurrent.clone(), "conv": self.conv.clone(), "owner": None}
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.recurrent, self.conv
@@ -201,6 +209,26 @@ class WindowLayerState:
         state._values.copy_(self._values)
         state.length = self.length
         return state
+
+    def rings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value rings [Hkv, window, D] (to copy them elsewhere: ``placed``)."""
+        return self._keys, self._values
+
+    def placed(self, keys: torch.Tensor, values: torch.Tensor, owner: object) -> "WindowLayerState":
+        """A copy whose rings are ``keys`` and ``values`` (same shapes: a pool slot's views, which
+        ``owner`` holds; kept alive with the copy)."""
+        keys.copy_(self._keys)
+        values.copy_(self._values)
+        state = WindowLayerState.__new__(WindowLayerState)
+        state._keys, state._values, state.window, state.length, state.owner = keys, values, self.window, self.length, owner
+        return state
+
+    def __getstate__(self) -> dict:
+        """Pickled with copies of the rings when they view a pool slot."""
+        held = dict(self.__dict__)
+        if held.pop("owner", None) is not None:
+            held["_keys"], held["_values"] = self._keys.clone(), self._values.clone()
+        return held
 
     def mark(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         """What the next one-token write overwrites (to undo a decode step)."""

@@ -10,11 +10,14 @@ key of a token is its id with its layout marks (``segments.PartMark``): a state
 assembled from spliced segments is resumed only by a request with the same segmentation up to
 the resume point, and never by a plain prompt of the same ids.
 
-A hit copies nothing: a node keeps its edge's KV in pages of ``PAGE_TOKENS`` positions (cut at
-multiples of it), and the resumed request reads those pages where they lie
-(``AttentionLayerState.shared``). Its ``PrefixLease`` pins the path's nodes (``RadixNode.users``)
-until the last state holding it is gone: eviction passes them by, so the pool's bytes stay the
-bytes in memory. A split copies at most the one page it cuts through.
+A hit copies nothing: a node keeps its edge's KV in pages of ``page_tokens`` positions (cut at
+multiples of it), slots of the pool's preallocated arenas (``arena.py``), and the resumed request
+reads those pages where they lie (``AttentionLayerState.shared``). Its ``PrefixLease`` pins the
+path's nodes (``RadixNode.users``) until the last state holding it is gone: eviction passes them by,
+so the pool's bytes stay the bytes in memory; a page leaves its slot only when nothing holds it. A
+split copies at most the one page it cuts through. The budget counts whole slots (a page that uses
+part of its slot holds all of it). Snapshots' linear states and window rings sit in slots too
+(``state_arenas``, one slot per layer state), held by the state objects that view them.
 """
 import heapq
 import threading
@@ -24,12 +27,12 @@ from itertools import count, pairwise
 
 import torch
 
+from .arena import Page, PageArenas, StateArenas
 from .segments import MARK_BITS
-from ..state import (AttentionLayerState, KVBlock, LayerState, LinearLayerState, RequestState, WindowLayerState,
-                    tensor_bytes)
+from ..state import AttentionLayerState, LayerState, LinearLayerState, RequestState, WindowLayerState
 
 MARK_MASK = (1 << MARK_BITS) - 1
-PAGE_TOKENS = 128  # positions per KV page: a split copies at most one page
+PAGE_TOKENS = 128  # positions per KV page by default: a split copies at most one page
 
 # layer index -> its state at a position: a linear layer's recurrent state and conv window, a
 # sliding-window layer's last ``window`` keys and values (the only SWA KV the tree keeps)
@@ -42,16 +45,21 @@ def _window_bytes(node: "RadixNode") -> int:
     return sum(s.nbytes for s in snapshot.values() if isinstance(s, WindowLayerState))
 
 
-def _kept(state: LinearLayerState | WindowLayerState) -> LinearLayerState | WindowLayerState:
-    """A copy the tree owns (a view would keep a larger tensor alive, uncounted)."""
-    return state.fork() if isinstance(state, WindowLayerState) else LinearLayerState(state.recurrent.clone(), state.conv.clone())
+def _kept(arenas: StateArenas, state: LinearLayerState | WindowLayerState) -> LinearLayerState | WindowLayerState:
+    """A copy the tree owns, in a slot of ``arenas`` (held by the copy: a reader of it keeps the slot)."""
+    if isinstance(state, WindowLayerState):
+        slot = arenas.copy(*state.rings())
+        return state.placed(*slot.views(), owner=slot)
+    slot = arenas.copy(state.recurrent, state.conv)
+    return LinearLayerState(*slot.views(), owner=slot)
 
 
-def _paged(keys: torch.Tensor, values: torch.Tensor, lo: int) -> list[KVBlock]:
-    """Copies of the KV [Hkv, n, D] of positions lo..lo+n-1, cut at multiples of ``PAGE_TOKENS``."""
-    hi = lo + keys.shape[1]
-    cuts = [lo, *range((lo // PAGE_TOKENS + 1) * PAGE_TOKENS, hi, PAGE_TOKENS), hi]
-    return [(keys[:, a - lo : b - lo].clone(), values[:, a - lo : b - lo].clone()) for a, b in pairwise(cuts)]
+def _paged(arenas: PageArenas, keys: torch.Tensor, values: torch.Tensor, lo: int) -> list[Page]:
+    """Pages holding copies of the KV [Hkv, n, D] of positions lo..lo+n-1, cut at multiples of the
+    page size."""
+    hi, size = lo + keys.shape[1], arenas.page_tokens
+    cuts = [lo, *range((lo // size + 1) * size, hi, size), hi]
+    return [arenas.page(keys[:, a - lo : b - lo], values[:, a - lo : b - lo]) for a, b in pairwise(cuts)]
 
 
 def _path(node: "RadixNode") -> list["RadixNode"]:
@@ -64,16 +72,16 @@ def _path(node: "RadixNode") -> list["RadixNode"]:
     return path[::-1]
 
 
-def _cut_pages(pages: list[KVBlock], at: int) -> tuple[list[KVBlock], list[KVBlock]]:
+def _cut_pages(arenas: PageArenas, pages: list[Page], at: int) -> tuple[list[Page], list[Page]]:
     """Pages holding n positions split into the first ``at`` positions' and the rest's; a page cut
-    through is copied in two (the halves own exactly their bytes)."""
+    through is copied into two pages (a reader of the old one keeps it until it lets go)."""
     offset = 0
     for index, (keys, values) in enumerate(pages):
         if offset + keys.shape[1] > at:
             cut = at - offset
             if cut == 0:
                 return pages[:index], pages[index:]
-            upper, lower = (keys[:, :cut].clone(), values[:, :cut].clone()), (keys[:, cut:].clone(), values[:, cut:].clone())
+            upper, lower = arenas.page(keys[:, :cut], values[:, :cut]), arenas.page(keys[:, cut:], values[:, cut:])
             return [*pages[:index], upper], [lower, *pages[index + 1 :]]
         offset += keys.shape[1]
     return pages, []
@@ -82,11 +90,11 @@ def _cut_pages(pages: list[KVBlock], at: int) -> tuple[list[KVBlock], list[KVBlo
 @dataclass(eq=False)
 class RadixNode:
     """Tokens ``edge`` (their keys: ids with marks) after the parent's end; ``pages`` of those tokens'
-    KV per attention layer ([Hkv, n, D] blocks in position order)."""
+    KV per attention layer ([Hkv, n, D] blocks in position order, in the pool's arena slots)."""
 
     edge: tuple[int, ...]
     parent: "RadixNode | None"
-    pages: dict[int, list[KVBlock]]
+    pages: dict[int, list[Page]]
     depth: int  # tokens from the root to this node's end
     children: dict[int, "RadixNode"] = field(default_factory=dict)
     snapshot: Snapshot | None = None
@@ -96,7 +104,7 @@ class RadixNode:
 
     @property
     def nbytes(self) -> int:
-        total = sum(tensor_bytes(k, v) for pages in self.pages.values() for k, v in pages)
+        total = sum(page.nbytes for pages in self.pages.values() for page in pages)
         if self.snapshot is not None:
             total += sum(s.nbytes for s in self.snapshot.values())
         return total
@@ -165,11 +173,14 @@ class PrefixCache:
     apart from the full-attention KV: over it, the least recently used snapshots lose their
     window tails, and with them their standing as resume points (a hit needs the window whole)."""
 
-    def __init__(self, budget_bytes: int | None = None, window_budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int | None = None, window_budget_bytes: int | None = None,
+                 page_tokens: int = PAGE_TOKENS) -> None:
         for name, value in (("budget_bytes", budget_bytes), ("window_budget_bytes", window_budget_bytes)):
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         self.budget_bytes, self.window_budget_bytes = budget_bytes, window_budget_bytes
+        self.arenas = PageArenas(page_tokens)  # the KV pages' slots (L1: allocated once, reused)
+        self.state_arenas = StateArenas()  # the snapshots' linear states and window rings
         self.roots: dict[str, RadixNode] = {}
         self.nbytes = self.window_nbytes = 0
         self.hits = self.misses = self.evictions = self.window_evictions = self.snapshot_evictions = 0
@@ -275,7 +286,7 @@ class PrefixCache:
             node = self._extend(node, state, key, position, tick)
             node.snapshot_used = tick
             if node.snapshot is None:
-                node.snapshot = {i: _kept(s) for i, s in snapshots[position].items() if i in needed}
+                node.snapshot = {i: _kept(self.state_arenas, s) for i, s in snapshots[position].items() if i in needed}
                 self._snapshots[node] = None
                 self.nbytes += sum(s.nbytes for s in node.snapshot.values())
                 self.window_nbytes += _window_bytes(node)
@@ -298,7 +309,7 @@ class PrefixCache:
         return node
 
     def _new_node(self, parent: RadixNode, state: RequestState, key: list[int], lo: int, hi: int) -> RadixNode:
-        pages = {i: _paged(*layer.kv(lo, hi), lo)
+        pages = {i: _paged(self.arenas, *layer.kv(lo, hi), lo)
                  for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)}
         node = RadixNode(tuple(key[lo:hi]), parent, pages, hi)
         parent.children[node.edge[0]] = node
@@ -311,13 +322,15 @@ class PrefixCache:
         """Cut ``node``'s edge after ``at`` tokens; returns the new upper node. ``node`` stays the lower
         one (a lease pinning it keeps it pinned; its new parent is never a leaf while it lives)."""
         assert node.parent is not None
-        cut = {i: _cut_pages(pages, at) for i, pages in node.pages.items()}
+        held = node.nbytes
+        cut = {i: _cut_pages(self.arenas, pages, at) for i, pages in node.pages.items()}
         upper = RadixNode(node.edge[:at], node.parent, {i: halves[0] for i, halves in cut.items()},
                           node.depth - len(node.edge) + at, last_used=node.last_used)
         node.parent.children[upper.edge[0]] = upper
         node.pages = {i: halves[1] for i, halves in cut.items()}
         node.edge, node.parent = node.edge[at:], upper
         upper.children[node.edge[0]] = node
+        self.nbytes += upper.nbytes + node.nbytes - held  # a page cut through now takes two slots
         return upper
 
     # ----- eviction -----------------------------------------------------------------------
@@ -406,6 +419,11 @@ class PrefixCache:
             self._snapshots.pop(node, None)
             node.parent, node.children = None, {}
         return len(nodes) - len(names)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the arenas' slabs (KV pages and snapshot states; slots used and free)."""
+        return self.arenas.reserved_bytes + self.state_arenas.reserved_bytes
 
     def __len__(self) -> int:
         return sum(1 for n in self._nodes() if n.parent is not None)

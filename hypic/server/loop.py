@@ -688,7 +688,9 @@ class EngineLoop:
                              "misses": prefix.misses, "evictions": prefix.evictions,
                              "window_bytes": prefix.window_nbytes, "window_budget_bytes": prefix.window_budget_bytes,
                              "window_evictions": prefix.window_evictions,
-                             "snapshot_evictions": prefix.snapshot_evictions},
+                             "snapshot_evictions": prefix.snapshot_evictions, "pages": prefix.arenas.used_slots,
+                             "page_tokens": prefix.arenas.page_tokens,
+                             "arena_reserved_bytes": prefix.reserved_bytes},
             "tiers": store.lower.describe() if store.lower is not None else None,
             "resume_points": self.engine.resume.describe() if self.engine.resume is not None else None,
         }

@@ -60,13 +60,18 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
                                "peers, receiving a peer's combine pass, combining here, decoding)",
                                {f'{{phase="{phase}"}}': count for phase, count in snapshot["requests_by_phase"].items()}))
     for pool in ("public_pool", "private_pool"):
-        metric(f"{pool}_bytes", "gauge", snapshot[pool]["bytes"], f"exact tensor bytes held by the {pool.replace('_', ' ')}")
+        metric(f"{pool}_bytes", "gauge", snapshot[pool]["bytes"],
+               f"bytes held by the {pool.replace('_', ' ')} (the private pool's KV: whole arena slots)")
         metric(f"{pool}_evictions_total", "counter", snapshot[pool]["evictions"], f"{pool.replace('_', ' ')} evictions")
     for pool, value in snapshot.get("running_state_bytes", {}).items():
         metric(f"running_state_{pool}_bytes", "gauge", value,
                f"bytes of the running requests' states in {pool.replace('_', ' ')} layers")
     metric("running_state_shared_bytes", "gauge", snapshot.get("running_shared_bytes", 0),
            "bytes of KV the running requests read without owning it (private-pool pages, prompts shared by samples)")
+    metric("private_pool_pages", "gauge", snapshot["private_pool"]["pages"],
+           "KV pages in the private pool's arenas (the tree's, and evicted ones a request still reads)")
+    metric("private_pool_arena_reserved_bytes", "gauge", snapshot["private_pool"]["arena_reserved_bytes"],
+           "bytes of the slabs the private pool's arenas hold (KV pages, snapshot states), slots used and free")
     metric("private_pool_window_bytes", "gauge", snapshot["private_pool"]["window_bytes"],
            "bytes of sliding-window tails held by the private pool (included in private_pool_bytes)")
     metric("private_pool_snapshot_evictions_total", "counter", snapshot["private_pool"]["snapshot_evictions"],

@@ -10,7 +10,6 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
 from hypic.assembler import combine, drain
-from hypic.cache.composition import Family, Transition
 from hypic.cache.prefix_cache import PrefixCache, cache_key
 from hypic.cache.segments import PromptParts, Run, Seams
 from hypic.state import AttentionLayerState, LinearLayerState, RequestState
@@ -61,7 +60,7 @@ def _template() -> RequestState:
 
 
 def test_radix_tree_hits_longest_snapshot_and_splits_edges() -> None:
-    cache = PrefixCache()
+    cache = PrefixCache(page_tokens=8)  # slots of 8 positions, and 4, 2, 1 for shorter pages
     state = _random_state(20, 0)
     snap = {5: {0: LinearLayerState(torch.ones(2, 4, 4), torch.ones(3, 8))},
             20: {0: state.layers[0]}}
@@ -74,7 +73,7 @@ def test_radix_tree_hits_longest_snapshot_and_splits_edges() -> None:
     assert cache.match("other", cache_key(ids, {}), limit=20, template=_template()) is None  # namespaces are separate
     diverging = ids[:12] + [(ids[12] + 1) % 5] + ids[13:]
     assert cache.match("m", cache_key(diverging, {}), limit=20, template=_template()).length == 5
-    # a second state sharing 12 tokens splits the edge; sizes stay exact (no shared storage)
+    # a second state sharing 12 tokens splits the edge (and the page [8, 16) it cuts through)
     other = _random_state(20, 1)
     other.token_ids = diverging
     cache.insert("m", other, {16: {0: other.layers[0]}})
@@ -82,7 +81,8 @@ def test_radix_tree_hits_longest_snapshot_and_splits_edges() -> None:
     assert hit.length == 16
     assert torch.equal(hit.state.layers[1].keys[:, :12], state.layers[1].keys[:, :12])  # shared prefix kept
     assert torch.equal(hit.state.layers[1].keys[:, 12:], other.layers[1].keys[:, 12:16])
-    kv_bytes = (20 + 4) * 2 * 4 * 4  # 24 distinct tokens x (K, V) x 4 floats x 4 bytes
+    # slots held, in positions: [0, 5) -> 8; [5, 8) [8, 12) | [12, 16) [16, 20) -> 4 each; [12, 16) -> 4
+    kv_bytes = (8 + 4 * 5) * 2 * 4 * 4  # x (K, V) x 4 floats x 4 bytes
     snapshot_bytes = 3 * (2 * 4 * 4 + 3 * 8) * 4  # 3 snapshots x (recurrent + conv) floats x 4 bytes
     assert cache.nbytes == kv_bytes + snapshot_bytes
 
@@ -167,6 +167,7 @@ def test_a_flushed_tree_frees_its_tensors_at_once() -> None:
         alive = len(held) - sum(ref() is None for ref in held)
         assert cache.clear() > 0 and cache.nbytes == 0
         assert [ref for ref in held if ref() is not None] == [], f"{alive} tensors waited for the collector"
+        assert cache.arenas.used_slots == cache.state_arenas.used_slots == 0  # every slot is back in its arena
     finally:
         gc.enable()
 

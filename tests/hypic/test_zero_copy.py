@@ -2,7 +2,9 @@
 resuming from one prefix hold one copy of its KV), the storage a resumed state reads (the pool's
 own pages), full recompute (what resumed and forked states compute), and closed-form accounting of
 what eviction may and may not drop."""
+import gc
 import json
+import pickle
 import random
 import subprocess
 import sys
@@ -14,7 +16,8 @@ from hypic import Engine
 from hypic.assembler import combine
 from hypic.cache.prefix_cache import PAGE_TOKENS, PrefixCache, cache_key
 from hypic.cache.segments import Run
-from hypic.state import AttentionLayerState, LinearLayerState, RequestState
+from hypic.cache.tiers.resume_objects import resume_parts
+from hypic.state import AttentionLayerState, LinearLayerState, RequestState, WindowLayerState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,7 +116,8 @@ def test_nodes_a_request_reads_are_not_evicted_until_it_lets_go() -> None:
     passes a by, although it is the least recently used, and drops b; once the resumed state is
     gone, the next arrival evicts a. Sizes in closed form; a's path spans several pages."""
     length = 3 * PAGE_TOKENS + 10
-    size = length * 2 * 4 * 4 + (2 * 4 * 4 + 3 * 8) * 4  # K and V of 1 head x 4 floats; one snapshot
+    rows = 3 * PAGE_TOKENS + PAGE_TOKENS // 8  # three full pages' slots, the last 10 positions in a 16-row one
+    size = rows * 2 * 4 * 4 + (2 * 4 * 4 + 3 * 8) * 4  # K and V of 1 head x 4 floats; one snapshot
     cache = PrefixCache(budget_bytes=int(2.5 * size))
     states = {name: _state(first, length, first) for name, first in zip("abcd", range(4))}
     key = {name: cache_key(s.token_ids, {}) for name, s in states.items()}
@@ -128,3 +132,86 @@ def test_nodes_a_request_reads_are_not_evicted_until_it_lets_go() -> None:
     del hit
     cache.insert("m", states["d"], {length: {0: states["d"].layers[0]}})
     assert cache.peek("m", key["a"] + [1], length) == 0 and cache.nbytes == 2 * size
+
+
+def test_a_reader_keeps_its_pages_after_their_node_is_evicted_and_slots_are_reused() -> None:
+    """A resumed state lets go of its lease (its nodes become evictable) but is still read: the
+    nodes go, other states fill the arena, and its KV is still the KV it resumed (no slot of its
+    pages was reused); once it is dropped, its slots are free."""
+    cache = PrefixCache(budget_bytes=1, page_tokens=8)  # every insert evicts what is not pinned
+    first = _state(0, 30, 0)
+    cache.budget_bytes = None
+    cache.insert("m", first, {30: {0: first.layers[0]}})
+    hit = cache.match("m", cache_key(first.token_ids, {}) + [1], 30, _template())
+    assert hit is not None
+    hit.state.release()
+    cache.budget_bytes = 1
+    for seed in range(1, 6):
+        other = _state(seed, 30, seed)
+        cache.insert("m", other, {30: {0: other.layers[0]}})
+    assert cache.evictions >= 5 and len(cache) == 0
+    attention = hit.state.layers[1]
+    assert isinstance(attention, AttentionLayerState)
+    assert torch.equal(attention.keys, first.layers[1].keys) and torch.equal(attention.values, first.layers[1].values)
+    linear = hit.state.layers[0]
+    assert isinstance(linear, LinearLayerState) and torch.equal(linear.recurrent, first.layers[0].recurrent)
+    assert torch.equal(linear.conv, first.layers[0].conv)  # the snapshot's slot was not reused either
+    assert cache.arenas.used_slots == len(attention.shared)  # only the reader's pages are held
+    assert cache.state_arenas.used_slots == 1  # and its snapshot's linear state
+    del hit, attention, linear
+    gc.collect()
+    assert cache.arenas.used_slots == cache.state_arenas.used_slots == 0
+
+
+def test_a_resume_point_being_written_keeps_its_kv_after_its_node_is_gone() -> None:
+    """What write-back writes (``resume_parts`` of the state at an evicted node) stays the node's KV
+    while the writer reads it, though the tree is flushed and new states take slots meanwhile (one
+    page: the parts are views of it, not a gathered copy)."""
+    cache = PrefixCache(page_tokens=32)
+    first = _state(0, 20, 0)
+    cache.insert("m", first, {20: {0: first.layers[0]}})
+    node = next(node for _, node in cache.resume_points())
+    assert node.snapshot is not None
+    parts = resume_parts(cache.state_at(node, _template()), 20, node.snapshot)
+    assert parts is not None
+    del node
+    cache.clear()
+    for seed in range(1, 4):
+        other = _state(seed, 20, seed)
+        cache.insert("m", other, {20: {0: other.layers[0]}})
+    keys, values = parts.kv[1]
+    assert torch.equal(keys, first.layers[1].keys) and torch.equal(values, first.layers[1].values)
+
+
+def test_churn_under_a_budget_reuses_slots_instead_of_allocating() -> None:
+    """Many states inserted through a budget for about three: the arenas' reserved bytes stay within
+    the budget plus one slab per size class (slots are reused), and every page left is the tree's."""
+    probe, unbounded = _state(0, 40, 0), PrefixCache(page_tokens=8)
+    unbounded.insert("m", probe, {40: {0: probe.layers[0]}})
+    cache = PrefixCache(budget_bytes=3 * unbounded.nbytes, page_tokens=8)
+    cache.arenas.slab_bytes = 4 * 8 * 2 * 4 * 4  # four full pages a slab
+    for seed in range(60):
+        state = _state(seed, 40, seed)
+        cache.insert("m", state, {40: {0: state.layers[0]}})
+        slab_room = sum(a.slab_slots * a.slot_bytes for a in cache.arenas.arenas.values())
+        assert cache.arenas.reserved_bytes <= cache.budget_bytes + slab_room
+    in_tree = sum(len(pages) for node in cache._nodes() for pages in node.pages.values())
+    assert cache.evictions > 50 and cache.arenas.used_slots == in_tree
+
+
+def test_pooled_states_pickle_as_copies_of_their_own_bytes() -> None:
+    """A snapshot's states in pool slots go to another process as their own tensors (equal values,
+    no slab, no slot): a view would pickle its whole slab."""
+    cache = PrefixCache(page_tokens=8)
+    cache.state_arenas.slab_bytes = 1 << 20
+    first = _state(0, 8, 0)
+    window = WindowLayerState(torch.randn(1, 4, 4), torch.randn(1, 4, 4), window=4, length=6)
+    cache.insert("m", RequestState([first.layers[0], first.layers[1], window], 8, first.token_ids),
+                 {8: {0: first.layers[0], 2: window}})
+    node = next(node for _, node in cache.resume_points())
+    linear, ring = node.snapshot[0], node.snapshot[2]
+    for pooled, own in ((linear, first.layers[0]), (ring, window)):
+        assert pooled.owner is not None
+        copied = pickle.loads(pickle.dumps(pooled))
+        assert len(pickle.dumps(pooled)) < 4096 and getattr(copied, "owner", None) is None
+        assert all(torch.equal(a, b) for a, b in zip(copied.tensors(), own.tensors()))

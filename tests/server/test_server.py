@@ -254,11 +254,15 @@ def test_info_models_metrics_and_flush(hypic_server: ServerProcess) -> None:
     assert hypic_server.get("/v1/models")["data"][0]["id"] == info["served_model_name"]
     status, text = hypic_server.request("GET", "/metrics")
     assert status == 200 and "hypic_cached_tokens_total" in text and "hypic_public_pool_bytes" in text
+    assert "hypic_private_pool_pages" in text and "hypic_private_pool_arena_reserved_bytes" in text
+    hypic_server.post("/generate", {"text": "a prompt the private pool keeps", "sampling_params": GREEDY})
+    assert hypic_server.get("/get_server_info")["private_pool"]["pages"] > 0
     hypic_server.post("/warmup", {"documents": _docs(9, 1)})
     assert hypic_server.get("/get_server_info")["public_pool"]["entries"] > 0
     assert hypic_server.post("/flush_cache", {})["flushed"]
     server_info = hypic_server.get("/get_server_info")
     assert server_info["public_pool"]["bytes"] == server_info["private_pool"]["bytes"] == 0
+    assert server_info["private_pool"]["pages"] == 0  # nothing holds a page once the tree is flushed
 
 
 def test_concurrent_clients_under_eviction_budgets(launch, tiny_checkpoint: Path) -> None:

@@ -89,6 +89,7 @@ class ResumeParts:
 
     head: dict[str, torch.Tensor]
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    source: RequestState  # held while the views are read: a view of a pool page is valid while its page lives
 
 
 def resume_parts(state: RequestState, position: int, snapshot: Snapshot) -> ResumeParts | None:
@@ -104,7 +105,7 @@ def resume_parts(state: RequestState, position: int, snapshot: Snapshot) -> Resu
             head[f"{index}.keys"], head[f"{index}.values"] = snapshot[index].held()[:2]
         else:
             return None
-    return ResumeParts(head, kv)
+    return ResumeParts(head, kv, state)
 
 
 def identity_meta(identity: EntryIdentity, form: str) -> dict[str, str]:

@@ -1,0 +1,182 @@
+"""The private pool's preallocated memory (L1, DESIGN §6): fixed-size slots cut from slabs that are
+allocated once per slot shape, handed out and taken back without going through the allocator.
+
+A slot belongs to a ``Slot`` object and returns to its arena when the last reference to that object
+goes: Python's reference count is the slot's, so whoever holds a page (a resumed request reading it,
+a write-back in flight, the tree) keeps it, however the tree changes meanwhile. A slot given back is
+NaN-poisoned at once: a stale view read after its owner went shows up as NaN, never as another
+prefix's numbers. A slab whose slots are all free goes back to the allocator (one large block: no
+fragments left behind), unless it is the arena's last.
+"""
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+SLAB_BYTES = 8 << 20  # a slab's size (at least one slot): large enough to be its own mapping
+
+
+@dataclass(frozen=True)
+class Field:
+    """One tensor of every slot: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Slot:
+    """A slot of ``arena`` (its ``number``), held while this object lives."""
+
+    __slots__ = ("arena", "number")
+
+    def __init__(self, arena: "Arena", number: int) -> None:
+        self.arena, self.number = arena, number
+
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """The slot's tensors, one per field (views into the slab: valid while this object lives)."""
+        return self.arena.views(self.number)
+
+    def __del__(self) -> None:
+        self.arena.give_back(self.number)
+
+
+class Arena:
+    """Slots of ``fields`` on ``device``, ``slab_slots`` to a slab; slot n is slot n % slab_slots of
+    slab n // slab_slots. Thread-safe: a slot can be given back on any thread."""
+
+    def __init__(self, fields: tuple[Field, ...], device: torch.device, slab_bytes: int = SLAB_BYTES) -> None:
+        self.fields, self.device = fields, device
+        self.slot_bytes = sum(f.nbytes for f in fields)
+        self.slab_slots = max(1, slab_bytes // max(self.slot_bytes, 1))
+        self._slabs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._free: dict[int, list[int]] = {}  # slab -> its free slot offsets
+        self._lock = threading.RLock()  # a page dropped inside ``take`` (a collection) gives back re-entrantly
+        self.used = 0
+
+    def take(self) -> Slot:
+        """A free slot (a new slab if none is free); its contents are undefined (poisoned)."""
+        with self._lock:
+            open_slabs = [s for s, free in self._free.items() if free]
+            slab = min(open_slabs) if open_slabs else self._grow()
+            self.used += 1
+            return Slot(self, slab * self.slab_slots + self._free[slab].pop())
+
+    def _grow(self) -> int:
+        slab = next(s for s in range(len(self._slabs) + 1) if s not in self._slabs)
+        self._slabs[slab] = tuple(torch.empty(self.slab_slots, *f.shape, dtype=f.dtype, device=self.device)
+                                  for f in self.fields)
+        self._free[slab] = list(range(self.slab_slots - 1, -1, -1))
+        return slab
+
+    def views(self, number: int) -> tuple[torch.Tensor, ...]:
+        slab, offset = divmod(number, self.slab_slots)
+        return tuple(tensor[offset] for tensor in self._slabs[slab])
+
+    def give_back(self, number: int) -> None:
+        """Slot ``number`` is free again: poisoned, and its slab released if it is wholly free."""
+        slab, offset = divmod(number, self.slab_slots)
+        with self._lock:
+            for tensor in self._slabs[slab]:
+                if tensor.dtype.is_floating_point:
+                    tensor[offset].fill_(float("nan"))
+            self._free[slab].append(offset)
+            self.used -= 1
+            if len(self._free[slab]) == self.slab_slots and len(self._slabs) > 1:
+                del self._slabs[slab], self._free[slab]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the slabs allocated (used and free slots)."""
+        return len(self._slabs) * self.slab_slots * self.slot_bytes
+
+
+class Page(tuple):
+    """``length`` consecutive positions of one attention layer's KV in a slot: a ``KVBlock``
+    (keys [Hkv, length, Dk], values [Hkv, length, Dv], views) that holds its slot while it lives."""
+
+    slot: Slot
+
+    @classmethod
+    def holding(cls, slot: Slot, length: int) -> "Page":
+        keys, values = slot.views()
+        page = cls((keys[:, :length], values[:, :length]))
+        page.slot = slot
+        return page
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the page holds in memory: its whole slot, however few positions it uses."""
+        return self.slot.arena.slot_bytes
+
+
+def size_classes(page_tokens: int) -> tuple[int, ...]:
+    """Slot sizes in positions, smallest first: ``page_tokens`` and up to three halvings of it (a
+    page shorter than a full one, at an edge's ends, takes the smallest class it fits: < 2x its rows)."""
+    return tuple(sorted({max(1, page_tokens >> k) for k in range(4)}))
+
+
+class Arenas:
+    """Arenas by slot shape, made on first use."""
+
+    def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
+        self.slab_bytes = slab_bytes
+        self.arenas: dict[tuple, Arena] = {}
+
+    def arena(self, key: tuple, fields: tuple[Field, ...], device: torch.device) -> Arena:
+        if key not in self.arenas:
+            self.arenas[key] = Arena(fields, device, self.slab_bytes)
+        return self.arenas[key]
+
+    @property
+    def used_slots(self) -> int:
+        return sum(arena.used for arena in self.arenas.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the slabs allocated (used and free slots)."""
+        return sum(arena.reserved_bytes for arena in self.arenas.values())
+
+
+class PageArenas(Arenas):
+    """One KV ``Arena`` per (device, dtype, heads, key and value widths, size class); full pages are
+    ``page_tokens`` positions."""
+
+    def __init__(self, page_tokens: int, slab_bytes: int = SLAB_BYTES) -> None:
+        if page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
+        super().__init__(slab_bytes)
+        self.page_tokens, self.classes = page_tokens, size_classes(page_tokens)
+
+    def page(self, keys: torch.Tensor, values: torch.Tensor) -> Page:
+        """A page holding a copy of ``keys`` [Hkv, n, Dk] and ``values`` [Hkv, n, Dv], n <= page_tokens."""
+        count = keys.shape[1]
+        size = next((c for c in self.classes if c >= count), None)
+        if size is None or count == 0:
+            raise ValueError(f"a page holds 1..{self.page_tokens} positions, got {count}")
+        page = Page.holding(self._arena(keys, values, size).take(), count)
+        page[0].copy_(keys)
+        page[1].copy_(values)
+        return page
+
+    def _arena(self, keys: torch.Tensor, values: torch.Tensor, size: int) -> Arena:
+        fields = (Field((keys.shape[0], size, keys.shape[2]), keys.dtype),
+                  Field((values.shape[0], size, values.shape[2]), values.dtype))
+        return self.arena((keys.device, fields), fields, keys.device)
+
+
+class StateArenas(Arenas):
+    """One ``Arena`` per tuple of fixed shapes and dtypes: a linear layer's state with its conv window,
+    a sliding-window layer's rings (each slot holds one layer's state exactly)."""
+
+    def copy(self, *tensors: torch.Tensor) -> Slot:
+        """A slot holding copies of ``tensors`` (``Slot.views`` gives them back, in order)."""
+        fields = tuple(Field(tuple(t.shape), t.dtype) for t in tensors)
+        slot = self.arena((tensors[0].device, fields), fields, tensors[0].device).take()
+        for view, tensor in zip(slot.views(), tensors):
+            view.copy_(tensor)
+        return slot
