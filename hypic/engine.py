@@ -183,7 +183,7 @@ class Engine:
                   for layer in layers]
         entry = SegmentEntry(key, token_ids, policy.seams, lo, hi - lo, layers, policy.namespace)
         self.store.put(entry)
-        return entry
+        return self.store.peek(key, token_ids) or entry  # the stored copy if it fits: one copy in memory
 
     def warmup(self, documents: list[str], mode: Mode | str = Mode.HYPIC, namespace: str = "") -> list[int]:
         """Cache each document as a PIC segment the way ``mode`` does (hypic or naive), in cache

@@ -7,7 +7,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 from typing import Any, Callable, Protocol
@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..state import tensor_bytes
+from .arena import StateArenas
 from .composition import Transition
 from .eviction import Eviction, eviction_order
 from .segments import Seams
@@ -30,16 +31,35 @@ class Role(str, Enum):
 @dataclass
 class LinearInterior:
     """(T_C, S_C|0) over a segment's interior plus the interior's trailing conv window. The naive
-    baseline's entries hold no transition (None): it composes by addition."""
+    baseline's entries hold no transition (None): it composes by addition. ``owner``: the public
+    pool's slot that T_C and S_C|0 view once stored (kept alive with them; the conv tail, small and
+    handed on into requests' states, stays a tensor of its own)."""
 
     transition: Transition | None
     zero_start_state: torch.Tensor  # [Hv, K, V], fp32 unless stored narrower (``stored_as``)
     conv_tail: torch.Tensor  # [k-1, C] pre-conv inputs of the interior's last k-1 tokens
+    owner: object = field(default=None, repr=False, compare=False)
 
     def stored_as(self, dtype: torch.dtype) -> "LinearInterior":
         """The entry with T_C and S_C|0 kept in ``dtype`` (the public pool's storage precision)."""
         transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.to(dtype))
-        return LinearInterior(transition, self.zero_start_state.to(dtype), self.conv_tail)
+        return LinearInterior(transition, self.zero_start_state.to(dtype), self.conv_tail, self.owner)
+
+    def placed(self, arenas: StateArenas) -> "LinearInterior":
+        """A copy with T_C and S_C|0 in one slot of ``arenas`` (the pool's memory, reused)."""
+        tensors = (self.zero_start_state,) if self.transition is None else (self.zero_start_state, self.transition.value)
+        slot = arenas.copy(*tensors)
+        views = slot.views()
+        transition = None if self.transition is None else Transition(self.transition.family, views[1])
+        return LinearInterior(transition, views[0], self.conv_tail, slot)
+
+    def __getstate__(self) -> dict:
+        """Pickled with copies when T_C and S_C|0 view a slot (a view would carry its whole slab)."""
+        if self.owner is None:
+            return self.__dict__
+        transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.clone())
+        return {"transition": transition, "zero_start_state": self.zero_start_state.clone(),
+                "conv_tail": self.conv_tail, "owner": None}
 
     def for_compute(self) -> tuple[Transition | None, torch.Tensor]:
         """(T_C, S_C|0) in fp32, whatever they are stored in: composition always computes in fp32."""
@@ -112,10 +132,18 @@ def with_tensors(entry: SegmentEntry, tensors: list[Any]) -> SegmentEntry:
     return replace(entry, layers=layers)
 
 
+def _same_memory(new: Any, old: Any) -> bool:
+    """Whether ``new`` is a tensor over tensor ``old``'s memory (a move to where it already is, a detach)."""
+    tensors = isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)
+    return tensors and new.device == old.device and new.data_ptr() == old.data_ptr()
+
+
 def _layer_with(layer: Any, supply: Iterator[Any]) -> Any:
     if isinstance(layer, LinearInterior):
         transition = None if layer.transition is None else Transition(layer.transition.family, next(supply))
-        return LinearInterior(transition, next(supply), next(supply))
+        zero_start = next(supply)
+        kept = _same_memory(zero_start, layer.zero_start_state)  # handed back as it was: still the slot's
+        return LinearInterior(transition, zero_start, next(supply), layer.owner if kept else None)
     if isinstance(layer, AttentionInterior):
         return AttentionInterior(next(supply), next(supply))
     raise TypeError(f"cannot pack a {type(layer).__name__} layer")
@@ -166,6 +194,7 @@ class SegmentStore:
         self.order = eviction_order(eviction)
         self.rebuild_cost: Callable[[SegmentEntry], float] = lambda entry: float(len(entry.token_ids))  # set by the engine
         self.pins: Counter[str] = Counter()
+        self.arenas = StateArenas()  # the linear layers' (T_C, S_C|0): fixed-size slots, reused
         self.nbytes = self.pinned_bytes = 0  # pinned_bytes: of stored entries in use (never evicted)
         self.hits = self.misses = self.evictions = self.rejected = 0
 
@@ -190,6 +219,7 @@ class SegmentStore:
             return None, ""
         entry, tier = found
         if self._store(entry):
+            entry = self.entries[key]  # the stored copy (in the pool's slots): the loaded one goes
             self.lower.offer(entry, Event.MADE, origin=tier)  # type: ignore[union-attr]
         return entry, tier
 
@@ -212,11 +242,17 @@ class SegmentStore:
         if not self._make_room(size):
             self.rejected += 1
             return False
-        self.entries[entry.key] = entry
+        self.entries[entry.key] = entry = self._placed(entry)
         self.nbytes += size
         self.pinned_bytes += size if self.pins[entry.key] else 0
         self._touch(entry)
         return True
+
+    def _placed(self, entry: SegmentEntry) -> SegmentEntry:
+        """``entry`` with its linear layers' T_C and S_C|0 in the pool's slots (the rest as it is)."""
+        layers = [layer.placed(self.arenas) if isinstance(layer, LinearInterior) and layer.owner is None else layer
+                  for layer in entry.layers]
+        return replace(entry, layers=layers)
 
     def _touch(self, entry: SegmentEntry) -> None:
         self.order.touch(entry.key, self.rebuild_cost(entry) / max(entry.nbytes, 1))

@@ -68,6 +68,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
                f"bytes of the running requests' states in {pool.replace('_', ' ')} layers")
     metric("running_state_shared_bytes", "gauge", snapshot.get("running_shared_bytes", 0),
            "bytes of KV the running requests read without owning it (private-pool pages, prompts shared by samples)")
+    metric("public_pool_arena_reserved_bytes", "gauge", snapshot["public_pool"]["arena_reserved_bytes"],
+           "bytes of the slabs holding the public pool's (T_C, S_C|0) slots, used and free")
     metric("private_pool_pages", "gauge", snapshot["private_pool"]["pages"],
            "KV pages in the private pool's arenas (the tree's, and evicted ones a request still reads)")
     metric("private_pool_arena_reserved_bytes", "gauge", snapshot["private_pool"]["arena_reserved_bytes"],

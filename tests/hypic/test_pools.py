@@ -1,6 +1,7 @@
 """The public pool (LRU, byte budget, pins) and the private pool (radix tree of snapshots) against
 closed-form accounting and full recompute."""
 import gc
+import pickle
 import random
 import weakref
 from pathlib import Path
@@ -10,10 +11,11 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
 from hypic.assembler import combine, drain
+from hypic.cache.composition import Family, Transition
 from hypic.cache.prefix_cache import PrefixCache, cache_key
 from hypic.cache.segments import PromptParts, Run, Seams
 from hypic.state import AttentionLayerState, LinearLayerState, RequestState
-from hypic.cache.store import AttentionInterior, SegmentEntry, SegmentStore
+from hypic.cache.store import AttentionInterior, LinearInterior, SegmentEntry, SegmentStore, entry_tensors
 
 
 def _entry(key: str, floats: int) -> SegmentEntry:
@@ -45,6 +47,85 @@ def test_public_pool_rejects_wrong_tokens_under_same_key() -> None:
     store = SegmentStore()
     store.put(_entry("k", 4))
     assert store.get("k", (1,)) is not None and store.get("k", (2,)) is None
+
+
+def _linear_entry(key: str, seed: int) -> SegmentEntry:
+    gen = torch.Generator().manual_seed(seed)
+    layer = LinearInterior(Transition(Family.DENSE, torch.randn(2, 4, 4, generator=gen)), torch.randn(2, 4, 5, generator=gen),
+                           torch.randn(3, 8, generator=gen))
+    kv = AttentionInterior(torch.randn(1, 6, 4, generator=gen), torch.randn(1, 6, 4, generator=gen))
+    return SegmentEntry(key, (seed,), Seams(0, 0), 0, 6, [layer, kv])
+
+
+def _same(a: SegmentEntry, b: SegmentEntry) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(entry_tensors(a), entry_tensors(b), strict=True))
+
+
+def test_public_pool_hits_read_its_slots_and_a_held_entry_outlives_its_eviction() -> None:
+    """Stored entries' (T_C, S_C|0) sit in the pool's slots, the same memory for every hit; an entry
+    a request still holds after it was evicted keeps its values while later entries take slots
+    (the originals are the oracle), and its slot is free once it is dropped."""
+    originals = {key: _linear_entry(key, seed) for seed, key in enumerate("abcdef")}
+    store = SegmentStore(budget_bytes=originals["a"].nbytes)
+    assert store.put(originals["a"])
+    held = store.get("a", (0,))
+    assert held is not None and held is not originals["a"] and _same(held, originals["a"])
+    linear = held.layers[0]
+    assert isinstance(linear, LinearInterior) and linear.owner is not None
+    again = store.get("a", (0,))
+    assert again is not None and again.layers[0].zero_start_state.data_ptr() == linear.zero_start_state.data_ptr()
+    for key in "bcdef":
+        assert store.put(originals[key])
+    assert store.evictions == 5 and _same(held, originals["a"])  # its slot was never handed to b..f
+    assert store.arenas.used_slots == 2  # f's, and the evicted a's a request holds
+    del held, again, linear
+    assert store.arenas.used_slots == 1
+
+
+def test_a_stored_entry_pickles_as_copies_of_its_own_bytes() -> None:
+    """An entry sent to a peer goes as its own tensors (equal values), not the slab its slot is in."""
+    store = SegmentStore()
+    original = _linear_entry("a", 0)
+    store.put(original)
+    stored = store.get("a", (0,))
+    assert stored is not None and stored.layers[0].owner is not None
+    sent = pickle.dumps(stored)
+    assert len(sent) < 8192 and _same(pickle.loads(sent), original)
+    assert pickle.loads(sent).layers[0].owner is None
+
+
+class _OneEntryBelow:
+    """A lower tier holding one entry (what a disk or Mooncake load hands memory)."""
+
+    def __init__(self, entry: SegmentEntry) -> None:
+        self.entry, self.offered = entry, []
+
+    def take(self, key: str, token_ids: tuple[int, ...], namespace: str):
+        return (self.entry, "disk") if key == self.entry.key else None
+
+    def offer(self, entry: SegmentEntry, event, origin: str = "") -> None:
+        self.offered.append(entry)
+
+
+def test_an_entry_loaded_from_below_is_served_from_its_stored_copy() -> None:
+    """A load's entry is copied into the pool's slots and the request gets that copy (one copy in
+    memory, not the loaded one beside it): the same memory a later hit reads."""
+    loaded = _linear_entry("a", 0)
+    store = SegmentStore(lower=_OneEntryBelow(loaded))  # type: ignore[arg-type]
+    served, tier = store.fetch("a", (0,))
+    assert tier == "disk" and served is not None and _same(served, loaded)
+    assert served.layers[0].owner is not None and served is store.entries["a"]
+
+
+def test_a_built_document_is_returned_as_the_pools_copy(engine: Engine) -> None:
+    """``build_segment`` hands the request the entry in the pool's slots when it fits (the built
+    tensors go), and the built one when it does not."""
+    policy = engine.policy("hypic")
+    ids = tuple(engine.tokenizer.encode("the heron studied reeds by the river " * 3))
+    key = engine.lookup_segment(ids, policy)[1]
+    built = drain(engine.build_segment(key, ids, policy))
+    assert built is engine.store.peek(key, ids)
+    assert any(isinstance(layer, LinearInterior) and layer.owner is not None for layer in built.layers)
 
 
 def _random_state(length: int, seed: int) -> RequestState:

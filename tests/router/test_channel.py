@@ -13,7 +13,7 @@ from hypic import Engine
 from hypic.router.bulk import ALIGN, buffer_bytes, entry_tensors, header_of, pack, unpack
 from hypic.router.channel import BulkChannel, ChannelError, GroupSpec, master_store
 from hypic.router.transfer import TransferError, entry_check
-from hypic.cache.store import Role, SegmentEntry
+from hypic.cache.store import Role, SegmentEntry, with_tensors
 
 TIMEOUT_S = 3.0
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
@@ -77,7 +77,9 @@ def test_entries_cross_processes_over_gloo(engine: Engine, monkeypatch: pytest.M
     # a spawned child imports ``_sender`` by module name; under importlib mode only the parent's sys.path,
     # which the child inherits, can say where ``tests`` lives
     monkeypatch.syspath_prepend(str(REPOSITORY))
-    entry = _entry(engine)
+    # tensors of its own: an entry in the pool's slots pickles as copies made on the fly, which torch's
+    # file-descriptor sharing for a spawned child cannot keep open until the child reads them
+    entry = with_tensors(_entry(engine), [t.clone() for t in entry_tensors(_entry(engine))])
     check = entry_check(engine.fingerprint, Role.SEGMENT, engine.model.config)
     store = master_store("127.0.0.1", 30)
     context = multiprocessing.get_context("spawn")
