@@ -4,11 +4,13 @@ allocated once per slot shape, handed out and taken back without going through t
 A slot belongs to a ``Slot`` object and returns to its arena when the last reference to that object
 goes: Python's reference count is the slot's, so whoever holds a page (a resumed request reading it,
 a write-back in flight, the tree) keeps it, however the tree changes meanwhile. A slot given back is
-NaN-poisoned at once: a stale view read after its owner went shows up as NaN, never as another
-prefix's numbers. A slab whose slots are all free goes back to the allocator (one large block: no
+NaN-poisoned at once along its next-to-last dimension in the first head (``_poison``: every KV
+position, every row of a state; a few hundred elements, and enough to make anything computed from
+it NaN): a stale view read after its owner went shows up as NaN, not as numbers that look right. A slab whose slots are all free goes back to the allocator (one large block: no
 fragments left behind), unless it is the arena's last.
 """
 import math
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -29,6 +31,13 @@ class Field:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
+def _poison(view: torch.Tensor) -> None:
+    """NaN in element 0 of the last dimension along the next-to-last, at index 0 of the others (for
+    KV [Hkv, P, D]: every position of the first head)."""
+    index = (0,) * (view.dim() - 2) + (slice(None), 0) if view.dim() >= 2 else (0,)
+    view[index] = float("nan")
+
+
 class Slot:
     """A slot of ``arena`` (its ``number``), held while this object lives."""
 
@@ -42,7 +51,8 @@ class Slot:
         return self.arena.views(self.number)
 
     def __del__(self) -> None:
-        self.arena.give_back(self.number)
+        if not sys.is_finalizing():  # at interpreter exit the arena may be half torn down: nothing to give back to
+            self.arena.give_back(self.number)
 
 
 class Arena:
@@ -83,7 +93,7 @@ class Arena:
         with self._lock:
             for tensor in self._slabs[slab]:
                 if tensor.dtype.is_floating_point:
-                    tensor[offset].fill_(float("nan"))
+                    _poison(tensor[offset])
             self._free[slab].append(offset)
             self.used -= 1
             if len(self._free[slab]) == self.slab_slots and len(self._slabs) > 1:
