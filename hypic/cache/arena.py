@@ -1,13 +1,15 @@
-"""The private pool's preallocated memory (L1, DESIGN §6): fixed-size slots cut from slabs that are
-allocated once per slot shape, handed out and taken back without going through the allocator.
+"""The pools' preallocated memory (L1, DESIGN §6): fixed-size slots cut from slabs that are
+allocated once per slot shape, handed out and taken back without going through the allocator (the
+private pool's KV pages and snapshot states, the public pool's (T_C, S_C|0)).
 
 A slot belongs to a ``Slot`` object and returns to its arena when the last reference to that object
 goes: Python's reference count is the slot's, so whoever holds a page (a resumed request reading it,
 a write-back in flight, the tree) keeps it, however the tree changes meanwhile. A slot given back is
 NaN-poisoned at once along its next-to-last dimension in the first head (``_poison``: every KV
 position, every row of a state; a few hundred elements, and enough to make anything computed from
-it NaN): a stale view read after its owner went shows up as NaN, not as numbers that look right. A slab whose slots are all free goes back to the allocator (one large block: no
-fragments left behind), unless it is the arena's last.
+it NaN): a stale view read after its owner went shows up as NaN, not as numbers that look right. A
+slab whose slots are all free goes back to the allocator (one large block: no fragments left
+behind), unless it is the arena's last.
 """
 import math
 import sys

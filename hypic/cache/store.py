@@ -43,7 +43,9 @@ class LinearInterior:
     def stored_as(self, dtype: torch.dtype) -> "LinearInterior":
         """The entry with T_C and S_C|0 kept in ``dtype`` (the public pool's storage precision)."""
         transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.to(dtype))
-        return LinearInterior(transition, self.zero_start_state.to(dtype), self.conv_tail, self.owner)
+        zero_start = self.zero_start_state.to(dtype)
+        return LinearInterior(transition, zero_start, self.conv_tail,
+                              self.owner if _same_memory(zero_start, self.zero_start_state) else None)
 
     def placed(self, arenas: StateArenas) -> "LinearInterior":
         """A copy with T_C and S_C|0 in one slot of ``arenas`` (the pool's memory, reused)."""

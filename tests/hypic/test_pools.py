@@ -94,6 +94,19 @@ def test_a_stored_entry_pickles_as_copies_of_its_own_bytes() -> None:
     assert pickle.loads(sent).layers[0].owner is None
 
 
+def test_a_stored_interior_recast_keeps_its_slot_only_while_it_views_it() -> None:
+    """``stored_as`` the dtype it has returns the slot's views (the slot must stay held); another
+    dtype makes tensors of their own (holding the slot would keep memory nothing reads)."""
+    store = SegmentStore()
+    store.put(_linear_entry("a", 0))
+    stored = store.get("a", (0,))
+    assert stored is not None
+    linear = stored.layers[0]
+    assert isinstance(linear, LinearInterior) and linear.owner is not None
+    assert linear.stored_as(torch.float32).owner is linear.owner
+    assert linear.stored_as(torch.bfloat16).owner is None
+
+
 class _OneEntryBelow:
     """A lower tier holding one entry (what a disk or Mooncake load hands memory)."""
 
