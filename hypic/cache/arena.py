@@ -5,7 +5,7 @@ private pool's KV pages and snapshot states, the public pool's (T_C, S_C|0)).
 A slot belongs to a ``Slot`` object and returns to its arena when the last reference to that object
 goes: Python's reference count is the slot's, so whoever holds a page (a resumed request reading it,
 a write-back in flight, the tree) keeps it, however the tree changes meanwhile. A slot given back is
-NaN-poisoned at once along its next-to-last dimension in the first head (``_poison``: every KV
+NaN-poisoned at once along its next-to-last dimension in the first head (``_poison_index``: every KV
 position, every row of a state; a few hundred elements, and enough to make anything computed from
 it NaN): a stale view read after its owner went shows up as NaN, not as numbers that look right. A
 slab whose slots are all free goes back to the allocator (one large block: no fragments left
@@ -33,11 +33,10 @@ class Field:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _poison(view: torch.Tensor) -> None:
-    """NaN in element 0 of the last dimension along the next-to-last, at index 0 of the others (for
-    KV [Hkv, P, D]: every position of the first head)."""
-    index = (0,) * (view.dim() - 2) + (slice(None), 0) if view.dim() >= 2 else (0,)
-    view[index] = float("nan")
+def _poison_index(shape: tuple[int, ...]) -> tuple:
+    """Where a freed slot of ``shape`` is poisoned: element 0 of the last dimension along the
+    next-to-last, at index 0 of the others (for KV [Hkv, P, D]: every position of the first head)."""
+    return (0,) * (len(shape) - 2) + (slice(None), 0) if len(shape) >= 2 else (0,)
 
 
 class Slot:
@@ -67,22 +66,29 @@ class Arena:
         self.slab_slots = max(1, slab_bytes // max(self.slot_bytes, 1))
         self._slabs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._free: dict[int, list[int]] = {}  # slab -> its free slot offsets
+        self._open: set[int] = set()  # slabs with a free slot
+        self._poison = [(i, _poison_index(f.shape)) for i, f in enumerate(fields) if f.dtype.is_floating_point]
         self._lock = threading.RLock()  # a page dropped inside ``take`` (a collection) gives back re-entrantly
         self.used = 0
 
     def take(self) -> Slot:
-        """A free slot (a new slab if none is free); its contents are undefined (poisoned)."""
+        """A free slot, from the lowest slab that has one (a new slab if none has); its contents are
+        undefined (poisoned)."""
         with self._lock:
-            open_slabs = [s for s, free in self._free.items() if free]
-            slab = min(open_slabs) if open_slabs else self._grow()
+            slab = min(self._open) if self._open else self._grow()
+            free = self._free[slab]
+            offset = free.pop()
+            if not free:
+                self._open.discard(slab)
             self.used += 1
-            return Slot(self, slab * self.slab_slots + self._free[slab].pop())
+            return Slot(self, slab * self.slab_slots + offset)
 
     def _grow(self) -> int:
         slab = next(s for s in range(len(self._slabs) + 1) if s not in self._slabs)
         self._slabs[slab] = tuple(torch.empty(self.slab_slots, *f.shape, dtype=f.dtype, device=self.device)
                                   for f in self.fields)
         self._free[slab] = list(range(self.slab_slots - 1, -1, -1))
+        self._open.add(slab)
         return slab
 
     def views(self, number: int) -> tuple[torch.Tensor, ...]:
@@ -93,13 +99,15 @@ class Arena:
         """Slot ``number`` is free again: poisoned, and its slab released if it is wholly free."""
         slab, offset = divmod(number, self.slab_slots)
         with self._lock:
-            for tensor in self._slabs[slab]:
-                if tensor.dtype.is_floating_point:
-                    _poison(tensor[offset])
+            tensors = self._slabs[slab]
+            for field, index in self._poison:
+                tensors[field][(offset, *index)] = float("nan")
             self._free[slab].append(offset)
+            self._open.add(slab)
             self.used -= 1
             if len(self._free[slab]) == self.slab_slots and len(self._slabs) > 1:
                 del self._slabs[slab], self._free[slab]
+                self._open.discard(slab)
 
     @property
     def reserved_bytes(self) -> int:

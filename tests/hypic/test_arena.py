@@ -32,6 +32,11 @@ def test_slabs_grow_when_full_and_go_back_when_wholly_free() -> None:
     slots = [arena.take() for _ in range(9)]
     assert arena.slab_slots == 4 and arena.reserved_bytes == 3 * 4 * arena.slot_bytes
     assert len({s.number for s in slots}) == 9
+    freed = slots.pop(1).number  # a slot of the full first slab
+    again = arena.take()
+    assert again.number == freed and arena.reserved_bytes == 3 * 4 * arena.slot_bytes  # the lowest slab with room
+    slots.insert(1, again)
+    del again
     del slots[4:8]  # the second slab's four slots
     assert arena.used == 5 and arena.reserved_bytes == 2 * 4 * arena.slot_bytes
     del slots[:]
