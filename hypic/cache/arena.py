@@ -30,7 +30,7 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _poison_index(shape: tuple[int, ...]) -> tuple:

@@ -68,18 +68,9 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
                f"bytes of the running requests' states in {pool.replace('_', ' ')} layers")
     metric("running_state_shared_bytes", "gauge", snapshot.get("running_shared_bytes", 0),
            "bytes of KV the running requests read without owning it (private-pool pages, prompts shared by samples)")
-    metric("public_pool_arena_reserved_bytes", "gauge", snapshot["public_pool"]["arena_reserved_bytes"],
-           "bytes of the slabs holding the public pool's (T_C, S_C|0) slots, used and free")
-    metric("private_pool_pages", "gauge", snapshot["private_pool"]["pages"],
-           "KV pages in the private pool's arenas (the tree's, and evicted ones a request still reads)")
-    metric("private_pool_arena_reserved_bytes", "gauge", snapshot["private_pool"]["arena_reserved_bytes"],
-           "bytes of the slabs the private pool's arenas hold (KV pages, snapshot states), slots used and free")
-    metric("private_pool_window_bytes", "gauge", snapshot["private_pool"]["window_bytes"],
-           "bytes of sliding-window tails held by the private pool (included in private_pool_bytes)")
-    metric("private_pool_snapshot_evictions_total", "counter", snapshot["private_pool"]["snapshot_evictions"],
-           "inner resume points that gave up their linear states (their KV kept for deeper ones)")
-    metric("private_pool_window_evictions_total", "counter", snapshot["private_pool"]["window_evictions"],
-           "resume points that lost their sliding-window tails to the window budget")
+    for pool, key, kind, help_text in POOL_DETAILS:
+        suffix = "_total" if kind == "counter" else ""
+        metric(f"{pool}_{key}{suffix}", kind, snapshot[pool][key], help_text)
     if snapshot.get("tiers"):
         lines += _tier_lines(snapshot["tiers"])
     if snapshot.get("resume_points"):
@@ -138,6 +129,23 @@ def _resume_lines(report: dict[str, Any]) -> list[str]:
         lines += _metric_lines(name, kind, help_text, {f'{{tier="{tier}"}}': float(counters[key])
                                                        for tier, counters in report["tiers"].items()})
     return lines
+
+
+# per-pool numbers beyond bytes and evictions: (pool, key in its snapshot, kind, help)
+POOL_DETAILS = (
+    ("public_pool", "arena_reserved_bytes", "gauge",
+     "bytes of the slabs holding the public pool's (T_C, S_C|0) slots, used and free"),
+    ("private_pool", "pages", "gauge",
+     "KV pages in the private pool's arenas (the tree's, and evicted ones a request still reads)"),
+    ("private_pool", "arena_reserved_bytes", "gauge",
+     "bytes of the slabs the private pool's arenas hold (KV pages, snapshot states), slots used and free"),
+    ("private_pool", "window_bytes", "gauge",
+     "bytes of sliding-window tails held by the private pool (included in private_pool_bytes)"),
+    ("private_pool", "snapshot_evictions", "counter",
+     "inner resume points that gave up their linear states (their KV kept for deeper ones)"),
+    ("private_pool", "window_evictions", "counter",
+     "resume points that lost their sliding-window tails to the window budget"),
+)
 
 
 def _metric_lines(name: str, kind: str, help_text: str, samples: dict[str, float]) -> list[str]:
