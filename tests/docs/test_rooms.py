@@ -10,8 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"hypic": ROOT / "hypic", "hypic.kernels": ROOT / "kernels", "hypic.router": ROOT / "router",
-            "hypic.evaluation": ROOT / "evaluation", "hypic_data": ROOT / "datasets" / "toolkit"}
+PACKAGES = {"hypic": ROOT / "hypic", "hypic_data": ROOT / "datasets" / "hypic_data"}
 
 
 def _modules() -> dict[str, Path]:
