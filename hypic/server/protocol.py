@@ -5,6 +5,7 @@ a 400; nothing here touches the engine. Each endpoint knows the fields it serves
 is judged by its value (``fields.py``: refused by name when it asks for something).
 """
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -66,6 +67,12 @@ class GenerationRequest:
     rid: str | None = None
     to_context: bool = False  # max_new_tokens is the context the prompt leaves (set once it is tokenized)
     salt: tuple[str, ...] = ()  # the cache salt and extra key it named (its cache namespace with the caller's key)
+    spelling: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, the client's name for it) where they differ
+
+    def in_its_words(self, err: InvalidRequest) -> InvalidRequest:
+        """``err`` naming the request's fields as the client spelled them (its ``max_tokens``, not our
+        ``max_new_tokens``)."""
+        return spelled(err, dict(self.spelling))
 
     def fitted(self, prompt_tokens: int, context: int) -> "GenerationRequest":
         """This request, its output budget set to what the prompt leaves of the model's ``context``
@@ -123,9 +130,21 @@ class Completion:
 
 
 # ----- field checks --------------------------------------------------------------------------
+def spelled(err: InvalidRequest, names: dict[str, str]) -> InvalidRequest:
+    """``err`` with our field names in its message and param replaced by the client's (``names``)."""
+    if not names:
+        return err
+    ours = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    param = names.get(err.param, err.param) if err.param is not None else None
+    renamed = InvalidRequest(ours.sub(lambda match: names[match.group(1)], str(err)), param=param)
+    renamed.__cause__ = err.__cause__
+    return renamed
+
+
 def json_object(body: Any, what: str = "the request body") -> dict:
     if not isinstance(body, dict):
-        raise InvalidRequest(f"{what} must be a JSON object, got {type(body).__name__}")
+        raise InvalidRequest(f"{what} must be a JSON object, got {type(body).__name__}",
+                             param=what.strip("'") if what.startswith("'") else None)
     return body
 
 
@@ -134,7 +153,7 @@ def _typed(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: s
     if value is None:
         return default
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise InvalidRequest(f"'{name}' must be {what}, got {value!r}")
+        raise InvalidRequest(f"'{name}' must be {what}, got {value!r}", param=name)
     return value
 
 
@@ -145,12 +164,12 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         return (value,) if value else ()
     if isinstance(value, list) and all(isinstance(s, str) and s for s in value):
         return tuple(value)
-    raise InvalidRequest(f"'stop' must be a non-empty string or a list of them, got {value!r}")
+    raise InvalidRequest(f"'stop' must be a non-empty string or a list of them, got {value!r}", param="stop")
 
 
 def _token_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidRequest(f"'{name}' must be a list of integers, got {value!r}")
+        raise InvalidRequest(f"'{name}' must be a list of integers, got {value!r}", param=name)
     return value
 
 
@@ -159,15 +178,16 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise InvalidRequest(f"'logit_bias' must be an object mapping token ids to biases, got {value!r}")
+        raise InvalidRequest(f"'logit_bias' must be an object mapping token ids to biases, got {value!r}",
+                             param="logit_bias")
     pairs = []
     for key, bias in value.items():
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}") from None
+            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
         if not isinstance(bias, (int, float)) or isinstance(bias, bool):
-            raise InvalidRequest(f"'logit_bias' values must be numbers, got {bias!r}")
+            raise InvalidRequest(f"'logit_bias' values must be numbers, got {bias!r}", param="logit_bias")
         pairs.append((token, float(bias)))
     return tuple(sorted(pairs))
 
@@ -180,7 +200,7 @@ def _schema(value: Any, name: str) -> str | None:
         return json.dumps(value)
     if isinstance(value, str):
         return value
-    raise InvalidRequest(f"'{name}' must be a JSON schema (an object or its text), got {value!r}")
+    raise InvalidRequest(f"'{name}' must be a JSON schema (an object or its text), got {value!r}", param=name)
 
 
 def cache_salt(body: dict) -> tuple[str, ...]:
@@ -212,37 +232,47 @@ def _budget(body: dict, name: str, default: int | None) -> int | None:
 def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int | None, min_tokens_field: str,
                     default_temperature: float = 1.0, json_schema: str | None = None) -> tuple[SamplingParams, bool]:
     """SamplingParams from the fields of ``body`` (SGLang's sampling_params or an OpenAI body), and
-    whether max_new_tokens is left to the context (then it holds min_new_tokens until the prompt is known)."""
+    whether max_new_tokens is left to the context (then it holds min_new_tokens until the prompt is known).
+    A value out of range is refused naming the field as ``body`` spells it."""
     _special_tokens(body)
     seed = body.get("seed", body.get("sampling_seed"))
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise InvalidRequest(f"'seed' must be an integer, got {seed!r}")
+        raise InvalidRequest(f"'seed' must be an integer, got {seed!r}", param="seed")
     number = (int, float)
     budget = _budget(body, max_tokens_field, default_max_tokens)
     least = _typed(body, min_tokens_field, (int,), 0, "an integer >= 0")
     keep_stop = _typed(body, "no_stop_trim", (bool,), False, "a boolean") or \
         _typed(body, "include_stop_str_in_output", (bool,), False, "a boolean")  # vLLM's name
-    return SamplingParams(
-        max_new_tokens=least if budget is None else budget,
-        min_new_tokens=least,
-        temperature=_typed(body, "temperature", number, default_temperature, "a number >= 0"),
-        top_p=_typed(body, "top_p", number, 1.0, "a number in (0, 1]"),
-        top_k=_typed(body, "top_k", (int,), -1, "an integer"),
-        min_p=_typed(body, "min_p", number, 0.0, "a number in [0, 1]"),
-        frequency_penalty=_typed(body, "frequency_penalty", number, 0.0, "a number in [-2, 2]"),
-        presence_penalty=_typed(body, "presence_penalty", number, 0.0, "a number in [-2, 2]"),
-        repetition_penalty=_typed(body, "repetition_penalty", number, 1.0, "a number in (0, 2]"),
-        logit_bias=_logit_bias(body.get("logit_bias")),
-        stop=_stop_strings(body.get("stop")),
-        stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids")),
-        ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
-        no_stop_trim=keep_stop,
-        n=_typed(body, "n", (int,), 1, "an integer"),
-        seed=seed,
-        regex=_typed(body, "regex", (str,), None, "a string"),
-        json_schema=json_schema if json_schema is not None else _schema(body.get("json_schema"), "json_schema"),
-        ebnf=_typed(body, "ebnf", (str,), None, "a string"),
-    ), budget is None
+    try:
+        return SamplingParams(
+            max_new_tokens=least if budget is None else budget,
+            min_new_tokens=least,
+            temperature=_typed(body, "temperature", number, default_temperature, "a number >= 0"),
+            top_p=_typed(body, "top_p", number, 1.0, "a number in (0, 1]"),
+            top_k=_typed(body, "top_k", (int,), -1, "an integer"),
+            min_p=_typed(body, "min_p", number, 0.0, "a number in [0, 1]"),
+            frequency_penalty=_typed(body, "frequency_penalty", number, 0.0, "a number in [-2, 2]"),
+            presence_penalty=_typed(body, "presence_penalty", number, 0.0, "a number in [-2, 2]"),
+            repetition_penalty=_typed(body, "repetition_penalty", number, 1.0, "a number in (0, 2]"),
+            logit_bias=_logit_bias(body.get("logit_bias")),
+            stop=_stop_strings(body.get("stop")),
+            stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids")),
+            ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
+            no_stop_trim=keep_stop,
+            n=_typed(body, "n", (int,), 1, "an integer"),
+            seed=seed,
+            regex=_typed(body, "regex", (str,), None, "a string"),
+            json_schema=json_schema if json_schema is not None else _schema(body.get("json_schema"), "json_schema"),
+            ebnf=_typed(body, "ebnf", (str,), None, "a string"),
+        ), budget is None
+    except InvalidRequest as err:
+        raise spelled(err, budget_spelling(max_tokens_field, min_tokens_field)) from err.__cause__
+
+
+def budget_spelling(max_tokens_field: str, min_tokens_field: str) -> dict[str, str]:
+    """The client's names of the output budget's fields, where they are not SamplingParams'."""
+    names = {"max_new_tokens": max_tokens_field, "min_new_tokens": min_tokens_field}
+    return {ours: theirs for ours, theirs in names.items() if ours != theirs}
 
 
 # ----- SGLang /generate ----------------------------------------------------------------------
@@ -322,15 +352,17 @@ def _response_format(body: dict) -> str | None:
     raise InvalidRequest(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}")
 
 
-def _openai_params(body: dict, max_tokens_default: int | None) -> tuple[SamplingParams, bool]:
-    if body.get("max_completion_tokens") is not None:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
-    params, to_context = sampling_params(body, "max_tokens", max_tokens_default, "min_tokens",
-                                         json_schema=_response_format(body))
+def _openai_params(body: dict, max_tokens_default: int | None) -> tuple[SamplingParams, bool, tuple[tuple[str, str], ...]]:
+    """The request's sampling parameters, whether its budget is left to the context, and the client's
+    names of the fields later checks may refuse."""
+    budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    schema = _response_format(body)
+    params, to_context = sampling_params(body, budget, max_tokens_default, "min_tokens", json_schema=schema)
     best_of = body.get("best_of")
     if best_of is not None and best_of != params.n:
-        raise InvalidRequest(f"'best_of' = {best_of!r} is not supported (only best_of = n)")
-    return params, to_context
+        raise InvalidRequest(f"'best_of' = {best_of!r} is not supported (only best_of = n)", param="best_of")
+    spelling = budget_spelling(budget, "min_tokens") | ({"json_schema": "response_format"} if schema is not None else {})
+    return params, to_context, tuple(spelling.items())
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -369,7 +401,7 @@ def parse_completion(body: Any) -> tuple[list[GenerationRequest], OpenAIOptions]
     """OpenAI ``/v1/completions``: one request per prompt of ``prompt``."""
     body = json_object(body)
     check_fields(body, COMPLETION_FIELDS, "/v1/completions")
-    params, to_context = _openai_params(body, 16)  # OpenAI's and vLLM's default for completions; null: the context
+    params, to_context, spelling = _openai_params(body, 16)  # OpenAI's and vLLM's default for completions; null: the context
     top = _typed(body, "logprobs", (int,), None, "an integer in [0, 5]")
     if top is not None and not 0 <= top <= 5:
         raise InvalidRequest(f"'logprobs' must be in [0, 5], got {top}")
@@ -378,8 +410,8 @@ def parse_completion(body: Any) -> tuple[list[GenerationRequest], OpenAIOptions]
     if echo and stream:
         raise InvalidRequest("'echo' with 'stream' is not supported")
     logprobs, salt = LogprobRequest(top, 0 if echo else -1, True) if top is not None else None, cache_salt(body)
-    requests = [GenerationRequest(prompt, params, stream, logprobs, echo, to_context=to_context, salt=salt)
-                for prompt in _completion_prompts(body)]
+    requests = [GenerationRequest(prompt, params, stream, logprobs, echo, to_context=to_context, salt=salt,
+                                  spelling=spelling) for prompt in _completion_prompts(body)]
     return requests, OpenAIOptions(usage, top, continuous)
 
 
@@ -452,7 +484,7 @@ def parse_chat(body: Any, render: Render) -> tuple[GenerationRequest, OpenAIOpti
     body = json_object(body)
     check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     messages = parse_chat_messages(body)
-    params, to_context = _openai_params(body, None)  # no max_tokens: what the prompt leaves, as vLLM and OpenAI
+    params, to_context, spelling = _openai_params(body, None)  # no max_tokens: what the prompt leaves, as vLLM and OpenAI
     wants = _typed(body, "logprobs", (bool,), False, "a boolean")
     top = _typed(body, "top_logprobs", (int,), 0, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
     if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -462,7 +494,8 @@ def parse_chat(body: Any, render: Render) -> tuple[GenerationRequest, OpenAIOpti
     logprobs = LogprobRequest(top, -1, True) if wants else None
     stream, usage, continuous = _openai_stream(body)
     prompt = render(messages, parse_chat_options(body))
-    request = GenerationRequest(prompt, params, stream, logprobs, to_context=to_context, salt=cache_salt(body))
+    request = GenerationRequest(prompt, params, stream, logprobs, to_context=to_context, salt=cache_salt(body),
+                                spelling=spelling)
     return request, OpenAIOptions(usage, top if wants else None, continuous)
 
 
