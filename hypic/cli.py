@@ -280,7 +280,7 @@ def _serve(args: argparse.Namespace) -> None:
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)
     if engine.store.lower is not None:
         status = engine.store.lower.describe()
-        names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error']})"
+        names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error'] or tier['state']})"
                           for name, tier in status["tiers"].items())
         print(f"hypic: documents below memory: {names}; {status['write_policy']}, prefetch "
               f"{status['prefetch_policy']}", flush=True)
