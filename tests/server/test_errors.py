@@ -81,6 +81,9 @@ def test_a_bad_json_schema_says_what_is_wrong_and_not_where_in_xgrammar(client: 
 def test_other_refusals_name_their_field_and_send_a_string_or_null_code(client: TestClient) -> None:
     assert _refused(client, "/v1/completions", {"prompt": "hi", "temperature": "hot"})["param"] == "temperature"
     assert _refused(client, "/v1/completions", {"prompt": "hi", "tools": [{"type": "function"}]})["param"] == "tools"
+    assert _refused(client, "/v1/completions", {"prompt": "hi", "logprobs": 9})["param"] == "logprobs"
+    assert _refused(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]})["param"] == \
+        "messages[0].content"
     assert _refused(client, "/v1/completions", {"prompt": "hi", "model": "other"}, 404)["code"] == "model_not_found"
     assert _refused(client, "/v1/nothing", {}, 404)["code"] is None
 
