@@ -129,7 +129,7 @@ def check_fields(body: dict, served: set[str], where: str) -> None:
             continue
         rule = UNSERVED.get(name)
         if rule is None and not is_neutral(value):
-            raise InvalidRequest(f"unsupported field {name!r} in {where}")
+            raise InvalidRequest(f"unsupported field {name!r} in {where}", param=name)
         if rule is not None and not rule.accepts(value):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-            raise InvalidRequest(f"{name!r} = {shown} in {where} is not supported: {rule.reason}")
+            raise InvalidRequest(f"{name!r} = {shown} in {where} is not supported: {rule.reason}", param=name)
