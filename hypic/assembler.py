@@ -1,4 +1,4 @@
-"""The combine pass (DESIGN §5): run only the recompute tokens through every layer, splicing
+"""The combine pass: run only the recompute tokens through every layer, splicing
 cached segment interiors in between.
 
 One code path serves full prefill (a single run from position 0), segment prefill (a single run

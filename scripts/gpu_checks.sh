@@ -1,6 +1,6 @@
 #!/bin/bash
-# The checks that need a GPU, in one device call (issue 28: batched prefill; issue 27: host memory
-# as L2): FLA's wheels from .whl, hypic installed without its dependencies (the image's torch and
+# The checks that need a GPU, in one device call (batched prefill; host memory below the GPU's public
+# pool, L2): FLA's wheels from .whl, hypic installed without its dependencies (the image's torch and
 # transformers), then the CUDA tests and the batched-prefill benchmark, each stage under its own
 # time limit so a slow one cannot starve the rest. Results under $OUT.
 set -u
