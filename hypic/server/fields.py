@@ -1,6 +1,6 @@
 """The one table of request fields the server does not serve, and the rule that judges them.
 
-DESIGN §8: a field an endpoint does not serve is judged by its *value*. A value that asks for
+A field an endpoint does not serve is judged by its *value*. A value that asks for
 behaviour (a LoRA adapter, hidden states, tools) is refused with a 400 naming
 the field and why, never accepted and ignored. A neutral value — ``null``, ``false``, ``""``,
 ``[]``, ``{}`` or the field's documented default — asks for nothing and is accepted, because real

@@ -1,4 +1,4 @@
-"""The rooms and floors of the code (issue 28): read from the sources' module-level imports (``ast``;
+"""Which parts of the code may import which: read from the sources' module-level imports (``ast``;
 imports inside functions are on-demand and not counted), what imports what.
 
 - the serving package never imports the training and data toolkit (``hypic_data``);

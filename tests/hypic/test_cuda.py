@@ -98,7 +98,7 @@ def test_requests_prefilled_together_on_cuda_match_each_alone(engines: dict[str,
     batches them: each linear layer's runs of all four in FLA's varlen calls, each request from its
     own entering state; every request's logits equal its prefill alone on the CPU."""
     import hypic.assembler as assembler
-    from hypic.assembler import drain_together
+    from hypic_testing.steps import drain_together
 
     widths: list[int] = []
     together = assembler.recurrences_together
