@@ -150,8 +150,7 @@ def test_readme_front_page_keeps_the_two_quick_start_commands() -> None:
     assert "pip install -e . && hypic serve\n" in blocks
     test_command = 'sh scripts/system-deps.sh && pip install -e ".[test]" && pytest -q\n'
     assert test_command in blocks
-    assert "sh scripts/system-deps.sh && python3 -m pip install -q -e \".[test]\" && pytest -q" in (
-        ROOT / ".ci" / "run").read_text()
+    assert test_command in (ROOT / ".ci" / "run").read_text()
 
 
 def _anchor(heading: str) -> str:
