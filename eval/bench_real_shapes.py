@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from torch.autograd import DeviceType
 
 from hypic import Engine
 from hypic.checkpoints import byte_level_tokenizer
@@ -146,7 +147,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
 PARTS: tuple[tuple[str, str, str], ...] = (
     ("hypic.runs_together", "prepare_runs", "seam runs: conv and inputs"),
     ("hypic.runs_together", "_chain_maps", "seam runs: maps varlen call"),
-    ("hypic.runs_together", "gated_delta_rule_varlen", "seam runs: final varlen call"),
+    ("hypic.runs_together", "gated_delta_rule_varlen", "seam runs: FLA varlen calls (maps and final)"),  # both call it
     ("hypic.assembler", "_linear_runs", "seam runs: per-request path"),
     ("hypic.runs_together", "_entering_states", "composition (state chain)"),
     ("hypic.assembler", "compose_states", "composition (per-request path)"),
@@ -192,15 +193,39 @@ def labelled_parts() -> Iterator[None]:
 
 
 def part_times(events: Any) -> dict[str, dict[str, float]]:
-    """Per labelled part: calls, CPU (host) ms and device ms of what it launched, inclusive."""
+    """Per labelled part, inclusive: calls and host ms of its CPU-side range, kernel ms (the kernels
+    launched under it, summed), and device span ms (its GPU-side range, first kernel's start to last
+    one's end: idle gaps included, so spans of nested or back-to-back parts can sum past the wall)."""
     labels, parts = {label for _, _, label in PARTS}, {}
     for event in events:
         if event.name in labels:
-            part = parts.setdefault(event.name, {"calls": 0, "host_ms": 0.0, "device_ms": 0.0})
-            part["calls"] += 1
-            part["host_ms"] += event.cpu_time_total / 1e3
-            part["device_ms"] += event.device_time_total / 1e3
+            part = parts.setdefault(event.name, {"calls": 0, "host_ms": 0.0, "kernel_ms": 0.0, "device_span_ms": 0.0})
+            if _on_device(event):  # the profiler's GPU-side copy of the range (a user annotation)
+                part["device_span_ms"] += (event.time_range.end - event.time_range.start) / 1e3
+            else:
+                part["calls"] += 1
+                part["host_ms"] += event.cpu_time_total / 1e3
+                part["kernel_ms"] += event.device_time_total / 1e3
     return parts
+
+
+def _on_device(event: Any) -> bool:
+    return event.device_type != DeviceType.CPU
+
+
+def device_activity(events: Any) -> tuple[float, float]:
+    """The GPU's kernels, copies and memsets: their summed time and the union of their intervals (busy
+    time), in ms. Only device events that are not user annotations count: the CPU op that launched a
+    kernel carries its time too, and an annotation's span covers idle gaps."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if _on_device(e) and not getattr(e, "is_user_annotation", False))
+    total = busy = 0.0
+    end = float("-inf")
+    for lo, hi in spans:
+        total += hi - lo
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    return total / 1e3, busy / 1e3
 
 
 def _op_totals(averages: Any, names: tuple[str, ...]) -> dict[str, float]:
@@ -227,19 +252,22 @@ def profile_request(engine: Engine, shape: composition.Shape, seed: int, out: Pa
         wall = time.perf_counter() - start
     composition.check_all_hit(result, shape.num_docs)
     averages = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in averages)
+    kernel_ms, busy_ms = device_activity(prof.events())
     out.mkdir(parents=True, exist_ok=True)
     tables = [f"top 15 by {title}\n" + averages.table(sort_by=key, row_limit=15, max_name_column_width=70)
               for key, title in (("self_device_time_total", "self device time"),
                                  ("self_cpu_time_total", "self host (CPU) time"))]
-    summary = {"shape": shape.label, "wall_ms": wall * 1e3, "device_busy_ms": device_us / 1e3,
-               "device_busy_share": device_us / 1e3 / (wall * 1e3), "launches": _op_totals(averages, LAUNCH_OPS),
+    summary = {"shape": shape.label, "wall_ms": wall * 1e3, "device_kernel_ms": kernel_ms, "device_busy_ms": busy_ms,
+               "device_busy_share": busy_ms / (wall * 1e3), "launches": _op_totals(averages, LAUNCH_OPS),
                "syncs_and_copies": _op_totals(averages, SYNC_OPS), "parts": part_times(prof.events())}
-    parts = "\n".join(f"{label:<45}{p['calls']:>7}{p['host_ms']:>12.1f}{p['device_ms']:>12.1f}"
+    parts = "\n".join(f"{label:<45}{p['calls']:>7}{p['host_ms']:>12.1f}{p['kernel_ms']:>12.1f}{p['device_span_ms']:>12.1f}"
                       for label, p in sorted(summary["parts"].items(), key=lambda kv: -kv[1]["host_ms"]))
-    header = (f"hypic {shape.label}: wall {summary['wall_ms']:.1f} ms, device busy {summary['device_busy_ms']:.1f} ms, "
+    header = (f"hypic {shape.label}: wall {summary['wall_ms']:.1f} ms, device busy {busy_ms:.1f} ms "
+              f"({100 * summary['device_busy_share']:.0f} %; kernels, copies and memsets), their sum {kernel_ms:.1f} ms, "
               f"launches {summary['launches']}, syncs/copies {summary['syncs_and_copies']}\n\n"
-              f"{'part (inclusive; nested)':<45}{'calls':>7}{'host ms':>12}{'device ms':>12}\n{parts}")
+              f"{'part (inclusive; nested)':<45}{'calls':>7}{'host ms':>12}{'kernel ms':>12}{'span ms':>12}\n{parts}\n"
+              "(span: the part's range on the GPU timeline, idle gaps included; tables below: an annotation's "
+              "'Self CUDA' is its span too)")
     (out / f"profile_{shape.label}.txt").write_text(header + "\n\n" + "\n\n".join(tables) + "\n")
     (out / f"profile_{shape.label}.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -1,30 +1,35 @@
 #!/bin/bash
-# The checks that need a GPU, in one device call: every CUDA-only test (layer-0 exactness in IEEE
-# fp32 for each family with a GPU kernel in its own process, since Triton picks a dot's precision
-# when it compiles), then a torch.profiler breakdown of the all-hit 16 x 1k request, then the
-# Fig. 12 sweeps at Qwen3.5-35B-A3B's shapes. Each stage has its own time limit (install 30 s, the
-# two test stages 110 side by side, profile 120, sweeps 140: 400 s) so a slow one cannot starve the
-# rest; the profile runs before the sweeps for the same reason.
-# FLA comes from the wheels in .whl (the device has no network). Everything lands in $OUT:
-# summary.log (stage exit codes and tails), machine.txt, bench_real_shapes.json, profile_16x1k.txt
-# and results.tar.gz (all logs and JSON), refreshed after every stage.
-# Time limits (seconds) can be changed from the environment: EXACT_S, TESTS_S, PROFILE_S, BENCH_S;
-# LAYERS keeps fewer of the model's 40 layers, REPEATS sets the timed runs per mode and shape.
-# STAGES picks stages (default tests,profile,bench; a rerun after the tests passed: STAGES=profile,bench).
+# The checks that need a GPU, in one device call (carry .whl: FLA's wheels, the device has no network).
+# Stage "tests": every CUDA-only test, in parallel processes since Triton's compilation of FLA's kernels
+# is what costs (single-threaded per process; the device has 16 cores):
+#   exact-<family>  layer-0 exactness with FLA's kernels as shipped, one family per process, IEEE fp32
+#                   dots (TRITON_F32_DEFAULT=ieee; Triton fixes a dot's precision when it compiles);
+#   exact-ieee-solve-<family>  the same with FLA's TF32-fixed solve dots patched to IEEE (Gated
+#                   DeltaNet, KDA), which must happen before anything compiles: a process and cache each;
+#   exact-pytorch   all families with FLA left out (our PyTorch chunked forms on CUDA, no Triton);
+#   cuda-engine, fla-gated-delta, fla-kda  the other CUDA-only tests (engine on CUDA, FLA's kernels).
+# Then "profile": torch.profiler breakdown of the all-hit 16 x 1k request; then "bench": the Fig. 12
+# sweeps at Qwen3.5-35B-A3B's shapes, 3 timed runs per point. Time limits (s): tests 270, profile 150
+# (cold Triton cache: 120 was too short), bench 120; about 560 s in the worst case, so give the device
+# call a 600 s limit. Each stage or process has its own limit so a slow one cannot starve the rest.
+# Everything lands in $OUT: summary.log (exit codes and tails), machine.txt, bench_real_shapes.json,
+# profile_16x1k.txt/.json and results.tar.gz (all logs), refreshed after every stage.
+# Environment: TESTS_S, PROFILE_S, BENCH_S (limits); STAGES (default tests,profile,bench); LAYERS keeps
+# fewer of the model's 40 layers; REPEATS sets the timed runs per mode and shape.
 # A CPU dry run of the whole script: DEVICE=cpu PRESET=tiny-moe PROFILE_SHAPE=4x128 BENCH_ARGS=--quick.
 set -u
 OUT=${OUT:-/tmp/gpu_out}; RES=${RES:-/tmp/gpu_results}; SITE=${SITE:-/tmp/site}; mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH=$PWD:$PWD/datasets:$SITE  # the checkout first: its hypic, not an installed one
-DEVICE=${DEVICE:-cuda}; PRESET=${PRESET:-qwen3.5-35b-a3b}; LAYERS=${LAYERS:-40}; REPEATS=${REPEATS:-5}
+DEVICE=${DEVICE:-cuda}; PRESET=${PRESET:-qwen3.5-35b-a3b}; LAYERS=${LAYERS:-40}; REPEATS=${REPEATS:-3}
 PROFILE_SHAPE=${PROFILE_SHAPE:-16x1024}; BENCH_ARGS=${BENCH_ARGS:-}; STAGES=${STAGES:-tests,profile,bench}
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 
-pack() { cp -f "$RES"/machine.txt "$RES"/bench_real_shapes.json "$RES"/profile_*.txt "$OUT"/ 2>/dev/null
+pack() { cp -f "$RES"/machine.txt "$RES"/bench_real_shapes.json "$RES"/profile_* "$OUT"/ 2>/dev/null
          tar -czf "/tmp/results.$BASHPID.tgz" -C "$RES" . 2>/dev/null && mv -f "/tmp/results.$BASHPID.tgz" "$OUT/results.tar.gz"; }
 stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >"$RES/$name.log" 2>&1; local rc=$?
-  { echo "stage $name: rc $rc in $((SECONDS - t0)) s (limit $limit s)"; tail -n 6 "$RES/$name.log"; } | tee -a "$OUT/summary.log"
+  { echo "stage $name: rc $rc in $((SECONDS - t0)) s (limit $limit s)"; grep -v "Writing model shards" "$RES/$name.log" | tail -n 6; } | tee -a "$OUT/summary.log"
   pack; }
 
 timeout 30 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -33,24 +38,35 @@ timeout 30 python3 -m pip install -q --no-index --no-deps --no-compile --no-cach
   timeout 60 python3 -c "import sys, torch, triton, fla, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
   'cuda', torch.version.cuda, 'triton', triton.__version__, 'fla', fla.__version__, 'transformers', transformers.__version__)"
   timeout 60 python3 -c "import hypic; print('hypic from', hypic.__file__)"; git log -1 --format='commit %H %s' 2>/dev/null | cut -c1-120
+  echo "uncommitted: $(git status --porcelain 2>/dev/null | grep -v '^??' | wc -l) tracked files changed"  # the copy is the working tree
 } >"$RES/machine.txt" 2>&1
 cat "$RES/machine.txt" | tee -a "$OUT/summary.log"; pack
 
-# The two test stages run side by side (correctness only, tiny models), each with its own Triton cache:
-# the exact stage's kernels must be compiled with IEEE fp32 dots, never taken from a TF32 build.
 PYTEST="python3 -m pytest -q -rfEsp -p no:cacheprovider"
+EXACT=tests/hypic/test_cuda.py::test_layer0_composition_is_exact_in_fp32_on_cuda
+FAMILIES="qwen3_5_text-ratio2 kimi_linear hypic_gla minimax granitemoehybrid nemotron_h"  # test_cuda's GPU_KERNEL_FAMILIES
+TESTS_S=${TESTS_S:-270}
 if want tests; then
-  ( export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee
-    stage exact "${EXACT_S:-110}" $PYTEST -s tests/hypic/test_cuda.py -k exact_in_fp32 ) &
-  ( export TRITON_CACHE_DIR=/tmp/triton_tests
-    stage tests "${TESTS_S:-110}" $PYTEST tests/hypic/test_cuda.py tests/kernels -k "not exact_in_fp32" ) &
+  for family in $FAMILIES; do  # one family per process: each compiles its own FLA kernels
+    ( export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee
+      stage "exact-$family" "$TESTS_S" $PYTEST -s "$EXACT[$family]" ) &
+  done
+  for family in qwen3_5_text-ratio2 kimi_linear; do  # test_cuda's FLA_TF32_SOLVE
+    ( export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee_solve_$family HYPIC_FLA_IEEE_SOLVE=1
+      stage "exact-ieee-solve-$family" "$TESTS_S" $PYTEST -s "${EXACT}_with_fla_solve_in_ieee[$family]" ) &
+  done
+  ( stage exact-pytorch "$TESTS_S" $PYTEST -s "${EXACT}_in_pytorch" ) &
+  export TRITON_CACHE_DIR=/tmp/triton_tests
+  ( stage cuda-engine "$TESTS_S" $PYTEST tests/hypic/test_cuda.py -k "not exact_in_fp32" ) &
+  ( stage fla-gated-delta "$TESTS_S" $PYTEST tests/kernels/test_gated_delta.py -k "gpu" ) &
+  ( stage fla-kda "$TESTS_S" $PYTEST tests/kernels/test_kimi_delta.py -k "gpu" ) &
   wait; pack
 fi
 
 # Profile and sweeps share a Triton cache (and FLA's cached autotuning), so the second compiles little.
 export TRITON_CACHE_DIR=/tmp/triton_bench
 BENCH="python3 eval/bench_real_shapes.py --device $DEVICE --preset $PRESET --layers $LAYERS --dtype bfloat16"
-want profile && stage profile "${PROFILE_S:-120}" $BENCH --profile-only "$PROFILE_SHAPE" --profile "$RES"
-want bench && stage bench "${BENCH_S:-140}" $BENCH --repeats "$REPEATS" --no-progress --json "$RES/bench_real_shapes.json" $BENCH_ARGS
+want profile && stage profile "${PROFILE_S:-150}" $BENCH --profile-only "$PROFILE_SHAPE" --profile "$RES"
+want bench && stage bench "${BENCH_S:-120}" $BENCH --repeats "$REPEATS" --no-progress --json "$RES/bench_real_shapes.json" $BENCH_ARGS
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$RES/machine.txt" 2>&1; pack
 echo "done in $SECONDS s" | tee -a "$OUT/summary.log"
