@@ -207,7 +207,8 @@ class ModelConfig:
 
     @property
     def linear_conv_channels(self) -> int:
-        """Channels of a linear layer's short conv inputs: [q | k | v] (Gated DeltaNet's widths, which every family's share)."""
+        """Channels of a linear layer's short conv inputs: [q | k | v] (Gated DeltaNet's widths, which
+        every family's share)."""
         keys = self.linear_num_key_heads * self.linear_key_head_dim
         return 2 * keys + self.linear_num_value_heads * self.linear_value_head_dim
 

@@ -131,5 +131,5 @@ def _packed_sources(config: ModelConfig, qkvz: str, ba: str) -> dict[str, Source
     return out
 
 
-FAMILY = LinearFamily("gated_delta", GatedDeltaNet, KERNELS, Family.DENSE, qkvg_beta, "linear_attn", qwen_layout_sources,
-                      native=any_native_fields)
+FAMILY = LinearFamily("gated_delta", GatedDeltaNet, KERNELS, Family.DENSE, qkvg_beta, "linear_attn",
+                      qwen_layout_sources, native=any_native_fields)

@@ -14,8 +14,13 @@ from .naive import naive_diagonal_gla
 SHORT_RUN = 4
 CHUNK = 16  # the c x c x K decay factors grow with c
 
+
+def chunk_size_for(steps: int, device: torch.device) -> int:
+    return CHUNK
+
+
 KERNELS = RecurrenceKernels(
-    naive=naive_diagonal_gla, chunked=chunk_diagonal_gla, chunk_size=lambda steps, device: CHUNK,
+    naive=naive_diagonal_gla, chunked=chunk_diagonal_gla, chunk_size=chunk_size_for,
     scale=unit_scale, fla=("gla", "chunk_gla"), short_run=SHORT_RUN,
 )
 

@@ -70,6 +70,7 @@ def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return torch.einsum("bhk,bhkv->bhv", q * k.shape[-1] ** -0.5, state), state
 
 
-__all__ = ["KERNELS", "gated_delta_step", "gated_delta_rule", "gated_delta_rule_varlen", "gated_delta_rule_with_transition", "chunk_gated_delta_rule",
+__all__ = ["KERNELS", "gated_delta_step", "gated_delta_rule", "gated_delta_rule_varlen", "gated_delta_rule_with_transition",
+           "chunk_gated_delta_rule",
            "chunk_gated_delta_rule_heads_first", "chunk_gated_delta_rule_with_transition",
            "naive_gated_delta_rule", "naive_transition", "chunk_size_for"]

@@ -13,9 +13,14 @@ from .naive import naive_scalar_gla
 
 SHORT_RUN = 4
 
+
+def chunk_size_for(steps: int, device: torch.device) -> int:
+    """64 on CUDA (without FLA), 32 on CPU."""
+    return 64 if device.type == "cuda" else 32
+
+
 KERNELS = RecurrenceKernels(
-    naive=naive_scalar_gla, chunked=chunk_scalar_gla, chunk_size=lambda steps, device: 64 if device.type == "cuda" else 32,
-    scale=unit_scale, fla=("simple_gla", "chunk_simple_gla"), short_run=SHORT_RUN,
+    naive=naive_scalar_gla, chunked=chunk_scalar_gla, chunk_size=chunk_size_for, scale=unit_scale, fla=("simple_gla", "chunk_simple_gla"), short_run=SHORT_RUN,
 )
 
 
