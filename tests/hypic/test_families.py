@@ -1,6 +1,7 @@
 """Linear families as records: every registered family's dispatched kernels against its own token
 loop, its record against what its mixer does, and a family that lives in this module alone (its
 record, mixer and naive kernel) served by the engine against a plain sequential forward."""
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from hypic.cache.composition import Family, scalar_transition
 from hypic.checkpoints import NATIVE_VARIANTS, TINY_CONFIG, write_native_checkpoint
 from hypic.config import ModelConfig
 from hypic.errors import UnsupportedModel
+from hypic.kernels import dispatch
 from hypic.kernels.dispatch import RecurrenceKernels, run_recurrence, run_varlen, run_with_transition, unit_scale
 from hypic.models import HybridModel
 from hypic.models.arch import ARCHITECTURES, parse_config
@@ -112,6 +114,46 @@ def test_dense_transition_matches_the_token_loop(name: str) -> None:
     assert family.kernels.naive_transition is not None
     torch.testing.assert_close(run_with_transition(family.kernels, args, state)[2],
                                family.kernels.naive_transition(*args), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def fla_stand_in(naive: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+    """A kernel of FLA's signature (a batch axis of 1, runs bounded by cu_seqlens, states [N, H, K, V])
+    doing ``naive``'s work: the FLA path's plumbing can be checked without a GPU."""
+
+    def chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *rest: torch.Tensor, scale: float,
+              initial_state: torch.Tensor | None, output_final_state: bool,
+              cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None) -> tuple[Any, ...]:
+        assert q.shape[0] == 1 and g.dtype == torch.float32 and output_final_state
+        ends = [0, q.shape[1]] if cu_seqlens_cpu is None else cu_seqlens_cpu.tolist()
+        outputs, finals = [], []
+        for run, (lo, hi) in enumerate(itertools.pairwise(ends)):
+            start = None if initial_state is None else initial_state[run]
+            o, final = naive(*(x[0, lo:hi] for x in (q, k, v, g, *rest)), start, scale)
+            outputs.append(o)
+            finals.append(final)
+        return torch.cat(outputs)[None], torch.stack(finals)
+
+    return chunk
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_fla_path_passes_what_the_token_loop_takes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a stand-in of FLA's kernel: one run from a carried state, its dense transition from I
+    under zero values, and varlen runs where the record says the kernel takes them."""
+    family, config = FAMILIES[name], CONFIGS[name]
+    monkeypatch.setattr(dispatch, "_fla", lambda kernels, q: fla_stand_in(kernels.naive) if kernels.fla else None)
+    _, inputs = recurrence_inputs(config, 23)
+    args, states = family.kernel_args(inputs), 0.1 * torch.randn(2, *family.state_shape(config))
+    scale = family.kernels.scale(args[1].shape[-1])
+    expected = family.kernels.naive(*args, states[0], scale)
+    for a, b in zip(run_recurrence(family.kernels, args, states[0]), expected):
+        torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=TOLERANCE)
+    if family.kernels.naive_transition is not None:
+        torch.testing.assert_close(run_with_transition(family.kernels, args, states[0])[2],
+                                   family.kernels.naive_transition(*args), atol=TOLERANCE, rtol=TOLERANCE)
+    _, finals = run_varlen(family.kernels, args, [9, 14], states)
+    torch.testing.assert_close(finals[1], family.kernels.naive(*(x[9:] for x in args), states[1], scale)[1],
+                               atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def test_families_without_a_varlen_kernel_say_so_and_are_refused_together() -> None:
