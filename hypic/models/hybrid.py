@@ -11,6 +11,7 @@ from .mlp import MLP, ExpertOptions, SparseMoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
+
 def full_attention(config: ModelConfig, index: int) -> GatedAttention | LatentAttention:
     """The attention mixer: latent attention (Kimi-Linear) or q/k/v projections (the others, full or sliding-window)."""
     return GatedAttention(config, index) if config.latent_attention is None else LatentAttention(config)

@@ -1,5 +1,6 @@
 """Gated linear attention with a gate per key channel (S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T):
-one interface, the fastest correct path for the device.
+its kernels (``KERNELS``) and one interface, the fastest correct path for the device
+(``hypic.kernels.dispatch``).
 
 FLA's ``chunk_gla`` on CUDA when installed, else the PyTorch chunked form; runs shorter than
 ``SHORT_RUN`` tokens (decode) take the token loop. A run's transition is closed-form: a vector per

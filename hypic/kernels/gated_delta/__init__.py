@@ -1,4 +1,5 @@
-"""Gated delta rule: one interface, the fastest correct path for the device.
+"""Gated delta rule: its kernels (``KERNELS``) and one interface, the fastest correct path for the
+device as ``hypic.kernels.dispatch`` picks it.
 
 Runs of at least ``SHORT_RUN`` tokens: FLA's chunked Triton kernel on CUDA when installed,
 else the PyTorch chunked form (on CPU with chunks of at most 32 tokens, fitted to short runs:

@@ -1,5 +1,5 @@
-"""Kimi Delta Attention (the gated delta rule with a decay per key channel):
-one interface, the fastest correct path for the device.
+"""Kimi Delta Attention (the gated delta rule with a decay per key channel): its kernels
+(``KERNELS``) and one interface, the fastest correct path for the device (``hypic.kernels.dispatch``).
 
 Runs of at least ``SHORT_RUN`` tokens: FLA's ``chunk_kda`` on CUDA when installed, else the
 PyTorch chunked form. Shorter runs (decode): the token loop on every device. A run's transition

@@ -1,5 +1,5 @@
-"""Linear attention with a scalar gate per head (S_t = exp(g_t) S_{t-1} + k_t v_t^T): one
-interface, the fastest correct path for the device.
+"""Linear attention with a scalar gate per head (S_t = exp(g_t) S_{t-1} + k_t v_t^T): its kernels
+(``KERNELS``) and one interface, the fastest correct path for the device (``hypic.kernels.dispatch``).
 
 FLA's ``chunk_simple_gla`` on CUDA when installed, else the PyTorch chunked form; runs shorter than
 ``SHORT_RUN`` tokens (decode) take the token loop. A run's transition is closed-form: the product
