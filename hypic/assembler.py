@@ -122,12 +122,12 @@ def _linear_layer(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, 
                   rows: list[tuple[int, int]], index: int, snapshots: list[dict[int, dict]],
                   ) -> tuple[torch.Tensor, list[LinearLayerState]]:
     """Token-wise projections and output of every work's tokens at once; the conv and the recurrence
-    per work (``_linear_runs``), except on CUDA, where the runs of every work that captures no
-    segment interior go together in varlen calls (``recurrences_together``)."""
+    per work (``_linear_runs``), except on CUDA for a family with a varlen kernel, where the runs of
+    every work that captures no segment interior go together in varlen calls (``recurrences_together``)."""
     proj = mixer.project(h, positions)
     projs = [token_rows(proj, lo, hi) for lo, hi in rows]
     together = [i for i, work in enumerate(works) if work.capture is None] \
-        if mixer.batched_runs and runs_batched(h.device) else []
+        if mixer.family.apart_because is None and runs_batched(h.device) else []
     outputs: list[Any] = [None] * len(works)
     states: list[Any] = [None] * len(works)
     if together:

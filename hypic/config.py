@@ -5,9 +5,6 @@ from typing import Any
 
 from .errors import UnsupportedModel
 
-LINEAR_FAMILIES = ("gated_delta", "lightning", "mamba2", "gla", "scalar_rope", "kda")
-SCALAR_FAMILIES = ("lightning", "mamba2", "scalar_rope")  # T_C is one number per head
-NATIVE_FAMILIES = ("gated_delta", "gla", "scalar_rope")  # what a hypic_hybrid config may name
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -148,7 +145,7 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
-    linear_family: str = "gated_delta"  # the linear layers' token mixer: one of LINEAR_FAMILIES
+    linear_family: str = "gated_delta"  # the linear layers' family: a name in hypic.models.families
     attention_output_gate: bool = True  # Qwen's sigmoid gate on the attention output (and q/k RMSNorm)
     rms_norm_unit_offset: bool = True  # Qwen's zero-centred norms (1 + w); False: plain w
     norm_weight_in_fp32: bool = False  # plain norms multiply w before casting back (Nemotron-H), not after
@@ -210,7 +207,8 @@ class ModelConfig:
 
     @property
     def linear_conv_channels(self) -> int:
-        """Channels of a Gated DeltaNet layer's short conv: [q | k | v]."""
+        """Channels of a linear layer's short conv inputs: [q | k | v] (Gated DeltaNet's widths, which
+        every family's share)."""
         keys = self.linear_num_key_heads * self.linear_key_head_dim
         return 2 * keys + self.linear_num_value_heads * self.linear_value_head_dim
 
@@ -218,14 +216,6 @@ class ModelConfig:
     def linear_value_ratio(self) -> int:
         """Value heads per key head in the linear layers (GQA of Gated DeltaNet)."""
         return self.linear_num_value_heads // self.linear_num_key_heads
-
-    @property
-    def linear_transition_shape(self) -> tuple[int, ...]:
-        """Shape of a cached T_C per linear layer: dense [Hv, K, K] (Gated DeltaNet), scalar [Hv] (Lightning)."""
-        heads, dk = self.linear_num_value_heads, self.linear_key_head_dim
-        if self.linear_family == "gla":
-            return (heads, dk)
-        return (heads,) if self.linear_family in SCALAR_FAMILIES else (heads, dk, dk)  # dense: GDN and KDA
 
     def is_moe_layer(self, index: int) -> bool:
         """Qwen3-Next's rule: MoE unless listed as MLP-only or off the sparse step (Nemotron-H: its block kind)."""

@@ -17,6 +17,7 @@ from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
+from .models.families import family_of
 from .cache.modes import Mode, ModePolicy, mode_policy, tree_namespace
 from .prefill_stats import BuiltForRequest, PrefillStats
 from .cache.plan import RequestPlan, plan_request
@@ -256,8 +257,9 @@ class Engine:
         config, length = self.model.config, interior[1] - interior[0]
         model_size, state_size = self.model.dtype.itemsize, self.state_cache_dtype.itemsize
         attention = sum(min(length, config.window(i) or length) * config.kv_elements(i) for i in config.attention_layers())
-        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-        transition = math.prod(config.linear_transition_shape) if policy.transitions else 0
+        family = family_of(config)
+        state = family.state_elements(config)
+        transition = math.prod(family.transition_shape(config)) if policy.transitions else 0
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels
         return attention * model_size + len(config.linear_layers()) * ((state + transition) * state_size + conv * model_size)
 
@@ -317,7 +319,7 @@ class Engine:
                 kv += (samples * (tokens - shared_tokens) + shared_tokens) * config.kv_elements(index) * size
             else:
                 rings += window * config.kv_elements(index) * size
-        recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        recurrent = family_of(config).state_nbytes(config)
         conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
         linear = (recurrent + conv) * len(config.linear_layers())
         return kv + samples * (rings + linear)

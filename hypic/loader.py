@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +16,9 @@ from .config import ModelConfig
 from .errors import CheckpointError, UnsupportedModel
 from .models import HybridModel
 from .models.arch import architecture, parse_config
+from .models.families import FAMILIES, family_of
 from .safetensors_reader import DTYPES, TensorReader
+from .tensor_sources import Deinterleaved, Direct, ExpertStack, RowHalf, Source
 
 log = logging.getLogger(__name__)
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "backbone.")  # backbone: Nemotron-H
@@ -25,6 +26,7 @@ IGNORED = re.compile(r"^(model\.visual\.|visual\.|mtp\.|model\.mtp\.)"
                      r"|\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$")  # MiniMax's derived buffers
 FINGERPRINT_SAMPLE = 1 << 20  # bytes read at each end of a weight file
 LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+GROUPS = ("self_attn", "mlp", "shared_mlp")  # a layer's tensor groups besides the linear families' own
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -82,130 +84,6 @@ def resolve_dtype(name: str, path: Path, device: str) -> torch.dtype:
     return stored
 
 
-# ----- where each parameter comes from -------------------------------------------------------
-@dataclass(frozen=True)
-class Direct:
-    """The parameter is one checkpoint tensor (reshaped: conv1d weights drop their channel axis;
-    ``transposed``: a stack of matrices stored as x @ W, [E, I, H] as gpt-oss's down projections,
-    ours [E, H, I])."""
-
-    key: str
-    transposed: bool = False
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return (self.key,)
-
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        tensor = reader.read(self.key)
-        _copy(name, param, _reshaped(tensor.transpose(1, 2) if self.transposed else tensor, param))
-
-
-@dataclass(frozen=True)
-class Concatenated:
-    """Tensors laid end to end along their rows: Kimi-Linear's q, k and v convs form our one conv."""
-
-    parts: tuple[str, ...]
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return self.parts
-
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        _copy(name, param, _reshaped(torch.cat([reader.read(k) for k in self.parts]), param))
-
-
-@dataclass(frozen=True)
-class RowHalf:
-    """One half (``first`` or not) of a tensor's rows: Granite's shared MLP packs [gate | up] in one."""
-
-    key: str
-    first: bool
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return (self.key,)
-
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        gate, up = reader.read(self.key).chunk(2, dim=0)
-        _copy(name, param, gate if self.first else up)
-
-
-@dataclass(frozen=True)
-class PackedPart:
-    """Qwen3-Next packs q, k, v, z (and b, a) per key-head group; ``part`` of that, in conv order."""
-
-    key: str
-    part: str  # qkv | z | b | a
-    groups: int
-    sizes: tuple[int, ...]  # split of one group's rows
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return (self.key,)
-
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        tensor = reader.read(self.key)
-        try:
-            pieces = tensor.view(self.groups, -1, tensor.shape[-1]).split(self.sizes, dim=1)
-        except RuntimeError:
-            raise CheckpointError(f"tensor {self.key} has shape {tuple(tensor.shape)}, which the config cannot "
-                                  "split into its heads") from None
-        flat = [p.reshape(-1, tensor.shape[-1]) for p in pieces]
-        chosen = {"qkv": flat[:3], "z": flat[3:4], "b": flat[:1], "a": flat[1:2]}[self.part]
-        _copy(name, param, torch.cat(chosen))
-
-
-@dataclass(frozen=True)
-class ExpertStack:
-    """Per-expert tensors stacked into [E, ...]; each expert row may concatenate several (gate | up)."""
-
-    experts: tuple[tuple[str, ...], ...]
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(k for keys in self.experts for k in keys)
-
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        if len(self.experts) != param.shape[0]:
-            raise CheckpointError(f"{name} has {len(self.experts)} experts, the config expects {param.shape[0]}")
-        for expert, keys in enumerate(self.experts):
-            _copy(f"{name}[{expert}]", param[expert], torch.cat([reader.read(k) for k in keys]))
-
-
-@dataclass(frozen=True)
-class Deinterleaved:
-    """gpt-oss's fused experts: gate and up in alternating columns of [E, H, 2I] (weights, ``transposed``
-    into our [E, 2I, H]) or [E, 2I] (biases); ours hold [gate | up] rows."""
-
-    key: str
-    transposed: bool
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return (self.key,)
-
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        tensor = reader.read(self.key)
-        tensor = tensor.transpose(1, 2) if self.transposed else tensor
-        _copy(name, param, torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1))
-
-
-Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack | Deinterleaved
-
-
-def _reshaped(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() == 3 and param.dim() == 2 and tensor.shape[1] == 1:  # conv1d [C, 1, k] -> [C, k]
-        return tensor[:, 0]
-    return tensor
-
-
-def _copy(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, the config expects {tuple(param.shape)}")
-    param.copy_(tensor)
-
-
 def _strip_prefix(key: str) -> str:
     for prefix in TEXT_PREFIXES:
         if key.startswith(prefix):
@@ -213,28 +91,10 @@ def _strip_prefix(key: str) -> str:
     return key
 
 
-def _linear_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dict[str, Source]:
-    """Sources of one Gated DeltaNet layer; ``keys``: short name within the layer -> checkpoint key."""
-    out: dict[str, Source] = {name: Direct(key) for name, key in keys.items()
-                              if not name.startswith(("in_proj_qkvz", "in_proj_ba", "conv1d"))}
-    if "in_proj_qkvz.weight" in keys and "in_proj_ba.weight" in keys:
-        ratio, dk, dv = config.linear_value_ratio, config.linear_key_head_dim, config.linear_value_head_dim
-        groups = config.linear_num_key_heads
-        for part in ("qkv", "z"):
-            out[f"in_proj_{part}.weight"] = PackedPart(keys["in_proj_qkvz.weight"], part, groups,
-                                                       (dk, dk, ratio * dv, ratio * dv))
-        for part in ("b", "a"):
-            out[f"in_proj_{part}.weight"] = PackedPart(keys["in_proj_ba.weight"], part, groups, (ratio, ratio))
-    if "conv1d.weight" in keys:
-        out["conv_weight"] = Direct(keys["conv1d.weight"])
-    return {f"{prefix}mixer.{name}": source for name, source in out.items()}
-
-
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen's; Mixtral's and MiniMax's
 RENAMED_MLP = {"gate.weight": "router.weight", "router.layer.weight": "router.weight",  # Granite: fused experts
                "input_linear.weight": "gate_up_proj", "output_linear.weight": "down_proj",
                "gate.e_score_correction_bias": "router_bias"}  # Kimi-Linear (DeepSeek-V3's router)
-RENAMED_MAMBA = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "norm.weight": "norm_weight"}
 
 
 def _mlp_name(name: str) -> str:
@@ -291,29 +151,13 @@ def _shared_mlp_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) 
             target + "down_proj.weight": Direct(keys["output_linear.weight"])}
 
 
-KDA_CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
-
-
-def _kda_sources(prefix: str, keys: dict[str, str]) -> dict[str, Source]:
-    """A Kimi Delta Attention layer: its three convs (q, k, v) are our one conv over [q | k | v]."""
-    out: dict[str, Source] = {f"{prefix}mixer.{n}": Direct(k) for n, k in keys.items() if n not in KDA_CONVS}
-    if all(name in keys for name in KDA_CONVS):
-        out[f"{prefix}mixer.conv_weight"] = Concatenated(tuple(keys[name] for name in KDA_CONVS))
-    return out
-
-
 def _mixer_sources(config: ModelConfig, index: int, prefix: str, groups: dict[str, dict[str, str]]) -> dict[str, Source]:
     """The token mixer's parameters: by the layer's kind and the model's linear family."""
     if config.layer_types[index] != "linear_attention":  # MiMo-V2-Flash's original name of the sinks
         return {f"{prefix}mixer.{'sinks' if n == 'attention_sink_bias' else n}": Direct(k)
                 for n, k in groups.get("self_attn", {}).items()}
-    if config.linear_family == "kda":
-        return _kda_sources(prefix, groups.get("self_attn", {}))
-    if config.linear_family == "lightning":
-        return {f"{prefix}mixer.{n}": Direct(k) for n, k in groups.get("self_attn", {}).items()}
-    if config.linear_family == "mamba2":
-        return {f"{prefix}mixer.{RENAMED_MAMBA.get(n, n)}": Direct(k) for n, k in groups.get("mamba", {}).items()}
-    return _linear_sources(config, prefix, groups.get("linear_attn", {}))
+    family = family_of(config)
+    return family.checkpoint(config, prefix, groups.get(family.checkpoint_group, {}))
 
 
 def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[dict[str, Source], list[str]]:
@@ -321,6 +165,7 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
     per_layer: dict[int, dict[str, dict[str, str]]] = {}
     sources: dict[str, Source] = {}
     arch = architecture(config.model_type)
+    checkpoint_groups = {family.checkpoint_group for family in FAMILIES.values()}
     for key in checkpoint_keys:
         if IGNORED.match(key):
             continue
@@ -331,7 +176,7 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
             continue
         head, _, rest = match.group(2).partition(".")
         head = "mlp" if head == "block_sparse_moe" else head  # Mixtral-style MoE names (MiniMax)
-        group = head if head in ("linear_attn", "self_attn", "mamba", "mlp", "shared_mlp") else ""
+        group = head if head in GROUPS or head in checkpoint_groups else ""
         per_layer.setdefault(int(match.group(1)), {}).setdefault(group, {})[rest if group else match.group(2)] = key
     for index, groups in per_layer.items():
         prefix = f"layers.{index}."

@@ -1,5 +1,5 @@
 """A linear layer's runs in a combine pass: their conv windows, and on CUDA the recurrence of every
-run of every request in the batch in one varlen call (issue 28, batched prefill).
+run of every request in the batch in one varlen call.
 
 Per-run kernel calls are host-bound on a GPU (0.75 ms of Python and launches each against ~40 us of
 GPU work, H100), and a batch of requests multiplies them. So each request's runs are cut at its
@@ -7,7 +7,16 @@ snapshot positions into parts; the state entering every part but a request's fir
 chaining S <- T_r S + S_r|0 across parts (the maps of all requests' non-final parts from one
 varlen call) and S <- T_C S + S_C|0 across splices; then one varlen call runs every part of every
 request from its entering state.
+
+Which families run together: those whose kernels take varlen runs and whose transitions are dense
+(``LinearFamily.apart_because`` is None: Gated DeltaNet). The others (KDA, GLA, Lightning, Mamba2,
+scalar_rope: FLA's kernels take cu_seqlens, but no record of theirs declares it yet; and the
+scalar and diagonal maps would chain as ``Transition.apply``, not as a matmul) run one kernel call
+per run (``assembler._linear_runs``), with the same results. The outputs here are the kernel's
+own: a family whose recurrence adds to them (Mamba2's skip) must add that here before it declares
+a varlen kernel.
 """
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,9 +26,8 @@ import torch
 from .cache.composition import compose_states, naive_addition
 from .cache.segments import Piece, Run, Splice
 from .cache.store import LinearInterior, SegmentEntry
-from .kernels.gated_delta import gated_delta_rule_varlen
-from .models.gated_deltanet import RecurrenceInputs
-from .models.linear import LinearMixer, last_rows
+from .kernels.dispatch import run_varlen
+from .models.linear import LinearFamily, LinearMixer, last_rows
 from .state import LinearLayerState, RequestState
 
 
@@ -75,7 +83,7 @@ class RunsOfPass:
     end to end, each run's conv window, and each run's cuts (offsets in the run: 0, the snapshot
     positions inside it, its length), which split it into parts."""
 
-    inputs: RecurrenceInputs
+    inputs: Any  # the mixer's recurrence inputs (a dataclass of [N, ...] tensors with .k and .v)
     windows: list[torch.Tensor]
     bounds: list[list[int]]
 
@@ -96,39 +104,46 @@ def prepare_runs(mixer: LinearMixer, proj: Any, work: PassOfRuns, index: int, sn
     return RunsOfPass(mixer.recurrence_inputs(post_conv, proj), windows, bounds)
 
 
-def concat_inputs(inputs: list[RecurrenceInputs]) -> RecurrenceInputs:
+def concat_inputs(inputs: list[Any]) -> Any:
     """Recurrence inputs laid end to end."""
     if len(inputs) == 1:
         return inputs[0]
-    return RecurrenceInputs(*(torch.cat([getattr(x, name) for x in inputs]) for name in ("q", "k", "v", "g", "beta")))
+    names = [field.name for field in dataclasses.fields(inputs[0])]
+    return type(inputs[0])(**{name: torch.cat([getattr(x, name) for x in inputs]) for name in names})
 
 
-def run_maps(inputs: RecurrenceInputs, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def family_varlen(family: LinearFamily, inputs: Any, lengths: list[int],
+                  initial_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``family``'s kernels over runs laid end to end, run r from ``initial_states[r]``."""
+    if family.apart_because is not None:
+        raise ValueError(f"cannot run a layer's runs together: {family.apart_because}")
+    return run_varlen(family.kernels, family.kernel_args(inputs), lengths, initial_states)
+
+
+def run_maps(family: LinearFamily, inputs: Any, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each run's affine map S -> T_r S + S_r|0: S_r|0 [R, H, K, V] and T_r [R, H, K, K]. One varlen
     call runs every run twice (from zero with its values; from I with zero values) when K = V."""
     runs, heads, dim = len(lengths), inputs.k.shape[1], inputs.k.shape[2]
     zeros = inputs.v.new_zeros(runs, heads, dim, inputs.v.shape[2])
     eye = torch.eye(dim, device=inputs.k.device).expand(runs, heads, dim, dim)
+    unwritten = dataclasses.replace(inputs, v=torch.zeros_like(inputs.k))  # from I: the state is T_r
     if inputs.v.shape[2] == dim:
-        twice = lambda x, y: torch.cat([x, y])  # noqa: E731
-        _, finals = gated_delta_rule_varlen(twice(inputs.q, inputs.q), twice(inputs.k, inputs.k),
-                                            twice(inputs.v, torch.zeros_like(inputs.v)), twice(inputs.g, inputs.g),
-                                            twice(inputs.beta, inputs.beta), lengths * 2, torch.cat([zeros, eye]))
+        _, finals = family_varlen(family, concat_inputs([inputs, unwritten]), lengths * 2, torch.cat([zeros, eye]))
         return finals[:runs], finals[runs:]
-    _, zero_states = gated_delta_rule_varlen(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, lengths, zeros)
-    _, transitions = gated_delta_rule_varlen(inputs.q, inputs.k, torch.zeros_like(inputs.k), inputs.g, inputs.beta,
-                                             lengths, eye)
+    _, zero_states = family_varlen(family, inputs, lengths, zeros)
+    _, transitions = family_varlen(family, unwritten, lengths, eye)
     return zero_states, transitions
 
 
-def _chain_maps(prepared: list[RunsOfPass]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+def _chain_maps(family: LinearFamily,
+                prepared: list[RunsOfPass]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per request, the maps (``run_maps``) of every part but its last, all from one varlen call
     (None for a request of one part: nothing follows a part of its own)."""
     heads = [runs.lengths[:-1] for runs in prepared]
     if not any(heads):
         return [None] * len(prepared)
     inputs = concat_inputs([runs.inputs.slice(0, sum(lengths)) for runs, lengths in zip(prepared, heads)])
-    zero_states, transitions = run_maps(inputs, [n for lengths in heads for n in lengths])
+    zero_states, transitions = run_maps(family, inputs, [n for lengths in heads for n in lengths])
     splits = [len(lengths) for lengths in heads]
     return [(z, t) if len(z) else None for z, t in zip(zero_states.split(splits), transitions.split(splits))]
 
@@ -168,11 +183,12 @@ def recurrences_together(mixer: LinearMixer, projs: list[Any], works: list[PassO
     varlen calls: the non-final parts' maps, then every part from its entering state. Returns the
     outputs [N, Hv, V] of all works' tokens in order and each work's final state; records snapshots."""
     prepared = [prepare_runs(mixer, proj, work, index, taken) for proj, work, taken in zip(projs, works, snapshots)]
-    entering = [state.float() for work, runs, maps, taken in zip(works, prepared, _chain_maps(prepared), snapshots)
-                for state in _entering_states(mixer, work, index, runs, maps, taken)]
+    maps = _chain_maps(mixer.family, prepared)
+    entering = [state.float() for work, runs, chained, taken in zip(works, prepared, maps, snapshots)
+                for state in _entering_states(mixer, work, index, runs, chained, taken)]
     inputs = concat_inputs([runs.inputs for runs in prepared])
-    outputs, finals = gated_delta_rule_varlen(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta,
-                                              [n for runs in prepared for n in runs.lengths], torch.stack(entering))
+    outputs, finals = family_varlen(mixer.family, inputs, [n for runs in prepared for n in runs.lengths],
+                                    torch.stack(entering))
     states = []
     for work, runs, last, taken in zip(works, prepared, itertools.accumulate(len(r.lengths) for r in prepared), snapshots):
         conv, end = last_rows(runs.windows[-1], mixer.kernel - 1), work.pieces[-1].start + work.pieces[-1].length

@@ -149,10 +149,6 @@ class AttentionLayerState:
         """Bytes of the own buffers at their capacity (shared blocks are their holders' to count)."""
         return tensor_bytes(self._keys, self._values)
 
-    @property
-    def shared_nbytes(self) -> int:
-        return sum(tensor_bytes(*block) for block in self.shared)
-
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.keys, self.values
 
@@ -282,15 +278,16 @@ class RequestState:
     @classmethod
     def empty(cls, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> "RequestState":
         """The zero state before any token."""
-        channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
-        channels += config.linear_num_value_heads * config.linear_value_head_dim
+        from .models.families import family_of  # the families import the mixers, which import this module
+
+        family = family_of(config)
         layers: list[LayerState] = []
         for kind in config.layer_types:
             if kind == "linear_attention":
-                recurrent = torch.zeros(config.linear_num_value_heads, config.linear_key_head_dim,
-                                        config.linear_value_head_dim, device=device)
-                layers.append(LinearLayerState(recurrent, torch.zeros(config.linear_conv_kernel_dim - 1, channels,
-                                                                      device=device, dtype=dtype)))
+                recurrent = torch.zeros(family.state_shape(config), dtype=family.state_dtype, device=device)
+                conv = torch.zeros(config.linear_conv_kernel_dim - 1, config.linear_conv_channels, device=device,
+                                   dtype=dtype)
+                layers.append(LinearLayerState(recurrent, conv))
             else:
                 index = len(layers)
                 keys = torch.zeros(config.kv_heads(index), 0, config.head_dim, device=device, dtype=dtype)

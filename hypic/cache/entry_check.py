@@ -2,6 +2,7 @@
 a disk file, a shared store) before anything splices it."""
 from ..config import ModelConfig
 from ..errors import HypicError
+from ..models.families import family_of
 from .store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
 
 
@@ -32,10 +33,10 @@ def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
         heads, window = config.kv_heads(index), config.window(index)
         kept = length if window is None else min(length, window)
         return ("attention", (heads, kept, config.head_dim), (heads, kept, config.attention_value_dim))
-    heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    transition = None if role is Role.NAIVE_SEGMENT else config.linear_transition_shape
+    family = family_of(config)
+    transition = None if role is Role.NAIVE_SEGMENT else family.transition_shape(config)
     conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)
-    return ("linear", transition, (heads, dk, dv), conv_tail)
+    return ("linear", transition, family.state_shape(config), conv_tail)
 
 
 def _layer_shapes(layer: object) -> tuple:

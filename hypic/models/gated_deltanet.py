@@ -7,8 +7,10 @@ from torch import nn
 
 from ..cache.composition import Family, Transition
 from ..config import ModelConfig
-from ..kernels.gated_delta import gated_delta_rule, gated_delta_rule_with_transition, gated_delta_step
-from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts
+from ..kernels.gated_delta import KERNELS, gated_delta_rule, gated_delta_rule_with_transition, gated_delta_step
+from ..tensor_sources import Direct, PackedPart, Source
+from .linear import (LinearFamily, RunRecurrence, any_native_fields, causal_conv, causal_conv_step,
+                     qkvg_beta, recur_in_parts)
 from .norm import GatedRMSNorm
 
 
@@ -46,11 +48,9 @@ class GatedDeltaNet(nn.Module):
     """Canonical layout: ``in_proj_qkv`` -> [q | k | v] channels (the conv's order), z, b, a.
     A ``linear.LinearMixer`` with dense transitions T = prod exp(g_t)(I - b_t k_t k_t^T)."""
 
-    family = Family.DENSE
     rotates_state = False
-    batched_runs = True
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.key_heads, self.value_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
@@ -66,20 +66,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_heads * self.value_dim, config.hidden_size, bias=False)
 
-    @property
-    def channels(self) -> int:
-        return self.conv_weight.shape[0]
-
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> TokenProjections:
         """Token-wise projections of x [N, hidden]; the same for any grouping of tokens into runs."""
         n = x.shape[0]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         return TokenProjections(self.in_proj_qkv(x), self.in_proj_z(x).view(n, self.value_heads, self.value_dim), g,
                                 torch.sigmoid(self.in_proj_b(x)).float())
-
-    def conv_window(self, conv_state: torch.Tensor, pre_conv: torch.Tensor) -> torch.Tensor:
-        """[k-1 + n, C]: the previous k-1 conv inputs, then the run's; row j is token j - (k-1)."""
-        return torch.cat([conv_state.to(pre_conv.dtype), pre_conv])
 
     def convolve(self, window: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU over a conv window [k-1 + n, C] -> post-conv [n, C]."""
@@ -115,3 +107,29 @@ class GatedDeltaNet(nn.Module):
     def output(self, o: torch.Tensor, proj: TokenProjections, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm and output projection: o [N, Hv, V] -> [N, hidden]."""
         return self.out_proj(self.norm(o.to(dtype), proj.z).reshape(o.shape[0], -1))
+
+
+def qwen_layout_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """A linear layer in Qwen's names (``keys``: short name in the layer's linear_attn -> checkpoint
+    key): ours, or Qwen3-Next's packed in_proj_qkvz / in_proj_ba (per key-head group) and its conv1d."""
+    out: dict[str, Source] = {name: Direct(key) for name, key in keys.items()
+                              if not name.startswith(("in_proj_qkvz", "in_proj_ba", "conv1d"))}
+    if "in_proj_qkvz.weight" in keys and "in_proj_ba.weight" in keys:
+        out.update(_packed_sources(config, keys["in_proj_qkvz.weight"], keys["in_proj_ba.weight"]))
+    if "conv1d.weight" in keys:
+        out["conv_weight"] = Direct(keys["conv1d.weight"])
+    return {f"{prefix}mixer.{name}": source for name, source in out.items()}
+
+
+def _packed_sources(config: ModelConfig, qkvz: str, ba: str) -> dict[str, Source]:
+    """Qwen3-Next's projections packed per key-head group: [q | k | v | z] and [b | a]."""
+    ratio, dk, dv = config.linear_value_ratio, config.linear_key_head_dim, config.linear_value_head_dim
+    groups = config.linear_num_key_heads
+    out: dict[str, Source] = {f"in_proj_{part}.weight": PackedPart(qkvz, part, groups, (dk, dk, ratio * dv, ratio * dv))
+                              for part in ("qkv", "z")}
+    out.update({f"in_proj_{part}.weight": PackedPart(ba, part, groups, (ratio, ratio)) for part in ("b", "a")})
+    return out
+
+
+FAMILY = LinearFamily("gated_delta", GatedDeltaNet, KERNELS, Family.DENSE, qkvg_beta, "linear_attn",
+                      qwen_layout_sources, native=any_native_fields)

@@ -1,4 +1,4 @@
-"""Gated linear attention with a gate per key channel (GLA): the diagonal family of the paper.
+"""Gated linear attention with a gate per key channel (GLA): the diagonal family.
 
 S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = K^-1/2 q_t^T S_t, with q, k, v out of a short causal
 conv + SiLU (as in Gated DeltaNet), g_t = logsigmoid(W_g x_t) / 16 per key channel (GLA's
@@ -7,6 +7,7 @@ head, exp(sum_t g_t): composing costs a per-row scale and an add. A model type o
 (``hypic_hybrid`` with ``linear_family: gla``); no published checkpoint uses exactly this layer.
 """
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +15,10 @@ from torch import nn
 
 from ..cache.composition import Family, Transition, diagonal_transition
 from ..config import ModelConfig
-from ..kernels.diagonal_gla import diagonal_gla, diagonal_gla_step
-from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts
+from ..errors import UnsupportedModel
+from ..kernels.diagonal_gla import KERNELS, diagonal_gla, diagonal_gla_step
+from .gated_deltanet import qwen_layout_sources
+from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg, recur_in_parts
 from .norm import GatedRMSNorm
 
 GATE_NORMALIZER = 16.0
@@ -42,9 +45,7 @@ class GLAInputs:
 class GatedLinearAttention(nn.Module):
     """A ``linear.LinearMixer`` with diagonal transitions (one head of keys per head of values)."""
 
-    family = Family.DIAGONAL
     rotates_state = False
-    batched_runs = False
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
@@ -89,3 +90,13 @@ class GatedLinearAttention(nn.Module):
 
     def output(self, o: torch.Tensor, proj: GLAProjections, dtype: torch.dtype) -> torch.Tensor:
         return self.out_proj(self.norm(o.to(dtype), proj.z).reshape(o.shape[0], -1))
+
+
+def check_native(text: dict[str, Any]) -> None:
+    """A ``hypic_hybrid`` GLA model has one key head per value head."""
+    if text["linear_num_key_heads"] != text["linear_num_value_heads"]:
+        raise UnsupportedModel("hypic_hybrid with gla needs linear_num_key_heads == linear_num_value_heads")
+
+
+FAMILY = LinearFamily("gla", GatedLinearAttention, KERNELS, Family.DIAGONAL, qkvg, "linear_attn", qwen_layout_sources,
+                      native=check_native)

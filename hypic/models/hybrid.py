@@ -4,26 +4,12 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import GatedAttention
-from .gated_deltanet import GatedDeltaNet
-from .lightning import LightningAttention
-from .gla import GatedLinearAttention
-from .kimi_delta import KimiDeltaAttention
+from .families import family_of
 from .latent_attention import LatentAttention
 from .linear import LinearMixer
-from .mamba2 import Mamba2Mixer
-from .rotary_linear import RotaryLinearAttention
 from .mlp import MLP, ExpertOptions, SparseMoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
-
-LINEAR_MIXERS = {  # config.linear_family -> (config, layer index) -> token mixer
-    "gated_delta": lambda config, index: GatedDeltaNet(config),
-    "lightning": LightningAttention,
-    "mamba2": Mamba2Mixer,
-    "gla": GatedLinearAttention,
-    "scalar_rope": RotaryLinearAttention,
-    "kda": KimiDeltaAttention,
-}
 
 
 def full_attention(config: ModelConfig, index: int) -> GatedAttention | LatentAttention:
@@ -57,7 +43,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_linear = config.layer_types[index] == "linear_attention"
         self.mixer: LinearMixer | GatedAttention | LatentAttention = (
-            LINEAR_MIXERS[config.linear_family](config, index) if self.is_linear else full_attention(config, index))
+            family_of(config).build(config, index) if self.is_linear else full_attention(config, index))
         self.mlp: MLP | SparseMoE | None = feed_forward(config, index)
         self.input_layernorm = decoder_norm(config)
         if self.mlp is not None:

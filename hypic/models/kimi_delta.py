@@ -16,9 +16,10 @@ from torch import nn
 
 from ..cache.composition import Family, Transition
 from ..config import ModelConfig
-from ..kernels.kimi_delta import kimi_delta_rule, kimi_delta_rule_with_transition, kimi_delta_step
+from ..kernels.kimi_delta import KERNELS, kimi_delta_rule, kimi_delta_rule_with_transition, kimi_delta_step
+from ..tensor_sources import Concatenated, Direct, Source
 from .gated_deltanet import l2_normalize
-from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts
+from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg_beta, recur_in_parts
 from .norm import SigmoidGatedRMSNorm
 
 
@@ -48,9 +49,7 @@ class KimiDeltaAttention(nn.Module):
     """A ``linear.LinearMixer`` with dense transitions; parameters named as in Kimi-Linear's checkpoints
     (but the three q, k, v convs, held as one [3 H K, k] weight)."""
 
-    family = Family.DENSE
     rotates_state = False
-    batched_runs = False
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
@@ -118,3 +117,18 @@ class KimiDeltaAttention(nn.Module):
     def output(self, o: torch.Tensor, proj: KDAProjections, dtype: torch.dtype) -> torch.Tensor:
         """Sigmoid-gated norm per head and output projection: o [N, H, V] -> [N, hidden]."""
         return self.o_proj(self.o_norm(o.to(dtype), proj.gate).reshape(o.shape[0], -1))
+
+
+CONVS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+def kda_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """A Kimi Delta Attention layer (``keys``: its self_attn tensors): its three convs (q, k, v)
+    are our one conv over [q | k | v]; the rest keep their names."""
+    out: dict[str, Source] = {f"{prefix}mixer.{n}": Direct(k) for n, k in keys.items() if n not in CONVS}
+    if all(name in keys for name in CONVS):
+        out[f"{prefix}mixer.conv_weight"] = Concatenated(tuple(keys[name] for name in CONVS))
+    return out
+
+
+FAMILY = LinearFamily("kda", KimiDeltaAttention, KERNELS, Family.DENSE, qkvg_beta, "self_attn", kda_sources)

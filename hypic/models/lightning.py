@@ -13,8 +13,8 @@ from torch import nn
 
 from ..cache.composition import Family, Transition, scalar_transition
 from ..config import ModelConfig
-from ..kernels.scalar_gla import scalar_gla, scalar_gla_step
-from .linear import RunRecurrence, recur_in_parts
+from ..kernels.scalar_gla import KERNELS, scalar_gla, scalar_gla_step
+from .linear import LinearFamily, RunRecurrence, direct_sources, qkvg, recur_in_parts
 from .norm import RMSNorm
 
 OUTPUT_NORM_EPS = 1e-6  # MiniMax's output norm keeps the RMSNorm default, not the config's eps
@@ -52,9 +52,7 @@ class LightningInputs:
 class LightningAttention(nn.Module):
     """A ``linear.LinearMixer`` with scalar transitions; ``kernel`` 1: the conv window is the token."""
 
-    family = Family.SCALAR
     rotates_state = False
-    batched_runs = False
     kernel = 1
 
     def __init__(self, config: ModelConfig, index: int) -> None:
@@ -98,3 +96,6 @@ class LightningAttention(nn.Module):
         """Norm over all heads together, sigmoid gate, projection: o [N, H, D] -> [N, hidden]."""
         normed = self.norm(o.to(dtype).reshape(o.shape[0], -1))
         return self.out_proj(torch.sigmoid(proj.gate) * normed)
+
+
+FAMILY = LinearFamily("lightning", LightningAttention, KERNELS, Family.SCALAR, qkvg, "self_attn", direct_sources)

@@ -12,14 +12,25 @@ first, then the recurrence over runs of consecutive tokens:
 - ``step(states, inputs)``: one token of B requests from states [B, H, K, V];
 - ``output(o, proj, dtype)``: [N, H, V] -> [N, hidden];
 - ``rotates_state``: whether a cached S_C|0 must be turned by ``rotate_state(S, delta)`` before it
-  is composed at another start (paper eq. 7: RoPE inside a scalar-decay state).
+  is composed at another start (RoPE inside a scalar-decay state).
+
+A family is one ``LinearFamily`` record (its mixer, kernels, transition structure, state shape and
+checkpoint names), registered in ``hypic.models.families``; the mixer it builds carries it (``family``).
 """
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from ..cache.composition import Family
+from ..config import ModelConfig
+from ..kernels.dispatch import RecurrenceKernels
+from ..tensor_sources import Direct, Source
+
+Tensors = tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -66,11 +77,10 @@ def last_rows(x: torch.Tensor, count: int) -> torch.Tensor:
 
 
 class LinearMixer(Protocol):
-    """The steps above; ``batched_runs``: whether a combine pass may run all runs of a layer in
-    one varlen call (Gated DeltaNet on CUDA)."""
+    """The steps above; ``family``: the record the mixer was built from (``LinearFamily.build``)."""
 
     kernel: int
-    batched_runs: bool
+    family: "LinearFamily"
     rotates_state: bool
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Any: ...
@@ -88,3 +98,80 @@ class LinearMixer(Protocol):
     def step(self, states: torch.Tensor, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def output(self, o: torch.Tensor, proj: Any, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def value_head_state(config: ModelConfig) -> tuple[int, ...]:
+    """A state of K x V per value head: [Hv, K, V]."""
+    return (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+
+
+def any_native_fields(text: dict[str, Any]) -> None:
+    """A ``hypic_hybrid`` config of this family needs nothing beyond Qwen3.5's fields."""
+
+
+@dataclass(frozen=True)
+class LinearFamily:
+    """One linear-attention family: the value of ``ModelConfig.linear_family`` (``name``), the token
+    mixer it builds (``mixer(config, layer index)``), its ``kernels``, the structure of its
+    transitions (scalar: T_C [H]; diagonal: [H, K]; dense: [H, K, K]), which of a mixer's
+    recurrence inputs its kernels take, in their order (``kernel_args``), where its parameters come
+    from in a checkpoint (a layer's tensors under ``checkpoint_group``, e.g. layers.3.linear_attn.*,
+    become sources of our names by ``checkpoint(config, layer prefix, short name -> key)``), whether a
+    ``hypic_hybrid`` config may name it (``native``: raises ``UnsupportedModel`` when the config's
+    fields do not fit; None: it may not), and its recurrent state per layer (``state_shape``,
+    ``state_dtype``)."""
+
+    name: str
+    mixer: Callable[[ModelConfig, int], LinearMixer]
+    kernels: RecurrenceKernels
+    structure: Family
+    kernel_args: Callable[[Any], Tensors]
+    checkpoint_group: str
+    checkpoint: Callable[[ModelConfig, str, dict[str, str]], dict[str, Source]]
+    native: Callable[[dict[str, Any]], None] | None = None
+    state_shape: Callable[[ModelConfig], tuple[int, ...]] = value_head_state
+    state_dtype: torch.dtype = torch.float32
+
+    def build(self, config: ModelConfig, index: int) -> LinearMixer:
+        """Layer ``index``'s mixer, which carries this record."""
+        mixer = self.mixer(config, index)
+        mixer.family = self
+        return mixer
+
+    @property
+    def apart_because(self) -> str | None:
+        """Why a combine pass runs each of a layer's runs in a call of its own; None: all runs of a
+        layer go in one varlen call (``hypic.runs_together``), which needs a varlen kernel and
+        chains dense maps."""
+        if not self.kernels.varlen:
+            return f"{self.name} has no varlen kernel"
+        if self.structure is not Family.DENSE:
+            return f"{self.name}'s transitions are {self.structure.value}: runs_together chains dense maps only"
+        return None
+
+    def transition_shape(self, config: ModelConfig) -> tuple[int, ...]:
+        """Shape of a cached T_C per linear layer."""
+        heads, keys = self.state_shape(config)[:2]
+        return {Family.SCALAR: (heads,), Family.DIAGONAL: (heads, keys), Family.DENSE: (heads, keys, keys)}[
+            self.structure]
+
+    def state_elements(self, config: ModelConfig) -> int:
+        return math.prod(self.state_shape(config))
+
+    def state_nbytes(self, config: ModelConfig) -> int:
+        return self.state_elements(config) * self.state_dtype.itemsize
+
+
+def qkvg(inputs: Any) -> Tensors:
+    """The kernel inputs of a gated linear attention: q, k, v, g."""
+    return inputs.q, inputs.k, inputs.v, inputs.g
+
+
+def qkvg_beta(inputs: Any) -> Tensors:
+    """The kernel inputs of a delta rule: q, k, v, g, beta."""
+    return inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta
+
+
+def direct_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """A layer whose checkpoint names are ours: each tensor fills the mixer's parameter of its name."""
+    return {f"{prefix}mixer.{name}": Direct(key) for name, key in keys.items()}

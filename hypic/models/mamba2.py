@@ -14,8 +14,9 @@ from torch import nn
 
 from ..cache.composition import Family, Transition, scalar_transition
 from ..config import Mamba2Options, ModelConfig
-from ..kernels.scalar_gla import scalar_gla, scalar_gla_step
-from .linear import RunRecurrence, causal_conv, causal_conv_step, recur_in_parts
+from ..kernels.scalar_gla import KERNELS, scalar_gla, scalar_gla_step
+from ..tensor_sources import Direct, Source
+from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg, recur_in_parts
 
 
 @dataclass
@@ -44,9 +45,7 @@ class Mamba2Inputs:
 class Mamba2Mixer(nn.Module):
     """A ``linear.LinearMixer`` with scalar transitions and a short conv of ``kernel`` taps."""
 
-    family = Family.SCALAR
     rotates_state = False
-    batched_runs = False
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
@@ -107,3 +106,14 @@ class Mamba2Mixer(nn.Module):
         y = (o.reshape(n, -1) * F.silu(proj.gate.float())).view(n, self.groups, -1)
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).view(n, -1)
         return self.out_proj(self.norm_weight * y.to(dtype))
+
+
+RENAMED = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "norm.weight": "norm_weight"}
+
+
+def mamba_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dict[str, Source]:
+    """A Mamba2 layer (``keys``: its mamba tensors), its conv and norm renamed to ours."""
+    return {f"{prefix}mixer.{RENAMED.get(name, name)}": Direct(key) for name, key in keys.items()}
+
+
+FAMILY = LinearFamily("mamba2", Mamba2Mixer, KERNELS, Family.SCALAR, qkvg, "mamba", mamba_sources)

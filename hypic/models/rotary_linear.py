@@ -1,18 +1,23 @@
-"""Scalar-decay linear attention with RoPE applied to q and k inside the layer (Ring-linear style:
-the "State RoPE re-rotation" of section 3.2 of the paper "HYPIC: Accelerating Hybrid-Attention LLM
-Serving with Position-Independent Caching").
+"""Scalar-decay linear attention with RoPE applied to q and k inside the layer (Ring-linear style).
 
 S_t = exp(-s_h) S_{t-1} + R(t) k_t v_t^T, o_t = D^-1/2 (R(t) q_t)^T S_t, with q, k, v = silu(W x) per head
 (Lightning's projections, no conv), R(t) the rotary embedding of absolute position t on the first
 rotary_dim key channels and s_h Lightning's per-head slopes. Because exp(-s_h) commutes with every
-rotation, a segment's zero-start state cached at local start a serves start b as R(b - a) S_C|a
-(eq. 7): ``rotate_state``. T_C is one scalar per head. A model type of ours (``hypic_hybrid`` with
-``linear_family: scalar_rope``), written from the paper's description.
+rotation, a segment's zero-start state cached at local start a serves start b as R(b - a) S_C|a:
+``rotate_state``. T_C is one scalar per head. A model type of ours (``hypic_hybrid`` with
+``linear_family: scalar_rope``).
 """
+from typing import Any
+
 import torch
 
+from ..cache.composition import Family
 from ..config import ModelConfig
+from ..errors import UnsupportedModel
+from ..kernels.scalar_gla import KERNELS
+from .gated_deltanet import qwen_layout_sources
 from .lightning import OUTPUT_NORM_EPS, LightningAttention, LightningInputs, LightningProjections
+from .linear import LinearFamily, qkvg
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -52,5 +57,18 @@ class RotaryLinearAttention(LightningAttention):
                                rope.apply(plain.k, proj.positions), plain.v, plain.g)
 
     def rotate_state(self, state: torch.Tensor, delta: int) -> torch.Tensor:
-        """S_C|(a + delta) from S_C|a (paper eq. 7)."""
+        """S_C|(a + delta) from S_C|a: the cached state turned by R(delta)."""
         return self._rope(state.device).rotate_state(state, delta)
+
+
+def check_native(text: dict[str, Any]) -> None:
+    """A ``hypic_hybrid`` scalar_rope model: a key head per value head of the same width, no conv."""
+    same_heads = text["linear_num_key_heads"] == text["linear_num_value_heads"]
+    if not (same_heads and text["linear_key_head_dim"] == text["linear_value_head_dim"]
+            and text.get("linear_conv_kernel_dim") == 1):
+        raise UnsupportedModel("hypic_hybrid with scalar_rope needs equal key and value heads and widths and "
+                               "linear_conv_kernel_dim 1")
+
+
+FAMILY = LinearFamily("scalar_rope", RotaryLinearAttention, KERNELS, Family.SCALAR, qkvg, "linear_attn",
+                      qwen_layout_sources, native=check_native)

@@ -1,5 +1,5 @@
-"""Kimi Delta Attention (the gated delta rule with a decay per key channel):
-one interface, the fastest correct path for the device.
+"""Kimi Delta Attention (the gated delta rule with a decay per key channel): its kernels
+(``KERNELS``) and one interface, the fastest correct path for the device (``hypic.kernels.dispatch``).
 
 Runs of at least ``SHORT_RUN`` tokens: FLA's ``chunk_kda`` on CUDA when installed, else the
 PyTorch chunked form. Shorter runs (decode): the token loop on every device. A run's transition
@@ -7,34 +7,37 @@ is a dense K x K matrix per head: the final state of the same run from the ident
 """
 import torch
 
-from ..fla_calls import fla_kernel, fla_run, fla_transition
+from ..dispatch import RecurrenceKernels, run_recurrence, run_with_transition
 from .chunk import chunk_kimi_delta_rule, chunk_kimi_delta_rule_with_transition
 from .naive import naive_kimi_delta_rule, naive_kimi_transition
 
-FLA_KERNEL = ("kda", "chunk_kda")  # fla.ops.<module>.<name>, on CUDA
 SHORT_RUN = 4  # below this the token loop beats the chunk form on CPU
 CPU_CHUNK = 8  # the CPU chunk size: measured fastest from 8 to 2048 tokens, K = 64 and 128
 
 
-def kimi_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_size_for(steps: int, device: torch.device) -> int:
+    return CPU_CHUNK
+
+
+def _naive_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor) -> torch.Tensor:
+    return naive_kimi_transition(k, g, beta)
+
+
+KERNELS = RecurrenceKernels(
+    naive=naive_kimi_delta_rule, chunked=chunk_kimi_delta_rule, chunk_size=chunk_size_for,
+    fla=("kda", "chunk_kda"), short_run=SHORT_RUN,
+    naive_transition=_naive_transition, chunked_with_transition=chunk_kimi_delta_rule_with_transition,
+)
+
+
+def kimi_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    initial_state: torch.Tensor | None = None,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [T, H, K] (l2-normalised); v [T, H, V]; g [T, H, K] (log decay per key channel);
     beta [T, H]; initial_state [H, K, V] (None: zeros). Returns o [T, H, V] fp32 and the final
     state [H, K, V] fp32."""
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    if q.shape[0] < SHORT_RUN:
-        return naive_kimi_delta_rule(q, k, v, g, beta, initial_state, scale)
-    chunk = fla_kernel(*FLA_KERNEL) if q.is_cuda else None
-    if chunk is not None:
-        return fla_run(chunk, q, k, v, g, beta, initial_state, scale)
-    return chunk_kimi_delta_rule(q, k, v, g, beta, initial_state, scale, CPU_CHUNK)
+    return run_recurrence(KERNELS, (q, k, v, g, beta), initial_state, scale)
 
 
 def kimi_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -42,13 +45,7 @@ def kimi_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kimi_delta_rule`` from ``initial_state`` that also returns the run's transition
     T [H, K, K] (final state = T @ initial_state + the final state from zero)."""
-    scale = k.shape[-1] ** -0.5 if scale is None else scale
-    if q.shape[0] < SHORT_RUN:
-        return (*naive_kimi_delta_rule(q, k, v, g, beta, initial_state, scale), naive_kimi_transition(k, g, beta))
-    chunk = fla_kernel(*FLA_KERNEL) if q.is_cuda else None
-    if chunk is not None:
-        return (*fla_run(chunk, q, k, v, g, beta, initial_state, scale), fla_transition(chunk, q, k, g, beta, scale))
-    return chunk_kimi_delta_rule_with_transition(q, k, v, g, beta, initial_state, scale, CPU_CHUNK)
+    return run_with_transition(KERNELS, (q, k, v, g, beta), initial_state, scale)
 
 
 def kimi_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -63,5 +60,5 @@ def kimi_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return torch.einsum("bhk,bhkv->bhv", q * k.shape[-1] ** -0.5, state), state
 
 
-__all__ = ["kimi_delta_rule", "kimi_delta_rule_with_transition", "kimi_delta_step", "chunk_kimi_delta_rule",
+__all__ = ["KERNELS", "kimi_delta_rule", "kimi_delta_rule_with_transition", "kimi_delta_step", "chunk_kimi_delta_rule",
            "chunk_kimi_delta_rule_with_transition", "naive_kimi_delta_rule", "naive_kimi_transition"]

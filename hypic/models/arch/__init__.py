@@ -2,8 +2,8 @@
 
 Each module declares an ``Architecture`` (``base.py``): how its ``config.json`` becomes our
 ``ModelConfig``, where its checkpoint's names differ from ours, and a tiny random config for
-tests. Adding a family is adding a module here and its name below; the runtime (mixers by linear
-family, the loader, the engine) reads only what ``ModelConfig`` says.
+tests. Adding an architecture is adding a module here and its name below; the runtime reads only
+what ``ModelConfig`` says, and its linear layers' family record (``hypic.models.families``).
 """
 from typing import Any
 

@@ -4,8 +4,9 @@ attention; and ``hypic_hybrid``, our own type on the same fields with another li
 scalar_rope)."""
 from typing import Any
 
-from ...config import ModelConfig, NATIVE_FAMILIES, RopeConfig, eos_ids, parse_layer_types
+from ...config import ModelConfig, RopeConfig, eos_ids, parse_layer_types
 from ...errors import UnsupportedModel
+from ..families import linear_family, native_families
 from .base import Architecture
 
 
@@ -51,22 +52,17 @@ def qwen_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
 
 
 def _native_family(text: dict[str, Any]) -> str:
-    """The linear family of a ``hypic_hybrid`` config (Qwen3.5's fields plus ``linear_family``): gla
-    wants a key head per value head; scalar_rope also equal key and value widths and no conv
-    (``linear_conv_kernel_dim`` 1). Other model types are Gated DeltaNet."""
+    """The linear family of a ``hypic_hybrid`` config (Qwen3.5's fields plus ``linear_family``), one
+    whose record allows it and whose check its fields pass. Other model types are Gated DeltaNet."""
     if text["model_type"] != "hypic_hybrid":
         return "gated_delta"
-    family = text.get("linear_family", "gated_delta")
-    if family not in NATIVE_FAMILIES:
-        raise UnsupportedModel(f"hypic_hybrid linear_family {family!r}: one of {', '.join(NATIVE_FAMILIES)}")
-    same_heads = text["linear_num_key_heads"] == text["linear_num_value_heads"]
-    if family == "gla" and not same_heads:
-        raise UnsupportedModel("hypic_hybrid with gla needs linear_num_key_heads == linear_num_value_heads")
-    if family == "scalar_rope" and not (same_heads and text["linear_key_head_dim"] == text["linear_value_head_dim"]
-                                        and text.get("linear_conv_kernel_dim") == 1):
-        raise UnsupportedModel("hypic_hybrid with scalar_rope needs equal key and value heads and widths and "
-                               "linear_conv_kernel_dim 1")
-    return family
+    name, natives = text.get("linear_family", "gated_delta"), native_families()
+    if name not in natives:
+        raise UnsupportedModel(f"hypic_hybrid linear_family {name!r}: one of {', '.join(natives)}")
+    check = linear_family(name).native
+    assert check is not None
+    check(text)
+    return name
 
 
 def study(hidden: int, layers: int) -> dict[str, Any]:

@@ -1,0 +1,106 @@
+"""One dispatch for every linear recurrence: the token loop for short runs (decode), FLA's Triton
+kernel on CUDA when installed, else the PyTorch chunked form. A family's kernels are one
+``RecurrenceKernels`` record; its inputs are a tuple (q, k, v, g, then any more, e.g. beta), each
+[T, H, ...], and its state [H, K, V] fp32."""
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .fla_calls import fla_kernel, fla_run, fla_transition
+
+Tensors = tuple[torch.Tensor, ...]
+Run = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (*inputs, initial_state, scale) -> (o, final state)
+
+
+def key_scale(key_dim: int) -> float:
+    """The delta rules' default query scale, K^-1/2."""
+    return key_dim**-0.5
+
+
+def unit_scale(key_dim: int) -> float:
+    """No query scale (the gated linear attentions scale q themselves, or not at all)."""
+    return 1.0
+
+
+@dataclass(frozen=True)
+class RecurrenceKernels:
+    """A recurrence's kernels over one unbatched run. ``naive``: the token loop, the oracle of the
+    others and the path of runs shorter than ``short_run``; ``chunked``: the PyTorch chunked form,
+    (*inputs, initial_state, scale, chunk size); ``fla``: fla.ops.<module>.<name> (None: no FLA
+    kernel); ``varlen``: whether that kernel runs several runs laid end to end (cu_seqlens).
+    Dense transitions (``naive_transition``: inputs -> T [H, K, K]; ``chunked_with_transition``) come
+    with dense families only; the others' are closed-form from their gates."""
+
+    naive: Run
+    chunked: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    chunk_size: Callable[[int, torch.device], int]
+    scale: Callable[[int], float] = key_scale  # the scale of a call that names none, from K
+    fla: tuple[str, str] | None = None
+    varlen: bool = False
+    naive_transition: Callable[..., torch.Tensor] | None = None
+    chunked_with_transition: Callable[..., Tensors] | None = None
+    short_run: int = 4  # below this the token loop beats the chunked form
+
+
+def _fla(kernels: RecurrenceKernels, q: torch.Tensor) -> Callable | None:
+    """FLA's kernel of ``kernels`` when it can run on q's device, else None."""
+    return fla_kernel(*kernels.fla) if kernels.fla is not None and q.is_cuda else None
+
+
+def run_recurrence(kernels: RecurrenceKernels, inputs: Tensors, initial_state: torch.Tensor | None,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One run from ``initial_state`` [H, K, V] (None: zeros): o [T, H, V] fp32, final state fp32."""
+    q = inputs[0]
+    scale = kernels.scale(inputs[1].shape[-1]) if scale is None else scale
+    if q.shape[0] < kernels.short_run:
+        return kernels.naive(*inputs, initial_state, scale)
+    chunk = _fla(kernels, q)
+    if chunk is not None:
+        return fla_run(chunk, inputs, initial_state, scale)
+    return kernels.chunked(*inputs, initial_state, scale, kernels.chunk_size(q.shape[0], q.device))
+
+
+def run_with_transition(kernels: RecurrenceKernels, inputs: Tensors, initial_state: torch.Tensor,
+                        scale: float | None = None) -> Tensors:
+    """``run_recurrence`` that also returns the run's dense transition T [H, K, K] (final state =
+    T @ initial_state + the final state from zero)."""
+    if kernels.naive_transition is None or kernels.chunked_with_transition is None:
+        raise ValueError("these kernels have no dense transition: their family's is closed-form")
+    q = inputs[0]
+    scale = kernels.scale(inputs[1].shape[-1]) if scale is None else scale
+    if q.shape[0] < kernels.short_run:
+        return (*kernels.naive(*inputs, initial_state, scale), kernels.naive_transition(*inputs))
+    chunk = _fla(kernels, q)
+    if chunk is not None:
+        return (*fla_run(chunk, inputs, initial_state, scale), fla_transition(chunk, inputs, scale))
+    return kernels.chunked_with_transition(*inputs, initial_state, scale, kernels.chunk_size(q.shape[0], q.device))
+
+
+def run_varlen(kernels: RecurrenceKernels, inputs: Tensors, lengths: list[int], initial_states: torch.Tensor,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent runs laid end to end (``lengths``, summing to T), run r from ``initial_states[r]``
+    [R, H, K, V]: o [T, H, V] fp32 and final states [R, H, K, V] fp32. One FLA launch sequence for
+    all runs where the kernel takes cu_seqlens (per-run calls are host-bound on a GPU); elsewhere
+    ``run_recurrence`` run by run."""
+    scale = kernels.scale(inputs[1].shape[-1]) if scale is None else scale
+    chunk = _fla(kernels, inputs[0]) if kernels.varlen else None
+    if chunk is not None:
+        return _fla_varlen(chunk, inputs, lengths, initial_states, scale)
+    outputs, finals, ends = [], [], [0, *itertools.accumulate(lengths)]
+    for run, (lo, hi) in enumerate(itertools.pairwise(ends)):
+        o, final = run_recurrence(kernels, tuple(x[lo:hi] for x in inputs), initial_states[run], scale)
+        outputs.append(o)
+        finals.append(final)
+    return torch.cat(outputs), torch.stack(finals)
+
+
+def _fla_varlen(chunk: Callable, inputs: Tensors, lengths: list[int], initial_states: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA's kernel over runs laid end to end: one batch row, the runs' bounds in cu_seqlens."""
+    ends = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
+    q, k, v, g, *rest = (x[None] for x in inputs)
+    out, finals = chunk(q, k, v, g.float(), *rest, scale=scale, initial_state=initial_states.float(),
+                        output_final_state=True, cu_seqlens=ends.to(q.device), cu_seqlens_cpu=ends)
+    return out[0].float(), finals.float()
