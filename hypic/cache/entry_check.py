@@ -2,7 +2,6 @@
 a disk file, a shared store) before anything splices it."""
 from ..config import ModelConfig
 from ..errors import HypicError
-from ..models.families import family_of
 from .store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
 
 
@@ -33,6 +32,7 @@ def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
         heads, window = config.kv_heads(index), config.window(index)
         kept = length if window is None else min(length, window)
         return ("attention", (heads, kept, config.head_dim), (heads, kept, config.attention_value_dim))
+    from ..models.families import family_of  # the shapes are the family's; read on use, the caches sit below the models
     family = family_of(config)
     transition = None if role is Role.NAIVE_SEGMENT else family.transition_shape(config)
     conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)
