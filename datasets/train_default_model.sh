@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipe of the shipped default model: data, two training phases, export (issue 4).
+# The recipe of the shipped default model: data, two training phases, export.
 #
 #   bash datasets/train_default_model.sh [RUN_DIR]
 #

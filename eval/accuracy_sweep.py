@@ -1,6 +1,6 @@
 """Task accuracy and state drift of HYPIC's prefill modes on the synthetic multi-document QA split.
 
-Issue 4's "must show": exact-match accuracy on the held-out test split under ``full``
+What the default model must show: exact-match accuracy on the held-out test split under ``full``
 recompute, ``hypic`` with seam widths w in {0, 4, 8, 16}, ``prefix`` and ``naive``, single-hop
 and multi-hop apart (the paper's claim: HYPIC within a few points of full recompute, naive
 addition far below); and the per-layer drift of the final recurrent state of every Gated

@@ -1,4 +1,4 @@
-"""The pools' memory under churn: the arenas (issue 27, L1) against the code before them.
+"""The pools' memory under churn: the arenas against the code before them.
 
 Each pool gets a stream of inserts far larger than its budget, with a real model's shapes
 (Qwen3-Next-80B-A3B: 36 Gated DeltaNet layers, state [32, 128, 128] fp32 and conv window [3, 8192];

@@ -13,18 +13,27 @@ forces it: the model is ~67 GB in bfloat16, so an 80 GB card holds all 40.
 
 ``--profile DIR`` also writes where one hypic request's time goes (torch.profiler: top CUDA
 kernels and top CPU ops, and the share of the wall time the GPU was busy) for the longest
-prompt of each sweep.
+prompt of each sweep; with ``--profile-only NxTOKENS`` it profiles that one all-hit request (after a
+warm-up) and exits: the top 15 ops by device and by host time, and the time under each labelled
+part of the combine pass (``PARTS``: seam runs, composition, arena reads, re-rotation, attention, MoE).
+``--json`` is rewritten after every shape, so a run cut short keeps what it measured.
 
 Examples::
 
     python eval/bench_real_shapes.py --device cuda --json eval/results/bench_real_shapes.json
+    python eval/bench_real_shapes.py --device cuda --profile-only 16x1024 --profile eval/results/profile
     python eval/bench_real_shapes.py --preset tiny-moe --device cpu --quick   # a smoke run anywhere
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import importlib
 import json
+import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
@@ -79,6 +88,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="write a torch.profiler breakdown of one hypic request per sweep's longest prompt")
+    parser.add_argument("--profile-only", default=None, metavar="NxTOKENS",
+                        help="only profile one all-hit hypic request of this shape (e.g. 16x1024) into --profile "
+                             "and exit, before any sweep (so a slow sweep cannot cost the profile)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -86,6 +98,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats must be >= 1")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
+    if args.profile_only is not None and args.profile is None:
+        parser.error("--profile-only needs --profile DIR")
     args.threads, args.fixed_count, args.fixed_length = 0, None, None  # what the scaling sweeps read
     return args
 
@@ -126,23 +140,109 @@ def make_engine(args: argparse.Namespace) -> Engine:
                   seam_width=args.seam_width, prefix_cache=PrefixCache(0))
 
 
-def profile_request(engine: Engine, shape: composition.Shape, seed: int, out: Path) -> dict[str, float]:
-    """One profiled hypic request of ``shape`` (documents already cached): tables under ``out`` and the
-    wall time, the GPU's busy time (sum of kernel times) and their ratio."""
+# Where a hypic request's time goes, by part: each function below runs under a profiler range of
+# its label (patched in for the profile only). Ranges nest (arena reads inside composition), so
+# the parts' times are inclusive, not a partition.
+PARTS: tuple[tuple[str, str, str], ...] = (
+    ("hypic.runs_together", "prepare_runs", "seam runs: conv and inputs"),
+    ("hypic.runs_together", "_chain_maps", "seam runs: maps varlen call"),
+    ("hypic.runs_together", "gated_delta_rule_varlen", "seam runs: final varlen call"),
+    ("hypic.assembler", "_linear_runs", "seam runs: per-request path"),
+    ("hypic.runs_together", "_entering_states", "composition (state chain)"),
+    ("hypic.assembler", "compose_states", "composition (per-request path)"),
+    ("hypic.cache.store:LinearInterior", "for_compute", "arena reads: T and S|0"),
+    ("hypic.assembler", "_rerotated_interiors", "re-rotation (with arena reads of K/V)"),
+    ("hypic.state:AttentionLayerState", "append", "KV append into the request buffer"),
+    ("hypic.models.attention:GatedAttention", "attend", "attention"),
+    ("hypic.models.mlp:SparseMoE", "forward", "MoE"),
+)
+LAUNCH_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+
+
+def _owner(path: str) -> Any:
+    """``module`` or ``module:Class`` -> the object whose attribute is patched."""
+    module, _, cls = path.partition(":")
+    owner = importlib.import_module(module)
+    return getattr(owner, cls) if cls else owner
+
+
+def _ranged(function: Callable, label: str) -> Callable:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(label):
+            return function(*args, **kwargs)
+    return wrapper
+
+
+@contextlib.contextmanager
+def labelled_parts() -> Iterator[None]:
+    """Run ``PARTS``' functions under profiler ranges of their labels; restores them after."""
+    saved = []
+    for path, name, label in PARTS:
+        owner = _owner(path)
+        if hasattr(owner, name):  # a part this build does not have is left out
+            saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, _ranged(getattr(owner, name), label))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def part_times(events: Any) -> dict[str, dict[str, float]]:
+    """Per labelled part: calls, CPU (host) ms and device ms of what it launched, inclusive."""
+    labels, parts = {label for _, _, label in PARTS}, {}
+    for event in events:
+        if event.name in labels:
+            part = parts.setdefault(event.name, {"calls": 0, "host_ms": 0.0, "device_ms": 0.0})
+            part["calls"] += 1
+            part["host_ms"] += event.cpu_time_total / 1e3
+            part["device_ms"] += event.device_time_total / 1e3
+    return parts
+
+
+def _op_totals(averages: Any, names: tuple[str, ...]) -> dict[str, float]:
+    rows = [e for e in averages if e.key in names]
+    return {"calls": sum(e.count for e in rows), "host_ms": sum(e.self_cpu_time_total for e in rows) / 1e3}
+
+
+def profile_request(engine: Engine, shape: composition.Shape, seed: int, out: Path) -> dict[str, Any]:
+    """One profiled hypic request of ``shape`` (documents cached, one unprofiled warm-up first):
+    the top 15 ops by device and by host time as text tables under ``out``, and a summary: wall
+    time, the GPU's busy time, launches and syncs, and the labelled parts (``PARTS``)."""
     from torch.profiler import ProfilerActivity, profile
-    prompt = composition.build_prompt(composition.documents_for(engine, shape, seed), engine.pic_separator)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.model.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    documents = composition.documents_for(engine, shape, seed)
+    prompt = composition.build_prompt(documents, engine.pic_separator)
+    engine.warmup(documents)
+    composition.check_all_hit(engine.generate(prompt, max_new_tokens=1, mode="hypic"), shape.num_docs)
+    cuda = engine.model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with labelled_parts(), profile(activities=activities) as prof:
         start = time.perf_counter()
-        engine.generate(prompt, max_new_tokens=1, mode="hypic")
+        result = engine.generate(prompt, max_new_tokens=1, mode="hypic")
+        if cuda:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events)
+    composition.check_all_hit(result, shape.num_docs)
+    averages = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in averages)
     out.mkdir(parents=True, exist_ok=True)
-    tables = [f"sorted by {key}\n" + events.table(sort_by=key, row_limit=30, max_name_column_width=70)
-              for key in ("self_device_time_total", "self_cpu_time_total", "cpu_time_total")]
-    (out / f"hypic_{shape.label}.txt").write_text("\n\n".join(tables))
-    return {"wall_ms": wall * 1e3, "device_busy_ms": device_us / 1e3, "device_busy_share": device_us / 1e3 / (wall * 1e3)}
+    tables = [f"top 15 by {title}\n" + averages.table(sort_by=key, row_limit=15, max_name_column_width=70)
+              for key, title in (("self_device_time_total", "self device time"),
+                                 ("self_cpu_time_total", "self host (CPU) time"))]
+    summary = {"shape": shape.label, "wall_ms": wall * 1e3, "device_busy_ms": device_us / 1e3,
+               "device_busy_share": device_us / 1e3 / (wall * 1e3), "launches": _op_totals(averages, LAUNCH_OPS),
+               "syncs_and_copies": _op_totals(averages, SYNC_OPS), "parts": part_times(prof.events())}
+    parts = "\n".join(f"{label:<45}{p['calls']:>7}{p['host_ms']:>12.1f}{p['device_ms']:>12.1f}"
+                      for label, p in sorted(summary["parts"].items(), key=lambda kv: -kv[1]["host_ms"]))
+    header = (f"hypic {shape.label}: wall {summary['wall_ms']:.1f} ms, device busy {summary['device_busy_ms']:.1f} ms, "
+              f"launches {summary['launches']}, syncs/copies {summary['syncs_and_copies']}\n\n"
+              f"{'part (inclusive; nested)':<45}{'calls':>7}{'host ms':>12}{'device ms':>12}\n{parts}")
+    (out / f"profile_{shape.label}.txt").write_text(header + "\n\n" + "\n\n".join(tables) + "\n")
+    (out / f"profile_{shape.label}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def paper_lines(results: list[composition.ShapeResult], slopes: dict[str, float | None]) -> list[str]:
@@ -163,36 +263,82 @@ def paper_lines(results: list[composition.ShapeResult], slopes: dict[str, float 
     return lines
 
 
+def _version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:
+        return None
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver's version (torch does not report it), None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def environment_of(args: argparse.Namespace, engine: Engine, build_s: float) -> dict[str, Any]:
+    """What the numbers were measured on: the model, the device, its driver and the library versions."""
+    cuda = args.device.startswith("cuda")
+    return {
+        "preset": args.preset, "layers": engine.model.config.num_hidden_layers,
+        "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "device": torch.cuda.get_device_name() if cuda else args.device, "driver": _driver() if cuda else None,
+        "cuda": torch.version.cuda, "torch": torch.__version__, "triton": _version("triton"), "fla": _version("fla"),
+        "transformers": _version("transformers"), "dtype": args.dtype, "seam_width": args.seam_width,
+        "repeats": args.repeats, "warmups_per_mode": 1, "model_build_s": build_s,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
+
+
+def _write_json(path: Path | None, outcome: dict[str, Any]) -> None:
+    """Rewritten after every shape, so a run stopped by a time limit leaves what it measured."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(outcome, indent=2, default=str) + "\n")
+
+
+def _profile_shape(text: str) -> composition.Shape:
+    count, _, tokens = text.lower().partition("x")
+    return composition.Shape(int(count), int(tokens), ("b",))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Build the model, run the sweeps (and the profile), print both tables; returns the results."""
     args = parse_args(argv)
     start = time.perf_counter()
     engine = make_engine(args)
     build_s = time.perf_counter() - start
+    if args.profile_only is not None:
+        summary = profile_request(engine, _profile_shape(args.profile_only), args.seed, args.profile)
+        summary["environment"] = environment_of(args, engine, build_s)
+        (args.profile / f"profile_{summary['shape']}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print((args.profile / f"profile_{summary['shape']}.txt").read_text())
+        return summary
     shapes = composition.build_shapes(args)
-    results = []
+    results: list[composition.ShapeResult] = []
+    outcome: dict[str, Any] = {"environment": environment_of(args, engine, build_s), "shapes": [], "paper": PAPER}
     for shape in shapes:
         results.append(composition.measure_shape(engine, shape, args.repeats, args.seed))
         r = results[-1]
         print(f"{r.label}: full {r.full_ttft_ms:.1f} ms, hypic {r.hypic_ttft_ms:.1f} ms "
-              f"(samples {[round(s, 1) for s in r.hypic_samples_ms]})", flush=True)
+              f"(hypic samples {[round(x, 1) for x in r.hypic_samples_ms]}, "
+              f"full samples {[round(x, 1) for x in r.full_samples_ms]})", flush=True)
+        outcome.update(shapes=[asdict(x) for x in results], environment=environment_of(args, engine, build_s),
+                       wall_s=time.perf_counter() - start)
+        _write_json(args.json, outcome)
     slopes = composition.document_slopes(results)
     profiles = {}
     if args.profile is not None:
         for sweep in ("a", "b"):
             longest = max((s for s in shapes if sweep in s.sweeps), key=lambda s: s.num_docs * s.doc_tokens)
             profiles[longest.label] = profile_request(engine, longest, args.seed, args.profile)
-    parameters = sum(p.numel() for p in engine.model.parameters())
-    environment = {
-        "preset": args.preset, "layers": engine.model.config.num_hidden_layers, "parameters": parameters,
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-        "dtype": args.dtype, "torch": torch.__version__, "seam_width": args.seam_width, "repeats": args.repeats,
-        "model_build_s": build_s, "peak_gpu_gib": (torch.cuda.max_memory_allocated() / 2**30
-                                                   if args.device.startswith("cuda") else None),
-    }
-    outcome = {"environment": environment, "shapes": [asdict(r) for r in results], "slopes": slopes,
-               "profiles": profiles, "paper": PAPER, "wall_s": time.perf_counter() - start}
-    print(f"\n{args.preset}, {environment['layers']} layers, {parameters / 1e9:.2f} B parameters, "
+    environment = environment_of(args, engine, build_s)
+    outcome.update(environment=environment, slopes=slopes, profiles=profiles, wall_s=time.perf_counter() - start)
+    print(f"\n{args.preset}, {environment['layers']} layers, {environment['parameters'] / 1e9:.2f} B parameters, "
           f"{environment['device']} {args.dtype}, w={args.seam_width}, median of {args.repeats}")
     print(composition.format_table(results))
     print(composition.format_slopes(slopes))
@@ -200,9 +346,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for label, numbers in profiles.items():
         print(f"profile hypic {label}: wall {numbers['wall_ms']:.1f} ms, device busy {numbers['device_busy_ms']:.1f} ms "
               f"({100 * numbers['device_busy_share']:.0f} %)")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(outcome, indent=2, default=str) + "\n")
+    _write_json(args.json, outcome)
     return outcome
 
 

@@ -1,4 +1,9 @@
-"""HYPIC: position-independent caching for hybrid-attention LLMs."""
+"""HYPIC: position-independent caching for hybrid-attention LLMs.
+
+Where a docstring or comment cites an equation, section, figure or table of "the paper", it is
+"HYPIC: Accelerating Hybrid-Attention LLM Serving with Position-Independent Caching" (Liu, Wu
+et al.). How a request flows through the modules: docs/architecture.md.
+"""
 from .default_model import default_model_path
 from .engine import Engine, GenerationResult, Prefill, PrefillStats
 from .errors import CheckpointError, HypicError, InvalidRequest, UnsupportedModel

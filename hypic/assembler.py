@@ -1,4 +1,4 @@
-"""The combine pass (DESIGN §5): run only the recompute tokens through every layer, splicing
+"""The combine pass: run only the recompute tokens through every layer, splicing
 cached segment interiors in between.
 
 One code path serves full prefill (a single run from position 0), segment prefill (a single run
@@ -446,27 +446,3 @@ def drain(steps: Steps[Result]) -> Result:
         except StopIteration as done:
             return done.value
         reply = None if work is None else combine_batch([work])[0]
-
-
-def drain_together(steps: list[Steps[Any]]) -> list[Any]:
-    """Run several stepwise computations (of one model) to the end together: each round, the combine
-    passes they ask for run in one ``combine_batch``; returns their results in order."""
-    results: list[Any] = [None] * len(steps)
-    replies: list[CombineResult | None] = [None] * len(steps)
-    live = list(range(len(steps)))
-    while live:
-        works: dict[int, CombineWork] = {}
-        for i in list(live):
-            try:
-                work = steps[i].send(replies[i])
-            except StopIteration as done:
-                results[i] = done.value
-                live.remove(i)
-                continue
-            replies[i] = None
-            if work is not None:
-                works[i] = work
-        if works:
-            for i, result in zip(works, combine_batch(list(works.values()))):
-                replies[i] = result
-    return results

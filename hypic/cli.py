@@ -3,6 +3,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,7 +281,7 @@ def _serve(args: argparse.Namespace) -> None:
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)
     if engine.store.lower is not None:
         status = engine.store.lower.describe()
-        names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error']})"
+        names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error'] or tier['state']})"
                           for name, tier in status["tiers"].items())
         print(f"hypic: documents below memory: {names}; {status['write_policy']}, prefetch "
               f"{status['prefetch_policy']}", flush=True)
@@ -333,8 +334,23 @@ def _peers(args: argparse.Namespace, choice: ModelChoice) -> Any:
         raise HypicError(f"could not start {args.workers - 1} Ray worker(s): {type(err).__name__}: {err}") from err
 
 
+WARM_UP_NAMESPACE = "hypic-generate-warm-up"  # the throwaway request's cache namespace, flushed after it
+
+
+def _warm_up(engine: Engine, mode: Mode) -> float:
+    """Run one throwaway request through ``mode``'s path (the first one pays one-time costs: weights
+    paged in, kernels and allocators set up) and drop what it cached; returns its seconds."""
+    start = time.perf_counter()
+    sep = engine.pic_separator
+    engine.generate(f"warm-up{sep} a document{sep} another{sep} ?", mode=mode, max_new_tokens=2,
+                    namespace=WARM_UP_NAMESPACE)
+    engine.flush(WARM_UP_NAMESPACE, frozenset({"memory", "disk", "mooncake"}))
+    return time.perf_counter() - start
+
+
 def _generate(args: argparse.Namespace) -> None:
     engine = _engine(args, choose_model(args.model))
+    print(f"(warm-up: {_warm_up(engine, args.mode):.1f} s, one time, not in the timings below)", file=sys.stderr)
     for prompt in args.prompt:
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, mode=args.mode)
         print(f"{result.text!r}\n  mode={result.mode} prompt_tokens={result.prompt_tokens} cached={result.cached_tokens} "

@@ -1,4 +1,4 @@
-"""The project's own small hybrid model, shipped inside the package (issue 4).
+"""The project's own small hybrid model, shipped inside the package.
 
 A Qwen3.5-architecture checkpoint (``qwen3_5_text``: Gated DeltaNet and gated full-attention
 layers, 3:1) trained by ``hypic_data.train`` on the synthetic multi-document QA data of

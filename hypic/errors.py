@@ -6,7 +6,12 @@ class HypicError(Exception):
 
 
 class InvalidRequest(HypicError, ValueError):
-    """The prompt or the sampling parameters cannot be served as given."""
+    """The prompt or the sampling parameters cannot be served as given; ``param``: the request field
+    at fault, when there is one (OpenAI's error object names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnsupportedModel(HypicError, ValueError):

@@ -5,6 +5,7 @@ each generated sequence walks its grammar with a ``GrammarState``, which says wh
 come next.
 """
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,9 @@ import torch
 from .errors import InvalidRequest
 from .sampling import SamplingParams
 from .tokenizer import TextTokenizer
+
+# xgrammar's errors start with a time and the C++ file and line that raised them: "[13:22:47] /project/cpp/x.cc:83: "
+XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class GrammarCompiler:
                 else:
                     compiled = compiler.compile_grammar(constraint.source)
             except (RuntimeError, ValueError) as err:
-                raise InvalidRequest(f"invalid {constraint.kind}: {err}") from err
+                raise InvalidRequest(f"invalid {constraint.kind}: {_reason(err)}", param=constraint.kind) from err
             self._compiled[constraint] = compiled
         return self._compiled[constraint]
 
@@ -101,11 +105,16 @@ class GrammarCompiler:
         return GrammarState(xgrammar.GrammarMatcher(self.compile(constraint)), self.vocab_size)
 
 
+def _reason(err: Exception) -> str:
+    """What xgrammar found wrong, without where in its C++ sources it noticed."""
+    return XGRAMMAR_LOCATION.sub("", str(err)).strip()
+
+
 def _schema_text(source: str) -> str:
     try:
         schema = json.loads(source)
     except json.JSONDecodeError as err:
-        raise InvalidRequest(f"json_schema is not valid JSON: {err}") from err
+        raise InvalidRequest(f"json_schema is not valid JSON: {err}", param="json_schema") from err
     if not isinstance(schema, dict):
-        raise InvalidRequest("json_schema must be a JSON object")
+        raise InvalidRequest("json_schema must be a JSON object", param="json_schema")
     return json.dumps(schema)

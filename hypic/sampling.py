@@ -36,11 +36,12 @@ class SamplingParams:
     ebnf: str | None = None
 
     def __post_init__(self) -> None:
-        for ok, message in self._checks():
+        for ok, name, message in self._checks():
             if not ok:
-                raise InvalidRequest(message)
+                raise InvalidRequest(message, param=name)
 
-    def _checks(self) -> list[tuple[bool, str]]:
+    def _checks(self) -> list[tuple[bool, str, str]]:
+        """(passes, the field it checks, what is wrong) for every range check."""
         def integer(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
@@ -49,26 +50,28 @@ class SamplingParams:
 
         grammars = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
         return [
-            (integer(self.max_new_tokens) and self.max_new_tokens >= 0,
+            (integer(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens",
              f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"),
-            (integer(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+            (integer(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
              f"min_new_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_new_tokens!r}"),
-            (number(self.temperature) and 0 <= self.temperature < math.inf,
+            (number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
              f"temperature must be a finite number >= 0, got {self.temperature!r}"),
-            (number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1), f"top_k must be -1 (off) or >= 1, got {self.top_k!r}"),
-            (number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            (number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+             f"top_k must be -1 (off) or >= 1, got {self.top_k!r}"),
+            (number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
-            (number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            (number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
-            (number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            (number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}"),
-            (all(integer(t) and t >= 0 and number(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+            (all(integer(t) and t >= 0 and number(b) and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
              "logit_bias maps token ids (>= 0) to biases in [-100, 100]"),
-            (integer(self.n) and 1 <= self.n <= MAX_SAMPLES, f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"),
-            (len(grammars) <= 1, f"give at most one of regex, json_schema and ebnf, got {', '.join(grammars)}"),
-            (self.seed is None or integer(self.seed), f"seed must be an integer, got {self.seed!r}"),
+            (integer(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"),
+            (len(grammars) <= 1, grammars[-1] if grammars else "regex",
+             f"give at most one of regex, json_schema and ebnf, got {', '.join(grammars)}"),
+            (self.seed is None or integer(self.seed), "seed", f"seed must be an integer, got {self.seed!r}"),
         ]
 
     def check_context(self, prompt_tokens: int, context: int) -> None:
@@ -77,7 +80,8 @@ class SamplingParams:
         if prompt_tokens + self.max_new_tokens > context:
             raise InvalidRequest(f"the prompt has {prompt_tokens} tokens and max_new_tokens asks for "
                                  f"{self.max_new_tokens} more ({prompt_tokens + self.max_new_tokens} in all), over the "
-                                 f"model's context of {context} tokens: ask for at most {max(context - prompt_tokens, 0)}")
+                                 f"model's context of {context} tokens: ask for at most {max(context - prompt_tokens, 0)}",
+                                 param="max_new_tokens")
 
     @property
     def penalized(self) -> bool:

@@ -1,5 +1,5 @@
 """Cache-time prefill: a PIC segment alone from position 0, keeping only its interior."""
-from .assembler import InteriorCapture, Steps, combine_chunked, drain
+from .assembler import InteriorCapture, Steps, combine_chunked
 from .models import HybridModel
 from .cache.segments import Run, Seams
 from .state import RequestState
@@ -23,9 +23,3 @@ def prefill_interior_steps(model: HybridModel, token_ids: tuple[int, ...], seams
     yield from combine_chunked(model, list(token_ids), [Run(0, interior[1])], empty, chunk_tokens=chunk_tokens,
                                capture=capture, need_logits=False)
     return [capture.layers[i] for i in range(len(model.layers))]
-
-
-def prefill_interior(model: HybridModel, token_ids: tuple[int, ...], seams: Seams,
-                     transitions: bool = True) -> list[InteriorLayer]:
-    """``prefill_interior_steps`` in one go."""
-    return drain(prefill_interior_steps(model, token_ids, seams, transitions=transitions))

@@ -5,15 +5,15 @@ from typing import Callable
 
 import pytest
 
-from hypic.checkpoints import (NATIVE_VARIANTS, TINY_VARIANTS, make_long_memory, write_native_checkpoint,
-                               write_random_checkpoint)
+from hypic.checkpoints import NATIVE_VARIANTS, TINY_VARIANTS, write_native_checkpoint, write_random_checkpoint
+from hypic_testing.checkpoints import make_long_memory
 from hypic_reference.model import ReferenceModel
 
 
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``factory(name, seed=0, long_memory=False)`` -> directory of the named tiny checkpoint (written
-    once per session); ``long_memory``: its long-memory copy (``hypic.checkpoints.make_long_memory``)."""
+    once per session); ``long_memory``: its long-memory copy (``hypic_testing.checkpoints.make_long_memory``)."""
     made: dict[tuple[str, int, bool], Path] = {}
 
     def factory(name: str, seed: int = 0, long_memory: bool = False) -> Path:

@@ -1,4 +1,4 @@
-"""The pools' preallocated memory (L1, DESIGN §6): fixed-size slots cut from slabs that are
+"""The pools' preallocated memory: fixed-size slots cut from slabs that are
 allocated once per slot shape, handed out and taken back without going through the allocator (the
 private pool's KV pages and snapshot states, the public pool's (T_C, S_C|0)).
 

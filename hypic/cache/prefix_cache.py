@@ -1,4 +1,4 @@
-"""The private pool: a radix tree over token ids holding assembled request states (DESIGN §6).
+"""The private pool: a radix tree over token ids holding assembled request states.
 
 Full-attention KV can be cut at any token, but a linear layer's state exists only where it was
 snapshotted (document boundaries, request ends). So each node stores the KV of its edge's tokens,

@@ -17,7 +17,8 @@ DEFAULT_SEPARATOR = "<<PIC_SEP>>"
 @dataclass(frozen=True)
 class PromptParts:
     """Token ids of each part of a request; ``segments`` are the PIC segments C1..Cn; ``namespace``:
-    the cache namespace it reuses from and caches into ("": the shared one; DESIGN §6)."""
+    the cache namespace it reuses from and caches into ("": the shared one; a request's
+    ``cache_salt`` / ``extra_key`` or API key names another)."""
 
     leading: tuple[int, ...]
     segments: tuple[tuple[int, ...], ...]
@@ -91,7 +92,7 @@ class Seams:
     @classmethod
     def for_model(cls, seam_width: int, conv_kernel: int) -> "Seams":
         """HYPIC's cut: w tokens at each end, and at least k - 1 at the head, whose conv windows
-        reach into the previous segment (paper §4.2), so that layer 0 composes exactly for any w."""
+        reach into the previous segment, so that layer 0 composes exactly for any w."""
         return cls(max(seam_width, conv_kernel - 1), seam_width)
 
     def interior(self, length: int) -> tuple[int, int] | None:

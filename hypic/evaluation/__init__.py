@@ -1,5 +1,6 @@
-"""``hypic eval``: the paper's accuracy-TTFT studies (section 6) as a tool for a user's own model and
-data. Apart from the runtime: it drives an ``Engine`` or a server like any client would.
+"""``hypic eval``: the accuracy-TTFT studies of section 6 of the paper "HYPIC: Accelerating
+Hybrid-Attention LLM Serving with Position-Independent Caching" (the figures named below are its)
+as a tool for a user's own model and data. Apart from the runtime: it drives an ``Engine`` or a server like any client would.
 
 - ``metrics``: exact match, token F1 (SQuAD / LongBench normalisation), ROUGE-L (rouge-score),
   the first token where two greedy outputs part;

@@ -24,6 +24,8 @@ from .studies import FIGURES, format_summary, run_study, summarize
 from .targets import EngineTarget, ServerTarget, Target, TargetError
 
 SYNTHETIC_DEFAULT = Path("datasets/synthetic_qa/test.jsonl")
+WARM_UP = ("every document seen before, in another prompt (hypic, naive: the documents cached; prefix: one "
+           "earlier request per document, instruction + that document)")
 STUDIES = {
     "pareto": "accuracy against p50 TTFT for each method (paper Fig. 10)",
     "seam": "accuracy and TTFT against the seam width w (paper Fig. 13)",
@@ -57,9 +59,11 @@ def _doc(name: str) -> str:
 def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     """``hypic eval`` and its studies, as subcommands of ``commands``."""
     parser = commands.add_parser("eval", help="accuracy and TTFT studies of HYPIC against full, prefix and naive",
-                                 description="The paper's accuracy-TTFT studies on your model and data. Every sample "
-                                             "runs on fresh pools; with the default warm-up policy the documents are "
-                                             "cached before the timed request (--cold: nothing is).")
+                                 description="Accuracy-TTFT studies on your model and data. Every sample runs on "
+                                             "fresh pools; with the default warm-up policy every document was seen "
+                                             "before the timed request, in another prompt: hypic and naive cached the "
+                                             "documents, prefix served one earlier request per document (--cold: "
+                                             "nothing is warmed).")
     studies = parser.add_subparsers(dest="study", required=True, metavar="STUDY")
     scaling = studies.add_parser("scaling", add_help=False, help="TTFT of hypic and full recompute as document "
                                  "length and count grow, every document cached (paper Fig. 12); --help for its options")
@@ -134,7 +138,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     results = ResultLog(args.out / f"{args.study}.jsonl")
     warm = not args.cold
     print(f"hypic eval {args.study}: {len(samples)} {args.dataset} samples from {data}, methods "
-          f"{', '.join(m.label for m in methods)}; warm-up: {'documents cached first' if warm else 'none (cold)'}; "
+          f"{', '.join(m.label for m in methods)}; warm-up: {WARM_UP if warm else 'none (cold)'}; "
           f"{len(results.records)} records already in {results.path}", file=sys.stderr)
     if args.study == "drift":
         assert isinstance(target, EngineTarget)

@@ -44,9 +44,11 @@ class Sample:
     def prompt(self, separator: str = DEFAULT_SEPARATOR) -> str:
         return separator.join([self.instruction, *self.documents, self.question])
 
-    def prefix_prompt(self, separator: str = DEFAULT_SEPARATOR) -> str:
-        """The prompt without its question part (what an earlier request sharing the documents sent)."""
-        return separator.join([self.instruction, *self.documents])
+    def earlier_prompts(self, separator: str = DEFAULT_SEPARATOR) -> list[str]:
+        """Prompts that showed this sample's documents before it, each document in one of its own
+        after the instruction: documents seen before in other prompts, not this prompt again (of
+        which a prefix cache then holds the instruction and the first document)."""
+        return [separator.join([self.instruction, document]) for document in self.documents]
 
 
 def split_context(context: str, chunk_words: int = 400) -> list[str]:

@@ -1,10 +1,12 @@
 """The methods a study compares and how each request is run on the in-process engine.
 
-Warm-up policy (``warm``, the paper's setting): before the timed request, ``hypic`` and ``naive``
-cache the sample's documents (``Engine.warmup``) and ``prefix`` serves an earlier request made of
-the same instruction and documents in the same order (prefix caching's best case); ``full``
-reuses nothing. Cold (``warm=False``): every method starts from empty pools. Every sample runs on
-fresh pools, so nothing carries over between samples.
+Warm-up policy (``warm``): every document was seen before the timed request, in another prompt.
+``hypic`` and ``naive`` cache the sample's documents (``Engine.warmup``); ``prefix`` serves one
+earlier request per document, the instruction then that document (``Sample.earlier_prompts``), so
+its cache holds what a prefix cache would in that scenario: the instruction and the first document
+of the timed prompt, not the whole prompt; ``full`` reuses nothing. Cold (``warm=False``): every
+method starts from empty pools. Every sample runs on fresh pools, so nothing carries over between
+samples.
 """
 from dataclasses import dataclass
 
@@ -53,7 +55,8 @@ def fresh_engine(base: Engine, sample: Sample, method: Method, warm: bool) -> En
     if warm and method.mode in ("hypic", "naive"):
         engine.warmup(list(sample.documents), method.mode)
     elif warm and method.mode == "prefix":
-        engine.generate(sample.prefix_prompt(engine.pic_separator), mode="prefix", max_new_tokens=1)
+        for earlier in sample.earlier_prompts(engine.pic_separator):
+            engine.generate(earlier, mode="prefix", max_new_tokens=1)
     return engine
 
 

@@ -84,7 +84,8 @@ class ServerTarget:
         if warm and method.mode in ("hypic", "naive"):
             self._call("POST", "/warmup", {"documents": list(sample.documents)})
         elif warm and method.mode == "prefix":
-            self.generate(sample.prefix_prompt(self.separator), 1)
+            for earlier in sample.earlier_prompts(self.separator):
+                self.generate(earlier, 1)
         reply = self.generate(sample.prompt(self.separator), sample.max_new_tokens)
         meta = reply["meta_info"]
         cached = int(meta.get("cached_tokens", 0))

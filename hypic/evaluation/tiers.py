@@ -1,4 +1,4 @@
-"""``hypic eval tiers``: what the public pool's lower tiers buy (issue 27's benchmark), in process.
+"""``hypic eval tiers``: what the public pool's lower tiers buy (the disk, Mooncake, host memory), in process.
 
 Three parts, each one run on this machine, ratios taken within the run:
 

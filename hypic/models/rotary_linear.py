@@ -1,5 +1,6 @@
-"""Scalar-decay linear attention with RoPE applied to q and k inside the layer (Ring-linear style,
-paper §3.2 "State RoPE re-rotation").
+"""Scalar-decay linear attention with RoPE applied to q and k inside the layer (Ring-linear style:
+the "State RoPE re-rotation" of section 3.2 of the paper "HYPIC: Accelerating Hybrid-Attention LLM
+Serving with Position-Independent Caching").
 
 S_t = exp(-s_h) S_{t-1} + R(t) k_t v_t^T, o_t = D^-1/2 (R(t) q_t)^T S_t, with q, k, v = silu(W x) per head
 (Lightning's projections, no conv), R(t) the rotary embedding of absolute position t on the first

@@ -36,7 +36,7 @@ from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..cache.segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState, tensor_bytes
-from .requests import Completion, GenerationRequest, SampleResult
+from .requests import Completion, Request, SampleResult
 from .stats import LoopStats
 
 log = logging.getLogger("hypic.server")
@@ -75,7 +75,7 @@ class ErrorEvent:
 Event = ProgressEvent | DoneEvent | ErrorEvent
 
 
-def input_logits_from(request: GenerationRequest, prompt_tokens: int) -> int | None:
+def input_logits_from(request: Request, prompt_tokens: int) -> int | None:
     """The first prompt position whose logits the request needs (input logprobs), or None."""
     return None if request.logprobs is None else request.logprobs.input_from(prompt_tokens)
 
@@ -100,7 +100,7 @@ class Job:
 
     rid: str
     parts: PromptParts
-    request: GenerationRequest
+    request: Request
     mode: Mode
     sequences: list[Sequence]
     emit: Callable[[Event], None]
@@ -234,7 +234,7 @@ class EngineLoop:
             self._queued += 1
         self.inbox.put(item)
 
-    def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
+    def submit(self, parts: PromptParts, request: Request, sequences: list[Sequence],
                emit: Callable[[Event], None], arrived: float | None = None,
                peer_work: PeerWork | None = None) -> Job:
         """Queue a validated request whose samples (``Engine.sequences``) are ready to run.
@@ -251,7 +251,7 @@ class EngineLoop:
         self._enqueue(job)
         return job
 
-    def check_state_fits(self, parts: PromptParts, request: GenerationRequest, samples: int) -> int:
+    def check_state_fits(self, parts: PromptParts, request: Request, samples: int) -> int:
         """The state bytes a request may hold (KV of the prompt, which its samples share, and of
         max_new_tokens and linear states per sample); raises ``InvalidRequest`` if that can never
         fit ``max_state_bytes`` (checked before any of its work starts, here or on peers)."""

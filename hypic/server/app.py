@@ -1,4 +1,4 @@
-"""The HTTP surface (DESIGN §8): SGLang-native ``/generate``, OpenAI completions and chat, warmup,
+"""The HTTP surface: SGLang-native ``/generate``, OpenAI completions and chat, warmup,
 health, info, flush and metrics. Handlers validate and tokenize; the engine loop does the rest."""
 import asyncio
 import contextlib
@@ -63,8 +63,15 @@ class ServerInfo:
     max_concurrent_per_key: int | None = None
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "detail": message}, status_code=status)
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: ``param`` names the request field at fault, ``code`` is a string or
+    null (the HTTP status says the class of error); ``detail`` is where FastAPI's clients look."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}, "detail": message}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
 async def _json_body(request: Request) -> Any:
@@ -121,7 +128,14 @@ class Server:
         return namespace_of(salt, getattr(http.state, "caller", None), self.info.isolate_by_key)
 
     def _prepare(self, request: GenerationRequest, namespace: str) -> Prepared:
-        """Tokenize and check one request and make its samples, before any work is queued."""
+        """Tokenize and check one request and make its samples, before any work is queued; a refusal
+        names the request's fields as its client spelled them."""
+        try:
+            return self._checked(request, namespace)
+        except InvalidRequest as err:
+            raise request.in_its_words(err) from err.__cause__
+
+    def _checked(self, request: GenerationRequest, namespace: str) -> Prepared:
         parts = self.loop.engine.parse(request.prompt, namespace)
         if len(parts.segments) > self.info.max_segments:
             raise InvalidRequest(f"the prompt has {len(parts.segments)} segments, over the limit of "
@@ -209,7 +223,7 @@ class Server:
     @staticmethod
     def _error_chunk(event: Event) -> list[Any]:
         if isinstance(event, ErrorEvent):
-            return [{"error": {"message": event.message, "type": "internal_error", "code": 500}}]
+            return [{"error": error_body(event.message, "internal_error")["error"]}]
         return []
 
     # ----- endpoints -------------------------------------------------------------------------
@@ -370,13 +384,12 @@ def _routes(loop: EngineLoop, info: ServerInfo, peers: Peers | None) -> FastAPI:
 
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, err: InvalidRequest) -> JSONResponse:
-        return error_response(400, str(err))
+        return error_response(400, str(err), param=err.param)
 
     @app.exception_handler(ModelNotFound)
     async def unknown_model(_: Request, err: ModelNotFound) -> JSONResponse:
         message = f"The model '{err}' does not exist: this server serves '{info.served_model_name}'"
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": "model",
-                                       "code": "model_not_found"}}, status_code=404)
+        return error_response(404, message, param="model", code="model_not_found")
 
     @app.exception_handler(QueueFull)
     async def busy(_: Request, err: QueueFull) -> JSONResponse:

@@ -1,6 +1,6 @@
 """The one table of request fields the server does not serve, and the rule that judges them.
 
-DESIGN §8: a field an endpoint does not serve is judged by its *value*. A value that asks for
+A field an endpoint does not serve is judged by its *value*. A value that asks for
 behaviour (a LoRA adapter, hidden states, tools) is refused with a 400 naming
 the field and why, never accepted and ignored. A neutral value — ``null``, ``false``, ``""``,
 ``[]``, ``{}`` or the field's documented default — asks for nothing and is accepted, because real
@@ -129,7 +129,7 @@ def check_fields(body: dict, served: set[str], where: str) -> None:
             continue
         rule = UNSERVED.get(name)
         if rule is None and not is_neutral(value):
-            raise InvalidRequest(f"unsupported field {name!r} in {where}")
+            raise InvalidRequest(f"unsupported field {name!r} in {where}", param=name)
         if rule is not None and not rule.accepts(value):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-            raise InvalidRequest(f"{name!r} = {shown} in {where} is not supported: {rule.reason}")
+            raise InvalidRequest(f"{name!r} = {shown} in {where} is not supported: {rule.reason}", param=name)

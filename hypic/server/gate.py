@@ -31,7 +31,8 @@ class BodyTooLarge(Exception):
         super().__init__(f"the request body has {size} bytes or more, over the limit of {limit} (--max-request-bytes)")
 
 
-def _error(status: int, message: str, kind: str, code: str | int) -> tuple[bytes, int]:
+def _error(status: int, message: str, kind: str, code: str | None) -> tuple[bytes, int]:
+    """OpenAI's error object (``app.error_body``'s shape: ``code`` a string or null)."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}, "detail": message}
     return json.dumps(body).encode(), status
 
@@ -100,7 +101,7 @@ class Gate:
 
 
 def _too_large(err: BodyTooLarge) -> tuple[bytes, int]:
-    return _error(413, str(err), "invalid_request_error", 413)
+    return _error(413, str(err), "invalid_request_error", None)
 
 
 async def _reply(send: Send, body: bytes, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> Any:

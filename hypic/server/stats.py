@@ -55,7 +55,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
 
 
 TIER_METRICS = (  # (name, kind, field of a tier's status, help)
-    ("tier_healthy", "gauge", "healthy", "1 while the tier answers, 0 while it is skipped after a failure"),
+    ("tier_healthy", "gauge", "healthy", "1 while the tier answers, 0 while it connects or is skipped after a failure"),
+    ("tier_connecting", "gauge", "connecting", "1 while the tier makes its first connection (not failed yet)"),
     ("tier_bytes", "gauge", "bytes", "bytes of entry files the tier holds (this server's index)"),
     ("tier_entries", "gauge", "entries", "entry files the tier holds (this server's index)"),
     ("tier_hits_total", "counter", "hits", "memory misses served from the tier"),

@@ -1,4 +1,4 @@
-"""Who may call the server, and which cache namespace a request lives in (DESIGN §6).
+"""Who may call the server, and which cache namespace a request lives in.
 
 API keys are held as SHA-256 digests and a presented key is compared with every one of them in
 constant time, so neither the response time nor the logs say anything about the keys. A request's

@@ -1,4 +1,4 @@
-"""A field the server does not serve is judged by its value (DESIGN §8): a neutral value (null,
+"""A field the server does not serve is judged by its value (``hypic/server/fields.py``): a neutral value (null,
 false, "", [], {}, the documented default) asks for nothing and is accepted; a value that asks for
 behaviour is a 400 whose message names the field. Representative fields, mostly the ones real
 clients send with every request (SGLang's bench_serving, bench_multiturn and cache-hit kit:

@@ -1,5 +1,5 @@
-"""The rooms and floors of the code: read from the sources' module-level imports (``ast``; imports
-inside functions are on-demand and not counted), what imports what.
+"""Which parts of the code may import which: read from the sources' module-level imports (``ast``;
+imports inside functions are on-demand and not counted), what imports what.
 
 - the serving package never imports the training and data toolkit (``hypic_data``);
 - the router imports nothing from the server (``hypic.server``), not even through the modules it

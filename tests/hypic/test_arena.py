@@ -1,4 +1,4 @@
-"""The pools' arenas (issue 27, L1): slots taken and given back by reference count, poisoned when
+"""The pools' arenas (their preallocated memory): slots taken and given back by reference count, poisoned when
 free, reused; slabs grown and released. Oracles: the tensors copied in, closed-form slot counts, NaN
 poisoning. (The private pool's readers against slot reuse: test_zero_copy.py.)"""
 import threading

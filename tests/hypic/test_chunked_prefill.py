@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
-from hypic.segment_prefill import prefill_interior, prefill_interior_steps
+from hypic.segment_prefill import prefill_interior_steps
+from hypic_testing.steps import prefill_interior
 from hypic.assembler import combine_batch, drain
 from hypic.cache.segments import Run, Splice, chunk_pieces
 from hypic.cache.store import AttentionInterior, LinearInterior

@@ -4,6 +4,7 @@ Runs only where a GPU is present; the CPU paths are the oracle, themselves check
 transformers and the token-loop recurrence elsewhere.
 """
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_requests_prefilled_together_on_cuda_match_each_alone(engines: dict[str,
     batches them: each linear layer's runs of all four in FLA's varlen calls, each request from its
     own entering state; every request's logits equal its prefill alone on the CPU."""
     import hypic.assembler as assembler
-    from hypic.assembler import drain_together
+    from hypic_testing.steps import drain_together
 
     widths: list[int] = []
     together = assembler.recurrences_together
@@ -141,3 +142,90 @@ def test_host_memory_on_cuda_hands_back_evicted_documents(tiny_checkpoint: Path)
 def _tensors(entry) -> list[torch.Tensor]:
     from hypic.cache.store import entry_tensors
     return entry_tensors(entry)
+
+
+# One tiny checkpoint per linear family that FLA runs on a GPU: Gated DeltaNet, KDA, GLA (diagonal
+# gates), Lightning and Mamba2 (scalar gates, FLA's simple GLA).
+GPU_KERNEL_FAMILIES = ("qwen3_5_text-ratio2", "kimi_linear", "hypic_gla", "minimax", "granitemoehybrid", "nemotron_h")
+
+
+@pytest.fixture
+def ieee_fp32(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """fp32 without TF32 everywhere: torch's matmuls and cuDNN, and Triton's dots (FLA's kernels
+    follow Triton's default input precision, TF32, unless told otherwise)."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # properties monkeypatch cannot set
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _layer0_states(engine: Engine, prompt: str, docs: list[str]) -> dict[str, torch.Tensor]:
+    """The first linear layer's state after a hypic and a full prefill of ``prompt`` (documents cached)."""
+    engine.warmup(docs)
+    first = engine.model.config.linear_layers()[0]
+    states = {}
+    for mode in ("hypic", "full"):
+        result = engine.prefill(engine.parse(prompt), mode)
+        if mode == "hypic":
+            assert result.stats.segments_hit == len(docs)
+        states[mode] = result.state.layers[first].recurrent.float().cpu()
+    return states
+
+
+@pytest.mark.parametrize("name", GPU_KERNEL_FAMILIES)
+def test_layer0_composition_is_exact_in_fp32_on_cuda(name: str, checkpoint_factory, ieee_fp32: None) -> None:
+    """fp32, no TF32: hypic's composed layer-0 state equals full recompute's on the GPU (FLA's kernels)
+    to 1e-5, and full recompute on the GPU equals the CPU's PyTorch chunked form (itself checked
+    against the token loop) to 1e-5."""
+    import fla  # noqa: F401  (on a GPU the test must run FLA's kernels, not the PyTorch fallback)
+    path = checkpoint_factory(name)
+    prompt, docs = _prompt(10)
+    cuda = _layer0_states(Engine.from_pretrained(path, device="cuda", dtype="float32", seam_width=8), prompt, docs)
+    cpu = _layer0_states(Engine.from_pretrained(path, device="cpu", dtype="float32", seam_width=8), prompt, docs)
+    errors = {"hypic vs full, cuda": _rel(cuda["hypic"], cuda["full"]),
+              "full cuda vs full cpu": _rel(cuda["full"], cpu["full"])}
+    print(name, {k: f"{v:.2e}" for k, v in errors.items()})
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_private_pool_on_cuda_resumes_from_its_arenas_in_place(tiny_checkpoint: Path) -> None:
+    """The private pool's KV pages live in CUDA arenas: a prompt sharing 600 tokens with an earlier
+    one resumes at 512 reading those pages in place, and its logits and decode steps equal the CPU
+    engine's full prefill of the same tokens."""
+    from hypic.state import AttentionLayerState
+    engine = Engine.from_pretrained(tiny_checkpoint, device="cuda", snapshot_interval=128)
+    cpu = Engine.from_pretrained(tiny_checkpoint, device="cpu", private_pool_bytes=0)
+    rng, vocab = random.Random(3), engine.model.config.vocab_size
+    ids = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    prefix = ids(600)
+    engine.prefill(engine.parse(prefix + ids(20)))
+    prompt = prefix + ids(20)
+    resumed = engine.prefill(engine.parse(prompt))
+    assert resumed.stats.prefix_hit_tokens == 512
+    pages = {t.data_ptr() for node in engine.prefix_cache._nodes() for blocks in node.pages.values()
+             for block in blocks for t in block}
+    attention = [layer for layer in resumed.state.layers if isinstance(layer, AttentionLayerState)]
+    shared = [t for layer in attention for block in layer.shared for t in block]
+    assert attention and shared and all(t.is_cuda and t.data_ptr() in pages for t in shared)
+    assert _rel(resumed.logits, cpu.prefill(cpu.parse(prompt)).logits) < 2e-3
+    state, token, tokens = resumed.state, int(resumed.logits.argmax()), prompt
+    for _ in range(3):  # decode on the shared pages, against the CPU's prefill of each longer prompt
+        tokens = tokens + [token]
+        logits, state = engine.decode_step(state, token)
+        assert _rel(logits, cpu.prefill(cpu.parse(tokens)).logits) < 2e-3
+        token = int(logits.argmax())
+
+
+def test_cuda_arena_slots_are_poisoned_and_reused() -> None:
+    """An arena of CUDA slabs: a slot given back is NaN-poisoned on the GPU and taken again."""
+    from hypic.cache.arena import Arena, Field
+    fields = (Field((2, 3), torch.float32), Field((5,), torch.bfloat16))
+    arena = Arena(fields, torch.device("cuda"), slab_bytes=4 * (2 * 3 * 4 + 5 * 2))
+    slot = arena.take()
+    number, (a, b) = slot.number, slot.views()
+    assert a.is_cuda and b.is_cuda
+    a.fill_(1.0), b.fill_(2.0)
+    del slot
+    assert arena.used == 0 and torch.isnan(a[:, 0]).all().item() and torch.isnan(b[0]).item()
+    assert arena.take().number == number

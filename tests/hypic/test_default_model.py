@@ -1,4 +1,4 @@
-"""The default model shipped in the package (issue 4): a valid HF checkpoint that answers."""
+"""The default model shipped in the package: a valid HF checkpoint that answers."""
 import json
 
 import pytest

@@ -341,7 +341,7 @@ def test_requests_prefilled_together_match_reference(setup: Setup, monkeypatch: 
     the CUDA strategy forced on the CPU, every request's runs of a linear layer in one varlen call
     (``recurrences_together``), several requests in one (a document being built runs apart)."""
     import hypic.assembler as assembler
-    from hypic.assembler import drain_together
+    from hypic_testing.steps import drain_together
 
     widths: list[int] = []
     if varlen:

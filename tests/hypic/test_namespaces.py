@@ -1,4 +1,5 @@
-"""Cache namespaces (DESIGN §6): an entry or a request state cached in one namespace is never
+"""Cache namespaces (a request's ``cache_salt`` / ``extra_key``, or its API key under
+``--isolate-by-key``): an entry or a request state cached in one namespace is never
 reused in another, and a request for another namespace's documents takes exactly the cold path.
 The oracle for "cold" is an engine that has never seen anything: same logits, same counters."""
 import random

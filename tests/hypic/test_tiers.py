@@ -863,6 +863,49 @@ def test_mooncake_knows_what_this_server_put_or_found_until_it_sees_it_gone() ->
     assert not tier.indexed("shared/c") and tier.describe()["known_entries"] == 0
 
 
+def _held_connect(monkeypatch: pytest.MonkeyPatch, ends: threading.Event, client: object | None) -> None:
+    """Mooncake's connection attempts wait for ``ends``, then connect to ``client`` (None: fail)."""
+    from hypic.cache.tiers.mooncake import MooncakeTier
+
+    def setup(tier: MooncakeTier):
+        assert ends.wait(30)
+        if client is None:
+            raise ConnectionError("setup returned -1")
+        return client
+
+    monkeypatch.setattr(MooncakeTier, "_setup", setup)
+
+
+def _mooncake_status(engine: Engine) -> dict:
+    return tiers_of(engine).describe()["tiers"]["mooncake"]
+
+
+@pytest.mark.parametrize("reachable", [False, True])
+def test_mooncake_is_connecting_not_unhealthy_until_its_first_attempt_ends(
+        make: MakeEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, reachable: bool) -> None:
+    """While the first connection is under way the tier is "connecting" (not used, no warning logged);
+    once the attempt has failed it is "unhealthy" with the attempt's error, once it has succeeded "healthy"."""
+    ends = threading.Event()
+    _held_connect(monkeypatch, ends, FakeMooncakeStore() if reachable else None)
+    engine = make(cache_dir=None, mooncake_master="127.0.0.1:50051")
+    tiers, tier = tiers_of(engine), tiers_of(engine).tiers[0]
+    with caplog.at_level("WARNING", logger="hypic.cache.tiers"):
+        assert not tiers.usable(tier) and not tiers.ready()
+        status = _mooncake_status(engine)
+        assert (status["state"], status["healthy"], status["connecting"], status["error"]) == ("connecting", False,
+                                                                                              True, "")
+        assert caplog.records == []
+        ends.set()
+        tier.connecting.join(30)
+        assert tiers.usable(tier) == reachable
+    status = _mooncake_status(engine)
+    if reachable:
+        assert (status["state"], status["healthy"], status["error"]) == ("healthy", True, "") and caplog.records == []
+    else:
+        assert (status["state"], status["healthy"], status["connecting"]) == ("unhealthy", False, False)
+        assert "setup returned -1" in status["error"] and "setup returned -1" in caplog.text
+
+
 # ----- the private pool's resume points in Mooncake -------------------------------------------------
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> FakeMooncakeStore:

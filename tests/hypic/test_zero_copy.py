@@ -1,4 +1,4 @@
-"""Private-pool hits copy nothing (issue 27, L1). Oracles: the process's RSS (concurrent requests
+"""Private-pool hits copy nothing. Oracles: the process's RSS (concurrent requests
 resuming from one prefix hold one copy of its KV), the storage a resumed state reads (the pool's
 own pages), full recompute (what resumed and forked states compute), and closed-form accounting of
 what eviction may and may not drop."""

@@ -74,7 +74,8 @@ def test_prefix_index_forgets_least_recently_used_blocks_first() -> None:
 
 
 def test_a_prompt_without_documents_goes_where_its_prefix_is_unless_that_worker_is_swamped() -> None:
-    """Whole-request routing (seed 000): 2 x held fraction of the 600-token prompt - queued / (busiest + 600)."""
+    """Whole-request routing (a prompt with no documents goes to the worker that can resume it, unless
+    that worker is swamped): 2 x held fraction of the 600-token prompt - queued / (busiest + 600)."""
     assert make_plan([], SegmentIndex(), {0: 0, 1: 0}, prefixes={1: 512}, prompt_tokens=600).combine == 1
     assert make_plan([], SegmentIndex(), {0: 0, 1: 9000}, prefixes={1: 512}, prompt_tokens=600).combine == 1  # 1.71 - 0.94
     assert make_plan([], SegmentIndex(), {0: 0, 1: 100}, prefixes={1: 64}, prompt_tokens=600).combine == 1  # 0.21 - 0.14

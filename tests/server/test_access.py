@@ -1,4 +1,4 @@
-"""Safe to share (issue 30): API keys, cache namespaces per salt and per key, and request bounds,
+"""A server safe to share: API keys, cache namespaces per salt and per key, and request bounds,
 against real ``hypic serve`` processes. The oracle for a namespace that must not see another's cache
 is a cold request: the counters of the same prompt sent first in a fresh namespace."""
 import hmac

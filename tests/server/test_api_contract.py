@@ -245,8 +245,8 @@ def test_output_past_the_context_is_refused_on_every_endpoint(server: ServerProc
               "/v1/chat/completions": {"messages": [{"role": "user", "content": prompt}], "max_tokens": over}}
     for path, body in bodies.items():
         status, payload = server.request("POST", path, body)
-        message = payload["error"]["message"]
-        assert status == 400 and f"max_new_tokens asks for {over} more" in message, (path, payload)
+        message, field = payload["error"]["message"], "max_new_tokens" if path == "/generate" else "max_tokens"
+        assert status == 400 and f"{field} asks for {over} more" in message, (path, payload)
         assert f"context of {limit} tokens" in message
     assert "the prompt has 100 tokens" in server.request("POST", "/generate", bodies["/generate"])[1]["error"]["message"]
     ids = tokenizer.encode(_text(22, limit - 2))

@@ -531,6 +531,34 @@ def test_short_requests_are_not_held_up_by_a_long_cold_one(engine: Engine) -> No
     assert all(collector.done[f"short{i}"].completion.ttft_s < long_ttft / 2 for i in range(5))
 
 
+def test_a_long_wait_earns_a_request_a_place_ahead_of_shorter_ones(engine: Engine) -> None:
+    """One running slot; each request ranks by its uncached tokens less 256 tokens per second waited.
+    A 600-token prompt that has waited 2 s longer than a 60- and a 300-token one ranks at 600 - 512
+    = 88 against their 60 and 300: it overtakes the 300-token one (difference 300 < 512) and not
+    the 60-token one (difference 540 > 512)."""
+    assert loop_module.WAIT_CREDIT_TOKENS_PER_S == 256
+    loop = EngineLoop(engine, "hypic", max_running=1, max_prefill_batch=1)
+    collector = Collector()
+    now = time.perf_counter()
+    waited = {"long": 2.0, "medium": 0.0, "short": 0.0}
+    sizes = {"long": 600, "medium": 300, "short": 60}
+    jobs = {}
+    for seed, name in enumerate(("medium", "short", "long")):  # in an order that is none of the expected ones
+        rng = random.Random(70 + seed)
+        prompt = [rng.randrange(3, 250) for _ in range(sizes[name])]  # token ids: exactly that many tokens
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        parts = engine.parse(prompt)
+        jobs[name] = loop.submit(parts, GenerationRequest(prompt, params), engine.sequences(params, parts.token_ids),
+                                 collector.emit_for(name), arrived=now - waited[name])
+    assert {name: engine.uncached_tokens(job.plan) for name, job in jobs.items()} == sizes  # all cold
+    loop.start()
+    try:
+        collector.wait(3)
+    finally:
+        loop.stop()
+    assert collector.order == ["short", "long", "medium"]
+
+
 def test_over_http_short_requests_finish_before_a_long_cold_one(launch, checkpoint_factory) -> None:
     """A real server: a 14000-token cold request, then, once it is being prefilled, five short ones;
     the short ones come back first and their TTFTs are well below the long one's."""

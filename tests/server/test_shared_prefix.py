@@ -1,6 +1,6 @@
 """``hypic serve`` as shipped (default pools) under 16 concurrent requests that resume from one
 cached 4k-token prefix: the server process holds one copy of the prefix's KV, not one per request
-(issue 27). Oracle: the server's RSS, read from /proc while all 16 are decoding."""
+(private-pool hits copy nothing). Oracle: the server's RSS, read from /proc while all 16 are decoding."""
 import json
 import os
 import threading

@@ -49,12 +49,17 @@ PREFETCH_BYTES_PER_S = 200e6  # ... plus the bytes to load at this rate
 MAX_PREFETCHES = 512  # loads started and not yet taken, at most (older ones are forgotten)
 
 
+class TierConnecting(ConnectionError):
+    """The tier is still making its first connection (Mooncake's client connects in the background):
+    not usable yet, and not failed either."""
+
+
 class BlobTier(Protocol):
     """A store of whole entry files by address."""
 
     name: str
 
-    def open(self) -> None: ...  # connect / create; raises if the tier cannot be used now
+    def open(self) -> None: ...  # connect / create; raises if the tier cannot be used now (TierConnecting: not yet)
     def reading(self, address: str): ...  # context manager: the bytes, or None if absent
     def contains(self, address: str) -> bool: ...
     def indexed(self, address: str) -> bool: ...  # held per a local index (no I/O); False where unknown
@@ -69,6 +74,7 @@ class TierCounters:
     """One tier's health and totals since start."""
 
     healthy: bool = True
+    connecting: bool = False  # its first connection is under way (not healthy, not failed)
     error: str = ""
     failed_at: float = 0.0
     hits: int = 0
@@ -82,9 +88,18 @@ class TierCounters:
 
     def failed(self, err: BaseException) -> None:
         self.healthy, self.error, self.failed_at = False, f"{type(err).__name__}: {err}", time.monotonic()
+        self.connecting = False
+
+    def started_connecting(self) -> None:
+        self.healthy, self.connecting, self.error = False, True, ""
 
     def answered(self) -> None:
-        self.healthy, self.error = True, ""
+        self.healthy, self.connecting, self.error = True, False, ""
+
+    @property
+    def state(self) -> str:
+        """healthy, connecting (its first connection under way) or unhealthy (skipped after a failure)."""
+        return "healthy" if self.healthy else "connecting" if self.connecting else "unhealthy"
 
 
 @dataclass
@@ -114,6 +129,9 @@ class StorageTiers:
         for tier in tiers:
             try:
                 tier.open()
+            except TierConnecting as err:
+                log.info("%s tier connecting in the background (%s)", tier.name, err)
+                self.counters[tier.name].started_connecting()
             except Exception as err:
                 log.info("%s tier not ready (%s: %s); retried in the background", tier.name, type(err).__name__, err)
                 self.counters[tier.name].failed(err)
@@ -219,18 +237,21 @@ class StorageTiers:
         return entry
 
     def usable(self, tier: BlobTier) -> bool:
-        """Healthy, or failed over ``RETRY_S`` ago and open again now (a master back, a disk freed)."""
+        """Healthy, connected since it was last asked, or failed over ``RETRY_S`` ago and open again now
+        (a master back, a disk freed)."""
         counters = self.counters[tier.name]
         if counters.healthy:
             return True
-        if time.monotonic() - counters.failed_at < RETRY_S:
+        if time.monotonic() - counters.failed_at < RETRY_S:  # never true while connecting: it has not failed
             return False
         try:
             tier.open()
+        except TierConnecting:
+            return False  # not failed: its first attempt is still under way
         except Exception as err:
             self.fail(tier, err)
             return False
-        log.info("%s tier available again", tier.name)
+        log.info("%s tier %s", tier.name, "connected" if counters.connecting else "available again")
         with self.lock:
             counters.answered()
         return True
@@ -370,7 +391,7 @@ class StorageTiers:
             queued, dropped = self.queued_bytes, self.dropped_writes
         tiers = {}
         for tier in self.tiers:
-            status = counters[tier.name]
+            status = {**counters[tier.name], "state": self.counters[tier.name].state}
             status.pop("failed_at")
             try:
                 tiers[tier.name] = {**tier.describe(), **status}

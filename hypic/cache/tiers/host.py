@@ -146,5 +146,5 @@ class HostTier:
             "write_policy": None, "prefetch_policy": None, "prefetches": {}, "write_queue": 0, "write_queue_bytes": 0,
             "dropped_writes": 0, "tiers": {}}
         host = {"budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self.entries),
-                "healthy": True, "error": "", **vars(self.counters)}
+                "healthy": True, "connecting": False, "state": "healthy", "error": "", **vars(self.counters)}
         return {**report, "tiers": {self.name: host, **report.get("tiers", {})}}

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hierarchy import TierConnecting
+
 PREFIX = "hypic/"
 DEFAULT_SEGMENT_BYTES = 1 << 30  # memory this server lends the shared store
 DEFAULT_BUFFER_BYTES = 256 << 20  # its transfer buffer
@@ -26,7 +28,11 @@ KNOWN_ADDRESSES = 1 << 16  # addresses this server has seen in the store, at mos
 
 
 class MooncakeUnavailable(ConnectionError):
-    """The master cannot be reached (yet), or a call to it failed."""
+    """The master cannot be reached, or a call to it failed."""
+
+
+class MooncakeConnecting(MooncakeUnavailable, TierConnecting):
+    """The first connection to the master is under way (it has not failed yet)."""
 
 
 class MooncakeTier:
@@ -47,15 +53,25 @@ class MooncakeTier:
         self.known_lock = threading.Lock()
 
     def open(self) -> None:
-        """Return if connected; else start connecting (once at a time) and raise ``MooncakeUnavailable``."""
+        """Return if connected; else start connecting (once at a time) and raise ``MooncakeConnecting``
+        until an attempt has failed, ``MooncakeUnavailable`` with its error after."""
         if self.client is not None:
             return
         if self.connecting is None or not self.connecting.is_alive():
             self.connecting = threading.Thread(target=self._connect, name="hypic-mooncake-connect", daemon=True)
             self.connecting.start()
-        raise MooncakeUnavailable(self.error or f"connecting to the Mooncake master {self.master}")
+        if self.error:
+            raise MooncakeUnavailable(self.error)
+        raise MooncakeConnecting(f"connecting to the Mooncake master {self.master}")
 
     def _connect(self) -> None:
+        """One attempt; its failure stays in ``error`` (the next ``open`` reports it and tries again)."""
+        try:
+            self.client, self.error = self._setup(), ""
+        except Exception as err:  # noqa: BLE001 - reported by open, never raised on this thread
+            self.error = f"cannot reach the Mooncake master {self.master} ({type(err).__name__}: {err})"
+
+    def _setup(self):
         os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's client logs every call at INFO otherwise
         from mooncake.store import MooncakeDistributedStore
 
@@ -63,9 +79,8 @@ class MooncakeTier:
         code = client.setup(self.local_hostname, self.metadata_server, self.segment_bytes, self.buffer_bytes,
                             "tcp", "", self.master)
         if code != 0:
-            self.error = f"cannot reach the Mooncake master {self.master} (setup returned {code})"
-            return
-        self.client, self.error = client, ""
+            raise ConnectionError(f"setup returned {code}")
+        return client
 
     def _connected(self):
         if self.client is None:

@@ -9,9 +9,9 @@ its keys inside the state: its isolated k enters the state rotated at the global
 segments without an interior, Q, generated tokens) is recomputed through every layer at its
 global position. With no interior this is the plain forward.
 
-A segment of n tokens has head seam max(w, k - 1) (the conv warm-up, paper §4.2), tail seam w,
-and an interior if anything is left between them; the last prompt token is never interior
-(its logits start generation).
+A segment of n tokens has head seam max(w, k - 1) (the conv warm-up: those tokens' conv windows
+reach into the previous part), tail seam w, and an interior if anything is left between them; the
+last prompt token is never interior (its logits start generation).
 """
 from dataclasses import dataclass
 
