@@ -40,7 +40,7 @@ DEFAULT_SNAPSHOT_INTERVAL = 256
 def default_snapshot_interval(config: ModelConfig) -> int:
     """Tokens between private-pool resume points: 256, or, for a sliding-window model, as many tokens
     as it takes their full-attention KV to cost what a resume point's window tails cost (rounded up
-    to 256; MiMo-V2-Flash: 1280), so the tails never dominate the pool (eval/results/swa_pool.md)."""
+    to 256; MiMo-V2-Flash: 1280), so the tails never dominate the pool."""
     windows = config.window_layers()
     full = [i for i in config.attention_layers() if i not in windows]
     if not windows or not full:
