@@ -28,7 +28,7 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.sampling import SamplingParams
-from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event
+from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event
 from hypic.server.protocol import GenerationRequest
 
 REQUESTS = 8

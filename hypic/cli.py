@@ -251,7 +251,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     from .server.app import ServerInfo, build_app
     from .server.chat import load_chat_template
-    from .server.loop import EngineLoop, default_prefill_batch
+    from .scheduler.loop import EngineLoop, default_prefill_batch
 
     if args.max_prefill_batch is None:
         args.max_prefill_batch = default_prefill_batch(args.device)
@@ -328,7 +328,7 @@ def _peers(args: argparse.Namespace, choice: ModelChoice) -> Any:
         raise HypicError("--worker-timeout must be > 0")
     try:
         return PeerPrefill(str(choice.path), args.workers, threads=args.threads, ray_address=args.ray_address,
-                           seam_width=args.seam_width, timeout_s=args.worker_timeout, separator=args.pic_separator,
+                           seam_width=args.seam_width, timeout_s=args.worker_timeout,
                            engine_options=options, transfer=args.transfer)
     except Exception as err:  # Ray could not start or join, or a worker could not load the model
         raise HypicError(f"could not start {args.workers - 1} Ray worker(s): {type(err).__name__}: {err}") from err

@@ -1,7 +1,7 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -18,13 +18,14 @@ from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
 from .models.families import family_of
-from .cache.modes import Mode, ModePolicy, mode_policy, tree_namespace
+from .cache.modes import Mode, ModePolicy, tree_namespace
+from .planner import Planner
 from .prefill_stats import BuiltForRequest, PrefillStats
-from .cache.plan import RequestPlan, plan_request
+from .cache.plan import RequestPlan
 from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
-from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries, split_prompt
+from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState, WindowLayerState
 from .cache.store import Event, LinearInterior, Load, SegmentEntry, SegmentStore, entry_key
@@ -40,7 +41,7 @@ DEFAULT_SNAPSHOT_INTERVAL = 256
 def default_snapshot_interval(config: ModelConfig) -> int:
     """Tokens between private-pool resume points: 256, or, for a sliding-window model, as many tokens
     as it takes their full-attention KV to cost what a resume point's window tails cost (rounded up
-    to 256; MiMo-V2-Flash: 1280), so the tails never dominate the pool (eval/results/swa_pool.md)."""
+    to 256; MiMo-V2-Flash: 1280), so the tails never dominate the pool."""
     windows = config.window_layers()
     full = [i for i in config.attention_layers() if i not in windows]
     if not windows or not full:
@@ -106,6 +107,9 @@ class Engine:
             raise InvalidRequest("pic_separator must be a non-empty string")
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
         self.seam_width, self.pic_separator = seam_width, pic_separator
+        config = model.config
+        self.planner = Planner(tokenizer, fingerprint, seam_width, config.linear_conv_kernel_dim,
+                               config.max_position_embeddings, config.vocab_size, pic_separator)
         self.store = store if store is not None else SegmentStore()
         self.store.rebuild_cost = lambda entry: self.rebuild_flops(len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
@@ -148,7 +152,7 @@ class Engine:
     def policy(self, mode: Mode | str, namespace: str = "") -> ModePolicy:
         """What ``mode`` reuses and how, for this engine's seam width and model, inside cache
         ``namespace`` ("": the shared one)."""
-        return mode_policy(mode, self.seam_width, self.model.config.linear_conv_kernel_dim).scoped(namespace)
+        return self.planner.policy(mode, namespace)
 
     @property
     def seams(self) -> Seams:
@@ -328,7 +332,7 @@ class Engine:
         """What a prefill of ``parts`` under ``mode`` reuses, worked out once (see ``RequestPlan``):
         the segments it splices (none from ``logits_from`` on), their public-pool keys, its layout
         marks and its private-pool key. Pure: safe on any thread."""
-        return plan_request(parts, self.policy(mode, parts.namespace), self.fingerprint, logits_from)
+        return self.planner.plan(parts, mode, logits_from)
 
     def _not_in_memory(self, plan: RequestPlan) -> list[tuple[str, tuple[int, ...]]]:
         """(key, token ids) of each document ``plan`` splices that memory lacks, when there are lower
@@ -383,22 +387,8 @@ class Engine:
     def parse(self, prompt: str | list[int], namespace: str = "") -> PromptParts:
         """Split and tokenize a prompt, checking it fits the model's positions. A list of token ids
         is taken as it is (no segments: every token is Q, though a prefix-cache hit still applies).
-        ``namespace``: the cache namespace the request lives in ("": shared)."""
-        parts = self._parse_ids(prompt) if isinstance(prompt, list) else split_prompt(prompt, self.tokenizer.encode,
-                                                                                     self.pic_separator)
-        limit = self.model.config.max_position_embeddings
-        if len(parts.token_ids) > limit:
-            raise InvalidRequest(f"the prompt has {len(parts.token_ids)} tokens, over the model's limit of {limit}")
-        return replace(parts, namespace=namespace) if namespace else parts
-
-    def _parse_ids(self, ids: list[int]) -> PromptParts:
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise InvalidRequest("input_ids is empty")
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"input_ids must be integers in [0, {vocab}), got {bad!r}")
-        return PromptParts((), (), tuple(ids))
+        ``namespace``: the cache namespace the request lives in ("": shared). Pure: safe on any thread."""
+        return self.planner.parse(prompt, namespace)
 
     def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats,
                       built: BuiltForRequest) -> RequestState:
@@ -541,24 +531,28 @@ class Engine:
         """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive) in one go."""
         return drain(self.prefill_steps(self.plan(parts, mode, logits_from), built))
 
-    def held_head(self, plan: RequestPlan) -> RequestPlan | None:
+    def held_head(self, plan: RequestPlan, arriving: frozenset[str] = frozenset()) -> RequestPlan | None:
         """The plan of ``plan``'s prompt cut after its longest run of leading documents whose spliced
         interiors the public pool holds (no query), when that run stops short of the last document
         and holds a spliced document past the request's private-pool resume point; else None
-        (nothing to combine early)."""
+        (nothing to combine early). Documents keyed in ``arriving`` count as not held yet, even if
+        they came in meanwhile: the head is what was held when it was asked for."""
         parts, policy = plan.parts, plan.policy
         if policy.seams is None or policy.tree is None or self.prefix_cache.budget_bytes == 0:
             return None
         held = 0
-        while held < len(parts.segments) and (held not in plan.entry_keys or self.store.peek(
-                plan.entry_keys[held], parts.segments[held]) is not None):
+        while held < len(parts.segments) and self._holds(plan, held, arriving):
             held += 1
-        head = PromptParts(parts.leading, parts.segments[:held], (), parts.namespace)
-        if held == len(parts.segments) or not head.token_ids:
+        if held == len(parts.segments) or not (parts.leading or held):
             return None
-        head_plan = self.plan(head, policy.name)
+        head_plan = plan.head(held)
         resume = self.prefix_cache.peek(policy.tree, head_plan.tree_key, len(head_plan.tree_key) - 1)
         return head_plan if any(parts.segment_starts[i] >= resume for i in head_plan.spliced) else None
+
+    def _holds(self, plan: RequestPlan, index: int, arriving: frozenset[str]) -> bool:
+        """Whether segment ``index`` needs nothing more: not spliced, or its interior held, not arriving."""
+        key = plan.entry_keys.get(index)
+        return key is None or (key not in arriving and self.store.peek(key, plan.parts.segments[index]) is not None)
 
     def precombine(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC,
                    built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
@@ -569,10 +563,11 @@ class Engine:
         computed for it."""
         return drain(self.precombine_steps(self.plan(parts, mode), built))
 
-    def precombine_steps(self, plan: RequestPlan,
-                         built: BuiltForRequest = BuiltForRequest()) -> Steps[PrefillStats | None]:
-        """``precombine`` of a planned request as ``Steps`` (the head is chosen at the first)."""
-        head = self.held_head(plan)
+    def precombine_steps(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
+                         arriving: frozenset[str] = frozenset()) -> Steps[PrefillStats | None]:
+        """``precombine`` of a planned request as ``Steps`` (the head is chosen at the first, documents
+        keyed in ``arriving`` left out of it)."""
+        head = self.held_head(plan, arriving)
         if head is None:
             return None
         prefill = yield from self.prefill_steps(head, built, snapshot_end=True)
@@ -625,13 +620,20 @@ class Engine:
                        namespace: str = "", **sampling: Any) -> Steps[GenerationResult]:
         """``generate`` as ``Steps``: the prefill asks for its combine passes (a worker's engine loop
         runs them among its other work); decoding runs at the end, in one go."""
-        params, mode = SamplingParams(**sampling), Mode.parse(mode)
+        start = time.perf_counter()
+        plan = self.plan(self.parse(prompt, namespace), mode)
+        return (yield from self.generate_plan_steps(plan, built, start, **sampling))
+
+    def generate_plan_steps(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
+                            start: float | None = None, **sampling: Any) -> Steps[GenerationResult]:
+        """``generate_steps`` of a request planned already (where it arrived: a router's); ``start``:
+        when it arrived (``time.perf_counter``; now if None)."""
+        params, mode = SamplingParams(**sampling), Mode.parse(plan.policy.name)
         if params.n != 1:
             raise InvalidRequest("Engine.generate makes one continuation (n = 1); the server runs n > 1")
-        start = time.perf_counter()
-        parts = self.parse(prompt, namespace)
-        (sequence,) = self.sequences(params, parts.token_ids)
-        prefill = yield from self.prefill_steps(self.plan(parts, mode), built)
+        start = time.perf_counter() if start is None else start
+        (sequence,) = self.sequences(params, plan.parts.token_ids)
+        prefill = yield from self.prefill_steps(plan, built)
         logits, state, ttft = prefill.logits, prefill.state, time.perf_counter() - start
         state.reserve(state.length + params.max_new_tokens)
         while not sequence.finished:
@@ -640,7 +642,7 @@ class Engine:
                 ttft = time.perf_counter() - start
             if not sequence.finished:
                 logits, state = self.decode_step(state, sequence.output_ids[-1])
-        self.remember(state, mode, namespace)
+        self.remember(state, mode, plan.parts.namespace)
         stats = prefill.stats
         return GenerationResult(sequence.output_ids, sequence.text, stats.prompt_tokens, stats.cached_tokens,
                                 stats.recomputed_tokens, ttft, time.perf_counter() - start, sequence.finish_reason or "",

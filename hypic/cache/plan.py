@@ -41,6 +41,21 @@ class RequestPlan:
         lo, hi = self.policy.seams.interior(len(self.parts.segments[index])) or (0, 0)
         return hi - lo
 
+    def recomputed_tokens(self) -> int:
+        """The tokens its combine pass computes once every spliced interior is cached: the prompt less
+        those interiors (what a combine node's load counts for it)."""
+        return len(self.parts.token_ids) - sum(self.interior_tokens(i) for i in self.spliced)
+
+    def head(self, segments: int) -> "RequestPlan":
+        """The plan of this prompt cut after its first ``segments`` segments (no query): what an early
+        combine of a held head runs. Its documents keep this plan's keys (nothing is hashed again)."""
+        parts = self.parts
+        head = PromptParts(parts.leading, parts.segments[:segments], (), parts.namespace)
+        spliced = spliced_segments(head, self.policy.seams, len(head.token_ids))
+        marks = layout_marks(head, spliced)
+        keys = {i: self.entry_keys[i] for i in spliced}
+        return RequestPlan(head, self.policy, tuple(spliced), keys, marks, cache_key(list(head.token_ids), marks))
+
     def documents(self) -> list[tuple[int, str, tuple[int, ...]]]:
         """(segment index, public-pool key, token ids) of each spliced segment, in prompt order."""
         return [(i, self.entry_keys[i], self.parts.segments[i]) for i in self.spliced]

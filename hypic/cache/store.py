@@ -230,6 +230,20 @@ class SegmentStore:
         entry = self.entries.get(key)
         return entry if entry is not None and entry.token_ids == token_ids else None
 
+    def keys(self) -> frozenset[str]:
+        """The keys of every entry held in memory (what a router's index of this pool syncs on)."""
+        return frozenset(self.entries)
+
+    def held(self, keys: list[str]) -> list[SegmentEntry]:
+        """The entries of ``keys`` held in memory, in that order (evicted ones left out), without
+        counting or touching them (what is shipped to a peer)."""
+        return [entry for key in keys if (entry := self.entries.get(key)) is not None]
+
+    @property
+    def pinned(self) -> int:
+        """Entries held in memory that are in use (never evicted)."""
+        return sum(1 for key in self.pins if key in self.entries)
+
     def put(self, entry: SegmentEntry) -> bool:
         """Insert a complete entry, evicting unpinned ones in the eviction order; False if it does not
         fit. The lower tiers are offered it (whether it fits in memory or not)."""

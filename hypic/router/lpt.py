@@ -1,4 +1,4 @@
-"""Longest-processing-time-first assignment of cold documents to workers (paper eq. 9)."""
+"""Longest-processing-time-first assignment of cold documents to workers."""
 from collections.abc import Sequence
 
 

@@ -5,32 +5,32 @@ with the best cache-aware score (``plan.combine_score``; the server on ties): th
 (peers ship their entries here), or a peer (everyone ships there; it runs the combine pass and
 sends back the request's state, which the server decodes).
 
-``prefill_for`` is the whole of a request's peer work, in one place: plan, dispatch, the server's own
-builds (on its loop), then either receiving the peers' entries while combining early here, or
-shipping this server's entries to the remote combine node; the server's loop starts it once it has
-admitted the request (a slot and room for its state), the HTTP layer only hands it over."""
+A request's peer work is a ``PeerRequest``: started by the loop on its own thread once the loop
+has admitted the request (a slot and room for its state), it goes by the request's
+``RequestPlan`` (made once, when the request arrived) and touches the engine only on the loop's
+thread. Threads of this module wait on Ray and on transfers, never on the loop: what they bring
+back (entries, their end) is posted to the loop's queue, which the loop drains between chunks."""
 import dataclasses
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 
-from hypic import DEFAULT_SEPARATOR
-from hypic.engine import Prefill
-from hypic.prefill_stats import BuiltForRequest
-from hypic.cache.segments import PromptParts
+from hypic import default_model_path
 from hypic.cache.modes import Mode
 from hypic.cache.plan import RequestPlan
 from hypic.cache.store import SegmentEntry
-from hypic.prefill_stats import PrefillStats
-from hypic.server.loop import EngineLoop
+from hypic.engine import Prefill
+from hypic.loader import model_fingerprint
+from hypic.prefill_stats import BuiltForRequest, PrefillStats
+from hypic.scheduler.loop import EngineLoop as Loop
 
-from .plan import Plan, make_plan
+from .plan import Plan, document_jobs, make_plan
 from .pool import WorkerPool, start_ray
-from .splitter import Splitter
-from .transfer import ReceiveCounts, install_entries, receive_all
+from .transfer import ReceiveCounts, entry_check, install_entries, receive_all
 
 LOCAL = 0  # the server's own engine
 
@@ -46,119 +46,80 @@ class Dispatch:
 
 
 class PeerPrefill:
-    """Plans each request over the local engine (worker 0) and the peers, starts the peers' part,
-    and brings back what the combine node needs: entries for the server, or a remote ``Prefill``."""
+    """Plans each request's documents over the local engine (worker 0) and the peers, starts the
+    peers' part, and brings back what the combine node needs: entries for the server, or a remote
+    ``Prefill``."""
 
     def __init__(self, model: str, workers: int, *, threads: int = 1, ray_address: str | None = None,
-                 seam_width: int = 8, timeout_s: float = 300.0, separator: str = DEFAULT_SEPARATOR,
-                 engine_options: dict[str, Any] | None = None, transfer: str = "torch") -> None:
+                 seam_width: int = 8, timeout_s: float = 300.0, engine_options: dict[str, Any] | None = None,
+                 transfer: str = "torch") -> None:
         if not isinstance(workers, int) or workers < 2:
             raise ValueError(f"peer prefill needs at least 2 workers, got {workers!r}")
         start_ray((workers - 1) * threads, ray_address)
         peers = list(range(1, workers))
         self.pool = WorkerPool(model, peers, threads, {**(engine_options or {}), "seam_width": seam_width}, (LOCAL,),
                                timeout_s, transfer)
-        self.splitter = Splitter.for_model(model, seam_width, separator)
-        if any(f != self.splitter.fingerprint for f in self.pool.fingerprints()):
+        fingerprint = model_fingerprint(default_model_path() if model == "default" else Path(model))
+        if any(f != fingerprint for f in self.pool.fingerprints()):
             raise RuntimeError("the workers loaded a different model than the server")
         self.received = ReceiveCounts()  # entries this server received as combine node
-        self.flows = ThreadPoolExecutor(32, thread_name_prefix="hypic-peer-flow")  # each waits on the loop and peers
-        self.remote_prefills = ThreadPoolExecutor(8, thread_name_prefix="hypic-remote-prefill")  # waits on peers
+        self.waits = ThreadPoolExecutor(32, thread_name_prefix="hypic-peer-wait")  # wait on peers, never on the loop
 
-    def prefill_for(self, loop: EngineLoop, request: RequestPlan) -> Future:
-        """``_prefill_flow`` of a request the loop planned, on a thread of its own; the future holds its result."""
-        return self.flows.submit(self._prefill_flow, loop, request)
+    def prefill_for(self, loop: Loop, request: RequestPlan) -> Future:
+        """Start a request's peer work; called on the loop's thread (the loop admits it there). The
+        future holds (a future of the remote ``Prefill``, or None: combined here; what was built
+        for the request)."""
+        return PeerRequest(self, loop, request).start()
 
-    def warmup_for(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> Future:
-        """``_warmup_flow`` on a thread of its own; the future holds the documents' token counts."""
-        return self.flows.submit(self._warmup_flow, loop, documents, namespace)
-
-    def _prefill_flow(self, loop: EngineLoop, request: RequestPlan) -> tuple[Future | None, BuiltForRequest]:
-        """A request's cold documents prefilled on the server's loop and on the peers at once.
-        Documents on disk or in Mooncake are brought up first
-        (held here, never rebuilt by a peer). If the server is the combine node, the peers' entries are
-        stored here as they come, the held head combined early (the future is None); else the
-        server's entries go to the peer that is, and the future will hold that peer's ``Prefill``.
-        Also returns what was built for the request (its stats count it)."""
-        engine, mode, parts = loop.engine, loop.mode, request.parts
-        loaded, held = loop.call(lambda: (engine.load_from_tiers(request), frozenset(engine.store.entries))).result()
-        plan = self.plan(parts, mode, held.__contains__)
-        built = dataclasses.replace(self.built_for_request(plan), loaded=loaded)
-        dispatch = self.dispatch(plan, mode)
-        local = self.local_segments(plan)
-        if local:
-            loop.build(local, parts.namespace).result()
-        if plan.combine == LOCAL:
-            return None, self._receive_combining_early(loop, dispatch, parts, built)
-        keys = self.local_shipment(plan)
-        shipped = loop.call(lambda: [e for k in keys if (e := engine.store.entries.get(k)) is not None]).result()
-        remote = self.remote_prefills.submit(self.prefill_remotely, dispatch, parts, request.logits_from, shipped, built)
-        return remote, built
-
-    def _receive_combining_early(self, loop: EngineLoop, dispatch: Dispatch, parts: PromptParts,
-                                 built: BuiltForRequest) -> BuiltForRequest:
-        """Store the peers' entries on the server as each shipment arrives; after the server's own
-        builds (if anything comes from peers) and after arrivals while more are to come (one at a
-        time), the loop combines the prompt's held head, so the request's combine pass overlaps the
-        peers' last builds (a failed early combine only loses that head). Returns ``built`` with the
-        heads' stats."""
-        engine, mode, plan = loop.engine, dispatch.mode, dispatch.plan
-        from_peers = any(worker != LOCAL for worker in plan.builds) or bool(plan.pulls)
-        arrivals, early = self.arrivals(dispatch), [loop.precombine(parts, built)] if from_peers else []
-        try:
-            for entries, still_coming in arrivals:
-                if entries:
-                    loop.call(lambda: install_entries(engine, entries, mode)).result()
-                if still_coming and (not early or early[-1].done()):  # one at a time: the next covers more
-                    built = built.with_head(_head(early[-1]) if early else None)
-                    early.append(loop.precombine(parts, built))
-        finally:
-            arrivals.close()  # a broken install: the plan's queued tokens are released now
-        if early:
-            built = built.with_head(_head(early[-1]))  # waits for the last one
-        return built
-
-    def _warmup_flow(self, loop: EngineLoop, documents: list[str], namespace: str = "") -> list[int]:
+    def warmup_for(self, loop: Loop, documents: list[str], namespace: str = "") -> Future:
         """Documents (checked already, as the engine's own warm-up checks them) spread by LPT over the
-        server's loop and the peers, each cached where it is built; their token counts."""
-        engine, mode = loop.engine, loop.mode
-        held = loop.call(lambda: frozenset(engine.store.entries)).result()
-        plan, counts = self.plan_documents(documents, mode, held.__contains__, namespace)
-        local = self.local_segments(plan)
-        building = loop.build(local, namespace) if local else None
-        self.cache(plan, mode)
-        if building is not None:
-            building.result()
+        server's loop and the peers, each cached where it is built; the future holds their token
+        counts. Planned on the loop's thread (what it holds is read there), from any thread."""
+        counts: Future = Future()
+        loop.call(lambda: self._start_warmup(loop, documents, namespace, counts))
         return counts
 
-    def plan(self, parts: PromptParts, mode: Mode, held_locally: Callable[[str], bool],
-             combine: int | None = None) -> Plan:
+    def _start_warmup(self, loop: Loop, documents: list[str], namespace: str, counts: Future) -> None:
+        """On the loop's thread: the warm-up's plan, its local builds queued, the peers' started."""
+        try:
+            engine = loop.engine
+            request = engine.plan(engine.planner.documents(documents, namespace), loop.mode)
+            plan = self.plan(request, engine.store.keys(), combine=LOCAL)
+            local = self.local_segments(plan)
+            building = loop.build(local, namespace) if local else None
+        except Exception as err:  # noqa: BLE001 - handed to the caller, who reports it
+            counts.set_exception(err)
+            return
+        sizes = [len(segment) for segment in request.parts.segments]
+        self.waits.submit(self._finish_warmup, plan, loop.mode, building, sizes, counts)
+
+    def _finish_warmup(self, plan: Plan, mode: Mode, building: Future | None, sizes: list[int],
+                       counts: Future) -> None:
+        """Off the loop: the peers' builds waited for; the counts once the local ones are done too."""
+        try:
+            self.pool.cache(plan, mode)
+        except Exception as err:  # noqa: BLE001 - handed to the caller, who reports it
+            counts.set_exception(err)
+            return
+        (building or _done(None)).add_done_callback(lambda done: _settle(counts, done, sizes))
+
+    def plan(self, request: RequestPlan, held_locally: frozenset[str] | set[str], combine: int | None = None) -> Plan:
         """Documents the local engine holds are hits there; the rest go by LPT over every live worker,
         the request's combine pass counted on its combine node. The combine node is the best-scoring
         worker unless ``combine`` says (a warm-up: nothing is combined)."""
-        jobs = self.splitter.jobs(parts, mode)
-        combine_tokens = 0 if combine is not None else self.splitter.combine_tokens(parts, mode)
+        jobs = document_jobs(request)
+        combine_tokens = 0 if combine is not None else request.recomputed_tokens()
         with self.pool.lock:
-            self.pool.index.sync(LOCAL, [job.key for job in jobs if held_locally(job.key)])
+            self.pool.index.sync(LOCAL, [job.key for job in jobs if job.key in held_locally])
             return make_plan(jobs, self.pool.index, dict(self.pool.queued), combine=combine,
                              combine_tokens=combine_tokens)
-
-    def plan_documents(self, documents: list[str], mode: Mode, held_locally: Callable[[str], bool],
-                       namespace: str = "") -> tuple[Plan, list[int]]:
-        """A warm-up's documents (in cache ``namespace``) spread by LPT over every live worker (those
-        held anywhere skipped), and each document's token count."""
-        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]), namespace)
-        return self.plan(parts, mode, held_locally, combine=LOCAL), [len(segment) for segment in parts.segments]
-
-    def cache(self, plan: Plan, mode: Mode) -> None:
-        """Build the peers' part of a warm-up plan; the entries stay on the peers."""
-        self.pool.cache(plan, mode)
 
     def flush(self, namespace: str | None = None) -> int:
         """Empty the peers' pools (``namespace``: of that cache namespace only); returns the entries they dropped."""
         return self.pool.flush(namespace)
 
-    def local_segments(self, plan: Plan) -> list[tuple[int, ...]]:
+    @staticmethod
+    def local_segments(plan: Plan) -> list[tuple[int, ...]]:
         """The cold documents the local engine prefills itself."""
         return [job.token_ids for job in plan.builds.get(LOCAL, [])]
 
@@ -167,12 +128,12 @@ class PeerPrefill:
         builds, shipments = self.pool.dispatch(plan, mode)
         return Dispatch(plan, mode, builds, shipments)
 
-    def arrivals(self, dispatch: Dispatch) -> Iterator[tuple[list[SegmentEntry], int]]:
+    def arrivals(self, dispatch: Dispatch, check: Callable[[SegmentEntry], None]) -> Iterator[tuple[list[SegmentEntry], int]]:
         """A local-combine plan's shipments as each arrives: its entries, received point-to-point into
-        buffers sized by their checked headers, and how many shipments are still to come (a failed
-        transfer breaks the group and its entries are left out; a lost peer's are missing: the local
-        combine pass recomputes them). The plan is finished when the iteration ends."""
-        group, check, lost = self.pool.group, self.splitter.entry_check(dispatch.mode), []
+        buffers sized by their ``check``-ed headers, and how many shipments are still to come (a
+        failed transfer breaks the group and its entries are left out; a lost peer's are missing: the
+        local combine pass recomputes them). The plan is finished when the iteration ends."""
+        group, lost = self.pool.group, []
         try:
             for index, shipment in enumerate(dispatch.shipments):
                 received: list[SegmentEntry] = []
@@ -190,20 +151,15 @@ class PeerPrefill:
         """Keys the server must send to a remote combine node: what it builds and what it holds."""
         return [job.key for job in plan.builds.get(LOCAL, [])] + plan.pulls.get(LOCAL, [])
 
-    @staticmethod
-    def built_for_request(plan: Plan) -> BuiltForRequest:
-        """The documents ``plan`` builds for its request; remote: those the peers build."""
-        return plan.built_for_request(LOCAL)
-
-    def prefill_remotely(self, dispatch: Dispatch, parts: PromptParts, logits_from: int | None,
-                         local_entries: list[SegmentEntry], built: BuiltForRequest) -> Prefill:
+    def prefill_remotely(self, dispatch: Dispatch, request: RequestPlan, local_entries: list[SegmentEntry],
+                         built: BuiltForRequest) -> Prefill:
         """Blocks until the remote combine node has received every entry and run the request's
         combine pass; returns its ``Prefill`` (the state the server decodes; its stats count
         ``built`` and the heads combined early as computed for the request). Raises if the combine
         node is lost (it is forgotten; the caller prefills locally instead)."""
         return self.pool.run_on_combine(
-            dispatch.plan, parts, dispatch.mode, (dispatch.builds, dispatch.shipments), built,
-            lambda combine, built: combine.prefill.remote(parts, dispatch.mode, logits_from, built),
+            dispatch.plan, request, dispatch.mode, (dispatch.builds, dispatch.shipments), built,
+            lambda combine, shared, built: combine.prefill.remote(shared, built),
             local_entries, self.pool.timeout_s).value
 
     def status(self) -> dict[str, Any]:
@@ -211,14 +167,140 @@ class PeerPrefill:
         return {**status, "workers": [LOCAL, *status["workers"]], "received_entries": dataclasses.asdict(self.received)}
 
     def close(self) -> None:
-        """Stop waiting on peers: flows and remote prefills not started are cancelled, no more start."""
-        self.flows.shutdown(wait=False, cancel_futures=True)
-        self.remote_prefills.shutdown(wait=False, cancel_futures=True)
+        """Stop waiting on peers: waits not started are cancelled, no more start."""
+        self.waits.shutdown(wait=False, cancel_futures=True)
 
     def shutdown(self) -> None:
         """``close``, and stop the workers."""
         self.close()
         self.pool.shutdown()
+
+
+class PeerRequest:
+    """One request's peer work. Every method but ``_receive`` runs on the loop's thread: started
+    there, then moved on by what is posted to the loop's queue (the local builds done, each
+    shipment received, an early combine done, the last shipment in). Its ``outcome`` holds
+    (a future of the remote ``Prefill`` or None, what was built for the request)."""
+
+    def __init__(self, peers: PeerPrefill, loop: Loop, request: RequestPlan) -> None:
+        self.peers, self.loop, self.request = peers, loop, request
+        self.outcome: Future = Future()
+        self.built = BuiltForRequest()
+        self.built_here = self.all_arrived = False
+        self.early: Future | None = None  # the head combined early, one at a time
+        self.dispatch: Dispatch | None = None
+
+    def start(self) -> Future:
+        """Documents below memory brought up (held here, never rebuilt by a peer), the documents
+        planned over the workers, the local builds queued on the loop, the peers' started."""
+        engine, mode = self.loop.engine, self.loop.mode
+        loaded = engine.load_from_tiers(self.request)
+        plan = self.peers.plan(self.request, engine.store.keys())
+        self.built = dataclasses.replace(plan.built_for_request(LOCAL), loaded=loaded)
+        local = self.peers.local_segments(plan)
+        building = self.loop.build(local, self.request.parts.namespace) if local else _done(None)
+        self.dispatch = self.peers.dispatch(plan, mode)
+        if plan.combine == LOCAL:
+            check = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config)
+            self.peers.waits.submit(self._receive, check)
+        building.add_done_callback(lambda done: self._post(self._built_here, done))
+        return self.outcome
+
+    def _post(self, step: Callable[..., None], *args: Any) -> None:
+        """``step(*args)`` on the loop's thread, when the loop next drains its queue; an error in it
+        gives the peer work up (the request then runs here alone)."""
+        self.loop.call(lambda: self._guarded(step, *args))
+
+    def _guarded(self, step: Callable[..., None], *args: Any) -> None:
+        try:
+            step(*args)
+        except Exception as err:  # noqa: BLE001 - a broken peer path costs only speed
+            self._give_up(err)
+
+    def _give_up(self, err: BaseException) -> None:
+        """The request runs here alone; a remote plan nobody else will finish is finished now."""
+        if self.outcome.done():
+            return
+        self.outcome.set_exception(err)
+        if self.dispatch is not None and self.dispatch.plan.combine != LOCAL:
+            self.peers.waits.submit(self.peers.pool.finish, self.dispatch.plan, [])
+
+    def _receive(self, check: Callable[[SegmentEntry], None]) -> None:
+        """Off the loop: each shipment received as it arrives and posted to the loop, then the end."""
+        try:
+            for entries, still_coming in self.peers.arrivals(self.dispatch, check):
+                self._post(self._arrived, entries, still_coming)
+        except Exception as err:  # noqa: BLE001 - the plan is finished; the request runs here alone
+            self._post(self._give_up, err)
+            return
+        self._post(self._arrivals_done)
+
+    def _built_here(self, building: Future) -> None:
+        """The local builds are done: combine early (something comes from peers), or, with a remote
+        combine node, ship this server's entries there and wait for its ``Prefill`` off the loop."""
+        building.result()  # a broken build gives the peer work up
+        self.built_here = True
+        assert self.dispatch is not None
+        plan = self.dispatch.plan
+        if plan.combine != LOCAL:
+            shipped = self.loop.engine.store.held(self.peers.local_shipment(plan))
+            remote = self.peers.waits.submit(self.peers.prefill_remotely, self.dispatch, self.request, shipped,
+                                             self.built)
+            self.outcome.set_result((remote, self.built))
+        elif any(worker != LOCAL for worker in plan.builds) or plan.pulls:
+            self._combine_early()
+        self._maybe_done()
+
+    def _arrived(self, entries: list[SegmentEntry], still_coming: int) -> None:
+        """A shipment is in: its entries stored (checked), and, while more are to come, the held head
+        combined again (one at a time: the next covers more)."""
+        if entries:
+            install_entries(self.loop.engine, entries, self.loop.mode)
+        if still_coming and self.built_here:
+            self._combine_early()
+
+    def _combine_early(self) -> None:
+        """The held head of the prompt combined on the loop while peers' documents are on their way,
+        unless one still runs (a failed early combine only loses that head)."""
+        if self.outcome.done() or (self.early is not None and not self.early.done()):
+            return
+        assert self.dispatch is not None
+        # the first head: what this server held or built itself, whatever came in meanwhile
+        arriving = self.dispatch.plan.arriving_at(LOCAL) if self.early is None else frozenset()
+        if self.early is not None:
+            self.built = self.built.with_head(_head(self.early))
+        self.early = self.loop.precombine(self.request, self.built, arriving)
+        self.early.add_done_callback(lambda _: self._post(self._maybe_done))
+
+    def _arrivals_done(self) -> None:
+        self.all_arrived = True
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        """Every shipment in, the local builds and the last early combine done: the request is
+        combined here, its stats counting the heads."""
+        if self.outcome.done() or not (self.built_here and self.all_arrived):
+            return
+        if self.early is not None and not self.early.done():
+            return  # its end posts this again
+        if self.early is not None:
+            self.built = self.built.with_head(_head(self.early))
+        self.outcome.set_result((None, self.built))
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _settle(future: Future, done: Future, value: Any) -> None:
+    """``future`` holds ``value``, or the error ``done`` ended with."""
+    error = done.exception()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 def _head(early: Future) -> PrefillStats | None:

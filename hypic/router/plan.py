@@ -2,6 +2,7 @@
 and the warm entries the combine node pulls from peers."""
 from dataclasses import dataclass, field
 
+from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest
 
 from .index import SegmentIndex
@@ -27,6 +28,11 @@ class SegmentJob:
         return len(self.token_ids)
 
 
+def document_jobs(request: RequestPlan) -> list[SegmentJob]:
+    """The documents a planned request splices from the public pool, as the plan keys them."""
+    return [SegmentJob(key, ids, request.policy.namespace) for _, key, ids in request.documents()]
+
+
 @dataclass
 class Plan:
     """``builds``: worker -> cold documents it prefills alone and ships to ``combine``;
@@ -35,6 +41,11 @@ class Plan:
     combine: int
     builds: dict[int, list[SegmentJob]] = field(default_factory=dict)
     pulls: dict[int, list[str]] = field(default_factory=dict)
+
+    def arriving_at(self, worker: int) -> frozenset[str]:
+        """Keys of the documents ``worker`` gets from others: built or held elsewhere."""
+        built = {job.key for other, jobs in self.builds.items() if other != worker for job in jobs}
+        return frozenset(built.union(*(keys for other, keys in self.pulls.items() if other != worker)))
 
     def build_tokens(self) -> dict[int, int]:
         return {worker: sum(job.tokens for job in jobs) for worker, jobs in self.builds.items()}
@@ -50,7 +61,7 @@ MATCH_WEIGHT = 2.0  # how much a cached fraction of the request outweighs a norm
 
 
 def combine_score(held: int, total: int, load: int, max_load: int, match_weight: float = MATCH_WEIGHT) -> float:
-    """A worker's fitness as a request's combine node (seed 000's cache-aware routing): match weight x
+    """A worker's fitness as a request's combine node (cache-aware routing): match weight x
     the fraction of the request's ``total`` document tokens it holds, less its normalised load (its
     queued tokens over the busiest worker's plus this request's, in [0, 1))."""
     return match_weight * held / max(total, 1) - load / max(max_load + total, 1)

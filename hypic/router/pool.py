@@ -1,16 +1,20 @@
 """Worker actors on Ray and the router's bookkeeping of them: the global segment index, the tokens
 queued on each, and the workers lost."""
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+import hypic
+from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
-from hypic.cache.segments import PromptParts
 from hypic.cache.modes import Mode
 from hypic.cache.store import SegmentEntry
 
@@ -22,19 +26,41 @@ from .plan import PROMPT_ORDER_TOKENS, Plan
 from .serialization import register_tensor_serializer
 from .worker import Worker
 
+PACKAGE_ROOT = Path(hypic.__file__).resolve().parents[1]  # the folder this process imports hypic from
 TRANSFERS = ("torch", "ray")  # bulk entries over torch.distributed (gloo), or through Ray's object store
 MAX_CALLS = 64  # a worker's calls in flight at once (they wait on its one engine loop)
+START_TIMEOUT_S = 600.0  # a worker still loading its checkpoint after this long fails the start
+
+
+class WorkerStartError(RuntimeError):
+    """A worker died or failed while it started (its error is in the message)."""
+
+
 WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskError: its worker lives on)
 
 
 def start_ray(cpus: int, address: str | None) -> None:
     """Join ``address``, or start a local Ray runtime with ``cpus`` CPUs (once per process)."""
     if not ray.is_initialized():
-        if address is None:
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
+        with _in_folder(PACKAGE_ROOT):
+            if address is None:
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
     register_tensor_serializer()
+
+
+@contextmanager
+def _in_folder(folder: Path) -> Iterator[None]:
+    """Run the block in ``folder``. Ray puts the folder ``ray.init`` ran in first on its workers'
+    import path: started in the folder that holds this very package, they import it, not whatever
+    a ``hypic`` directory in the caller's folder holds."""
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(here)
 
 
 @dataclass
@@ -63,6 +89,7 @@ class WorkerPool:
         self.timeout_s = timeout_s  # a worker that has not answered a wait in this long is lost
         actor = ray.remote(num_cpus=threads, max_restarts=0, max_concurrency=MAX_CALLS)(Worker)
         self.workers = {w: actor.remote(model, threads, options) for w in ids}
+        self._check_started()
         self.index = SegmentIndex()
         self.prefixes = PrefixIndex()  # prompt prefixes in the workers' private pools
         self.queued = {w: 0 for w in (*local, *ids)}  # tokens of cold documents dispatched, not done
@@ -71,6 +98,15 @@ class WorkerPool:
         self.group = BulkGroup(local[:1], timeout_s) if transfer == "torch" else None
         if self.group is not None:
             self.group.rebuild(self.workers)
+
+    def _check_started(self) -> None:
+        """Wait until every worker has loaded its engine; one that cannot (it failed to import, to load
+        the model) fails the start now, with its error, instead of leaving a group waiting for it."""
+        try:
+            ray.get([worker.fingerprint.remote() for worker in self.workers.values()], timeout=START_TIMEOUT_S)
+        except (RayError, GetTimeoutError) as err:
+            self.shutdown()
+            raise WorkerStartError(f"a worker could not start: {err}") from err
 
     def fingerprints(self) -> list[str]:
         return ray.get([worker.fingerprint.remote() for worker in self.workers.values()])
@@ -105,27 +141,29 @@ class WorkerPool:
         refs = [ref for _, ref in shipments] + ([ray.put(self.ship(extra, combine))] if extra else [])
         return [(combine, actor.install.remote(mode, ref)) for ref in refs]
 
-    def run_on_combine(self, plan: Plan, parts: PromptParts, mode: Mode, dispatched: tuple[list, list],
-                       built: BuiltForRequest, call: Callable[[Any, BuiltForRequest], ray.ObjectRef],
+    def run_on_combine(self, plan: Plan, request: RequestPlan, mode: Mode, dispatched: tuple[list, list],
+                       built: BuiltForRequest, call: Callable[[Any, ray.ObjectRef, BuiltForRequest], ray.ObjectRef],
                        extra: list[SegmentEntry] | None = None, timeout_s: float | None = None) -> RemoteRun:
         """The remote-combine half of a request, one copy for the router and for the server's peers:
-        everything gathered on the combine node (``gather_on_combine``), then ``call(its actor, built
-        with the heads' stats)``, waited for (``timeout_s``: at most that long); the plan is finished
-        either way. A combine node lost or timed out is forgotten (killed if it timed out), and the
-        error raised."""
+        everything gathered on the combine node (``gather_on_combine``), then ``call(its actor, the
+        request's plan in the object store, built with the heads' stats)``, waited for (``timeout_s``:
+        at most that long); the plan is finished either way. The request's plan is pickled once for
+        every call the combine node gets. A combine node lost or timed out is forgotten (killed if it
+        timed out), and the error raised."""
         lost: list[int] = []
         combine = self.workers[plan.combine]
         try:
-            built, built_at = self.gather_on_combine(plan, parts, mode, dispatched, lost, built, extra)
+            shared = ray.put(request)
+            built, built_at = self.gather_on_combine(plan, shared, mode, dispatched, lost, built, extra)
             gathered_at = time.perf_counter()
-            return RemoteRun(ray.get(call(combine, built), timeout=timeout_s), built_at, gathered_at, lost)
+            return RemoteRun(ray.get(call(combine, shared, built), timeout=timeout_s), built_at, gathered_at, lost)
         except (WorkerLost, GetTimeoutError) as err:
             self.forget(plan.combine, kill=isinstance(err, GetTimeoutError))
             raise
         finally:
             self.finish(plan, lost)
 
-    def gather_on_combine(self, plan: Plan, parts: PromptParts, mode: Mode, dispatched: tuple[list, list],
+    def gather_on_combine(self, plan: Plan, request: ray.ObjectRef, mode: Mode, dispatched: tuple[list, list],
                           lost: list[int], built: BuiltForRequest,
                           extra: list[SegmentEntry] | None = None) -> tuple[BuiltForRequest, float]:
         """Everything a remote combine node needs, brought there: each shipment of ``dispatched``
@@ -135,13 +173,13 @@ class WorkerPool:
         (``time.perf_counter``)."""
         builds, shipments = dispatched
         installs = self.install_on(plan.combine, shipments, mode, extra)
-        built = self.combine_early(plan, parts, mode, builds, installs, lost, built)
+        built = self.combine_early(plan, request, builds, installs, lost, built)
         self.wait(builds, lost)
         built_at = time.perf_counter()
         self.wait_installs(installs, lost)
         return built, built_at
 
-    def combine_early(self, plan: Plan, parts: PromptParts, mode: Mode, builds: list[tuple[int, ray.ObjectRef]],
+    def combine_early(self, plan: Plan, request: ray.ObjectRef, builds: list[tuple[int, ray.ObjectRef]],
                       installs: list[tuple[int, ray.ObjectRef]], lost: list[int], built: BuiltForRequest) -> BuiltForRequest:
         """Once the combine node's own builds are done, and again as peers' entries arrive while some
         are still on their way, it combines the head of the prompt it holds (``Worker.precombine``;
@@ -149,15 +187,18 @@ class WorkerPool:
         last builds. Returns ``built`` with those heads' stats (the request's own count them)."""
         combine, deadline = self.workers.get(plan.combine), time.monotonic() + self.timeout_s
         self.wait([build for build in builds if build[0] == plan.combine], lost)
-        last: ray.ObjectRef | None = None
         pending = [ref for _, ref in installs]
-        while pending and combine is not None:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0)  # take every arrival so far
-            if pending and (last is None or ray.wait([last], timeout=0)[0]):
-                built = built.with_head(self._head(last, deadline))
-                last = combine.precombine.remote(parts, mode, built)
-            if pending and not ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))[0]:
+        if not pending or combine is None:
+            return built
+        # the first head: what the combine node held or built itself, whatever came in meanwhile
+        last = combine.precombine.remote(request, built, plan.arriving_at(plan.combine))
+        while pending:
+            if not ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))[0]:
                 break
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0)  # take every arrival so far
+            if pending and ray.wait([last], timeout=0)[0]:
+                built = built.with_head(self._head(last, deadline))
+                last = combine.precombine.remote(request, built)
         return built.with_head(self._head(last, deadline))
 
     @staticmethod

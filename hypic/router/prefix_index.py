@@ -1,5 +1,5 @@
 """Which worker holds which prompt prefix in its private pool (the radix tree of its engine), as the
-router believes: whole-request routing sends a prompt to the worker that can resume it (seed 000).
+router believes: whole-request routing sends a prompt to the worker that can resume it.
 
 Prefixes are recorded in blocks of ``block`` tokens, each named by a hash chained over every token
 before it, so a block matches only behind the same prefix. The router records a prompt on the

@@ -1,7 +1,8 @@
 """The router: segment-parallel prefill of a request's cold documents on Ray workers, assembled
-on one combine node (paper §3.3, §4.4).
+on one combine node.
 
-Per request: split and hash the documents as the engines do; the combine node is the worker
+Per request: parse and plan it once, as the engines would (``hypic.planner.Planner``, no weights);
+the plan goes to the combine node as it is (pickled once). The combine node is the worker
 with the best cache-aware score (its cached fraction of the request, documents or a prompt prefix
 it served before, against its load, see ``plan.combine_score``); cold documents go to workers by LPT, one task per
 document, so each is shipped as soon as it is done while its builder computes the next; the
@@ -22,11 +23,11 @@ import ray
 
 from hypic.cache.modes import Mode
 from hypic.engine import GenerationResult
+from hypic.planner import Planner
 
 from .index import SegmentIndex
-from .plan import Plan, make_plan
+from .plan import Plan, document_jobs, make_plan
 from .pool import WorkerPool, start_ray
-from .splitter import Splitter
 
 
 class NoLiveWorkers(RuntimeError):
@@ -57,8 +58,8 @@ class Router:
         start_ray(workers * threads, ray_address)
         self.pool = WorkerPool(model, list(range(workers)), threads, {**(engine_options or {}), "seam_width": seam_width},
                                timeout_s=timeout_s, transfer=transfer)
-        self.splitter = Splitter.for_model(model, seam_width)
-        if any(f != self.splitter.fingerprint for f in self.pool.fingerprints()):
+        self.planner = Planner.for_model(model, seam_width)
+        if any(f != self.planner.fingerprint for f in self.pool.fingerprints()):
             raise RuntimeError("the workers loaded a different model than the router split for")
 
     @property
@@ -71,8 +72,7 @@ class Router:
 
     def warmup(self, documents: list[str], worker: int, mode: Mode | str = Mode.HYPIC, namespace: str = "") -> list[str]:
         """Cache ``documents`` on one worker (as a PIC segment each, in cache ``namespace``); returns their keys."""
-        parts = self.splitter.parse(self.splitter.separator.join(["", *documents, ""]), namespace)
-        jobs = self.splitter.jobs(parts, mode)
+        jobs = document_jobs(self.planner.plan(self.planner.documents(documents, namespace), mode))
         ray.get(self.workers[worker].build.remote(jobs, mode))
         self.pool.sync(worker)
         return [j.key for j in jobs]
@@ -82,17 +82,19 @@ class Router:
         single engine's."""
         if not self.workers:
             raise NoLiveWorkers("every worker has died")
-        parts = self.splitter.parse(prompt, namespace)
+        mode = Mode.parse(mode)
+        request = self.planner.plan(self.planner.parse(prompt, namespace), mode)
+        tokens = request.parts.token_ids
         with self.pool.lock:
-            loads, prefixes = dict(self.pool.queued), self.pool.prefixes.matched(parts.token_ids, namespace)
-        plan = make_plan(self.splitter.jobs(parts, mode), self.index, loads, prefixes=prefixes,
-                         prompt_tokens=len(parts.token_ids), combine_tokens=self.splitter.combine_tokens(parts, mode))
+            loads, prefixes = dict(self.pool.queued), self.pool.prefixes.matched(tokens, namespace)
+        plan = make_plan(document_jobs(request), self.index, loads, prefixes=prefixes, prompt_tokens=len(tokens),
+                         combine_tokens=request.recomputed_tokens())
         start = time.perf_counter()
-        run = self.pool.run_on_combine(plan, parts, mode, self.pool.dispatch(plan, mode),
+        run = self.pool.run_on_combine(plan, request, mode, self.pool.dispatch(plan, mode),
                                        plan.built_for_request(plan.combine),
-                                       lambda combine, built: combine.generate.remote(prompt, mode, sampling, built, namespace))
+                                       lambda combine, shared, built: combine.generate.remote(shared, sampling, built))
         with self.pool.lock:  # its engine keeps the prompt's prefix in its private pool
-            self.pool.prefixes.record(plan.combine, parts.token_ids, namespace)
+            self.pool.prefixes.record(plan.combine, tokens, namespace)
         return RoutedResult(run.value, plan, run.built_at - start, run.gathered_at - run.built_at,
                             time.perf_counter() - run.gathered_at, run.lost, run.value.stats.combined_early_tokens)
 

@@ -1,5 +1,6 @@
 """A worker: one engine in its own process (run as a Ray actor by the router), scheduled by the
-engine loop the server runs (``hypic.server.loop.EngineLoop``)."""
+engine loop the server runs too (``hypic.scheduler.loop.EngineLoop``). Requests come planned: a
+combine pass runs on the ``RequestPlan`` made where the request arrived, never on a plan of its own."""
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -7,11 +8,11 @@ import torch
 
 from hypic.assembler import Steps
 from hypic.engine import Engine, GenerationResult, Prefill
+from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
-from hypic.cache.segments import PromptParts
 from hypic.cache.modes import Mode
 from hypic.cache.store import SegmentEntry
-from hypic.server.loop import EngineLoop, default_prefill_batch
+from hypic.scheduler.loop import EngineLoop, default_prefill_batch
 
 from .channel import BulkChannel, GroupSpec, Parcel
 from .plan import SegmentJob
@@ -85,7 +86,7 @@ class Worker:
 
     def fetch(self, keys: list[str], ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
         """The entries of ``keys`` this worker still holds (evicted ones are left out), shipped as ``build``'s."""
-        held = self._on_loop(lambda: [e for e in (self.engine.store.entries.get(k) for k in keys) if e is not None])
+        held = self._on_loop(lambda: self.engine.store.held(keys))
         return self.ship(held, ship_to)
 
     def install(self, mode: Mode, *batches: list[SegmentEntry | Parcel]) -> ReceiveCounts:
@@ -111,21 +112,23 @@ class Worker:
         """How many received entries failed their check."""
         return self.rejected_entries
 
-    def prefill(self, parts: PromptParts, mode: Mode, logits_from: int | None = None,
-                built: BuiltForRequest = BuiltForRequest()) -> Prefill:
-        """The request's combine pass on this worker (its combine node); the caller decodes the state.
-        ``built``: what was computed for the request beforehand (its stats count it as computed)."""
-        return self.loop.run_steps(self.engine.prefill_steps(self.engine.plan(parts, mode, logits_from), built)).result()
+    def prefill(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest()) -> Prefill:
+        """The combine pass of the request ``plan`` (this worker is its combine node); the caller
+        decodes the state. ``built``: what was computed for the request beforehand (its stats count
+        it as computed)."""
+        return self.loop.run_steps(self.engine.prefill_steps(plan, built)).result()
 
-    def precombine(self, parts: PromptParts, mode: Mode, built: BuiltForRequest = BuiltForRequest()) -> PrefillStats | None:
-        """Combine the head of the request this worker already holds (``Engine.precombine``), while its
-        peers' last documents are on their way; returns the head's stats (None: nothing combined)."""
-        return self.loop.run_steps(self.engine.precombine_steps(self.engine.plan(parts, mode), built)).result()
+    def precombine(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
+                   arriving: frozenset[str] = frozenset()) -> PrefillStats | None:
+        """Combine the head of the request this worker already holds (``Engine.precombine_steps``; the
+        documents keyed in ``arriving`` left out), while its peers' last documents are on their
+        way; the head's stats (None: nothing combined)."""
+        return self.loop.run_steps(self.engine.precombine_steps(plan, built, arriving)).result()
 
-    def generate(self, prompt: str, mode: Mode, sampling: dict[str, Any], built: BuiltForRequest = BuiltForRequest(),
-                 namespace: str = "") -> GenerationResult:
-        steps = self.engine.generate_steps(prompt, mode=mode, built=built, namespace=namespace, **sampling)
-        return self.loop.run_steps(steps).result()
+    def generate(self, plan: RequestPlan, sampling: dict[str, Any],
+                 built: BuiltForRequest = BuiltForRequest()) -> GenerationResult:
+        """The request ``plan`` prefilled and decoded here (one continuation)."""
+        return self.loop.run_steps(self.engine.generate_plan_steps(plan, built, **sampling)).result()
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every cached entry and request state (of cache ``namespace`` only, if given);
@@ -134,7 +137,7 @@ class Worker:
 
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""
-        return self._on_loop(lambda: list(self.engine.store.entries))
+        return self._on_loop(lambda: list(self.engine.store.keys()))
 
     def _on_loop(self, run: Callable[[], Result]) -> Result:
         """``run`` on the loop thread between chunks (one thread owns the engine); its result or error."""

@@ -21,7 +21,7 @@ from ..cache.modes import Mode
 from ..cache.plan import RequestPlan
 from ..sequence import Sequence
 from .chat import chat_renderer
-from .loop import (
+from ..scheduler.loop import (
     DoneEvent, EngineLoop, ErrorEvent, Event, Job, PeerWork, ProgressEvent, QueueFull)
 from .fields import check_fields
 from .gate import BodyTooLarge, Gate, GateLimits

@@ -7,14 +7,12 @@ is judged by its value (``fields.py``: refused by name when it asks for somethin
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..cache.modes import Mode
 from ..errors import InvalidRequest
-from ..prefill_stats import PrefillStats
 from ..sampling import SamplingParams
-from ..sequence import TokenLogprob
+from ..scheduler.requests import Completion, SampleResult  # noqa: F401 - what the loop reports, at home there
 from .fields import check_fields
 
 SGLANG_SAMPLING = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -91,43 +89,6 @@ class OpenAIOptions:
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs in the response
     continuous_usage: bool = False  # usage so far in every stream chunk (vLLM's continuous_usage_stats)
-
-
-@dataclass
-class SampleResult:
-    """One continuation as reported: its text so far (or final), ids, finish and logprobs."""
-
-    text: str
-    output_ids: list[int]
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
-    matched_stop: int | str | None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    """A request's state as reported: its samples and what its prefill reused."""
-
-    rid: str
-    samples: list[SampleResult]
-    prompt_ids: list[int]
-    prefill: PrefillStats  # what its prefill reused, wherever it ran (zeros until it is prefilled)
-    ttft_s: float  # from the request's arrival at the server, like e2e_s
-    e2e_s: float
-    mode: Mode
-    input_logprobs: list[TokenLogprob | None] | None = None  # from the requested start; None first
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(len(s.output_ids) for s in self.samples)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
 
 
 # ----- field checks --------------------------------------------------------------------------

@@ -2,11 +2,16 @@
 imports inside functions are on-demand and not counted), what imports what.
 
 - the serving package never imports the training and data toolkit (``hypic_data``);
-- the router imports nothing from the HTTP server (``hypic.server.app``, ``gate``, ``tenancy``);
+- the router imports nothing from the server (``hypic.server``), not even through the modules it
+  imports (checked in a fresh interpreter);
+- the scheduler (``hypic.scheduler``), which the server and the workers both host, imports neither;
 - the caches (``hypic.cache``) import nothing above them: no engine, assembler, model, server;
+- nothing outside the pools reads a pool's ``entries``;
 - no module-level import cycles.
 """
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,11 +77,30 @@ def test_serving_never_imports_the_training_toolkit() -> None:
     assert [(m, t) for m, targets in graph.items() if _serving(m) for t in targets if t.startswith("hypic_data")] == []
 
 
-def test_the_router_imports_nothing_from_the_http_server() -> None:
-    http = ("hypic.server.app", "hypic.server.gate", "hypic.server.tenancy")
+def test_the_router_imports_nothing_from_the_server() -> None:
     graph = _graph()
     assert [(m, t) for m, targets in graph.items() if m.startswith("hypic.router") for t in targets
-            if t.startswith(http)] == []
+            if t.startswith("hypic.server")] == []
+
+
+def test_importing_the_router_loads_no_server_module() -> None:
+    """Through any chain of imports: a Ray worker never loads the HTTP layer."""
+    code = "import sys, hypic.router; print(sorted(m for m in sys.modules if m.startswith('hypic.server')))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert found.stdout.strip() == "[]"
+
+
+def test_the_scheduler_imports_neither_the_server_nor_the_router() -> None:
+    graph = _graph()
+    assert [(m, t) for m, targets in graph.items() if m.startswith("hypic.scheduler") for t in targets
+            if t.startswith(("hypic.server", "hypic.router"))] == []
+
+
+def test_nothing_outside_the_pools_reads_their_entries() -> None:
+    """``store.entries`` is the public pool's own: others ask it (``keys``, ``held``, ``peek``)."""
+    readers = [name for name, path in _modules().items() if name.startswith("hypic")
+               and not name.startswith("hypic.cache") and "store.entries" in path.read_text()]
+    assert readers == []
 
 
 def test_the_caches_import_nothing_above_them() -> None:

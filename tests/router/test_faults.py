@@ -7,8 +7,8 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 
-from hypic import DEFAULT_SEPARATOR, Engine
-from hypic.router import Router
+from hypic import Engine
+from hypic.router import Router, document_jobs
 
 Prompt = Callable[[list[int], str], str]
 
@@ -53,8 +53,7 @@ def test_a_builder_killed_mid_dispatch(router: Router, engine: Engine, pic_promp
     on it are still queued when it is killed; worker 0 holds warm documents: it is the combine node."""
     router.warmup([docs[0], docs[1]], worker=0)
     long_docs = [" ".join(docs) + f" Copy {i}." for i in range(6)]
-    parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *long_docs, ""]))
-    long_job = router.splitter.jobs(parts, "hypic")
+    long_job = document_jobs(router.planner.plan(router.planner.documents(long_docs)))
     busy = router.workers[2].build.remote(long_job, "hypic")
     threading.Timer(0.5, ray.kill, args=(router.workers[2],)).start()
     prompt = pic_prompt(list(range(10)), "What did the crane study?")
@@ -74,8 +73,7 @@ def test_a_worker_that_does_not_answer_in_time_is_lost(engine: Engine, pic_promp
         router.warmup([docs[0], docs[1]], worker=0)
         for batch in range(4):  # four long jobs: far longer than timeout_s on any box
             long_docs = [" ".join(docs) + f" Copy {batch}.{i}." for i in range(8)]
-            parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *long_docs, ""]))
-            router.workers[1].build.remote(router.splitter.jobs(parts, "hypic"), "hypic")
+            router.workers[1].build.remote(document_jobs(router.planner.plan(router.planner.documents(long_docs))), "hypic")
         prompt = pic_prompt(list(range(6)), "Who was born in 1928?")
         routed = router.generate(prompt, max_new_tokens=8)
         assert routed.plan.combine == 0 and 1 in routed.plan.builds and routed.lost_workers == [1]
@@ -119,17 +117,17 @@ def test_a_lost_peer_of_the_server_costs_only_its_documents(engine: Engine, pic_
     server stores what the other peer shipped, its own prefill recomputes the rest, and the
     status reports the loss."""
     from hypic.router import PeerPrefill
-    from hypic.router.transfer import install_entries
+    from hypic.router.transfer import entry_check, install_entries
 
     peers = PeerPrefill("default", 3, threads=1)
     try:
         local = Engine.from_pretrained("default")
         prompt = pic_prompt(list(range(9)), "Where was the ibis born?")
-        parts = local.parse(prompt)
-        plan = peers.plan(parts, "hypic", lambda key: key in local.store.entries)
+        plan = peers.plan(local.plan(local.parse(prompt)), local.store.keys())
         assert set(plan.builds) == {0, 1, 2} and plan.combine == 0
         ray.kill(peers.pool.workers[1])
-        entries = [entry for batch, _ in peers.arrivals(peers.dispatch(plan, "hypic")) for entry in batch]
+        check = entry_check(local.fingerprint, local.policy("hypic").role, local.model.config)
+        entries = [entry for batch, _ in peers.arrivals(peers.dispatch(plan, "hypic"), check) for entry in batch]
         assert {e.key for e in entries} == {job.key for job in plan.builds[2]}
         assert install_entries(local, entries, "hypic")[0] == [e.key for e in entries]
         assert peers.status()["workers"] == [0, 2] and peers.status()["lost_workers"] == [1]

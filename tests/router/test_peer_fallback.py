@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from hypic import DEFAULT_SEPARATOR, Engine, default_model_path
 from hypic.server.app import ServerInfo, build_app
 from hypic.server.chat import load_chat_template
-from hypic.server.loop import EngineLoop
+from hypic.scheduler.loop import EngineLoop
 
 
 class BrokenPeers:

@@ -9,10 +9,11 @@ from fastapi.testclient import TestClient
 
 from hypic import DEFAULT_SEPARATOR, Engine, default_model_path
 from hypic.cli import _parser, peer_engine_options
-from hypic.router import PeerPrefill
+from hypic.planner import Planner
+from hypic.router import PeerPrefill, document_jobs
 from hypic.server.app import ServerInfo, build_app
 from hypic.server.chat import load_chat_template
-from hypic.server.loop import EngineLoop
+from hypic.scheduler.loop import EngineLoop
 
 Prompt = Callable[[list[int], str], str]
 
@@ -40,8 +41,8 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[TestClient, PeerPre
 
 
 def _warm_peer(peers: PeerPrefill, docs: list[str]) -> None:
-    parts = peers.splitter.parse(DEFAULT_SEPARATOR.join(["", *docs, ""]))
-    ray.get(peers.pool.workers[1].build.remote(peers.splitter.jobs(parts, "hypic"), "hypic"))
+    planner = Planner.for_model("default")
+    ray.get(peers.pool.workers[1].build.remote(document_jobs(planner.plan(planner.documents(docs))), "hypic"))
     peers.pool.sync(1)
 
 
@@ -55,7 +56,7 @@ def test_the_peer_holding_most_documents_combines(served, pic_prompt: Prompt, do
     client, peers, loop = served
     _warm_peer(peers, docs[:4])
     prompt = pic_prompt([2, 0, 3, 1, 4], "Who studied lynxes?")
-    plan = peers.plan(loop.engine.parse(prompt), "hypic", lambda key: False)
+    plan = peers.plan(loop.engine.plan(loop.engine.parse(prompt)), set())
     assert plan.combine == 1 and [job.key for job in plan.builds[0]] == [plan.builds[0][0].key]  # doc 4 built here
     engine = Engine.from_pretrained("default")
     engine.warmup(docs[:4])  # what the system held when the request came: document 4 is built for it
@@ -68,7 +69,7 @@ def test_the_peer_holding_most_documents_combines(served, pic_prompt: Prompt, do
     assert meta["segments_built_remotely"] == 0  # document 4 was built by this server
     parts = loop.engine.parse(prompt)  # the peer combined the head it held while document 4 was on its way
     assert meta["combined_early_tokens"] == len(parts.leading) + sum(len(s) for s in parts.segments[:4])
-    assert len(loop.engine.store.entries) == 1  # only its own build is here: it was shipped, not spliced here
+    assert len(loop.engine.store) == 1  # only its own build is here: it was shipped, not spliced here
     counts = ray.get(peers.pool.workers[1].receive_counts.remote())  # ... from this process over gloo
     assert (counts.point_to_point, counts.object_store, counts.failed) == (1, 0, 0)
     assert plan.builds[0][0].key in peers.pool.index.keys_of(1)
@@ -91,14 +92,14 @@ def test_the_server_combines_its_held_head_while_the_peer_builds(served, pic_pro
     request resumes at that head's end with one engine's output and statistics."""
     client, peers, loop = served
     loop.warmup(docs[:2]).result(timeout=60)
-    busy_parts = peers.splitter.parse(DEFAULT_SEPARATOR.join(["", " ".join(docs * 3) + " Busy.", ""]))
-    busy = peers.pool.workers[1].build.remote(peers.splitter.jobs(busy_parts, "hypic"),
+    busy_plan = loop.engine.plan(loop.engine.planner.documents([" ".join(docs * 3) + " Busy."]))
+    busy = peers.pool.workers[1].build.remote(document_jobs(busy_plan),
                                               "hypic", 0)
     prompt = pic_prompt([0, 1, 2], "Who studied herons?")
     engine = Engine.from_pretrained("default")
     engine.warmup(docs[:2])  # what the system held when the request came
     expected = engine.generate(prompt, max_new_tokens=8)
-    plan = peers.plan(loop.engine.parse(prompt), "hypic", lambda key: key in loop.engine.store.entries)
+    plan = peers.plan(loop.engine.plan(loop.engine.parse(prompt)), loop.engine.store.keys())
     assert plan.combine == 0 and list(plan.builds) == [1]
     result = _generate(client, prompt)
     ray.get(busy)

@@ -10,7 +10,7 @@ import ray
 
 from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.router import Router
-from hypic.router.plan import SegmentJob
+from hypic.router.plan import SegmentJob, document_jobs
 
 Prompt = Callable[[list[int], str], str]
 
@@ -56,7 +56,7 @@ def test_documents_warm_on_either_worker_are_pulled(router: Router, engine: Engi
     router.warmup([docs[5], docs[6]], worker=1)
     routed = _same_as_engine(router, engine, pic_prompt([4, 5, 6, 7], "What did the stoat study?"))
     assert routed.plan.combine == 1  # it holds two of the three warm documents
-    assert routed.plan.pulls == {0: [router.splitter.jobs(router.splitter.parse(pic_prompt([4], "")), "hypic")[0].key]}
+    assert routed.plan.pulls == {0: [document_jobs(router.planner.plan(router.planner.parse(pic_prompt([4], ""))))[0].key]}
 
 
 def test_reordered_documents_hit_everywhere(router: Router, engine: Engine, pic_prompt: Prompt) -> None:
@@ -81,8 +81,7 @@ def test_a_worker_builds_for_the_request_with_fewer_uncached_tokens_first(router
     """Worker 1 is busy with a request that goes first (priority 0); a request needing 3000 tokens queues
     before one needing 100: the second's document is built first."""
     def jobs(texts: list[str]) -> list[SegmentJob]:
-        parts = router.splitter.parse(DEFAULT_SEPARATOR.join(["", *texts, ""]))
-        return router.splitter.jobs(parts, "hypic")
+        return document_jobs(router.planner.plan(router.planner.documents(texts)))
 
     worker = router.workers[1]
     # busy well past the two's arrival on any box (a job of three documents was done in 0.4 s on a fast one)
@@ -120,15 +119,14 @@ def test_the_combine_node_combines_its_held_head_while_a_peer_builds(router: Rou
     resumes at that head's end with the single engine's output and statistics."""
     held, cold = [docs[7] + " Early.", docs[8] + " Early."], docs[9] + " Late."
     router.warmup(held, worker=0)
-    busy_doc = router.splitter.parse(DEFAULT_SEPARATOR.join(["", " ".join(docs * 3) + " Busy.", ""]))
-    busy_job = router.splitter.jobs(busy_doc, "hypic")[0]
+    busy_job = document_jobs(router.planner.plan(router.planner.documents([" ".join(docs * 3) + " Busy."])))[0]
     busy = router.workers[1].build.remote([busy_job], "hypic", 0)
     lead = "Answer early from these records."  # no earlier request began so: nothing of it is cached
     prompt = DEFAULT_SEPARATOR.join([lead, *held, cold, "Question: who was born in 1963?\nAnswer:"])
     routed = _same_as_engine(router, engine, prompt)
     ray.get(busy)
     router.pool.sync(1)
-    parts = router.splitter.parse(prompt)
+    parts = router.planner.parse(prompt)
     assert routed.plan.combine == 0 and list(routed.plan.builds) == [1]  # the combine pass counts as load on 0
     assert routed.combined_early == len(parts.leading) + len(parts.segments[0]) + len(parts.segments[1])
     alone = Engine.from_pretrained("default")  # holding what worker 0 held when the request came

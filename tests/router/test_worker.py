@@ -12,9 +12,10 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.router.plan import SegmentJob
 from hypic.router.plan import PROMPT_ORDER_TOKENS
-from hypic.router.splitter import Splitter
+from hypic.planner import Planner
+from hypic.router.plan import document_jobs
 from hypic.router.worker import Worker
-from hypic.server.loop import URGENT, EngineLoop, WarmupTask
+from hypic.scheduler.loop import URGENT, EngineLoop, WarmupTask
 
 CHUNK = 32
 
@@ -27,8 +28,8 @@ def worker(tiny_checkpoint: Path) -> Iterator[Worker]:
 
 
 def _job(tiny_checkpoint: Path, text: str) -> SegmentJob:
-    (job,) = Splitter.for_model(str(tiny_checkpoint)).jobs(Splitter.for_model(str(tiny_checkpoint)).parse(
-        f"q{SEP}{text}{SEP}?"), "hypic")
+    planner = Planner.for_model(tiny_checkpoint)
+    (job,) = document_jobs(planner.plan(planner.parse(f"q{SEP}{text}{SEP}?")))
     return job
 
 

@@ -12,7 +12,7 @@ from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.server.app import ServerInfo, build_app
 from hypic.server.chat import load_chat_template
 from hypic.server.gate import GateLimits
-from hypic.server.loop import EngineLoop
+from hypic.scheduler.loop import EngineLoop
 
 CHAT = [{"role": "user", "content": "hello there"}]
 

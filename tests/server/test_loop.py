@@ -14,8 +14,8 @@ from hypic import Engine, InvalidRequest
 from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest
 from hypic.sampling import SamplingParams
-from hypic.server import loop as loop_module
-from hypic.server.loop import DoneEvent, EngineLoop, ErrorEvent, Event, PeerWork, Phase, QueueFull
+from hypic.scheduler import loop as loop_module
+from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, PeerWork, Phase, QueueFull
 from hypic.server.protocol import GenerationRequest, LogprobRequest
 
 
@@ -286,7 +286,7 @@ def test_peer_work_leaves_the_room_a_higher_ranked_job_here_takes(engine: Engine
 def _decode_beside(engine: Engine, text: str | list[int]) -> tuple[list[float], Any]:
     """A request decoding 3000 tokens and, once it has 20, ``text`` (4 tokens): the decoding one's
     token times and the other's completion."""
-    from hypic.server.loop import ProgressEvent
+    from hypic.scheduler.loop import ProgressEvent
 
     loop, collector, ticks = EngineLoop(engine, "hypic"), Collector(), []
     loop.start()

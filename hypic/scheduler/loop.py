@@ -1,4 +1,5 @@
-"""The engine loop: one thread owns the Engine; HTTP handlers talk to it through messages.
+"""The engine loop: one thread owns the Engine; others talk to it through messages on its queue
+(the server's HTTP handlers and peer work, a Ray worker's calls), which it drains between chunks.
 
 Each iteration runs one batch of prefill work, then decodes one token for every running sample in
 one batch (continuous batching: requests join and leave between iterations). Several prefills may
@@ -35,7 +36,7 @@ from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..cache.segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState, tensor_bytes
-from .protocol import Completion, GenerationRequest, SampleResult
+from .requests import Completion, Request, SampleResult
 from .stats import LoopStats
 
 log = logging.getLogger("hypic.server")
@@ -45,7 +46,7 @@ URGENT = -math.inf  # the priority of work that goes before any build (a worker'
 
 def default_prefill_batch(device: str) -> int:
     """Prefill passes one step runs together by default: 16 on a GPU (where batching pays), 1 on a CPU
-    (compute-bound already: eval/results/batched_prefill.md)."""
+    (compute-bound already: batching there gains nothing)."""
     return 16 if device.startswith("cuda") else 1
 
 
@@ -74,12 +75,12 @@ class ErrorEvent:
 Event = ProgressEvent | DoneEvent | ErrorEvent
 
 
-def input_logits_from(request: GenerationRequest, prompt_tokens: int) -> int | None:
+def input_logits_from(request: Request, prompt_tokens: int) -> int | None:
     """The first prompt position whose logits the request needs (input logprobs), or None."""
     return None if request.logprobs is None else request.logprobs.input_from(prompt_tokens)
 
 
-PeerWork = Callable[[RequestPlan], Future]  # starts a request's peer work on its plan; the future: (remote Prefill future or None, built)
+PeerWork = Callable[[RequestPlan], Future]  # starts a request's peer work on its plan, on the loop thread; the future: (remote Prefill future or None, built)
 
 
 class Phase(StrEnum):
@@ -99,7 +100,7 @@ class Job:
 
     rid: str
     parts: PromptParts
-    request: GenerationRequest
+    request: Request
     mode: Mode
     sequences: list[Sequence]
     emit: Callable[[Event], None]
@@ -233,7 +234,7 @@ class EngineLoop:
             self._queued += 1
         self.inbox.put(item)
 
-    def submit(self, parts: PromptParts, request: GenerationRequest, sequences: list[Sequence],
+    def submit(self, parts: PromptParts, request: Request, sequences: list[Sequence],
                emit: Callable[[Event], None], arrived: float | None = None,
                peer_work: PeerWork | None = None) -> Job:
         """Queue a validated request whose samples (``Engine.sequences``) are ready to run.
@@ -250,7 +251,7 @@ class EngineLoop:
         self._enqueue(job)
         return job
 
-    def check_state_fits(self, parts: PromptParts, request: GenerationRequest, samples: int) -> int:
+    def check_state_fits(self, parts: PromptParts, request: Request, samples: int) -> int:
         """The state bytes a request may hold (KV of the prompt, which its samples share, and of
         max_new_tokens and linear states per sample); raises ``InvalidRequest`` if that can never
         fit ``max_state_bytes`` (checked before any of its work starts, here or on peers)."""
@@ -276,11 +277,12 @@ class EngineLoop:
         self._enqueue(task)
         return task.future
 
-    def precombine(self, parts: PromptParts, built: BuiltForRequest) -> Future:
-        """Combine the head of a request this engine already holds while its peers' last documents
-        are on their way (``Engine.precombine``), in chunks like a warm-up; the future holds the
-        head's ``PrefillStats`` (None: nothing to combine early)."""
-        task = WarmupTask(self.engine.precombine_steps(self.engine.plan(parts, self.mode), built), len(parts.token_ids))
+    def precombine(self, plan: RequestPlan, built: BuiltForRequest, arriving: frozenset[str] = frozenset()) -> Future:
+        """Combine the head of the planned request this engine already holds while its peers' last
+        documents are on their way (``Engine.precombine_steps``; those keyed in ``arriving`` left out
+        of it), in chunks like a warm-up; the future holds the head's ``PrefillStats`` (None:
+        nothing to combine early)."""
+        task = WarmupTask(self.engine.precombine_steps(plan, built, arriving), len(plan.parts.token_ids))
         if self._queued >= self.max_queued:  # never refused as a request would be: it is combined later instead
             task.future.set_result(None)
         else:
@@ -296,7 +298,8 @@ class EngineLoop:
         return task.future
 
     def call(self, run: Callable[[], Any]) -> Future:
-        """Run ``run`` on the loop thread; the future holds its result or exception."""
+        """Run ``run`` on the loop thread when the loop next drains its queue (between chunks); the
+        future holds its result or exception. Peer work posts its news this way and never waits."""
         command = Command(run)
         self.inbox.put(command)
         return command.future
@@ -683,7 +686,7 @@ class EngineLoop:
             "running_shared_bytes": self._shared_bytes(),
             "public_pool": {"bytes": store.nbytes, "budget_bytes": store.budget_bytes, "entries": len(store),
                             "hits": store.hits, "misses": store.misses, "evictions": store.evictions,
-                            "rejected": store.rejected, "pinned": sum(1 for k in store.pins if k in store.entries),
+                            "rejected": store.rejected, "pinned": store.pinned,
                             "arena_reserved_bytes": store.arenas.reserved_bytes},
             "private_pool": {"bytes": prefix.nbytes, "budget_bytes": prefix.budget_bytes, "hits": prefix.hits,
                              "misses": prefix.misses, "evictions": prefix.evictions,
