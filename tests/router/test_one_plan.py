@@ -4,6 +4,7 @@ calls into one log (a Ray setup hook patches them in the worker too). A logprob 
 keeps its ``logits_from``: peers build only the documents it splices. Peer threads never wait on
 the loop: they post to its queue."""
 import os
+import sys
 import threading
 from concurrent.futures import Future
 from collections import Counter
@@ -52,6 +53,8 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Te
     for name in ("parse", "plan"):
         monkeypatch.setattr(Planner, name, getattr(Planner, name))  # put back after the test
     count_plans()
+    # by value: the workers cannot import this test module (``tests`` is no package on their path)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[count_plans.__module__])
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": count_plans, "env_vars": {LOG: str(log)}})
     args = _parser().parse_args(["serve", "--workers", "2", "--threads", "1"])

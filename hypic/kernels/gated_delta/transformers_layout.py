@@ -81,7 +81,7 @@ def fla_trains_here() -> bool:
     """Whether FLA's kernel imports and runs a backward pass on this GPU.
 
     FLA refuses its backward on Hopper with Triton 3.4-3.7.0 (wrong results there), which is
-    what the H100 image of issue 4 had; a tiny forward + backward finds out once.
+    what the H100 device image once had; a tiny forward + backward finds out once.
     """
     try:
         shape = dict(device="cuda", dtype=torch.bfloat16)
