@@ -1,15 +1,12 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
-import math
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .assembler import Steps, combine_chunked, drain
-from .config import ModelConfig
 from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
@@ -17,7 +14,6 @@ from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
-from .models.families import family_of
 from .cache.modes import Mode, ModePolicy, tree_namespace
 from .planner import Planner
 from .prefill_stats import BuiltForRequest, PrefillStats
@@ -25,6 +21,7 @@ from .cache.plan import RequestPlan
 from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
+from . import sizing
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState, WindowLayerState
@@ -34,22 +31,6 @@ from .cache.tiers.options import TierOptions, build_tiers
 from .cache.tiers.hierarchy import WritePolicy
 from .cache.tiers.resume import ResumeStore
 from .tokenizer import TextTokenizer
-
-DEFAULT_SNAPSHOT_INTERVAL = 256
-
-
-def default_snapshot_interval(config: ModelConfig) -> int:
-    """Tokens between private-pool resume points: 256, or, for a sliding-window model, as many tokens
-    as it takes their full-attention KV to cost what a resume point's window tails cost (rounded up
-    to 256; MiMo-V2-Flash: 1280), so the tails never dominate the pool."""
-    windows = config.window_layers()
-    full = [i for i in config.attention_layers() if i not in windows]
-    if not windows or not full:
-        return DEFAULT_SNAPSHOT_INTERVAL
-    tails = sum((config.window(i) or 0) * config.kv_elements(i) for i in windows)
-    even = -(-tails // sum(config.kv_elements(i) for i in full))
-    return max(DEFAULT_SNAPSHOT_INTERVAL, -(-even // DEFAULT_SNAPSHOT_INTERVAL) * DEFAULT_SNAPSHOT_INTERVAL)
-
 
 @dataclass
 class Prefill:
@@ -91,7 +72,7 @@ class Engine:
                  snapshot_interval: int | None = None, state_cache_dtype: str = "float32",
                  resume: ResumeStore | None = None) -> None:
         if snapshot_interval is None:
-            snapshot_interval = default_snapshot_interval(model.config)
+            snapshot_interval = sizing.default_snapshot_interval(model.config)
         if not isinstance(seam_width, int) or seam_width < 0:
             raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -111,7 +92,8 @@ class Engine:
         self.planner = Planner(tokenizer, fingerprint, seam_width, config.linear_conv_kernel_dim,
                                config.max_position_embeddings, config.vocab_size, pic_separator)
         self.store = store if store is not None else SegmentStore()
-        self.store.rebuild_cost = lambda entry: self.rebuild_flops(len(entry.token_ids))
+        parameters = sizing.parameter_count(model)  # the public pool weighs each entry by its rebuild cost
+        self.store.rebuild_cost = lambda entry: sizing.rebuild_flops(config, parameters, len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.resume = resume  # the private pool's resume points on disk and in Mooncake (None: memory only)
         if resume is not None and resume.write_policy is WritePolicy.WRITE_BACK:
@@ -251,35 +233,8 @@ class Engine:
         return policy, encoded
 
     def entry_bytes(self, tokens: int, mode: Mode | str = Mode.HYPIC) -> int:
-        """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (0: it has no
-        interior): each attention layer's interior K and V (a window's worth at most), each linear
-        layer's T_C, S_C|0 and conv tail."""
-        policy = self.policy(mode)
-        interior = policy.seams.interior(tokens) if policy.seams is not None else None
-        if interior is None:
-            return 0
-        config, length = self.model.config, interior[1] - interior[0]
-        model_size, state_size = self.model.dtype.itemsize, self.state_cache_dtype.itemsize
-        attention = sum(min(length, config.window(i) or length) * config.kv_elements(i) for i in config.attention_layers())
-        family = family_of(config)
-        state = family.state_elements(config)
-        transition = math.prod(family.transition_shape(config)) if policy.transitions else 0
-        conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels
-        return attention * model_size + len(config.linear_layers()) * ((state + transition) * state_size + conv * model_size)
-
-    @cached_property
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-    def rebuild_flops(self, tokens: int) -> float:
-        """About the FLOPs of prefilling a ``tokens``-token document alone: 2 per parameter per token
-        (every expert counted: an upper bound for MoE) and the attention layers' QK^T and AV over the
-        causal triangle (a window's worth at most)."""
-        config, attention = self.model.config, 0.0
-        for index in config.attention_layers():
-            window = config.window(index) or tokens
-            attention += 4.0 * tokens * min(tokens, window) * config.num_attention_heads * config.head_dim / 2
-        return 2.0 * self.parameter_count * tokens + attention
+        """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (``sizing.entry_bytes``)."""
+        return sizing.entry_bytes(self.model.config, self.policy(mode), tokens, self.model.dtype, self.state_cache_dtype)
 
     def flush(self, namespace: str | None = None,
               tiers: frozenset[str] = frozenset({"memory"})) -> tuple[int, int, dict[str, int]]:
@@ -311,22 +266,8 @@ class Engine:
             self.resume.close()
 
     def state_bytes(self, tokens: int, samples: int = 1, shared_tokens: int = 0) -> int:
-        """Memory a request's state takes: KV of ``tokens`` tokens per sample in every full-attention
-        layer (the first ``shared_tokens`` of them held once for all samples, which fork from the
-        prompt without copying it), a window's ring in every sliding-window layer, plus each sample's
-        linear-layer states (the server's admission budget)."""
-        config, size = self.model.config, torch.empty(0, dtype=self.model.dtype).element_size()
-        kv = rings = 0
-        for index in config.attention_layers():  # per token held: a ring holds ``window`` tokens at any length
-            window = config.window(index)
-            if window is None:
-                kv += (samples * (tokens - shared_tokens) + shared_tokens) * config.kv_elements(index) * size
-            else:
-                rings += window * config.kv_elements(index) * size
-        recurrent = family_of(config).state_nbytes(config)
-        conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
-        linear = (recurrent + conv) * len(config.linear_layers())
-        return kv + samples * (rings + linear)
+        """Memory a request's state takes (``sizing.state_bytes``: the server's admission budget)."""
+        return sizing.state_bytes(self.model.config, self.model.dtype, tokens, samples, shared_tokens)
 
     def plan(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC, logits_from: int | None = None) -> RequestPlan:
         """What a prefill of ``parts`` under ``mode`` reuses, worked out once (see ``RequestPlan``):
