@@ -17,18 +17,18 @@ from .models import HybridModel
 from .cache.modes import Mode, ModePolicy, tree_namespace
 from .planner import Planner
 from .prefill_stats import BuiltForRequest, PrefillStats
+from .resume_points import ResumePoints
 from .cache.plan import RequestPlan
-from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
+from .cache.prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
 from . import sizing
-from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries
+from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState, WindowLayerState
-from .cache.store import Event, LinearInterior, Load, SegmentEntry, SegmentStore, entry_key
+from .cache.store import LinearInterior, Load, SegmentEntry, SegmentStore, entry_key
 from .cache.tiers.entry_file import EntryIdentity
 from .cache.tiers.options import TierOptions, build_tiers
-from .cache.tiers.hierarchy import WritePolicy
 from .cache.tiers.resume import ResumeStore
 from .tokenizer import TextTokenizer
 
@@ -96,8 +96,7 @@ class Engine:
         self.store.rebuild_cost = lambda entry: sizing.rebuild_flops(config, parameters, len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.resume = resume  # the private pool's resume points on disk and in Mooncake (None: memory only)
-        if resume is not None and resume.write_policy is WritePolicy.WRITE_BACK:
-            self.prefix_cache.on_drop = self._resume_point_dropped
+        self.resume_points = ResumePoints(model, self.prefix_cache, resume, snapshot_interval)
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
@@ -259,11 +258,7 @@ class Engine:
         self.store.close()
         if self.store.lower is not None:
             self.store.lower.close()
-        if self.resume is not None:
-            if self.resume.wanted(Event.CLOSING):  # write_back's last moment
-                for tree, node in self.prefix_cache.resume_points():
-                    self._resume_point_dropped(tree, node, Event.CLOSING)
-            self.resume.close()
+        self.resume_points.close()
 
     def state_bytes(self, tokens: int, samples: int = 1, shared_tokens: int = 0) -> int:
         """Memory a request's state takes (``sizing.state_bytes``: the server's admission budget)."""
@@ -294,7 +289,7 @@ class Engine:
         if self.resume is not None and tree is not None:
             key = plan.tree_key
             after = self.prefix_cache.peek(tree, key, len(key) - 1)
-            empty = self._empty_state()
+            empty = self.resume_points.empty_state()
             loads.append(self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty))
         return [load for load in loads if load is not None]
 
@@ -330,80 +325,6 @@ class Engine:
         is taken as it is (no segments: every token is Q, though a prefix-cache hit still applies).
         ``namespace``: the cache namespace the request lives in ("": shared). Pure: safe on any thread."""
         return self.planner.parse(prompt, namespace)
-
-    def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats,
-                      built: BuiltForRequest) -> RequestState:
-        """The longest private-pool hit (never the whole prompt: the last token must be run), in
-        memory or, past it, among the resume points kept on disk or in Mooncake; one at the end of a
-        head combined early for this request counts as that head's reuse."""
-        empty = self._empty_state()
-        if policy.tree is None:
-            return empty
-        hit = self.prefix_cache.match(policy.tree, key, len(key) - 1, empty)
-        kept = self._kept_resume_point(key, policy, hit.length if hit is not None else 0, empty)
-        if kept is None and hit is not None:  # resumed from memory: write_through_selective's moment
-            self._keep_resume_point(policy.tree, policy.namespace, hit.state, hit.length, hit.snapshot, Event.HIT)
-        if kept is not None:
-            hit, tier = kept
-            if tier == "mooncake":
-                stats.mooncake_cached_tokens += hit.length
-            else:
-                stats.disk_cached_tokens += hit.length
-        if hit is None:
-            return empty
-        head = built.head_ending_at(hit.length)
-        if head is not None:
-            stats.resume_at_head(head)
-        else:
-            stats.cached_tokens += hit.length
-            stats.prefix_hit_tokens = hit.length
-        return hit.state
-
-    def _kept_resume_point(self, key: list[int], policy: ModePolicy, after: int,
-                           empty: RequestState) -> tuple[PrefixHit, str] | None:
-        """A resume point on disk or in Mooncake longer than ``after`` (memory's), brought into the
-        private pool (a later request finds it in memory) and handed out as a hit, with the name of
-        the tier it came from; None if there is none."""
-        if self.resume is None or policy.tree is None:
-            return None
-        found = self.resume.take(policy.tree, policy.namespace, key, after, len(key) - 1, empty)
-        if found is None:
-            return None
-        state = found.state
-        self.prefix_cache.insert(policy.tree, state, {state.length: found.snapshot})
-        hit = self.prefix_cache.match(policy.tree, key, state.length, empty)
-        return (hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)), found.tier
-
-    def _empty_state(self) -> RequestState:
-        """A state of no tokens on the model's device (the template states are assembled on)."""
-        return RequestState.empty(self.model.config, self.model.device, self.model.dtype)
-
-    def _resume_point_dropped(self, tree: str, node: RadixNode, event: Event = Event.EVICTED) -> None:
-        """A private-pool resume point leaves memory (evicted, or the server stops): offered to the
-        tiers below (``write_back`` writes it)."""
-        if self.resume is None or not self.resume.wanted(event) or node.snapshot is None:
-            return
-        empty = self._empty_state()
-        state = self.prefix_cache.state_at(node, empty)
-        self._keep_resume_point(tree, tree_namespace(tree), state, node.depth, node.snapshot, event)
-
-    def _keep_resume_point(self, tree: str, namespace: str, state: RequestState, position: int,
-                           snapshot: dict[int, Any], event: Event = Event.MADE) -> None:
-        """Offer the state after ``position`` tokens to the disk and Mooncake as a resume point (if
-        either is there)."""
-        if self.resume is not None and 0 < position <= state.length:
-            self.resume.offer(tree, namespace, state, position, snapshot, event)
-
-    def _snapshot_positions(self, parts: PromptParts, start: int, end: bool = False) -> list[int]:
-        """Where the private pool keeps this prompt's linear states (after ``start``): at document
-        edges, every ``snapshot_interval`` tokens (shared system prompts), before the last token
-        (the same prompt sent again recomputes only that token), and with ``end`` at its end.
-        Positions inside a spliced interior have no state and are skipped by the combine pass."""
-        total = len(parts.token_ids)
-        points = {*document_boundaries(parts), total - 1, *([total] if end else [])}
-        if self.snapshot_interval:
-            points.update(range(self.snapshot_interval, total, self.snapshot_interval))
-        return sorted(p for p in points if start < p <= total)
 
     def _segment_entries(self, plan: RequestPlan, indices: list[int], stats: PrefillStats, pinned: list[str],
                          built: BuiltForRequest) -> Steps[dict[int, SegmentEntry]]:
@@ -442,7 +363,7 @@ class Engine:
         parts, policy, ids = plan.parts, plan.policy, plan.parts.token_ids
         stats = PrefillStats(prompt_tokens=len(ids), segments_built_remotely=built.remote_segments,
                              remote_prefill_tokens=built.remote_tokens)
-        init = self._resume_point(plan.tree_key, policy, stats, built)
+        init = self.resume_points.resume_state(plan.tree_key, policy, stats, built)
         after_resume = [i for i in plan.spliced if parts.segment_starts[i] >= init.length]
         pinned: list[str] = []
         try:
@@ -450,10 +371,9 @@ class Engine:
             keep = policy.tree is not None and self.prefix_cache.budget_bytes != 0
             pieces = build_layout(parts, policy.seams, set(entries), init.length)
             stats.combine_tokens += sum(p.length for p in pieces if isinstance(p, Run))  # after a head's own
+            snapshot_at = self.resume_points.snapshot_positions(parts, init.length, snapshot_end) if keep else []
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
-                                                naive=not policy.transitions,
-                                                snapshot_at=self._snapshot_positions(parts, init.length, snapshot_end)
-                                                if keep else [],
+                                                naive=not policy.transitions, snapshot_at=snapshot_at,
                                                 logits_from=plan.logits_from)
         finally:
             for key in pinned:
@@ -462,7 +382,7 @@ class Engine:
         if policy.tree is not None:
             self.prefix_cache.insert(policy.tree, result.state, result.snapshots)
             if parts.leading and plan.spliced and len(parts.leading) in result.snapshots:  # a system prompt's end
-                self._keep_resume_point(policy.tree, policy.namespace, result.state, len(parts.leading),
+                self.resume_points.keep(policy.tree, policy.namespace, result.state, len(parts.leading),
                                         result.snapshots[len(parts.leading)])
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats, result.row_logits)
@@ -523,7 +443,7 @@ class Engine:
         linear = {i: layer for i, layer in enumerate(state.layers) if isinstance(layer, LinearLayerState)}
         self.prefix_cache.insert(tree, state, {state.length: linear})
         rings = {i: layer.fork() for i, layer in enumerate(state.layers) if isinstance(layer, WindowLayerState)}
-        self._keep_resume_point(tree, self.policy(mode, namespace).namespace, state, state.length, {**linear, **rings})
+        self.resume_points.keep(tree, self.policy(mode, namespace).namespace, state, state.length, {**linear, **rings})
 
     # ----- generation ----------------------------------------------------------------------
     def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None) -> list[Sequence]:
