@@ -22,6 +22,7 @@ from .cache.plan import RequestPlan
 from .cache.prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
+from .tier_loads import TierLoads
 from . import sizing
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout
 from .sequence import Sequence, SequenceLimits
@@ -97,6 +98,7 @@ class Engine:
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.resume = resume  # the private pool's resume points on disk and in Mooncake (None: memory only)
         self.resume_points = ResumePoints(model, self.prefix_cache, resume, snapshot_interval)
+        self.tier_loads = TierLoads(self.store, self.resume_points, self.entry_bytes)
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
@@ -270,54 +272,21 @@ class Engine:
         marks and its private-pool key. Pure: safe on any thread."""
         return self.planner.plan(parts, mode, logits_from)
 
-    def _not_in_memory(self, plan: RequestPlan) -> list[tuple[str, tuple[int, ...]]]:
-        """(key, token ids) of each document ``plan`` splices that memory lacks, when there are lower
-        tiers to look in (else none)."""
-        if self.store.lower is None:
-            return []
-        return [(key, ids) for _, key, ids in plan.documents() if self.store.peek(key, ids) is None]
-
     def prefetch(self, plan: RequestPlan) -> list[Load]:
-        """Start loading, from the lower tiers, the documents ``plan`` splices that memory lacks, and
-        looking for a resume point longer than memory's (a serving loop calls this as the request
-        arrives); returns those loads, each with until when its request is held back for it (the
-        prefetch policy's wait for a document, ``resume.LOOKUP_WAIT_S`` for the resume point)."""
-        loads = [self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
-                                           self.entry_bytes(len(ids), plan.policy.name))
-                 for key, ids in self._not_in_memory(plan)]
-        tree = plan.policy.tree
-        if self.resume is not None and tree is not None:
-            key = plan.tree_key
-            after = self.prefix_cache.peek(tree, key, len(key) - 1)
-            empty = self.resume_points.empty_state()
-            loads.append(self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty))
-        return [load for load in loads if load is not None]
+        """Start reading ``plan``'s documents and resume point from the lower tiers (``TierLoads.prefetch``)."""
+        return self.tier_loads.prefetch(plan)
 
     def discard_prefetch(self, plan: RequestPlan) -> None:
         """Drop what ``prefetch`` read for ``plan``'s resume point (its request went away unserved)."""
-        if self.resume is not None and plan.policy.tree is not None:
-            self.resume.discard(plan.policy.tree, plan.policy.namespace, plan.tree_key)
+        self.tier_loads.discard_prefetch(plan)
 
     def load_from_tiers(self, plan: RequestPlan) -> tuple[tuple[str, str], ...]:
-        """Bring the documents ``plan`` splices that only a lower tier holds into memory now (a router
-        plans with what memory holds); returns (key, tier) of each loaded."""
-        found = [(key, self.store.fetch(key, ids, plan.policy.namespace)) for key, ids in self._not_in_memory(plan)]
-        return tuple((key, tier) for key, (entry, tier) in found if entry is not None)
+        """Bring ``plan``'s documents that only a lower tier holds into memory now (``TierLoads.load_from_tiers``)."""
+        return self.tier_loads.load_from_tiers(plan)
 
     def uncached_tokens(self, plan: RequestPlan) -> int:
-        """About how many prompt tokens ``plan``'s prefill would compute now: the prompt less its
-        cached interiors (in memory, or in a lower tier's local index: the disk's) and its
-        private-pool prefix (the scheduler's size of a request)."""
-        total, cached, lower = len(plan.parts.token_ids), 0, self.store.lower
-        for index, key, ids in plan.documents():
-            entry = self.store.peek(key, ids)
-            if entry is not None:
-                cached += entry.length
-            elif lower is not None and lower.indexed(key, plan.policy.namespace):
-                cached += plan.interior_tokens(index)
-        if plan.policy.tree is not None:
-            cached += self.prefix_cache.peek(plan.policy.tree, plan.tree_key, total - 1)
-        return max(1, total - cached)
+        """About how many prompt tokens ``plan``'s prefill would compute now (``TierLoads.uncached_tokens``)."""
+        return self.tier_loads.uncached_tokens(plan)
 
     # ----- prefill -------------------------------------------------------------------------
     def parse(self, prompt: str | list[int], namespace: str = "") -> PromptParts:

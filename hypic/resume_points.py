@@ -5,9 +5,10 @@ resumes from it."""
 from typing import Any
 
 from .cache.modes import ModePolicy, tree_namespace
+from .cache.plan import RequestPlan
 from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
 from .cache.segments import PromptParts, document_boundaries
-from .cache.store import Event
+from .cache.store import Event, Load
 from .cache.tiers.hierarchy import WritePolicy
 from .cache.tiers.resume import ResumeStore
 from .models import HybridModel
@@ -72,6 +73,21 @@ class ResumePoints:
         self.pool.insert(policy.tree, state, {state.length: found.snapshot})
         hit = self.pool.match(policy.tree, key, state.length, empty)
         return (hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)), found.tier
+
+    def prefetch(self, plan: RequestPlan) -> Load | None:
+        """Start looking, on disk and in Mooncake, for a resume point of ``plan`` longer than memory's
+        (None: no tier below memory, or its mode keeps no states)."""
+        tree = plan.policy.tree
+        if self.store is None or tree is None:
+            return None
+        key = plan.tree_key
+        after = self.pool.peek(tree, key, len(key) - 1)
+        return self.store.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, self.empty_state())
+
+    def discard_prefetch(self, plan: RequestPlan) -> None:
+        """Drop what ``prefetch`` read for ``plan`` (its request went away unserved)."""
+        if self.store is not None and plan.policy.tree is not None:
+            self.store.discard(plan.policy.tree, plan.policy.namespace, plan.tree_key)
 
     def dropped(self, tree: str, node: RadixNode, event: Event = Event.EVICTED) -> None:
         """A private-pool resume point leaves memory (evicted, or the server stops): offered to the
