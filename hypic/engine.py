@@ -1,15 +1,12 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
-import math
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .assembler import Steps, combine_chunked, drain
-from .config import ModelConfig
 from .decode import decode_batch
 from .default_model import default_model_path
 from .errors import InvalidRequest
@@ -17,39 +14,24 @@ from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
-from .models.families import family_of
 from .cache.modes import Mode, ModePolicy, tree_namespace
 from .planner import Planner
 from .prefill_stats import BuiltForRequest, PrefillStats
+from .resume_points import ResumePoints
 from .cache.plan import RequestPlan
-from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
+from .cache.prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .segment_prefill import prefill_interior_steps
-from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout, document_boundaries
+from .tier_loads import TierLoads
+from . import sizing
+from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Run, Seams, build_layout
 from .sequence import Sequence, SequenceLimits
 from .state import LinearLayerState, RequestState, WindowLayerState
-from .cache.store import Event, LinearInterior, Load, SegmentEntry, SegmentStore, entry_key
+from .cache.store import LinearInterior, Load, SegmentEntry, SegmentStore, entry_key
 from .cache.tiers.entry_file import EntryIdentity
 from .cache.tiers.options import TierOptions, build_tiers
-from .cache.tiers.hierarchy import WritePolicy
 from .cache.tiers.resume import ResumeStore
 from .tokenizer import TextTokenizer
-
-DEFAULT_SNAPSHOT_INTERVAL = 256
-
-
-def default_snapshot_interval(config: ModelConfig) -> int:
-    """Tokens between private-pool resume points: 256, or, for a sliding-window model, as many tokens
-    as it takes their full-attention KV to cost what a resume point's window tails cost (rounded up
-    to 256; MiMo-V2-Flash: 1280), so the tails never dominate the pool."""
-    windows = config.window_layers()
-    full = [i for i in config.attention_layers() if i not in windows]
-    if not windows or not full:
-        return DEFAULT_SNAPSHOT_INTERVAL
-    tails = sum((config.window(i) or 0) * config.kv_elements(i) for i in windows)
-    even = -(-tails // sum(config.kv_elements(i) for i in full))
-    return max(DEFAULT_SNAPSHOT_INTERVAL, -(-even // DEFAULT_SNAPSHOT_INTERVAL) * DEFAULT_SNAPSHOT_INTERVAL)
-
 
 @dataclass
 class Prefill:
@@ -91,7 +73,7 @@ class Engine:
                  snapshot_interval: int | None = None, state_cache_dtype: str = "float32",
                  resume: ResumeStore | None = None) -> None:
         if snapshot_interval is None:
-            snapshot_interval = default_snapshot_interval(model.config)
+            snapshot_interval = sizing.default_snapshot_interval(model.config)
         if not isinstance(seam_width, int) or seam_width < 0:
             raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -111,11 +93,12 @@ class Engine:
         self.planner = Planner(tokenizer, fingerprint, seam_width, config.linear_conv_kernel_dim,
                                config.max_position_embeddings, config.vocab_size, pic_separator)
         self.store = store if store is not None else SegmentStore()
-        self.store.rebuild_cost = lambda entry: self.rebuild_flops(len(entry.token_ids))
+        parameters = sizing.parameter_count(model)  # the public pool weighs each entry by its rebuild cost
+        self.store.rebuild_cost = lambda entry: sizing.rebuild_flops(config, parameters, len(entry.token_ids))
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.resume = resume  # the private pool's resume points on disk and in Mooncake (None: memory only)
-        if resume is not None and resume.write_policy is WritePolicy.WRITE_BACK:
-            self.prefix_cache.on_drop = self._resume_point_dropped
+        self.resume_points = ResumePoints(model, self.prefix_cache, resume, snapshot_interval)
+        self.tier_loads = TierLoads(self.store, self.resume_points, self.entry_bytes)
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
 
@@ -251,35 +234,8 @@ class Engine:
         return policy, encoded
 
     def entry_bytes(self, tokens: int, mode: Mode | str = Mode.HYPIC) -> int:
-        """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (0: it has no
-        interior): each attention layer's interior K and V (a window's worth at most), each linear
-        layer's T_C, S_C|0 and conv tail."""
-        policy = self.policy(mode)
-        interior = policy.seams.interior(tokens) if policy.seams is not None else None
-        if interior is None:
-            return 0
-        config, length = self.model.config, interior[1] - interior[0]
-        model_size, state_size = self.model.dtype.itemsize, self.state_cache_dtype.itemsize
-        attention = sum(min(length, config.window(i) or length) * config.kv_elements(i) for i in config.attention_layers())
-        family = family_of(config)
-        state = family.state_elements(config)
-        transition = math.prod(family.transition_shape(config)) if policy.transitions else 0
-        conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels
-        return attention * model_size + len(config.linear_layers()) * ((state + transition) * state_size + conv * model_size)
-
-    @cached_property
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-    def rebuild_flops(self, tokens: int) -> float:
-        """About the FLOPs of prefilling a ``tokens``-token document alone: 2 per parameter per token
-        (every expert counted: an upper bound for MoE) and the attention layers' QK^T and AV over the
-        causal triangle (a window's worth at most)."""
-        config, attention = self.model.config, 0.0
-        for index in config.attention_layers():
-            window = config.window(index) or tokens
-            attention += 4.0 * tokens * min(tokens, window) * config.num_attention_heads * config.head_dim / 2
-        return 2.0 * self.parameter_count * tokens + attention
+        """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (``sizing.entry_bytes``)."""
+        return sizing.entry_bytes(self.model.config, self.policy(mode), tokens, self.model.dtype, self.state_cache_dtype)
 
     def flush(self, namespace: str | None = None,
               tiers: frozenset[str] = frozenset({"memory"})) -> tuple[int, int, dict[str, int]]:
@@ -304,29 +260,11 @@ class Engine:
         self.store.close()
         if self.store.lower is not None:
             self.store.lower.close()
-        if self.resume is not None:
-            if self.resume.wanted(Event.CLOSING):  # write_back's last moment
-                for tree, node in self.prefix_cache.resume_points():
-                    self._resume_point_dropped(tree, node, Event.CLOSING)
-            self.resume.close()
+        self.resume_points.close()
 
     def state_bytes(self, tokens: int, samples: int = 1, shared_tokens: int = 0) -> int:
-        """Memory a request's state takes: KV of ``tokens`` tokens per sample in every full-attention
-        layer (the first ``shared_tokens`` of them held once for all samples, which fork from the
-        prompt without copying it), a window's ring in every sliding-window layer, plus each sample's
-        linear-layer states (the server's admission budget)."""
-        config, size = self.model.config, torch.empty(0, dtype=self.model.dtype).element_size()
-        kv = rings = 0
-        for index in config.attention_layers():  # per token held: a ring holds ``window`` tokens at any length
-            window = config.window(index)
-            if window is None:
-                kv += (samples * (tokens - shared_tokens) + shared_tokens) * config.kv_elements(index) * size
-            else:
-                rings += window * config.kv_elements(index) * size
-        recurrent = family_of(config).state_nbytes(config)
-        conv = (config.linear_conv_kernel_dim - 1) * config.linear_conv_channels * size
-        linear = (recurrent + conv) * len(config.linear_layers())
-        return kv + samples * (rings + linear)
+        """Memory a request's state takes (``sizing.state_bytes``: the server's admission budget)."""
+        return sizing.state_bytes(self.model.config, self.model.dtype, tokens, samples, shared_tokens)
 
     def plan(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC, logits_from: int | None = None) -> RequestPlan:
         """What a prefill of ``parts`` under ``mode`` reuses, worked out once (see ``RequestPlan``):
@@ -334,54 +272,21 @@ class Engine:
         marks and its private-pool key. Pure: safe on any thread."""
         return self.planner.plan(parts, mode, logits_from)
 
-    def _not_in_memory(self, plan: RequestPlan) -> list[tuple[str, tuple[int, ...]]]:
-        """(key, token ids) of each document ``plan`` splices that memory lacks, when there are lower
-        tiers to look in (else none)."""
-        if self.store.lower is None:
-            return []
-        return [(key, ids) for _, key, ids in plan.documents() if self.store.peek(key, ids) is None]
-
     def prefetch(self, plan: RequestPlan) -> list[Load]:
-        """Start loading, from the lower tiers, the documents ``plan`` splices that memory lacks, and
-        looking for a resume point longer than memory's (a serving loop calls this as the request
-        arrives); returns those loads, each with until when its request is held back for it (the
-        prefetch policy's wait for a document, ``resume.LOOKUP_WAIT_S`` for the resume point)."""
-        loads = [self.store.lower.prefetch(key, ids, plan.policy.namespace,  # type: ignore[union-attr]
-                                           self.entry_bytes(len(ids), plan.policy.name))
-                 for key, ids in self._not_in_memory(plan)]
-        tree = plan.policy.tree
-        if self.resume is not None and tree is not None:
-            key = plan.tree_key
-            after = self.prefix_cache.peek(tree, key, len(key) - 1)
-            empty = self._empty_state()
-            loads.append(self.resume.prefetch(tree, plan.policy.namespace, key, after, len(key) - 1, empty))
-        return [load for load in loads if load is not None]
+        """Start reading ``plan``'s documents and resume point from the lower tiers (``TierLoads.prefetch``)."""
+        return self.tier_loads.prefetch(plan)
 
     def discard_prefetch(self, plan: RequestPlan) -> None:
         """Drop what ``prefetch`` read for ``plan``'s resume point (its request went away unserved)."""
-        if self.resume is not None and plan.policy.tree is not None:
-            self.resume.discard(plan.policy.tree, plan.policy.namespace, plan.tree_key)
+        self.tier_loads.discard_prefetch(plan)
 
     def load_from_tiers(self, plan: RequestPlan) -> tuple[tuple[str, str], ...]:
-        """Bring the documents ``plan`` splices that only a lower tier holds into memory now (a router
-        plans with what memory holds); returns (key, tier) of each loaded."""
-        found = [(key, self.store.fetch(key, ids, plan.policy.namespace)) for key, ids in self._not_in_memory(plan)]
-        return tuple((key, tier) for key, (entry, tier) in found if entry is not None)
+        """Bring ``plan``'s documents that only a lower tier holds into memory now (``TierLoads.load_from_tiers``)."""
+        return self.tier_loads.load_from_tiers(plan)
 
     def uncached_tokens(self, plan: RequestPlan) -> int:
-        """About how many prompt tokens ``plan``'s prefill would compute now: the prompt less its
-        cached interiors (in memory, or in a lower tier's local index: the disk's) and its
-        private-pool prefix (the scheduler's size of a request)."""
-        total, cached, lower = len(plan.parts.token_ids), 0, self.store.lower
-        for index, key, ids in plan.documents():
-            entry = self.store.peek(key, ids)
-            if entry is not None:
-                cached += entry.length
-            elif lower is not None and lower.indexed(key, plan.policy.namespace):
-                cached += plan.interior_tokens(index)
-        if plan.policy.tree is not None:
-            cached += self.prefix_cache.peek(plan.policy.tree, plan.tree_key, total - 1)
-        return max(1, total - cached)
+        """About how many prompt tokens ``plan``'s prefill would compute now (``TierLoads.uncached_tokens``)."""
+        return self.tier_loads.uncached_tokens(plan)
 
     # ----- prefill -------------------------------------------------------------------------
     def parse(self, prompt: str | list[int], namespace: str = "") -> PromptParts:
@@ -389,80 +294,6 @@ class Engine:
         is taken as it is (no segments: every token is Q, though a prefix-cache hit still applies).
         ``namespace``: the cache namespace the request lives in ("": shared). Pure: safe on any thread."""
         return self.planner.parse(prompt, namespace)
-
-    def _resume_point(self, key: list[int], policy: ModePolicy, stats: PrefillStats,
-                      built: BuiltForRequest) -> RequestState:
-        """The longest private-pool hit (never the whole prompt: the last token must be run), in
-        memory or, past it, among the resume points kept on disk or in Mooncake; one at the end of a
-        head combined early for this request counts as that head's reuse."""
-        empty = self._empty_state()
-        if policy.tree is None:
-            return empty
-        hit = self.prefix_cache.match(policy.tree, key, len(key) - 1, empty)
-        kept = self._kept_resume_point(key, policy, hit.length if hit is not None else 0, empty)
-        if kept is None and hit is not None:  # resumed from memory: write_through_selective's moment
-            self._keep_resume_point(policy.tree, policy.namespace, hit.state, hit.length, hit.snapshot, Event.HIT)
-        if kept is not None:
-            hit, tier = kept
-            if tier == "mooncake":
-                stats.mooncake_cached_tokens += hit.length
-            else:
-                stats.disk_cached_tokens += hit.length
-        if hit is None:
-            return empty
-        head = built.head_ending_at(hit.length)
-        if head is not None:
-            stats.resume_at_head(head)
-        else:
-            stats.cached_tokens += hit.length
-            stats.prefix_hit_tokens = hit.length
-        return hit.state
-
-    def _kept_resume_point(self, key: list[int], policy: ModePolicy, after: int,
-                           empty: RequestState) -> tuple[PrefixHit, str] | None:
-        """A resume point on disk or in Mooncake longer than ``after`` (memory's), brought into the
-        private pool (a later request finds it in memory) and handed out as a hit, with the name of
-        the tier it came from; None if there is none."""
-        if self.resume is None or policy.tree is None:
-            return None
-        found = self.resume.take(policy.tree, policy.namespace, key, after, len(key) - 1, empty)
-        if found is None:
-            return None
-        state = found.state
-        self.prefix_cache.insert(policy.tree, state, {state.length: found.snapshot})
-        hit = self.prefix_cache.match(policy.tree, key, state.length, empty)
-        return (hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)), found.tier
-
-    def _empty_state(self) -> RequestState:
-        """A state of no tokens on the model's device (the template states are assembled on)."""
-        return RequestState.empty(self.model.config, self.model.device, self.model.dtype)
-
-    def _resume_point_dropped(self, tree: str, node: RadixNode, event: Event = Event.EVICTED) -> None:
-        """A private-pool resume point leaves memory (evicted, or the server stops): offered to the
-        tiers below (``write_back`` writes it)."""
-        if self.resume is None or not self.resume.wanted(event) or node.snapshot is None:
-            return
-        empty = self._empty_state()
-        state = self.prefix_cache.state_at(node, empty)
-        self._keep_resume_point(tree, tree_namespace(tree), state, node.depth, node.snapshot, event)
-
-    def _keep_resume_point(self, tree: str, namespace: str, state: RequestState, position: int,
-                           snapshot: dict[int, Any], event: Event = Event.MADE) -> None:
-        """Offer the state after ``position`` tokens to the disk and Mooncake as a resume point (if
-        either is there)."""
-        if self.resume is not None and 0 < position <= state.length:
-            self.resume.offer(tree, namespace, state, position, snapshot, event)
-
-    def _snapshot_positions(self, parts: PromptParts, start: int, end: bool = False) -> list[int]:
-        """Where the private pool keeps this prompt's linear states (after ``start``): at document
-        edges, every ``snapshot_interval`` tokens (shared system prompts), before the last token
-        (the same prompt sent again recomputes only that token), and with ``end`` at its end.
-        Positions inside a spliced interior have no state and are skipped by the combine pass."""
-        total = len(parts.token_ids)
-        points = {*document_boundaries(parts), total - 1, *([total] if end else [])}
-        if self.snapshot_interval:
-            points.update(range(self.snapshot_interval, total, self.snapshot_interval))
-        return sorted(p for p in points if start < p <= total)
 
     def _segment_entries(self, plan: RequestPlan, indices: list[int], stats: PrefillStats, pinned: list[str],
                          built: BuiltForRequest) -> Steps[dict[int, SegmentEntry]]:
@@ -501,7 +332,7 @@ class Engine:
         parts, policy, ids = plan.parts, plan.policy, plan.parts.token_ids
         stats = PrefillStats(prompt_tokens=len(ids), segments_built_remotely=built.remote_segments,
                              remote_prefill_tokens=built.remote_tokens)
-        init = self._resume_point(plan.tree_key, policy, stats, built)
+        init = self.resume_points.resume_state(plan.tree_key, policy, stats, built)
         after_resume = [i for i in plan.spliced if parts.segment_starts[i] >= init.length]
         pinned: list[str] = []
         try:
@@ -509,10 +340,9 @@ class Engine:
             keep = policy.tree is not None and self.prefix_cache.budget_bytes != 0
             pieces = build_layout(parts, policy.seams, set(entries), init.length)
             stats.combine_tokens += sum(p.length for p in pieces if isinstance(p, Run))  # after a head's own
+            snapshot_at = self.resume_points.snapshot_positions(parts, init.length, snapshot_end) if keep else []
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
-                                                naive=not policy.transitions,
-                                                snapshot_at=self._snapshot_positions(parts, init.length, snapshot_end)
-                                                if keep else [],
+                                                naive=not policy.transitions, snapshot_at=snapshot_at,
                                                 logits_from=plan.logits_from)
         finally:
             for key in pinned:
@@ -521,7 +351,7 @@ class Engine:
         if policy.tree is not None:
             self.prefix_cache.insert(policy.tree, result.state, result.snapshots)
             if parts.leading and plan.spliced and len(parts.leading) in result.snapshots:  # a system prompt's end
-                self._keep_resume_point(policy.tree, policy.namespace, result.state, len(parts.leading),
+                self.resume_points.keep(policy.tree, policy.namespace, result.state, len(parts.leading),
                                         result.snapshots[len(parts.leading)])
         assert result.logits is not None
         return Prefill(result.logits, result.state, stats, result.row_logits)
@@ -582,7 +412,7 @@ class Engine:
         linear = {i: layer for i, layer in enumerate(state.layers) if isinstance(layer, LinearLayerState)}
         self.prefix_cache.insert(tree, state, {state.length: linear})
         rings = {i: layer.fork() for i, layer in enumerate(state.layers) if isinstance(layer, WindowLayerState)}
-        self._keep_resume_point(tree, self.policy(mode, namespace).namespace, state, state.length, {**linear, **rings})
+        self.resume_points.keep(tree, self.policy(mode, namespace).namespace, state, state.length, {**linear, **rings})
 
     # ----- generation ----------------------------------------------------------------------
     def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None) -> list[Sequence]:

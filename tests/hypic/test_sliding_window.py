@@ -12,7 +12,7 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.config import ModelConfig
 from hypic.models.arch import parse_config
-from hypic.engine import default_snapshot_interval
+from hypic.sizing import default_snapshot_interval
 from hypic.state import AttentionLayerState, WindowLayerState
 
 SWA_CHECKPOINTS = ("gpt_oss", "mimo_v2_flash")

@@ -731,7 +731,7 @@ def test_a_lookup_prefetched_for_one_key_never_serves_another(make: MakeEngine) 
     tree, namespace, key = plan.policy.tree, plan.policy.namespace, plan.tree_key
     other = [k + (2**61 - 1) if i == 10 else k for i, k in enumerate(key)]
     assert hash(tuple(other)) == hash(tuple(key)) and other != key
-    empty = engine._empty_state()
+    empty = engine.resume_points.empty_state()
     lookup, _ = engine.resume.prefetch(tree, namespace, key, 0, len(key) - 1, empty)
     assert lookup.result(timeout=30).state.length == len(prompt) + 4
     assert engine.resume.take(tree, namespace, other, 0, len(other) - 1, empty) is None
