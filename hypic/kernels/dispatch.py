@@ -44,6 +44,11 @@ class RecurrenceKernels:
     short_run: int = 4  # below this the token loop beats the chunked form
 
 
+def _scale(kernels: RecurrenceKernels, inputs: Tensors, scale: float | None) -> float:
+    """The call's scale, or the family's default from the key dimension."""
+    return kernels.scale(inputs[1].shape[-1]) if scale is None else scale
+
+
 def _fla(kernels: RecurrenceKernels, q: torch.Tensor) -> Callable | None:
     """FLA's kernel of ``kernels`` when it can run on q's device, else None."""
     return fla_kernel(*kernels.fla) if kernels.fla is not None and q.is_cuda else None
@@ -53,7 +58,7 @@ def run_recurrence(kernels: RecurrenceKernels, inputs: Tensors, initial_state: t
                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One run from ``initial_state`` [H, K, V] (None: zeros): o [T, H, V] fp32, final state fp32."""
     q = inputs[0]
-    scale = kernels.scale(inputs[1].shape[-1]) if scale is None else scale
+    scale = _scale(kernels, inputs, scale)
     if q.shape[0] < kernels.short_run:
         return kernels.naive(*inputs, initial_state, scale)
     chunk = _fla(kernels, q)
@@ -69,7 +74,7 @@ def run_with_transition(kernels: RecurrenceKernels, inputs: Tensors, initial_sta
     if kernels.naive_transition is None or kernels.chunked_with_transition is None:
         raise ValueError("these kernels have no dense transition: their family's is closed-form")
     q = inputs[0]
-    scale = kernels.scale(inputs[1].shape[-1]) if scale is None else scale
+    scale = _scale(kernels, inputs, scale)
     if q.shape[0] < kernels.short_run:
         return (*kernels.naive(*inputs, initial_state, scale), kernels.naive_transition(*inputs))
     chunk = _fla(kernels, q)
@@ -84,7 +89,7 @@ def run_varlen(kernels: RecurrenceKernels, inputs: Tensors, lengths: list[int], 
     [R, H, K, V]: o [T, H, V] fp32 and final states [R, H, K, V] fp32. One FLA launch sequence for
     all runs where the kernel takes cu_seqlens (per-run calls are host-bound on a GPU); elsewhere
     ``run_recurrence`` run by run."""
-    scale = kernels.scale(inputs[1].shape[-1]) if scale is None else scale
+    scale = _scale(kernels, inputs, scale)
     chunk = _fla(kernels, inputs[0]) if kernels.varlen else None
     if chunk is not None:
         return _fla_varlen(chunk, inputs, lengths, initial_states, scale)
