@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-every", type=int, default=5, help="replay every N-th greedy answer on a quiet server")
     parser.add_argument("--model", default="default", help="checkpoint directory, or default (the shipped model)")
     parser.add_argument("--mode", default="hypic", help="the servers' --mode")
+    parser.add_argument("--dtype", default="float32",
+                        help="the servers' --dtype. float32 by default because replays compare greedy answers "
+                             "exactly: in bfloat16 two tokens' logits often round to the same value, and which "
+                             "one wins then depends on the batch a request decodes in, not on the cache")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each started server")
     parser.add_argument("--url", default=None, help="soak the server at URL instead (no faults, no RSS)")
     parser.add_argument("--reference-url", default=None, help="the quiet server for replays (default: one started here)")
@@ -81,7 +85,7 @@ class SoakedServer:
         args = self.args
         model = [] if args.model == "default" else ["--model", str(args.model)]
         tiers = [] if args.cache_dir is None else ["--cache-dir", str(args.cache_dir)]
-        return [*model, "--mode", args.mode, "--public-pool-size", args.pool_size, "--private-pool-size", args.pool_size,
+        return [*model, "--mode", args.mode, "--dtype", args.dtype, "--public-pool-size", args.pool_size, "--private-pool-size", args.pool_size,
                 "--workers", str(args.workers), "--log-level", "warning", *tiers]
 
     def start(self) -> None:
@@ -255,7 +259,7 @@ def _reference(args: argparse.Namespace, logs: Path) -> tuple[str, Callable[[], 
         return args.reference_url, lambda: None
     from hypic.server.launch import start_server
     model = [] if args.model == "default" else ["--model", str(args.model)]
-    quiet = start_server([*model, "--mode", args.mode, "--log-level", "warning"], logs / "reference.log",
+    quiet = start_server([*model, "--mode", args.mode, "--dtype", args.dtype, "--log-level", "warning"], logs / "reference.log",
                          threads=args.threads, timeout_s=300)
     return quiet.url, quiet.stop
 
