@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UnsupportedModel
+from .parallel.group import TensorParallel
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
@@ -169,7 +170,14 @@ class ModelConfig:
     output_bias: bool | None = None  # o_proj bias; None: as attention_bias
     swiglu_clamp: tuple[float, float] | None = None  # gpt-oss experts: (alpha, limit) of the clamped SwiGLU
     expert_bias: bool = False  # biases on the router and every expert projection (gpt-oss)
+    tensor_parallel: TensorParallel = TensorParallel()  # this rank's place; its head counts above are its share
+    unsharded: "ModelConfig | None" = field(default=None, compare=False, repr=False)  # the whole model's, on a rank
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def whole(self) -> "ModelConfig":
+        """The config of the whole model (this one, without tensor parallelism)."""
+        return self.unsharded or self
 
     @property
     def rotary_dim(self) -> int:

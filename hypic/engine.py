@@ -14,6 +14,7 @@ from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
+from .parallel import TensorParallel
 from .cache.modes import Mode, ModePolicy, tree_namespace
 from .planner import Planner
 from .prefill_stats import BuiltForRequest, PrefillStats
@@ -108,20 +109,21 @@ class Engine:
                         private_pool_bytes: int | None = None, private_window_bytes: int | None = None,
                         chunk_tokens: int = 2048, snapshot_interval: int | None = None,
                         state_cache_dtype: str = "float32", tiers: TierOptions = TierOptions(),
-                        eviction: Eviction = Eviction.LRU) -> "Engine":
+                        eviction: Eviction = Eviction.LRU, tp: TensorParallel = TensorParallel()) -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         ``dtype``: float32, bfloat16, float16, or auto (the checkpoint's; float32 on a CPU that does
         not multiply half precision natively). Pool budgets in bytes; None means unbounded
         (``private_window_bytes``: the sliding-window tails within the private pool). ``tiers``: the
         public pool's disk and Mooncake tiers (none by default); ``eviction``: the public pool's order
-        (``hypic.cache.eviction``)."""
+        (``hypic.cache.eviction``). ``tp``: this process is one rank of a tensor-parallel group and
+        holds that rank's share of the model and of every cache (``hypic.parallel``)."""
         if dtype not in (*DTYPE_NAMES, "auto"):
             raise InvalidRequest(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         path = default_model_path() if str(path) == "default" else Path(path)
         if not path.is_dir():
             raise InvalidRequest(f"model path {str(path)!r} is not a directory")
-        model = load_model(path, device, resolve_dtype(dtype, path, device))
+        model = load_model(path, device, resolve_dtype(dtype, path, device), tp)
         fingerprint = model_fingerprint(path)
         identity = EntryIdentity(fingerprint, model.dtype, DTYPE_NAMES.get(state_cache_dtype, torch.float32),
                                  model.config, model.device)

@@ -4,6 +4,7 @@ The model is built without memory, allocated once on the target device in the ta
 each parameter is filled from the checkpoint tensors it comes from, read one at a time: host
 memory beyond the model itself stays about one tensor. Quantized checkpoints are refused by name.
 """
+import functools
 import hashlib
 import json
 import logging
@@ -17,6 +18,8 @@ from .errors import CheckpointError, UnsupportedModel
 from .models import HybridModel
 from .models.arch import architecture, parse_config
 from .models.families import FAMILIES, family_of
+from .parallel import TensorParallel
+from .parallel.sharding import rank_config, sharding_rules, take
 from .safetensors_reader import DTYPES, TensorReader
 from .tensor_sources import Deinterleaved, Direct, ExpertStack, RowHalf, Source
 
@@ -198,11 +201,15 @@ def _plan(model: HybridModel, sources: dict[str, Source], reader: TensorReader) 
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> HybridModel:
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               tp: TensorParallel = TensorParallel()) -> HybridModel:
     """Build the model of a checkpoint directory on ``device`` in ``dtype``, filling each parameter
-    from its checkpoint tensors one at a time; raises ``CheckpointError`` naming any bad tensor."""
+    from its checkpoint tensors one at a time; raises ``CheckpointError`` naming any bad tensor.
+    ``tp``: only this rank's share of each tensor is kept (a model whose heads do not divide the
+    ranks is refused, naming the count, before anything is read)."""
     path = Path(path)
     config = read_config(path)
+    rank = rank_config(config, tp)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} has no *.safetensors weight files")
@@ -210,15 +217,16 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     reader.check_dtypes()
     sources, unused = parameter_sources(config, list(reader.index))
     with torch.device("meta"):
-        model = HybridModel(config)
+        model = HybridModel(rank)
     _plan(model, sources, reader)
+    rules = sharding_rules(model)
     if unused:
         log.warning("ignoring %d unexpected tensor(s), e.g. %s", len(unused), unused[:5])
     model = model.to(dtype=dtype).to_empty(device=device)
     try:
         with torch.no_grad():
             for name, param in model.named_parameters():
-                sources[name].fill(name, param, reader)
+                sources[name].fill(name, param, reader, functools.partial(take, rule=rules.get(name), tp=tp))
     finally:
         reader.close()
     return model.to_device(device, dtype).eval().requires_grad_(False)

@@ -1,11 +1,20 @@
 """Where a model parameter comes from in a checkpoint: one tensor, or several joined or split
 (``Source``); the loader fills each parameter through its source, one tensor read at a time."""
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .errors import CheckpointError
 from .safetensors_reader import TensorReader
+
+
+Shard = Callable[[torch.Tensor], torch.Tensor]  # a full tensor (the parameter's whole-model shape) -> this rank's part
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """No tensor parallelism: the rank holds the whole tensor."""
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -21,9 +30,9 @@ class Direct:
     def keys(self) -> tuple[str, ...]:
         return (self.key,)
 
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader, shard: Shard = whole) -> None:
         tensor = reader.read(self.key)
-        _copy(name, param, _reshaped(tensor.transpose(1, 2) if self.transposed else tensor, param))
+        _copy(name, param, shard(_reshaped(tensor.transpose(1, 2) if self.transposed else tensor, param)))
 
 
 @dataclass(frozen=True)
@@ -36,8 +45,8 @@ class Concatenated:
     def keys(self) -> tuple[str, ...]:
         return self.parts
 
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
-        _copy(name, param, _reshaped(torch.cat([reader.read(k) for k in self.parts]), param))
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader, shard: Shard = whole) -> None:
+        _copy(name, param, shard(_reshaped(torch.cat([reader.read(k) for k in self.parts]), param)))
 
 
 @dataclass(frozen=True)
@@ -51,9 +60,9 @@ class RowHalf:
     def keys(self) -> tuple[str, ...]:
         return (self.key,)
 
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader, shard: Shard = whole) -> None:
         gate, up = reader.read(self.key).chunk(2, dim=0)
-        _copy(name, param, gate if self.first else up)
+        _copy(name, param, shard(gate if self.first else up))
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class PackedPart:
     def keys(self) -> tuple[str, ...]:
         return (self.key,)
 
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader, shard: Shard = whole) -> None:
         tensor = reader.read(self.key)
         try:
             pieces = tensor.view(self.groups, -1, tensor.shape[-1]).split(self.sizes, dim=1)
@@ -78,7 +87,7 @@ class PackedPart:
                                   "split into its heads") from None
         flat = [p.reshape(-1, tensor.shape[-1]) for p in pieces]
         chosen = {"qkv": flat[:3], "z": flat[3:4], "b": flat[:1], "a": flat[1:2]}[self.part]
-        _copy(name, param, torch.cat(chosen))
+        _copy(name, param, shard(torch.cat(chosen)))
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,11 @@ class ExpertStack:
     def keys(self) -> tuple[str, ...]:
         return tuple(k for keys in self.experts for k in keys)
 
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader, shard: Shard = whole) -> None:
         if len(self.experts) != param.shape[0]:
             raise CheckpointError(f"{name} has {len(self.experts)} experts, the config expects {param.shape[0]}")
         for expert, keys in enumerate(self.experts):
-            _copy(f"{name}[{expert}]", param[expert], torch.cat([reader.read(k) for k in keys]))
+            _copy(f"{name}[{expert}]", param[expert], shard(torch.cat([reader.read(k) for k in keys])[None])[0])
 
 
 @dataclass(frozen=True)
@@ -110,10 +119,10 @@ class Deinterleaved:
     def keys(self) -> tuple[str, ...]:
         return (self.key,)
 
-    def fill(self, name: str, param: torch.Tensor, reader: TensorReader) -> None:
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader, shard: Shard = whole) -> None:
         tensor = reader.read(self.key)
         tensor = tensor.transpose(1, 2) if self.transposed else tensor
-        _copy(name, param, torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1))
+        _copy(name, param, shard(torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)))
 
 
 Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack | Deinterleaved

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from ..config import ModelConfig
+from ..parallel.sharding import FirstRank, Rule, Split
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -110,6 +111,19 @@ class GatedAttention(nn.Module):
             self.k_norm = RMSNorm(dim, config.rms_norm_eps)
         if config.layer_types[index] in config.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(heads))
+        self.whole_heads = (config.whole.num_attention_heads, config.whole.kv_heads(index))
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Query heads (with their gates) and KV heads cut (KV heads fewer than the ranks: replicated),
+        sinks per query head, the output projection's columns by query head; its bias added once."""
+        (heads, kv_heads), dim = self.whole_heads, self.head_dim
+        query, key, value = (Split(0, ((heads, dim * (2 if self.gated else 1)),)), Split(0, ((kv_heads, dim),)),
+                             Split(0, ((kv_heads, self.value_dim),)))
+        rules: dict[str, Rule] = {"q_proj.weight": query, "q_proj.bias": query, "k_proj.weight": key,
+                                  "k_proj.bias": key, "v_proj.weight": value, "v_proj.bias": value,
+                                  "o_proj.weight": Split(1, ((heads, self.value_dim),)), "o_proj.bias": FirstRank(),
+                                  "sinks": Split(0, ((heads, 1),))}
+        return rules
 
     @property
     def positional(self) -> bool:

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..cache.composition import Family, Transition
 from ..config import ModelConfig
+from ..parallel.sharding import Rule, Split
 from ..kernels.gated_delta import KERNELS, gated_delta_rule, gated_delta_rule_with_transition, gated_delta_step
 from ..tensor_sources import Direct, PackedPart, Source
 from .linear import (LinearFamily, RunRecurrence, any_native_fields, causal_conv, causal_conv_step,
@@ -65,6 +66,17 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_heads * self.value_dim, config.hidden_size, bias=False)
+        self.whole_heads = (config.whole.linear_num_key_heads, config.whole.linear_num_value_heads)
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Cut by heads: [q | k | v] channels and their conv by key and value heads, gates by value
+        heads, the output projection's columns by value heads."""
+        (key_heads, value_heads), dk, dv = self.whole_heads, self.key_dim, self.value_dim
+        channels = Split(0, ((key_heads, dk), (key_heads, dk), (value_heads, dv)))
+        per_head = Split(0, ((value_heads, 1),))
+        return {"in_proj_qkv.weight": channels, "conv_weight": channels, "in_proj_z.weight": Split(0, ((value_heads, dv),)),
+                "in_proj_b.weight": per_head, "in_proj_a.weight": per_head, "dt_bias": per_head, "A_log": per_head,
+                "out_proj.weight": Split(1, ((value_heads, dv),))}
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> TokenProjections:
         """Token-wise projections of x [N, hidden]; the same for any grouping of tokens into runs."""

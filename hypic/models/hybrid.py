@@ -3,6 +3,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel import all_gather_last, all_reduce
+from ..parallel.sharding import Rule, Split
 from .attention import GatedAttention
 from .families import family_of
 from .latent_attention import LatentAttention
@@ -32,7 +34,7 @@ def feed_forward(config: ModelConfig, index: int) -> MLP | SparseMoE | None:
     return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                      config.shared_expert_intermediate_size, config.norm_topk_prob,
                      ExpertOptions(config.shared_expert_gated, config.routing, config.mlp_activation, config.moe_latent_size,
-                                   config.swiglu_clamp, config.expert_bias))
+                                   config.swiglu_clamp, config.expert_bias, config.tensor_parallel.size))
 
 
 class DecoderLayer(nn.Module):
@@ -52,10 +54,12 @@ class DecoderLayer(nn.Module):
         self.mixer_scales = None if scales is None else scales.linear if self.is_linear else scales.full
         self.mlp_scales = None if scales is None else scales.mlp
         self.multiplier = config.residual_multiplier
+        self.tp = config.tensor_parallel
 
     def residual(self, x: torch.Tensor, h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
         """The stream after the token mixer: x [N, hidden] the block's input, h its norm, ``mixed``
-        the mixer's output of h."""
+        the mixer's output of h (this rank's partial sum under tensor parallelism)."""
+        mixed = all_reduce(mixed, self.tp)
         if self.mixer_scales is None:
             return x + mixed * self.multiplier if self.multiplier != 1 else x + mixed
         alpha, beta = self.mixer_scales
@@ -66,10 +70,11 @@ class DecoderLayer(nn.Module):
         if self.mlp is None:
             return x
         h = self.post_attention_layernorm(x)
+        out = all_reduce(self.mlp(h), self.tp)
         if self.mlp_scales is None:
-            return x + self.mlp(h) * self.multiplier if self.multiplier != 1 else x + self.mlp(h)
+            return x + out * self.multiplier if self.multiplier != 1 else x + out
         alpha, beta = self.mlp_scales
-        return h * alpha + self.mlp(h) * beta
+        return h * alpha + out * beta
 
 
 def _ropes(config: ModelConfig, device: torch.device | str) -> dict[str, RotaryEmbedding]:
@@ -89,6 +94,16 @@ class HybridModel(nn.Module):
         self.norm = decoder_norm(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.ropes = _ropes(config, "cpu")
+        self.tp = config.tensor_parallel
+        self.vocab_parallel = self.tp.enabled and config.vocab_size % self.tp.size == 0
+        if self.vocab_parallel:  # each rank holds a contiguous 1/N of the vocabulary's rows
+            shard = config.vocab_size // self.tp.size
+            self.embed_tokens = nn.Embedding(shard, config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, shard, bias=False)
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Embedding and LM head cut by vocabulary rows (replicated when N does not divide the vocabulary)."""
+        return {"embed_tokens.weight": Split(0), "lm_head.weight": Split(0)} if self.vocab_parallel else {}
 
     @property
     def rope(self) -> RotaryEmbedding:
@@ -107,12 +122,20 @@ class HybridModel(nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids [N] -> the residual stream's first rows [N, hidden]."""
-        x = self.embed_tokens(token_ids)
+        x = self._embed_shard(token_ids) if self.vocab_parallel else self.embed_tokens(token_ids)
         return x * self.config.embedding_multiplier if self.config.embedding_multiplier != 1 else x
 
+    def _embed_shard(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the tokens in this rank's vocabulary shard, zeros for the others, summed over ranks."""
+        first = self.tp.rank * self.embed_tokens.num_embeddings
+        local = token_ids - first
+        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        rows = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+        return all_reduce(rows, self.tp)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in fp32."""
-        logits = self.lm_head(self.norm(hidden)).float()
+        """hidden [N, hidden] -> logits [N, vocab] in fp32 (every rank's vocabulary shard gathered)."""
+        logits = all_gather_last(self.lm_head(self.norm(hidden)).float(), self.tp)
         return logits / self.config.logits_scaling if self.config.logits_scaling != 1 else logits
 
     @property

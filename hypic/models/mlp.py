@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import GroupedSigmoidRouting
+from ..parallel.sharding import FirstRank, Rule, Split
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
@@ -24,6 +25,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def tp_rules(self) -> dict[str, Rule]:
+        """Column-parallel gate and up projections, row-parallel down projection."""
+        return {"gate_proj.weight": Split(0), "up_proj.weight": Split(0), "down_proj.weight": Split(1)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "gate_proj"):
             return self.down_proj(relu_squared(self.up_proj(x)))
@@ -40,6 +45,7 @@ class ExpertOptions:
     latent_size: int | None = None  # experts between two latent projections (Nemotron-H's latent MoE)
     clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of the clamped SwiGLU
     bias: bool = False  # gpt-oss: biases on the router and on every expert's projections
+    tp_size: int = 1  # tensor-parallel ranks the experts' widths are cut over
 
 
 class SparseMoE(nn.Module):
@@ -72,6 +78,16 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(hidden, shared_size, activation)
         if shared_size and options.shared_gated:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.tp_size = options.tp_size
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Tensor parallel within every expert: each rank holds 1/N of each expert's [gate | up] rows
+        and down columns. Routing is replicated, so every rank computes the same choice and its
+        partial outputs need one all-reduce, shared expert included; see docs/parallel.md."""
+        width = self.down_proj.shape[-1] * self.tp_size  # the whole expert's intermediate size
+        up = Split(1, ((width, 1), (width, 1))) if self.activation == "silu" else Split(1)
+        return {"gate_up_proj": up, "up_proj": up, "down_proj": Split(2), "gate_up_bias": up,
+                "down_bias": FirstRank()}
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing is not None:

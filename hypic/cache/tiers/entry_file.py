@@ -44,8 +44,11 @@ class EntryIdentity:
     def address(self, key: str, namespace: str) -> str:
         """The storage name of entry ``key`` of cache ``namespace``: ``namespace-dir/digest`` (the key
         already names model, seams, role, namespace and tokens; the dtypes are added here; the
-        namespace leads so one namespace's entries can be flushed together)."""
-        digest = hashlib.sha256(f"{key}|{self.model_dtype}|{self.state_dtype}".encode()).hexdigest()
+        namespace leads so one namespace's entries can be flushed together). Under tensor parallelism
+        each rank stores its own shard, named by rank and size: another TP size never reads it."""
+        tp = self.config.tensor_parallel
+        shard = f"|tp{tp.rank}of{tp.size}" if tp.enabled else ""
+        digest = hashlib.sha256(f"{key}|{self.model_dtype}|{self.state_dtype}{shard}".encode()).hexdigest()
         return f"{namespace_dir(namespace)}/{digest}"
 
 

@@ -1,0 +1,42 @@
+"""Which rank this process is, and the two collectives the model needs (over torch.distributed's
+default process group: gloo on the CPU, NCCL on GPUs)."""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group of ``size`` ranks (size 1: no parallelism)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} of size {self.size} is not a rank of that group")
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The sum of every rank's ``x`` (partial outputs of a row-parallel projection), summed in fp32 so
+    that half-precision partials lose no more than one rounding."""
+    if not tp.enabled:
+        return x
+    total = x.float()
+    dist.all_reduce(total)
+    return total.to(x.dtype)
+
+
+def all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Every rank's ``x`` side by side along the last dimension, in rank order (vocabulary shards
+    of the logits)."""
+    if not tp.enabled:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,81 @@
+"""Start the ranks of a tensor-parallel group: one process per rank, joined over torch.distributed
+(gloo on the CPU, NCCL on GPUs), each running the same function on its own share of the model."""
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .group import TensorParallel
+
+
+def free_address() -> str:
+    """A TCP rendezvous address on this host nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def join_group(rank: int, size: int, address: str, device: str = "cpu", timeout_s: float = 300) -> TensorParallel:
+    """Join this process to the group as ``rank`` of ``size`` (blocks until every rank has joined)."""
+    import datetime
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return TensorParallel(rank, size)
+
+
+def _rank_main(rank: int, size: int, address: str, threads: int | None, fn: Callable[..., Any], args: tuple,
+               results: Any) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        tp = join_group(rank, size, address)
+        results.put((rank, True, fn(tp, *args)))
+    except BaseException as err:  # the caller re-raises it with the rank's traceback
+        results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], size: int, *args: Any, threads: int | None = 1,
+              timeout_s: float = 600) -> list[Any]:
+    """``fn(tp, *args)`` on ``size`` new processes, one per rank (``fn`` must be importable by name);
+    returns each rank's result in rank order, or raises ``RuntimeError`` with the first failing
+    rank's traceback. ``threads``: torch threads per rank."""
+    context = mp.get_context("spawn")
+    results, address = context.Queue(), free_address()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one host talk over loopback
+    processes = [context.Process(target=_rank_main, args=(rank, size, address, threads, fn, args, results),
+                                 daemon=True) for rank in range(size)]
+    for process in processes:
+        process.start()
+    try:
+        return _collect(results, processes, size, timeout_s)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def _collect(results: Any, processes: list, size: int, timeout_s: float) -> list[Any]:
+    got: dict[int, Any] = {}
+    while len(got) < size:
+        try:
+            rank, ok, value = results.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"tensor-parallel ranks {sorted(set(range(size)) - set(got))} gave no result "
+                               f"within {timeout_s:.0f} s") from None
+        if not ok:
+            raise RuntimeError(f"tensor-parallel rank {rank} failed: {value}")
+        got[rank] = value
+    return [got[rank] for rank in range(size)]

@@ -1,0 +1,43 @@
+"""What each rank of a tensor-parallel test runs (spawned processes import it by name)."""
+from pathlib import Path
+
+import torch
+
+from hypic.engine import Engine
+from hypic.parallel import TensorParallel
+
+SEP = "<<PIC_SEP>>"
+PROMPTS = (("The quick brown fox jumps over the lazy dog. " * 3, "full"),
+           (SEP.join(["Read these.", "First record: the otter studied the river.",
+                      "Second record: the heron was born at the mill.", "Who studied the river?"]), "hypic"))
+
+
+def greedy_run(tp: TensorParallel, path: str, steps: int = 4) -> list[tuple[torch.Tensor, list[int]]]:
+    """For each test prompt (the PIC one twice: a miss, then every document a hit): the logits of the
+    prefill and of ``steps`` greedy decode steps [steps + 1, vocab], and the greedy tokens."""
+    engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
+    runs = []
+    for prompt, mode in (*PROMPTS, PROMPTS[1]):
+        prefill = engine.prefill(engine.parse(prompt), mode)
+        logits, state, tokens = [prefill.logits], prefill.state, []
+        for _ in range(steps):
+            tokens.append(int(logits[-1].argmax()))
+            step_logits, state = engine.decode_step(state, tokens[-1])
+            logits.append(step_logits)
+        runs.append((torch.stack(logits), tokens))
+    return runs
+
+
+def parameter_bytes(tp: TensorParallel, path: str) -> int:
+    """Bytes of this rank's parameters, as loaded."""
+    engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+def load_error(tp: TensorParallel, path: str) -> str:
+    """The message loading ``path`` on this rank raises ('' if it loads)."""
+    try:
+        Engine.from_pretrained(Path(path), dtype="float32", tp=tp)
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return ""
