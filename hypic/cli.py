@@ -87,7 +87,12 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
                         help="weight dtype; auto: the checkpoint's, except half precision on a CPU that does not "
                              "multiply it natively, which runs in float32 (default: auto). Linear-attention "
                              "states and T_C are float32 in every case")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (of each rank with --tp-size; default: torch's choice, 1 per rank)")
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                        help="tensor-parallel ranks: the model's heads and widths are split over this many "
+                             "processes (gloo on the CPU, NCCL on GPUs 0..N-1), each holding 1/N of the weights "
+                             "and of every cache; its heads must divide N (default: 1)")
     parser.add_argument("--state-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="precision of the cached T_C and S_C|0 in the public pool (composition computes in "
                              "float32 either way; bfloat16 halves their bytes) (default: float32)")
@@ -260,6 +265,11 @@ def _serve(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
     limits = _gate_limits(args)
+    if args.tp_size != 1:
+        raise HypicError("hypic serve runs a model on one rank for now: --tp-size above 1 is served by "
+                         "`hypic generate --tp-size N` and by Engine.from_pretrained(tp=...) in a torch.distributed "
+                         "program (see docs/parallel.md); the server's scheduler does not yet send its steps to "
+                         "other ranks")
     if args.workers < 1:
         raise HypicError("--workers must be >= 1")
     if args.workers > 1 and not args.threads:
@@ -349,13 +359,50 @@ def _warm_up(engine: Engine, mode: Mode) -> float:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    engine = _engine(args, choose_model(args.model))
-    print(f"(warm-up: {_warm_up(engine, args.mode):.1f} s, one time, not in the timings below)", file=sys.stderr)
+    choice = choose_model(args.model)
+    if args.tp_size == 1:
+        for line in _generate_lines(args, choice):
+            print(line)
+        return
+    from .parallel.launch import run_ranks
+    check_tp_size(choice.path, args.tp_size)
+    try:
+        outputs = run_ranks(_generate_on_rank, args.tp_size, args, choice, threads=args.threads or 1)
+    except RuntimeError as err:
+        raise HypicError(str(err)) from None
+    for line in outputs[0]:  # every rank computed the same tokens; rank 0 speaks for them
+        print(line)
+
+
+def check_tp_size(path: Path, tp_size: int) -> None:
+    """Refuse a tensor-parallel size the model's heads do not divide, naming the count, before any
+    rank starts or anything is loaded."""
+    from .loader import read_config
+    from .parallel import TensorParallel
+    from .parallel.sharding import rank_config
+    if tp_size < 1:
+        raise HypicError("--tp-size must be >= 1")
+    rank_config(read_config(path), TensorParallel(0, tp_size))
+
+
+def _generate_on_rank(tp: Any, args: argparse.Namespace, choice: ModelChoice) -> list[str]:
+    return _generate_lines(args, choice, tp=tp)
+
+
+def _generate_lines(args: argparse.Namespace, choice: ModelChoice, **options: Any) -> list[str]:
+    """Each prompt's answer and counts (warm-up first, on stderr, from rank 0 alone)."""
+    engine = _engine(args, choice, **options)
+    warm_up_s = _warm_up(engine, args.mode)
+    if engine.model.config.tensor_parallel.rank == 0:
+        print(f"(warm-up: {warm_up_s:.1f} s, one time, not in the timings below)", file=sys.stderr)
+    lines = []
     for prompt in args.prompt:
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, mode=args.mode)
-        print(f"{result.text!r}\n  mode={result.mode} prompt_tokens={result.prompt_tokens} cached={result.cached_tokens} "
-              f"recomputed={result.recomputed_tokens} segments hit/missed={result.segments_hit}/{result.segments_missed} "
-              f"ttft={result.ttft_s * 1000:.1f} ms finish={result.finish_reason}")
+        lines.append(f"{result.text!r}\n  mode={result.mode} prompt_tokens={result.prompt_tokens} "
+                     f"cached={result.cached_tokens} recomputed={result.recomputed_tokens} segments hit/missed="
+                     f"{result.segments_hit}/{result.segments_missed} ttft={result.ttft_s * 1000:.1f} ms "
+                     f"finish={result.finish_reason}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

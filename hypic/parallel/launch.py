@@ -3,6 +3,7 @@
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .group import TensorParallel
+
+POLL_S = 0.5  # how often a waiting launcher looks for a rank that died
 
 
 def free_address() -> str:
@@ -68,14 +71,27 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, threads: int | None
 
 
 def _collect(results: Any, processes: list, size: int, timeout_s: float) -> list[Any]:
+    """Each rank's result; a rank that dies without one (killed, out of memory) fails the group at once
+    (the others would wait for it in their next collective)."""
     got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     while len(got) < size:
         try:
-            rank, ok, value = results.get(timeout=timeout_s)
+            rank, ok, value = results.get(timeout=POLL_S)
         except queue.Empty:
-            raise RuntimeError(f"tensor-parallel ranks {sorted(set(range(size)) - set(got))} gave no result "
-                               f"within {timeout_s:.0f} s") from None
+            _check_alive(processes, got, deadline)
+            continue
         if not ok:
+            time.sleep(POLL_S)  # a peer's death is often what failed this rank: name it first
+            _check_alive(processes, got, deadline)
             raise RuntimeError(f"tensor-parallel rank {rank} failed: {value}")
         got[rank] = value
     return [got[rank] for rank in range(size)]
+
+
+def _check_alive(processes: list, got: dict[int, Any], deadline: float) -> None:
+    for rank, process in enumerate(processes):
+        if rank not in got and process.exitcode is not None:
+            raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {process.exitcode}) without a result")
+    if time.monotonic() > deadline:
+        raise RuntimeError(f"tensor-parallel ranks {sorted(set(range(len(processes))) - set(got))} gave no result in time")

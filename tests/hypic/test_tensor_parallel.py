@@ -19,3 +19,63 @@ def test_two_ranks_match_one(checkpoint_factory, name: str) -> None:
         for (logits, tokens), (want_logits, want_tokens) in zip(got, expected):
             assert tokens == want_tokens
             assert (logits - want_logits).abs().max().item() < LOGIT_BOUND
+
+
+def test_each_rank_holds_about_half_of_the_weights(checkpoint_factory) -> None:
+    path = str(checkpoint_factory("qwen3_5_text-ratio2"))
+    whole = rank_code.parameter_bytes(TensorParallel(), path)
+    shares = run_ranks(rank_code.parameter_bytes, 2, path)
+    assert all(share <= 0.55 * whole for share in shares), (shares, whole)
+    assert sum(shares) >= whole  # nothing dropped: replicated norms are counted on both ranks
+
+
+def test_a_rank_killed_mid_collective_fails_the_group_quickly_and_leaves_no_process() -> None:
+    import time
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        run_ranks(rank_code.dies_on_rank_one, 2)
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)
+    assert not _live_children()
+
+
+def _live_children() -> list[int]:
+    """Processes (not zombies) whose parent is this test process, but multiprocessing's resource tracker
+    (one per parent, kept for its whole life)."""
+    import os
+    from pathlib import Path
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == str(os.getpid()) and fields[0] != "Z" and b"resource_tracker" not in _cmdline(entry):
+            found.append(int(entry.name))
+    return found
+
+
+def _cmdline(entry) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_heads_that_do_not_divide_the_ranks_are_refused_naming_the_count(checkpoint_factory) -> None:
+    from hypic.errors import UnsupportedModel
+    from hypic.loader import load_model
+    with pytest.raises(UnsupportedModel, match=r"num_attention_heads = 4 is not divisible by the tensor-parallel size 3"):
+        load_model(checkpoint_factory("qwen3_5_text-ratio2"), tp=TensorParallel(0, 3))
+
+
+def test_a_restart_on_the_same_cache_dir_hits_each_rank_shard_and_another_tp_size_misses(checkpoint_factory,
+                                                                                           tmp_path) -> None:
+    path, cache_dir = str(checkpoint_factory("qwen3_5_text-ratio2")), str(tmp_path / "cache")
+    first = run_ranks(rank_code.pic_through_disk, 2, path, cache_dir)
+    again = run_ranks(rank_code.pic_through_disk, 2, path, cache_dir)  # new processes: only the disk remembers
+    alone = rank_code.pic_through_disk(TensorParallel(), path, cache_dir)
+    documents = first[0][2]
+    assert documents > 0 and first[0][1] == 0
+    assert all(rank == (first[0][0], documents, 0) for rank in again)  # every document a hit, same answer
+    assert alone == (first[0][0], 0, documents)  # one process never reads a rank's shard as a whole entry

@@ -41,14 +41,19 @@ class EntryIdentity:
     config: ModelConfig
     device: torch.device = torch.device("cpu")  # where decoded tensors go
 
+    @property
+    def shard_suffix(self) -> str:
+        """'' without tensor parallelism; else the rank and size, so that stored shards are never read
+        by another rank or TP size (and TP=1 names stay as they were)."""
+        tp = self.config.tensor_parallel
+        return f"|tp{tp.rank}of{tp.size}" if tp.enabled else ""
+
     def address(self, key: str, namespace: str) -> str:
         """The storage name of entry ``key`` of cache ``namespace``: ``namespace-dir/digest`` (the key
         already names model, seams, role, namespace and tokens; the dtypes are added here; the
         namespace leads so one namespace's entries can be flushed together). Under tensor parallelism
         each rank stores its own shard, named by rank and size: another TP size never reads it."""
-        tp = self.config.tensor_parallel
-        shard = f"|tp{tp.rank}of{tp.size}" if tp.enabled else ""
-        digest = hashlib.sha256(f"{key}|{self.model_dtype}|{self.state_dtype}{shard}".encode()).hexdigest()
+        digest = hashlib.sha256(f"{key}|{self.model_dtype}|{self.state_dtype}{self.shard_suffix}".encode()).hexdigest()
         return f"{namespace_dir(namespace)}/{digest}"
 
 

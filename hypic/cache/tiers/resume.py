@@ -99,7 +99,8 @@ class ResumeStore:
                 self.known.setdefault(directory, set()).add(int(name[1:], 16))
 
     def _seed_text(self, tree: str) -> str:
-        return f"{self.identity.fingerprint}|{self.identity.model_dtype}|{self.identity.state_dtype}|{tree}"
+        return f"{self.identity.fingerprint}|{self.identity.model_dtype}|{self.identity.state_dtype}|{tree}" + \
+            self.identity.shard_suffix
 
     def _seed(self, tree: str) -> int:
         return int.from_bytes(hashlib.sha256(self._seed_text(tree).encode()).digest()[:8], "little")

@@ -41,3 +41,26 @@ def load_error(tp: TensorParallel, path: str) -> str:
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def dies_on_rank_one(tp: TensorParallel) -> None:
+    """Rank 1 is killed (SIGKILL) while rank 0 waits for it in an all-reduce."""
+    import os
+    import signal
+
+    from hypic.parallel import all_reduce
+    if tp.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    all_reduce(torch.ones(4), tp)
+
+
+def pic_through_disk(tp: TensorParallel, path: str, cache_dir: str) -> tuple[str, int, int]:
+    """The PIC test prompt on an engine whose public pool writes to and reads from ``cache_dir``:
+    (text, segments hit, segments missed); the engine is closed (its writes finished) before returning."""
+    from hypic.cache.tiers.options import TierOptions
+    engine = Engine.from_pretrained(path, dtype="float32", tp=tp, tiers=TierOptions(cache_dir=cache_dir))
+    try:
+        result = engine.generate(PROMPTS[1][0], max_new_tokens=4)
+    finally:
+        engine.close()
+    return result.text, result.segments_hit, result.segments_missed
