@@ -160,6 +160,7 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "nemotron_h": ("nemotron_h", {}),
     "gpt_oss": ("gpt_oss", {}),
     "gpt_oss-clamped": ("gpt_oss", dict(swiglu_limit=0.05)),  # the clamps bite on most expert activations
+    "gpt_oss-kv1": ("gpt_oss", dict(num_key_value_heads=1)),  # one KV head: replicated under tensor parallelism
     "mimo_v2_flash": ("mimo_v2_flash", {}),
     "nemotron_h-latent-moe": ("nemotron_h", dict(moe_latent_size=24)),
     "nemotron_h-dense": ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "linear_attention",
