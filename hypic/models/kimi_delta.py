@@ -17,6 +17,7 @@ from torch import nn
 from ..cache.composition import Family, Transition
 from ..config import ModelConfig
 from ..kernels.kimi_delta import KERNELS, kimi_delta_rule, kimi_delta_rule_with_transition, kimi_delta_step
+from ..parallel.sharding import Rule, Split
 from ..tensor_sources import Concatenated, Direct, Source
 from .gated_deltanet import l2_normalize
 from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg_beta, recur_in_parts
@@ -71,6 +72,18 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(hidden, self.heads, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, hidden, bias=False)
+        self.whole_heads = config.whole.linear_num_value_heads
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Cut by heads: q, k, v, their conv, both gates' per-channel projections (the low-rank f_a, g_a
+        are replicated), dt_bias, A_log and b per head; the output projection's columns by head."""
+        channels, per_head = Split(0, ((self.whole_heads, self.dim),)), Split(0, ((self.whole_heads, 1),))
+        gates = ("f_proj", "g_proj") if self.gates.full_rank else ("f_b_proj", "g_b_proj")
+        return {"q_proj.weight": channels, "k_proj.weight": channels, "v_proj.weight": channels,
+                "conv_weight": Split(0, ((self.whole_heads, self.dim),) * 3),
+                **{f"{gate}.weight": channels for gate in gates}, "dt_bias": channels, "b_proj.weight": per_head,
+                "A_log": per_head if self.gates.full_rank else Split(2, ((self.whole_heads, 1),)),
+                "o_proj.weight": Split(1, ((self.whole_heads, self.dim),))}
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> KDAProjections:
         """Token-wise projections of x [N, hidden]; the same for any grouping of tokens into runs."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel.sharding import FirstRank, Rule, Split
 from .attention import AttentionInputs, causal_attention
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -45,6 +46,18 @@ class LatentAttention(nn.Module):
             self.g_proj = nn.Linear(hidden, heads, bias=False)
         # interleaved pairs as half-split ones: rope channels in the order [0, 2, 4, ..., 1, 3, 5, ...]
         self.rope_order = [*range(0, mla.rope_dim, 2), *range(1, mla.rope_dim, 2)] if mla.interleaved else None
+        self.whole_heads = config.whole.num_attention_heads
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Cut by heads: query rows (after the replicated q latent), kv_b_proj's [nope | value] rows, the
+        output gate, the output projection's columns (its bias added once); the kv latent is shared
+        by every head, so its projection and norm are replicated and each rank caches all of it."""
+        heads, mla = self.whole_heads, self.mla
+        query = Split(0, ((heads, self.query_dim),))
+        return {"q_proj.weight": query, "q_b_proj.weight": query,
+                "kv_b_proj.weight": Split(0, ((heads, mla.nope_dim + mla.value_dim),)),
+                "o_proj.weight": Split(1, ((heads, mla.value_dim),)), "o_proj.bias": FirstRank(),
+                "g_proj.weight": Split(0, ((heads, 1),))}
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.mla.q_lora_rank is None:

@@ -1,6 +1,7 @@
 """Start the ranks of a tensor-parallel group: one process per rank, joined over torch.distributed
 (gloo on the CPU, NCCL on GPUs), each running the same function on its own share of the model."""
 import os
+import pickle
 import queue
 import socket
 import time
@@ -41,7 +42,9 @@ def _rank_main(rank: int, size: int, address: str, threads: int | None, fn: Call
         torch.set_num_threads(threads)
     try:
         tp = join_group(rank, size, address)
-        results.put((rank, True, fn(tp, *args)))
+        # pickled by value: torch would share a tensor through a descriptor the parent fetches from this
+        # process, which may have exited by then (FileNotFoundError / ConnectionResetError in the parent)
+        results.put((rank, True, pickle.dumps(fn(tp, *args))))
     except BaseException as err:  # the caller re-raises it with the rank's traceback
         results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
@@ -87,7 +90,7 @@ def _collect(results: Any, processes: list, size: int, timeout_s: float) -> list
             time.sleep(POLL_S)  # a peer's death is often what failed this rank: name it first
             _check_alive(processes, got, deadline)
             raise RuntimeError(f"tensor-parallel rank {rank} failed: {value}")
-        got[rank] = value
+        got[rank] = pickle.loads(value)
     return [got[rank] for rank in range(size)]
 
 
