@@ -1,6 +1,7 @@
 """Start the ranks of a tensor-parallel group: one process per rank, joined over torch.distributed
 (gloo on the CPU, NCCL on GPUs), each running the same function on its own share of the model."""
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -32,13 +33,24 @@ def join_group(rank: int, size: int, address: str, device: str = "cpu", timeout_
     return TensorParallel(rank, size)
 
 
+class _ByValue:
+    """A rank's result pickled with its tensors' bytes inline: torch's queue would pass handles to this
+    process's shared memory, which the launcher cannot open once the rank has exited."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
+        return pickle.loads, (pickle.dumps(self.value),)
+
+
 def _rank_main(rank: int, size: int, address: str, threads: int | None, fn: Callable[..., Any], args: tuple,
                results: Any) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         tp = join_group(rank, size, address)
-        results.put((rank, True, fn(tp, *args)))
+        results.put((rank, True, _ByValue(fn(tp, *args))))
     except BaseException as err:  # the caller re-raises it with the rank's traceback
         results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
