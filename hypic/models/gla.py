@@ -17,6 +17,7 @@ from ..cache.composition import Family, Transition, diagonal_transition
 from ..config import ModelConfig
 from ..errors import UnsupportedModel
 from ..kernels.diagonal_gla import KERNELS, diagonal_gla, diagonal_gla_step
+from ..parallel.sharding import Rule, Split
 from .gated_deltanet import qwen_layout_sources
 from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg, recur_in_parts
 from .norm import GatedRMSNorm
@@ -58,6 +59,15 @@ class GatedLinearAttention(nn.Module):
         self.conv_weight = nn.Parameter(torch.zeros(channels, self.kernel))
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.heads * self.value_dim, config.hidden_size, bias=False)
+        self.whole_heads = config.whole.linear_num_value_heads
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Cut by heads: [q | k | v] channels and their conv, the decay gates by key heads, the output
+        gate by value heads, the output projection's columns by value heads (the norm is per head)."""
+        heads, dk, dv = self.whole_heads, self.key_dim, self.value_dim
+        channels = Split(0, ((heads, dk), (heads, dk), (heads, dv)))
+        return {"in_proj_qkv.weight": channels, "conv_weight": channels, "in_proj_g.weight": Split(0, ((heads, dk),)),
+                "in_proj_z.weight": Split(0, ((heads, dv),)), "out_proj.weight": Split(1, ((heads, dv),))}
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> GLAProjections:
         n = x.shape[0]

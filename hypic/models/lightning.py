@@ -14,8 +14,9 @@ from torch import nn
 from ..cache.composition import Family, Transition, scalar_transition
 from ..config import ModelConfig
 from ..kernels.scalar_gla import KERNELS, scalar_gla, scalar_gla_step
+from ..parallel.sharding import Rule, Split, units_of_rank
 from .linear import LinearFamily, RunRecurrence, direct_sources, qkvg, recur_in_parts
-from .norm import RMSNorm
+from .norm import ShardedRMSNorm
 
 OUTPUT_NORM_EPS = 1e-6  # MiniMax's output norm keeps the RMSNorm default, not the config's eps
 
@@ -26,6 +27,14 @@ def lightning_slopes(heads: int, layer: int, layers: int) -> torch.Tensor:
     base = 1 / (2 ** (8 / heads))
     depth = 1 - layer / (layers - 1 + 1e-5) + 1e-5
     return base ** (torch.arange(heads, device="cpu") + 1) * depth  # on the CPU even while a model is built on meta
+
+
+def rank_slopes(config: ModelConfig, layer: int) -> tuple[float, ...]:
+    """The decay rates of this rank's heads: its slice of the whole layer's (a slope depends on the
+    head's index among all the layer's heads)."""
+    slopes = lightning_slopes(config.whole.linear_num_value_heads, layer, config.num_hidden_layers)
+    first, count = units_of_rank(len(slopes), config.tensor_parallel)
+    return tuple(slopes[first:first + count].tolist())
 
 
 @dataclass
@@ -54,6 +63,7 @@ class LightningAttention(nn.Module):
 
     rotates_state = False
     kernel = 1
+    norm_unit_offset = False  # MiniMax's output norm: the plain w * x / rms(x)
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
@@ -61,9 +71,19 @@ class LightningAttention(nn.Module):
         width = self.heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * width, bias=False)
         self.output_gate = nn.Linear(config.hidden_size, width, bias=False)
-        self.norm = RMSNorm(width, OUTPUT_NORM_EPS, unit_offset=False)
+        self.whole_heads = config.whole.linear_num_value_heads
+        self.norm = ShardedRMSNorm(width, self.whole_heads * self.head_dim, OUTPUT_NORM_EPS, config.tensor_parallel,
+                                   self.norm_unit_offset)
         self.out_proj = nn.Linear(width, config.hidden_size, bias=False)
-        self.slopes = tuple(lightning_slopes(self.heads, index, config.num_hidden_layers).tolist())
+        self.slopes = rank_slopes(config, index)
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Cut by heads: each head's interleaved [q_h | k_h | v_h] rows, its gate rows and output norm
+        weights (the norm's mean square is all-reduced), the output projection's columns."""
+        heads, dim = self.whole_heads, self.head_dim
+        per_head = Split(0, ((heads, dim),))
+        return {"qkv_proj.weight": Split(0, ((heads, 3 * dim),)), "output_gate.weight": per_head,
+                "norm.weight": per_head, "out_proj.weight": Split(1, ((heads, dim),))}
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> LightningProjections:
         g = -torch.tensor(self.slopes, device=x.device, dtype=torch.float32).expand(x.shape[0], -1)

@@ -3,6 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import TensorParallel, all_reduce
+
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm ``x / rms(x) * (1 + w)`` computed in fp32 (Qwen3-Next / Qwen3.5), or with
@@ -15,12 +17,31 @@ class RMSNorm(nn.Module):
         self.eps, self.unit_offset, self.weight_in_fp32 = eps, unit_offset, weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        y = x.float() * torch.rsqrt(self.mean_square(x.float()) + self.eps)
         if self.weight_in_fp32:
             return (self.weight.float() * y).type_as(x)
         if not self.unit_offset:
             return self.weight * y.type_as(x)
         return (y * (1.0 + self.weight.float())).type_as(x)
+
+    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean of x's squares over its last dimension (fp32 x [..., dim] -> [..., 1])."""
+        return x.pow(2).mean(-1, keepdim=True)
+
+
+class ShardedRMSNorm(RMSNorm):
+    """An RMSNorm over a width cut across tensor-parallel ranks (an output norm over all heads): each
+    rank holds its slice of x and of the weight, the mean square is the whole width's (the ranks'
+    sums of squares all-reduced); one rank alone: a plain RMSNorm."""
+
+    def __init__(self, dim: int, whole_dim: int, eps: float, tp: TensorParallel, unit_offset: bool = True) -> None:
+        super().__init__(dim, eps, unit_offset)
+        self.whole_dim, self.tp = whole_dim, tp
+
+    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().mean_square(x)
+        return all_reduce(x.pow(2).sum(-1, keepdim=True), self.tp) / self.whole_dim
 
 
 class GatedRMSNorm(nn.Module):

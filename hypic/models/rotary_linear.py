@@ -16,9 +16,8 @@ from ..config import ModelConfig
 from ..errors import UnsupportedModel
 from ..kernels.scalar_gla import KERNELS
 from .gated_deltanet import qwen_layout_sources
-from .lightning import OUTPUT_NORM_EPS, LightningAttention, LightningInputs, LightningProjections
+from .lightning import LightningAttention, LightningInputs, LightningProjections
 from .linear import LinearFamily, qkvg
-from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 
@@ -35,10 +34,10 @@ class RotaryLinearAttention(LightningAttention):
     zero-centred output norm; its cached states rotate with their start (``rotate_state``)."""
 
     rotates_state = True
+    norm_unit_offset = True
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
-        self.norm = RMSNorm(self.heads * self.head_dim, OUTPUT_NORM_EPS)
         self.rope_config = config.rope
 
     def _rope(self, device: torch.device) -> RotaryEmbedding:

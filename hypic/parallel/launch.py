@@ -37,7 +37,7 @@ def join_group(rank: int, size: int, address: str, device: str = "cpu", timeout_
 
 
 def _rank_main(rank: int, size: int, address: str, threads: int | None, fn: Callable[..., Any], args: tuple,
-               results: Any, collected: Any) -> None:
+               results: Any) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -50,7 +50,6 @@ def _rank_main(rank: int, size: int, address: str, threads: int | None, fn: Call
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        collected.wait(timeout=300)  # tensors in the result are shared through this process: it outlives the read
 
 
 def run_ranks(fn: Callable[..., Any], size: int, *args: Any, threads: int | None = 1,
@@ -59,16 +58,15 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, threads: int | None
     returns each rank's result in rank order, or raises ``RuntimeError`` with the first failing
     rank's traceback. ``threads``: torch threads per rank."""
     context = mp.get_context("spawn")
-    results, collected, address = context.Queue(), context.Event(), free_address()
+    results, address = context.Queue(), free_address()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one host talk over loopback
-    processes = [context.Process(target=_rank_main, args=(rank, size, address, threads, fn, args, results, collected),
+    processes = [context.Process(target=_rank_main, args=(rank, size, address, threads, fn, args, results),
                                  daemon=True) for rank in range(size)]
     for process in processes:
         process.start()
     try:
         return _collect(results, processes, size, timeout_s)
     finally:
-        collected.set()
         for process in processes:
             process.join(timeout=10)
             if process.is_alive():
