@@ -109,7 +109,8 @@ class Engine:
                         private_pool_bytes: int | None = None, private_window_bytes: int | None = None,
                         chunk_tokens: int = 2048, snapshot_interval: int | None = None,
                         state_cache_dtype: str = "float32", tiers: TierOptions = TierOptions(),
-                        eviction: Eviction = Eviction.LRU, tp: TensorParallel = TensorParallel()) -> "Engine":
+                        eviction: Eviction = Eviction.LRU, tp: TensorParallel = TensorParallel(),
+                        tp_size: int = 1) -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         ``dtype``: float32, bfloat16, float16, or auto (the checkpoint's; float32 on a CPU that does
@@ -117,7 +118,17 @@ class Engine:
         (``private_window_bytes``: the sliding-window tails within the private pool). ``tiers``: the
         public pool's disk and Mooncake tiers (none by default); ``eviction``: the public pool's order
         (``hypic.cache.eviction``). ``tp``: this process is one rank of a tensor-parallel group and
-        holds that rank's share of the model and of every cache (``hypic.parallel``)."""
+        holds that rank's share of the model and of every cache (``hypic.parallel``). ``tp_size`` N > 1:
+        this process becomes rank 0 of N, the others are started here, and an
+        ``hypic.parallel.engine_group.EngineGroup`` is returned, whose ``generate``, ``prefill``,
+        ``warmup`` and ``flush`` run on every rank."""
+        if tp_size != 1:
+            from .parallel.engine_group import EngineGroup
+            return EngineGroup(path, tp_size, device=device, dtype=dtype, seam_width=seam_width,  # type: ignore[return-value]
+                               pic_separator=pic_separator, public_pool_bytes=public_pool_bytes,
+                               private_pool_bytes=private_pool_bytes, private_window_bytes=private_window_bytes,
+                               chunk_tokens=chunk_tokens, snapshot_interval=snapshot_interval,
+                               state_cache_dtype=state_cache_dtype, tiers=tiers, eviction=eviction)
         if dtype not in (*DTYPE_NAMES, "auto"):
             raise InvalidRequest(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         path = default_model_path() if str(path) == "default" else Path(path)

@@ -79,3 +79,19 @@ def test_a_restart_on_the_same_cache_dir_hits_each_rank_shard_and_another_tp_siz
     assert documents > 0 and first[0][1] == 0
     assert all(rank == (first[0][0], documents, 0) for rank in again)  # every document a hit, same answer
     assert alone == (first[0][0], 0, documents)  # one process never reads a rank's shard as a whole entry
+
+
+def test_an_engine_group_driven_from_one_process_answers_as_one_engine(checkpoint_factory) -> None:
+    from hypic.engine import Engine
+    from hypic.errors import HypicError
+    path = checkpoint_factory("qwen3_5_text-ratio2")
+    prompt = rank_code.PROMPTS[1][0]
+    alone = Engine.from_pretrained(path, dtype="float32")
+    expected = [alone.generate(prompt, max_new_tokens=6) for _ in range(2)]
+    with Engine.from_pretrained(path, dtype="float32", tp_size=2) as group:
+        got = [group.generate(prompt, max_new_tokens=6) for _ in range(2)]
+        with pytest.raises(HypicError, match="decode_step is not served"):
+            group.decode_step(None, 0)
+    assert [(r.output_ids, r.cached_tokens, r.segments_hit, r.segments_missed) for r in got] == \
+        [(r.output_ids, r.cached_tokens, r.segments_hit, r.segments_missed) for r in expected]
+    assert got[0].segments_missed > 0 and got[1].cached_tokens > 0  # built, then reused, on both ranks

@@ -1,0 +1,115 @@
+"""An engine over N tensor-parallel ranks driven from one process: this process is rank 0, and every
+call made on it is first sent to ranks 1..N-1 (spawned here), which make the same call on their own
+shard of the model and caches. ``Engine.from_pretrained(..., tp_size=N)`` returns one."""
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..errors import HypicError
+from .group import TensorParallel
+from .launch import free_address, join_group
+
+STOP = None  # the call that ends a follower
+REPEATED = frozenset({"generate", "prefill", "warmup", "flush"})  # run the model or change caches: every rank
+RANK_ZERO = frozenset({"parse", "policy", "entry_bytes", "state_bytes", "check_documents", "segment_key"})  # pure
+
+
+def _follow(rank: int, size: int, address: str, threads: int | None, path: str, options: dict[str, Any]) -> None:
+    """A follower rank: load its shard, then repeat every call rank 0 sends until told to stop."""
+    from ..engine import Engine
+    if threads is not None:
+        torch.set_num_threads(threads)
+    tp = join_group(rank, size, address)
+    engine = Engine.from_pretrained(path, tp=tp, **options)
+    try:
+        while (call := _receive()) is not STOP:
+            name, args, kwargs = call
+            try:
+                getattr(engine, name)(*args, **kwargs)
+            except Exception:  # rank 0 raises the same error from the same call and reports it
+                pass
+    finally:
+        engine.close()
+        dist.destroy_process_group()
+
+
+def _receive() -> Any:
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _send(call: Any) -> None:
+    dist.broadcast_object_list([call], src=0)
+
+
+class EngineGroup:
+    """Rank 0's ``Engine`` whose calls that run the model or change the caches (``REPEATED``: their
+    arguments are plain data) are repeated on every other rank, in the same order; pure ones
+    (``RANK_ZERO``) run on rank 0 alone. Attributes are rank 0's. Other methods take or hand back
+    rank 0's own states or stepwise computations, which the other ranks could not follow: refused."""
+
+    def __init__(self, path: str | Path, tp_size: int, threads: int | None = 1, **options: Any) -> None:
+        from ..engine import Engine
+        context, address = mp.get_context("spawn"), free_address()
+        self._followers = [context.Process(target=_follow, args=(rank, tp_size, address, threads, str(path), options),
+                                           daemon=True) for rank in range(1, tp_size)]
+        for process in self._followers:
+            process.start()
+        try:  # this process keeps its own torch threads: they are the caller's
+            self._engine = Engine.from_pretrained(path, tp=join_group(0, tp_size, address), **options)
+        except BaseException:
+            self._stop_followers()
+            raise
+
+    @property
+    def tp(self) -> TensorParallel:
+        return self._engine.model.config.tensor_parallel
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._engine, name)
+        if not callable(value) or name.startswith("_") or name in RANK_ZERO:
+            return value
+        if name not in REPEATED:
+            raise HypicError(f"Engine.{name} is not served by a tensor-parallel engine driven from one process "
+                             f"(its other ranks could not follow it); use {', '.join(sorted(REPEATED))}, or run "
+                             "every rank's engine yourself (hypic.parallel.launch.run_ranks)")
+
+        def repeated(*args: Any, **kwargs: Any) -> Any:
+            self._check_followers()
+            _send((name, args, kwargs))
+            return value(*args, **kwargs)
+        return repeated
+
+    def _check_followers(self) -> None:
+        dead = [rank for rank, process in enumerate(self._followers, 1) if process.exitcode is not None]
+        if dead:
+            raise HypicError(f"tensor-parallel rank(s) {dead} have exited; the engine group cannot go on")
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group (this engine is unusable afterwards)."""
+        if not dist.is_initialized():
+            return
+        try:
+            self._check_followers()
+            _send(STOP)
+        finally:
+            self._engine.close()
+            dist.destroy_process_group()
+            self._stop_followers()
+
+    def _stop_followers(self) -> None:
+        for process in self._followers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+    def __enter__(self) -> "EngineGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
