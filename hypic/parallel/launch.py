@@ -1,6 +1,7 @@
 """Start the ranks of a tensor-parallel group: one process per rank, joined over torch.distributed
 (gloo on the CPU, NCCL on GPUs), each running the same function on its own share of the model."""
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -38,7 +39,8 @@ def _rank_main(rank: int, size: int, address: str, threads: int | None, fn: Call
         torch.set_num_threads(threads)
     try:
         tp = join_group(rank, size, address)
-        results.put((rank, True, fn(tp, *args)))
+        # by value: a tensor shared by file descriptor could not be opened once this process has exited
+        results.put((rank, True, pickle.dumps(fn(tp, *args))))
     except BaseException as err:  # the caller re-raises it with the rank's traceback
         results.put((rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
@@ -77,5 +79,5 @@ def _collect(results: Any, processes: list, size: int, timeout_s: float) -> list
                                f"within {timeout_s:.0f} s") from None
         if not ok:
             raise RuntimeError(f"tensor-parallel rank {rank} failed: {value}")
-        got[rank] = value
+        got[rank] = pickle.loads(value)
     return [got[rank] for rank in range(size)]
