@@ -155,6 +155,7 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "granitemoehybrid-dense-nope": ("granitemoehybrid", dict(num_local_experts=0, position_embedding_type="nope",
                                                              embedding_multiplier=3.0, residual_multiplier=0.5,
                                                              attention_multiplier=0.1, logits_scaling=2.0)),
+    "granitemoehybrid-tp2": ("granitemoehybrid", dict(mamba_n_groups=1)),  # one group (Granite-4.0-H): 2 ranks share it
     "kimi_linear": ("kimi_linear", {}),
     "kimi_linear-dense-q-lora": ("kimi_linear", dict(first_k_dense_replace=4, q_lora_rank=24)),
     "nemotron_h": ("nemotron_h", {}),
@@ -166,6 +167,9 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "nemotron_h-dense": ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "linear_attention",
                                                                "full_attention", "mlp", "linear_attention", "mlp"],
                                             n_routed_experts=0)),
+    "nemotron_h-dense-tp2": ("nemotron_h", dict(layers_block_type=["linear_attention", "mlp", "linear_attention",
+                                                                   "full_attention", "mlp", "linear_attention", "mlp"],
+                                                n_routed_experts=0, n_groups=1)),  # one group over two ranks
     "bailing_hybrid": ("bailing_hybrid", {}),
     "bailing_hybrid-dense-softplus": ("bailing_hybrid", dict(  # no q latent, the unbounded decay, dense MLPs only
         q_lora_rank=None, kda_safe_gate=False, first_k_dense_replace=4)),

@@ -5,6 +5,8 @@ and y_t = C_t^T S_t + D_h x_t, where x, B, C come out of a causal conv (with bia
 shared by the heads of a group (like the keys of grouped-query attention). So q = C, k = B,
 v = dt x, and T_C is one scalar per head, exp(A_h sum_t dt_t). The state is d_state x head_dim.
 The output is normalised per group after the gate: norm(y * silu(z)) * w, then projected.
+Under tensor parallelism a rank holds 1/N of the heads; groups fewer than the ranks are replicated,
+and the norm of a group spread over several ranks sums its squares over them.
 """
 from dataclasses import dataclass
 
@@ -15,6 +17,8 @@ from torch import nn
 from ..cache.composition import Family, Transition, scalar_transition
 from ..config import Mamba2Options, ModelConfig
 from ..kernels.scalar_gla import KERNELS, scalar_gla, scalar_gla_step
+from ..parallel import all_reduce
+from ..parallel.sharding import FirstRank, Rule, Split, units_of_rank
 from ..tensor_sources import Direct, Source
 from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg, recur_in_parts
 
@@ -63,6 +67,20 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(inner))
         self.eps = config.rms_norm_eps
         self.out_proj = nn.Linear(inner, config.hidden_size, bias=options.proj_bias)
+        self.tp, self.whole_heads = config.tensor_parallel, (config.whole.linear_num_key_heads,
+                                                             config.whole.linear_num_value_heads)
+
+    def tp_rules(self) -> dict[str, Rule]:
+        """Cut by heads: in_proj's [z | x | B | C | dt] rows and the conv's [x | B | C] channels (B and C
+        by group, replicated when the groups are fewer than the ranks), the per-head constants, the norm
+        weight, and the output projection's columns; its bias added once."""
+        (groups, heads), state, width = self.whole_heads, self.state_dim, self.head_dim
+        conv = ((heads, width), (groups, state), (groups, state))
+        rows, per_head = Split(0, ((heads, width), *conv, (heads, 1))), Split(0, ((heads, 1),))
+        return {"in_proj.weight": rows, "in_proj.bias": rows, "conv_weight": Split(0, conv),
+                "conv_bias": Split(0, conv), "dt_bias": per_head, "A_log": per_head, "D": per_head,
+                "norm_weight": Split(0, ((heads, width),)), "out_proj.weight": Split(1, ((heads, width),)),
+                "out_proj.bias": FirstRank()}
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Mamba2Projections:
         inner = self.heads * self.head_dim
@@ -104,8 +122,20 @@ class Mamba2Mixer(nn.Module):
         """Gate, grouped RMSNorm, projection: o [N, H, P] -> [N, hidden]."""
         n = o.shape[0]
         y = (o.reshape(n, -1) * F.silu(proj.gate.float())).view(n, self.groups, -1)
-        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).view(n, -1)
+        y = (y * torch.rsqrt(self._mean_square(y) + self.eps)).view(n, -1)
         return self.out_proj(self.norm_weight * y.to(dtype))
+
+    def _mean_square(self, y: torch.Tensor) -> torch.Tensor:
+        """Each group's mean square of y [N, G, width] -> [N, G, 1]; a group held by several ranks
+        (groups fewer than the ranks: G = 1 here) sums its squares over them."""
+        groups = self.whole_heads[0]
+        if not self.tp.enabled or groups % self.tp.size == 0:
+            return y.pow(2).mean(-1, keepdim=True)
+        group, _ = units_of_rank(groups, self.tp)
+        sums = y.new_zeros(y.shape[0], groups)
+        sums[:, group] = y.pow(2).sum((1, 2))
+        width = self.whole_heads[1] // groups * self.head_dim
+        return (all_reduce(sums, self.tp)[:, group] / width)[:, None, None]
 
 
 RENAMED = {"conv1d.weight": "conv_weight", "conv1d.bias": "conv_bias", "norm.weight": "norm_weight"}
