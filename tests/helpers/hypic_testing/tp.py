@@ -28,10 +28,16 @@ def greedy_run(tp: TensorParallel, path: str, steps: int = 4) -> list[tuple[torc
     return runs
 
 
+def greedy_runs(tp: TensorParallel, paths: dict[str, str]) -> dict[str, list[tuple[torch.Tensor, list[int]]]]:
+    """``greedy_run`` of every named checkpoint, in one start of the ranks."""
+    return {name: greedy_run(tp, path) for name, path in paths.items()}
+
+
 def parameter_bytes(tp: TensorParallel, path: str) -> int:
-    """Bytes of this rank's parameters, as loaded."""
-    engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
-    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    """Bytes of this rank's parameters, as loaded (loading talks to no other rank: any process may
+    load any rank's share)."""
+    from hypic.loader import load_model
+    return sum(p.numel() * p.element_size() for p in load_model(path, tp=tp).parameters())
 
 
 def load_error(tp: TensorParallel, path: str) -> str:
