@@ -1,5 +1,6 @@
-"""Tensor parallelism over two gloo ranks against one process (TP=1), the oracle: same logits within
-fp32 round-off, same greedy tokens, for PIC misses and hits alike."""
+"""Tensor parallelism around the model (every family's model: test_tensor_parallel_families.py): a rank
+that dies, refused sizes, stored shards per rank, and an engine group driven from one process, each
+against one process (TP=1)."""
 import pytest
 
 from hypic.parallel import TensorParallel
