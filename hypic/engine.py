@@ -15,6 +15,7 @@ from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
 from .models import HybridModel
 from .parallel import TensorParallel
+from .parallel.group import common_seed
 from .cache.modes import Mode, ModePolicy, tree_namespace
 from .planner import Planner
 from .prefill_stats import BuiltForRequest, PrefillStats
@@ -441,8 +442,10 @@ class Engine:
         if constraint is not None:
             self.grammars.compile(constraint)  # a bad grammar fails here, before any work
         limits = SequenceLimits(frozenset(self.eos_token_ids), self.model.config.max_position_embeddings, logprobs)
+        tp = self.model.config.tensor_parallel
+        seed = common_seed(tp) if params.seed is None and tp.enabled else params.seed  # the ranks sample alike
         return [Sequence(params, list(prompt_ids), self.tokenizer, limits,
-                         torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None,
+                         torch.Generator().manual_seed(seed + i) if seed is not None else None,
                          self.grammars.start(constraint) if constraint is not None else None)
                 for i in range(params.n)]
 

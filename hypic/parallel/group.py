@@ -1,5 +1,6 @@
 """Which rank this process is, and the two collectives the model needs (over torch.distributed's
 default process group: gloo on the CPU, NCCL on GPUs)."""
+import random
 from dataclasses import dataclass
 
 import torch
@@ -40,3 +41,12 @@ def all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def common_seed(tp: TensorParallel) -> int:
+    """A random seed every rank agrees on (rank 0's): an unseeded sample must pick the same token on
+    every rank, or the ranks' shards of its state would follow different texts."""
+    seed = [random.getrandbits(62) if tp.rank == 0 else 0]
+    if tp.enabled:
+        dist.broadcast_object_list(seed, src=0)
+    return seed[0]

@@ -75,3 +75,8 @@ def test_an_engine_group_driven_from_one_process_answers_as_one_engine(checkpoin
     assert [(r.output_ids, r.cached_tokens, r.segments_hit, r.segments_missed) for r in got] == \
         [(r.output_ids, r.cached_tokens, r.segments_hit, r.segments_missed) for r in expected]
     assert got[0].segments_missed > 0 and got[1].cached_tokens > 0  # built, then reused, on both ranks
+
+
+def test_an_unseeded_sample_is_the_same_on_every_rank(checkpoint_factory) -> None:
+    first, second = run_ranks(rank_code.unseeded_sample, 2, str(checkpoint_factory("qwen3_5_text-ratio2")))
+    assert first == second

@@ -70,3 +70,10 @@ def pic_through_disk(tp: TensorParallel, path: str, cache_dir: str) -> tuple[str
     finally:
         engine.close()
     return result.text, result.segments_hit, result.segments_missed
+
+
+def unseeded_sample(tp: TensorParallel, path: str) -> list[int]:
+    """A sampled (temperature 1, no seed) continuation, each rank's own random state made different first."""
+    torch.manual_seed(1000 + tp.rank)
+    engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
+    return engine.generate(PROMPTS[1][0], max_new_tokens=12, temperature=1.0).output_ids
