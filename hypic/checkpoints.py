@@ -1,5 +1,6 @@
-"""Random checkpoints of the supported architectures, written by ``transformers`` in HF format
-(for tests, benchmarks and a placeholder default model; nothing is downloaded)."""
+"""Random checkpoints of the supported architectures, written by ``transformers`` in HF format, or in
+their published names where ``transformers`` has no class (for tests, benchmarks and a placeholder
+default model; nothing is downloaded)."""
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,75 @@ def write_native_checkpoint(path: str | Path, family: str, seed: int = 0, **over
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
     return path
 
+
+def _ring_linear_tensors(fields: dict[str, Any], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Ring-linear's tensors as its checkpoints name them (SGLang's and vLLM's loaders read these):
+    every layer's mixer under ``attention`` (a Lightning layer's fused [Q | K | V] of all heads, its
+    g_proj gate and g_norm; a softmax layer's fused [Q | K | V] of the GQA heads), dense MLPs in the
+    first ``first_k_dense_replace`` layers, then routed experts with ``gate.expert_bias`` and shared experts."""
+    hidden, heads, kv_heads, layers = (fields[k] for k in ("hidden_size", "num_attention_heads",
+                                                           "num_key_value_heads", "num_hidden_layers"))
+    dim, group = fields.get("head_dim") or hidden // heads, fields["layer_group_size"]
+    weight = lambda *shape, std=0.02: std * torch.randn(shape, generator=generator)  # noqa: E731
+    norm = lambda width: 1 + 0.1 * torch.randn(width, generator=generator)  # noqa: E731
+    out = {"model.word_embeddings.weight": weight(fields["vocab_size"], hidden), "model.norm.weight": norm(hidden),
+           "lm_head.weight": weight(fields["vocab_size"], hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        softmax = (i + 1) % group == 0 or i >= layers // group * group
+        out.update({p + "input_layernorm.weight": norm(hidden), p + "post_attention_layernorm.weight": norm(hidden),
+                    p + "attention.query_key_value.weight": weight((heads + 2 * (kv_heads if softmax else heads)) * dim, hidden),
+                    p + "attention.query_layernorm.weight": norm(dim), p + "attention.key_layernorm.weight": norm(dim),
+                    p + "attention.dense.weight": weight(hidden, heads * dim)})
+        if not softmax:
+            out.update({p + "attention.g_proj.weight": weight(heads * dim, hidden),
+                        p + "attention.g_norm.weight": norm(heads * dim)})
+        out.update(_ring_feed_forward(fields, p + "mlp.", i, weight))
+    return out
+
+
+def _ring_feed_forward(fields: dict[str, Any], p: str, index: int, weight: Any) -> dict[str, torch.Tensor]:
+    """A dense SwiGLU MLP, or the MoE: router, its bias, experts and the shared experts' MLP."""
+    hidden = fields["hidden_size"]
+
+    def swiglu(prefix: str, inner: int) -> dict[str, torch.Tensor]:
+        return {prefix + "gate_proj.weight": weight(inner, hidden), prefix + "up_proj.weight": weight(inner, hidden),
+                prefix + "down_proj.weight": weight(hidden, inner)}
+
+    if index < fields["first_k_dense_replace"]:
+        return swiglu(p, fields["intermediate_size"])
+    experts = fields["num_experts"]
+    out = {p + "gate.weight": weight(experts, hidden), p + "gate.expert_bias": weight(experts, std=0.1)}  # zero would hide its use
+    for e in range(experts):
+        out.update(swiglu(f"{p}experts.{e}.", fields["moe_intermediate_size"]))
+    return {**out, **swiglu(p + "shared_experts.", fields["moe_shared_expert_intermediate_size"] * fields["num_shared_experts"])}
+
+
+PUBLISHED_TENSORS = {"bailing_moe_linear": _ring_linear_tensors}  # model types with no transformers class
+PUBLISHED_ARCHITECTURES = {"bailing_moe_linear": "BailingMoeLinearV2ForCausalLM"}
+
+
+def write_published_checkpoint(path: str | Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a seeded random model of an architecture ``transformers`` has no class of (Ring-linear's
+    ``bailing_moe_linear``): config.json with its published keys (its architecture's tiny config),
+    model.safetensors with its published tensor names, and a byte-level tokenizer."""
+    import json
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fields = {**architecture(model_type).tiny, **overrides, "model_type": model_type,
+              "architectures": [PUBLISHED_ARCHITECTURES[model_type]]}
+    tensors = PUBLISHED_TENSORS[model_type](fields, torch.Generator().manual_seed(seed))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(fields, indent=2))
+    byte_level_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+PUBLISHED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type, overrides), no transformers class
+    "bailing_moe_linear": ("bailing_moe_linear", {}),
+}
 
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type, overrides): the test matrix
     "qwen3_5_text-ratio2": ("qwen3_5_text", {}),

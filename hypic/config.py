@@ -94,6 +94,16 @@ class KDAGates:
 
 
 @dataclass(frozen=True)
+class RingLinear:
+    """Ring-linear's Lightning layers (``bailing_moe_linear``) where they differ from our own
+    scalar_rope form: q, k and v projected as [Q | K | V] blocks without an activation, each head's q
+    and k RMS-normed (plain weights) before RoPE, the output RMS-normed over ``norm_groups`` equal
+    groups of heads (plain weights, the config's eps), and the slopes of SGLang's Bailing backend."""
+
+    norm_groups: int = 1
+
+
+@dataclass(frozen=True)
 class GroupedSigmoidRouting:
     """DeepSeek-V3's router (Kimi-Linear): sigmoid scores; the choice adds a per-expert bias and keeps
     only the ``top_groups`` best of ``groups`` expert groups; the chosen scores, renormalised when the
@@ -148,6 +158,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     linear_family: str = "gated_delta"  # the linear layers' family: a name in hypic.models.families
     attention_output_gate: bool = True  # Qwen's sigmoid gate on the attention output (and q/k RMSNorm)
+    attention_qk_norm: bool | None = None  # q/k RMSNorm per head; None: with the output gate (Ring-linear: without)
     rms_norm_unit_offset: bool = True  # Qwen's zero-centred norms (1 + w); False: plain w
     norm_weight_in_fp32: bool = False  # plain norms multiply w before casting back (Nemotron-H), not after
     residual_scales: ResidualScales | None = None  # None: pre-norm residuals x + f(norm(x))
@@ -159,6 +170,7 @@ class ModelConfig:
     mamba: Mamba2Options | None = None
     latent_attention: LatentAttention | None = None  # Kimi-Linear's MLA instead of q/k/v projections
     kda_gates: KDAGates = KDAGates()  # the KDA layers' gate projections (linear_family "kda")
+    ring_linear: RingLinear | None = None  # scalar_rope layers in Ring-linear's form (bailing_moe_linear)
     routing: GroupedSigmoidRouting | None = None  # None: softmax top-k
     blocks: BlockLayout | None = None  # Nemotron-H: single-sublayer blocks grouped into layers
     mlp_activation: str = "silu"  # "silu": SwiGLU (gate, up, down); "relu2": relu(up x)^2, then down (Nemotron-H)

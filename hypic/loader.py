@@ -189,6 +189,8 @@ def parameter_sources(config: ModelConfig, checkpoint_keys: list[str]) -> tuple[
         sources.update(_shared_mlp_sources(config, prefix, groups.get("shared_mlp", {})))
     if config.tie_word_embeddings and "embed_tokens.weight" in sources:
         sources.setdefault("lm_head.weight", sources["embed_tokens.weight"])
+    if arch.sources is not None:
+        sources = arch.sources(config, sources)
     used = {k for source in sources.values() for k in source.keys}
     return sources, sorted(k for k in checkpoint_keys if k not in used and not IGNORED.match(k))
 

@@ -66,6 +66,22 @@ class RowHalf:
 
 
 @dataclass(frozen=True)
+class RowSlice:
+    """Rows [start, stop) of a tensor: Ring-linear's fused attention projection holds q, k and v."""
+
+    key: str
+    start: int
+    stop: int
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def fill(self, name: str, param: torch.Tensor, reader: TensorReader, shard: Shard = whole) -> None:
+        _copy(name, param, shard(reader.read(self.key)[self.start : self.stop]))
+
+
+@dataclass(frozen=True)
 class PackedPart:
     """Qwen3-Next packs q, k, v, z (and b, a) per key-head group; ``part`` of that, in conv order."""
 
@@ -125,7 +141,7 @@ class Deinterleaved:
         _copy(name, param, shard(torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)))
 
 
-Source = Direct | Concatenated | RowHalf | PackedPart | ExpertStack | Deinterleaved
+Source = Direct | Concatenated | RowHalf | RowSlice | PackedPart | ExpertStack | Deinterleaved
 
 
 def _reshaped(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

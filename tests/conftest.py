@@ -5,7 +5,9 @@ from typing import Callable
 
 import pytest
 
-from hypic.checkpoints import NATIVE_VARIANTS, TINY_VARIANTS, write_native_checkpoint, write_random_checkpoint
+from hypic.checkpoints import (
+    NATIVE_VARIANTS, PUBLISHED_VARIANTS, TINY_VARIANTS, write_native_checkpoint, write_published_checkpoint,
+    write_random_checkpoint)
 from hypic_testing.checkpoints import make_long_memory
 from hypic_reference.model import ReferenceModel
 
@@ -22,6 +24,9 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
             if name in NATIVE_VARIANTS:
                 family, overrides = NATIVE_VARIANTS[name]
                 write_native_checkpoint(path, family, seed, **overrides)
+            elif name in PUBLISHED_VARIANTS:
+                model_type, overrides = PUBLISHED_VARIANTS[name]
+                write_published_checkpoint(path, model_type, seed, **overrides)
             else:
                 model_type, overrides = TINY_VARIANTS[name]
                 write_random_checkpoint(path, model_type, seed, **overrides)

@@ -1,5 +1,6 @@
 """Full attention: Qwen3-Next / Qwen3.5's gated form (q/k RMSNorm, partial rotary, sigmoid output
-gate), or without gate and q/k norms (``config.attention_output_gate`` False: MiniMax)."""
+gate), or without gate and q/k norms (``config.attention_output_gate`` False: MiniMax), or with q/k
+norms and no gate (``config.attention_qk_norm``: Ring-linear)."""
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +107,10 @@ class GatedAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * value_dim, bias=config.attention_bias)
         output_bias = config.attention_bias if config.output_bias is None else config.output_bias
         self.o_proj = nn.Linear(heads * value_dim, hidden, bias=output_bias)
-        if self.gated:
-            self.q_norm = RMSNorm(dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.qk_norm = self.gated if config.attention_qk_norm is None else config.attention_qk_norm
+        if self.qk_norm:  # zero-centred like the decoder's norms (Qwen), or plain (Ring-linear)
+            self.q_norm = RMSNorm(dim, config.rms_norm_eps, config.rms_norm_unit_offset)
+            self.k_norm = RMSNorm(dim, config.rms_norm_eps, config.rms_norm_unit_offset)
         if config.layer_types[index] in config.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(heads))
         self.whole_heads = (config.whole.num_attention_heads, config.whole.kv_heads(index))
@@ -142,12 +144,15 @@ class GatedAttention(nn.Module):
         key, value = self.k_proj(x).view(n, self.kv_heads, self.head_dim), self.v_proj(x).view(n, self.kv_heads, self.value_dim)
         if self.value_scale != 1.0:
             value = value * self.value_scale
-        if not self.gated:
+        gate = None
+        if self.gated:
+            query, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(n, -1)
+        else:
             query = self.q_proj(x).view(n, self.heads, self.head_dim)
-            return AttentionInputs(rope.apply(query, positions), rope.apply(key, positions), value, None)
-        query, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        query = rope.apply(self.q_norm(query), positions)
-        return AttentionInputs(query, rope.apply(self.k_norm(key), positions), value, gate.reshape(n, -1))
+        if self.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        return AttentionInputs(rope.apply(query, positions), rope.apply(key, positions), value, gate)
 
     def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
                values: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""RMS norms of the Qwen3-Next / Qwen3.5, MiniMax and Kimi-Linear families."""
+"""RMS norms of the Qwen3-Next / Qwen3.5, MiniMax, Kimi-Linear and Ring-linear families."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +42,19 @@ class ShardedRMSNorm(RMSNorm):
         if not self.tp.enabled:
             return super().mean_square(x)
         return all_reduce(x.pow(2).sum(-1, keepdim=True), self.tp) / self.whole_dim
+
+
+class GroupRMSNorm(RMSNorm):
+    """The plain ``w * x / rms(x)`` with the mean square taken over each of ``groups`` equal groups of
+    channels: Ring-linear's output norm over groups of heads."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__(dim, eps, unit_offset=False)
+        self.groups = groups
+
+    def mean_square(self, x: torch.Tensor) -> torch.Tensor:
+        grouped = x.view(*x.shape[:-1], self.groups, -1)
+        return grouped.pow(2).mean(-1, keepdim=True).expand_as(grouped).reshape(x.shape)
 
 
 class GatedRMSNorm(nn.Module):

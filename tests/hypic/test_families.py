@@ -28,10 +28,11 @@ TOLERANCE = 1e-4
 
 
 def tiny_configs() -> dict[str, ModelConfig]:
-    """One tiny config per linear family: the architectures' and our own model types'."""
-    fields = [{**arch.tiny, "model_type": arch.model_types[0]} for arch in ARCHITECTURES if arch.tiny]
-    fields += [{**TINY_CONFIG, **overrides, "model_type": "hypic_hybrid", "linear_family": family}
-               for family, overrides in NATIVE_VARIANTS.values()]
+    """One tiny config per linear family: our own model types' first (scalar_rope in its plain form;
+    Ring-linear's form of it: tests/hypic/test_ring_linear.py), then the architectures'."""
+    fields = [{**TINY_CONFIG, **overrides, "model_type": "hypic_hybrid", "linear_family": family}
+              for family, overrides in NATIVE_VARIANTS.values()]
+    fields += [{**arch.tiny, "model_type": arch.model_types[0]} for arch in ARCHITECTURES if arch.tiny]
     configs: dict[str, ModelConfig] = {}
     for raw in fields:
         config = parse_config(raw)

@@ -30,7 +30,7 @@ MODELS = ["qwen3_5_text-ratio1", "qwen3_5_text-ratio2", "qwen3_5_text-ratio3", "
           "qwen3_next-moe", "qwen3_next-dense", "qwen3_next-ratio3", "qwen3_5_moe_text", "qwen3_5-wrapper", "minimax",
           "minimax-residual-scales", "granitemoehybrid", "granitemoehybrid-dense-nope", "hypic_gla", "hypic_scalar_rope",
           "kimi_linear", "kimi_linear-dense-q-lora", "nemotron_h", "nemotron_h-dense", "gpt_oss", "mimo_v2_flash",
-          "bailing_hybrid", "bailing_hybrid-dense-softplus"]
+          "bailing_hybrid", "bailing_hybrid-dense-softplus", "bailing_moe_linear"]
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def test_batched_decode_of_several_pic_requests(setup: Setup) -> None:
 
 
 # ----- the oracle can tell HYPIC from full recompute ---------------------------------------------
-@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe"])
+@pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "bailing_moe_linear"])
 def test_long_memory_copy_makes_hypic_differ_from_full_recompute(setup: Setup, name: str) -> None:
     """Guards the guard: on the long-memory copy the reference's HYPIC logits are far from full
     recompute's, so a combine pass that silently recomputed everything would fail the tests above."""
@@ -367,7 +367,8 @@ def test_requests_prefilled_together_match_reference(setup: Setup, monkeypatch: 
 
 # ----- a conversation resumed from the disk after a restart -----------------------------------------
 @pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "qwen3_next-moe", "minimax", "granitemoehybrid", "kimi_linear",
-                                  "hypic_scalar_rope", "nemotron_h", "gpt_oss", "mimo_v2_flash", "bailing_hybrid"])
+                                  "hypic_scalar_rope", "nemotron_h", "gpt_oss", "mimo_v2_flash", "bailing_hybrid",
+                                  "bailing_moe_linear"])
 def test_a_conversation_resumed_from_disk_matches_reference(setup: Setup, tmp_path: Path, name: str) -> None:
     """Turn 1 ends on an engine with --cache-dir; a restarted engine resumes turn 2 from the state
     kept on disk (linear states, KV, sliding windows) and its first logits are the reference's full

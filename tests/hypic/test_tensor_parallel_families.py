@@ -18,6 +18,8 @@ VARIANTS = [
     "kimi_linear", "kimi_linear-dense-q-lora", "bailing_hybrid", "bailing_hybrid-dense-softplus",
     # Lightning (a norm over all heads: mean square summed over the ranks; slopes by global head), GLA, scalar_rope
     "minimax", "minimax-residual-scales", "hypic_gla", "hypic_scalar_rope",
+    # scalar_rope in Ring-linear's form: [Q | K | V] blocks cut by head, one output-norm group per rank; GQA softmax
+    "bailing_moe_linear",
     # Mamba2: two groups cut over the ranks, or one group (-tp2: B and C replicated, its norm summed over ranks)
     "granitemoehybrid", "granitemoehybrid-dense-nope", "granitemoehybrid-tp2", "nemotron_h",
     "nemotron_h-latent-moe", "nemotron_h-dense", "nemotron_h-dense-tp2",

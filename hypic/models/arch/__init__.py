@@ -9,12 +9,13 @@ from typing import Any
 
 from ...config import ModelConfig
 from ...errors import UnsupportedModel
-from . import bailing, gpt_oss, granite, kimi, mimo, minimax, nemotron_h, qwen
+from . import bailing, bailing_linear, gpt_oss, granite, kimi, mimo, minimax, nemotron_h, qwen
 from .base import Architecture
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     qwen.QWEN3_NEXT, qwen.QWEN3_5, qwen.QWEN3_5_MOE, qwen.NATIVE, minimax.ARCHITECTURE, granite.ARCHITECTURE,
     kimi.ARCHITECTURE, nemotron_h.ARCHITECTURE, gpt_oss.ARCHITECTURE, mimo.ARCHITECTURE, bailing.ARCHITECTURE,
+    bailing_linear.ARCHITECTURE,
 )
 REGISTRY: dict[str, Architecture] = {model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types}
 WRAPPERS: dict[str, Architecture] = {wrapper: arch for arch in ARCHITECTURES for wrapper in arch.wraps}

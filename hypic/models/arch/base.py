@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import ModelConfig
+from ...tensor_sources import Source
 
 Parse = Callable[[dict[str, Any], dict[str, Any]], ModelConfig]  # (text config, whole config.json) -> ours
 
@@ -13,8 +14,9 @@ class Architecture:
     """One architecture: its ``model_types`` (and the multimodal types that ``wraps`` one in a
     ``text_config``), how its ``config.json`` becomes a ``ModelConfig`` (``parse``; the linear family
     it names chooses the token mixer), where its checkpoint names differ from ours (``rename``: a
-    tensor's name, before layers are grouped; ``fused_experts``: gpt-oss's interleaved expert
-    tensors), and for tests a tiny random config (``tiny``: fields of its ``transformers`` config
+    tensor's name, before layers are grouped; ``sources``: a last rewrite of the parameters' sources,
+    where one checkpoint tensor fills several parameters (Ring-linear's fused attention projections);
+    ``fused_experts``: gpt-oss's interleaved expert tensors), and for tests a tiny random config (``tiny``: fields of its ``transformers`` config
     class, ``reference``: that class and its causal-LM class, under ``transformers``) whose
     zero-initialised sinks and biases may want noise (``noisy_biases``) and whose initial decays are
     kept as they are where they already remember long (``keeps_decay``: Bailing's bounded gate); ``study``: the fields of a
@@ -27,6 +29,7 @@ class Architecture:
     reference: tuple[str, str] | None = None
     wraps: tuple[str, ...] = ()
     rename: Callable[[ModelConfig, str], str] | None = None
+    sources: Callable[[ModelConfig, dict[str, Source]], dict[str, Source]] | None = None
     fused_experts: bool = False
     noisy_biases: bool = False
     keeps_decay: bool = False

@@ -1,6 +1,6 @@
 """The reference's own reading of an HF checkpoint directory: config fields and fp32 tensors.
 
-Written from the published Qwen3-Next / Qwen3.5, MiniMax, gpt-oss, MiMo-V2-Flash and Ling (Bailing) layouts, sharing no code
+Written from the published Qwen3-Next / Qwen3.5, MiniMax, gpt-oss, MiMo-V2-Flash, Ling (Bailing) and Ring-linear layouts, sharing no code
 with ``hypic.loader`` or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
 """
 import dataclasses
@@ -56,6 +56,7 @@ class RefConfig:
     swiglu: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU experts
     plain_norm: bool = False  # RMSNorm as w * x / rms(x) rather than zero-centred (1 + w) (gpt-oss, MiMo)
     bailing: dict | None = None  # Bailing-hybrid (with ``kimi`` set): full-rank KDA gates, the decay's lower bound
+    ring: dict | None = None  # Ring-linear: Lightning layers with RoPE inside (output norm ``groups``), fused q/k/v
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.mlp_only and (layer + 1) % self.sparse_step == 0
@@ -152,6 +153,26 @@ def _bailing_config(raw: dict) -> RefConfig:
                                rotary_dim=raw["qk_rope_head_dim"], bailing={"lower_bound": bound})
 
 
+def _ring_config(raw: dict) -> RefConfig:
+    """Ring-linear (``bailing_moe_linear``), read as SGLang reads it: softmax attention at the last of every
+    ``layer_group_size`` layers (and any left after the last whole group), Lightning layers elsewhere with one
+    head_dim x head_dim state per query head; partial RoPE in both; dense MLPs before ``first_k_dense_replace``."""
+    layers, group, heads = raw["num_hidden_layers"], raw.get("layer_group_size", 1), raw["num_attention_heads"]
+    types = tuple("full_attention" if (i + 1) % group == 0 or i >= layers - layers % group else "linear_attention"
+                  for i in range(layers))
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    rotary = int(head_dim * raw.get("partial_rotary_factor", 1.0))
+    return RefConfig(
+        model_type="bailing_moe_linear", layer_types=types, heads=heads, kv_heads=raw["num_key_value_heads"],
+        head_dim=head_dim, key_heads=heads, value_heads=heads, key_dim=head_dim, value_dim=head_dim, conv_kernel=1,
+        eps=raw["rms_norm_eps"], rope_theta=raw["rope_theta"], rotary_dim=rotary, rope_scale=1.0,
+        experts=raw["num_experts"], top_k=raw["num_experts_per_tok"], norm_topk=raw["norm_topk_prob"], sparse_step=1,
+        mlp_only=tuple(range(raw.get("first_k_dense_replace", 0))), linear_rotary_dim=rotary, plain_norm=True,
+        routing={"groups": raw["n_group"], "top_groups": raw["topk_group"], "scaling": raw["routed_scaling_factor"]},
+        ring={"groups": raw.get("group_norm_size", 1)},
+    )
+
+
 def _gpt_oss_config(raw: dict) -> RefConfig:
     """gpt-oss: attention in every layer (sliding at even layers by default), sinks, YaRN on the whole head,
     clamped SwiGLU experts in every layer. The hub's ``rope_scaling`` + ``rope_theta`` is the same dict."""
@@ -219,6 +240,8 @@ def read_config(path: Path) -> RefConfig:
         return _bailing_config(raw)
     if raw["model_type"] == "nemotron_h":
         return _nemotron_config(raw)
+    if raw["model_type"] == "bailing_moe_linear":
+        return _ring_config(raw)
     if raw["model_type"] == "gpt_oss":
         return _gpt_oss_config(raw)
     if raw["model_type"] == "mimo_v2_flash":
@@ -262,22 +285,26 @@ LING_NAMES = (("word_embeddings.", "embed_tokens."), (".attention.dense.", ".sel
               (".attention.", ".self_attn."), (".gate.expert_bias", ".gate.e_score_correction_bias"))
 
 
-def _ling_name(name: str) -> str:
-    """A Bailing (Ling) checkpoint's tensor under transformers' module names."""
-    for old, new in LING_NAMES:
+RING_NAMES = (("word_embeddings.", "embed_tokens."), (".gate.expert_bias", ".gate.e_score_correction_bias"))
+RENAMED = {"bailing_hybrid": LING_NAMES, "bailing_moe_linear": RING_NAMES}  # mixers keep Ring's names
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A Bailing (Ling, Ring) checkpoint's tensor under the names the reference reads."""
+    for old, new in renames:
         name = name.replace(old, new)
     return name
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every text-model tensor in fp32, keyed like ``layers.0.linear_attn.A_log``."""
-    tensors, ling = {}, json.loads((path / "config.json").read_text()).get("model_type") == "bailing_hybrid"
+    tensors, renames = {}, RENAMED.get(json.loads((path / "config.json").read_text()).get("model_type"), ())
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
                 name = _short_name(key)
                 if name is not None:
-                    tensors[_ling_name(name) if ling else name] = handle.get_tensor(key).float()
+                    tensors[_renamed(name, renames)] = handle.get_tensor(key).float()
     if "lm_head.weight" not in tensors:  # tied embeddings
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
     return tensors

@@ -1,5 +1,5 @@
 """A plain-PyTorch Qwen3.5 / Qwen3-Next / MiniMax / Granite-4.0-H / Kimi-Linear / Nemotron-H / gpt-oss /
-MiMo-V2-Flash forward with a token-loop recurrence: clarity over speed.
+MiMo-V2-Flash / Ring-linear forward with a token-loop recurrence: clarity over speed.
 
 ``run`` feeds a run of new tokens through every layer, continuing a ``ReferenceState``: token-wise
 maps (projections, norms, MLP/MoE) act on the run's rows at once, the gated delta rule is a
@@ -165,7 +165,9 @@ class ReferenceModel:
         x, fed = self.w["embed_tokens.weight"][tokens] * self._granite("embedding"), []
         for index, memory in enumerate(state.layers):
             h = self._norm(x, f"layers.{index}.input_layernorm.weight")
-            if isinstance(memory, LinearMemory) and self.config.kimi is not None:
+            if isinstance(memory, LinearMemory) and self.config.ring is not None:
+                mixed, inputs = self._ring_linear(index, h, positions, memory)
+            elif isinstance(memory, LinearMemory) and self.config.kimi is not None:
                 mixed, inputs = self._kda(index, h, memory)
             elif isinstance(memory, LinearMemory) and self.config.family == "gla":
                 mixed, inputs = self._gla(index, h, memory)
@@ -228,7 +230,8 @@ class ReferenceModel:
         for memory, inputs, kind in zip(state.layers, frozen, self.config.layer_types):
             if isinstance(memory, LinearMemory):
                 assert isinstance(inputs, LinearInputs)
-                keys = self._rotate_linear(inputs.k, positions) if self.config.family == "scalar_rope" else inputs.k
+                rotates = self.config.family == "scalar_rope" or self.config.ring is not None
+                keys = self._rotate_linear(inputs.k, positions) if rotates else inputs.k
                 for t in range(n):
                     if inputs.beta is None:
                         self._decay_update(memory, keys[t], inputs.v[t], inputs.g[t])
@@ -394,6 +397,48 @@ class ReferenceModel:
         gate = torch.sigmoid(h @ self.w[p + "output_gate.weight"].T)
         return (gate * rms_norm(o, self.w[p + "norm.weight"], 1e-6)) @ self.w[p + "out_proj.weight"].T, inputs
 
+    # ----- Ring-linear (bailing_moe_linear) ----------------------------------------------------
+    def _ring_qkv(self, p: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A softmax layer's fused projection [Q (H D) | K (Hkv D) | V (Hkv D)]; q and k RMS-normed per head."""
+        c, n = self.config, h.shape[0]
+        q, k, v = (h @ self.w[p + "query_key_value.weight"].T).split(
+            [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], dim=-1)
+        q = plain_rms_norm(q.view(n, c.heads, c.head_dim), self.w[p + "query_layernorm.weight"], c.eps)
+        k = plain_rms_norm(k.view(n, c.kv_heads, c.head_dim), self.w[p + "key_layernorm.weight"], c.eps)
+        return q, k, v.view(n, c.kv_heads, c.head_dim)
+
+    def _ring_slopes(self, index: int) -> torch.Tensor:
+        """Decay rate per head: ALiBi's slopes (start^1 .. start^H with start = 2^(-2^-(log2 H - 3)) for H a power
+        of two; else the power of two below's, then every other slope of twice it), times 1 - l / (L - 1) + 1e-5
+        for layer l of L (SGLang's Bailing backend; the vendor's transformers code has l - 1 there)."""
+        def alibi(n: int) -> list[float]:
+            if math.log2(n).is_integer():
+                start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+                return [start * start**i for i in range(n)]
+            below = 2 ** math.floor(math.log2(n))
+            return alibi(below) + alibi(2 * below)[0::2][: n - below]
+
+        layers = len(self.config.layer_types)
+        depth = 1 - index / (layers - 1) + 1e-5 if layers > 1 else 1 + 1e-5
+        return torch.tensor(alibi(self.config.heads), dtype=torch.float32) * depth
+
+    def _ring_linear(self, index: int, h: torch.Tensor, positions: torch.Tensor,
+                     memory: LinearMemory) -> tuple[torch.Tensor, LinearInputs]:
+        """[Q | K | V] = W x, no activation; q and k RMS-normed per head, then rotated at their positions;
+        S <- exp(-s) S + k v^T, o = D^-1/2 q^T S per head; o RMS-normed per group of heads (g_norm);
+        sigmoid(g_proj x) * o; the dense projection. The inputs keep k normed but unrotated."""
+        c, p, n = self.config, f"layers.{index}.attention.", h.shape[0]
+        pre = h @ self.w[p + "query_key_value.weight"].T
+        q, k, v = pre.view(n, 3, c.heads, c.head_dim).unbind(1)
+        q = plain_rms_norm(q, self.w[p + "query_layernorm.weight"], c.eps)
+        k = plain_rms_norm(k, self.w[p + "key_layernorm.weight"], c.eps)
+        inputs = LinearInputs(pre, k, v, -self._ring_slopes(index).expand(n, -1), None)
+        q, k = self._rotate_linear(q, positions) * c.head_dim**-0.5, self._rotate_linear(k, positions)
+        o = self._decay_scan(memory, q, k, v, inputs.g).reshape(n, c.ring["groups"], -1)
+        normed = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps)).flatten(1) * self.w[p + "g_norm.weight"]
+        gate = torch.sigmoid(h @ self.w[p + "g_proj.weight"].T)
+        return (gate * normed) @ self.w[p + "dense.weight"].T, inputs
+
     # ----- Mamba2 (Granite-4.0-H) -------------------------------------------------------------
     def _mamba2(self, index: int, h: torch.Tensor, memory: LinearMemory,
                 prefix: str | None = None) -> tuple[torch.Tensor, LinearInputs]:
@@ -455,11 +500,13 @@ class ReferenceModel:
 
     def _attention(self, index: int, h: torch.Tensor, positions: torch.Tensor, memory: AttentionMemory,
                    prefix: str | None = None, kind: str = "full_attention") -> tuple[torch.Tensor, AttentionInputs]:
-        group = "mixer" if c_is_native(self.config) else "self_attn"
+        group = "mixer" if c_is_native(self.config) else "attention" if self.config.ring else "self_attn"
         c, p, eps, n = self.config, prefix or f"layers.{index}.{group}.", self.config.eps, h.shape[0]
         kv_heads = c.kv_heads_of(kind)
         if c.kimi is not None:
             (query, key, value), gate = self._latent_attention(index, h), self._head_gate(p, h)
+        elif c.ring is not None:
+            (query, key, value), gate = self._ring_qkv(p, h), None
         elif c.lightning or c.granite is not None or c.nemotron_blocks or c.window:  # no output gate, no q / k norms
             query, gate = self._project(p + "q_proj", h).view(n, c.heads, c.head_dim), None
             key = self._project(p + "k_proj", h).view(n, kv_heads, c.head_dim)
@@ -469,7 +516,7 @@ class ReferenceModel:
             key = self._project(p + "k_proj", h).view(n, kv_heads, c.head_dim)
             key = rms_norm(key, self.w[p + "k_norm.weight"], eps)
         query = self._rotate(query, positions, kind)
-        if c.kimi is None:
+        if c.kimi is None and c.ring is None:
             value = self._project(p + "v_proj", h).view(n, kv_heads, c.value_head_dim or c.head_dim) * c.value_scale
         memory.keys = torch.cat([memory.keys, self._rotate(key, positions, kind)])
         memory.values = torch.cat([memory.values, value])
@@ -481,7 +528,7 @@ class ReferenceModel:
         weights = self._attention_weights(scores, positions, kind, self._sinks(p))
         attended = (weights @ values).transpose(0, 1).flatten(1)
         attended = attended if gate is None else attended * torch.sigmoid(gate.flatten(1))
-        return self._project(p + "o_proj", attended), AttentionInputs(key, value)
+        return self._project(p + ("dense" if c.ring else "o_proj"), attended), AttentionInputs(key, value)
 
     def _sinks(self, prefix: str) -> torch.Tensor | None:
         """The layer's attention sinks [H] (gpt-oss: every layer; MiMo: sliding layers, saved in the hub's name)."""
