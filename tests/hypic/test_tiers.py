@@ -648,6 +648,35 @@ def test_a_spoiled_or_foreign_resume_file_is_a_miss_and_deleted(make: MakeEngine
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
+def test_resume_points_of_a_previous_format_are_misses_then_written_anew(make: MakeEngine, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a change of the objects' format, a resume point the previous version left on disk is a
+    miss (its head deleted, never misread); the request's own resume point is then written whole in
+    the new format (none of its KV chunks taken for the old ones the disk still holds), and the next
+    engine resumes from it with full recompute's logits."""
+    from hypic.cache.tiers import resume, resume_objects
+
+    for module in (resume, resume_objects):  # the previous version's writer
+        monkeypatch.setattr(module, "HEAD_FORMAT", "hypic-resume-state/older")
+        monkeypatch.setattr(module, "CHUNK_FORMAT", "hypic-resume-kv/older")
+    first = make()
+    turn1 = list(first.parse("you are a helpful assistant. " + DOCUMENTS[0] * 12).token_ids)  # KV of several chunks
+    turn2 = turn1 + first.generate(turn1, max_new_tokens=4, ignore_eos=True).output_ids + [65, 66]
+    first.close()
+    old_chunks = _resume_files(tmp_path / "cache", "k")
+    assert len(old_chunks) > 1
+    monkeypatch.undo()
+    second = make()
+    reply = second.generate(turn2, max_new_tokens=3, ignore_eos=True)
+    assert reply.stats.prefix_hit_tokens == 0 and second.resume.counters.bad_files == 1
+    second.close()
+    turn3 = turn2 + reply.output_ids + [67]
+    third = make()
+    resumed = third.prefill(third.parse(turn3))
+    assert resumed.stats.prefix_hit_tokens == resumed.stats.disk_cached_tokens == len(turn2) + 2
+    assert (resumed.logits - _full_logits(third, turn3)).abs().max().item() < 1e-4
+
+
 def test_a_conversation_writes_each_kv_chunk_once_and_resumes_from_chunks_of_every_turn(make: MakeEngine,
                                                                                       tmp_path: Path) -> None:
     """Three turns end at p1 < p2 < p3 (each a resume point): the disk holds the full chunks of p3
