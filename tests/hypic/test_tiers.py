@@ -176,6 +176,25 @@ def test_the_checksum_is_xxh3_128_of_the_header_and_the_tensors(make: MakeEngine
             decode_entry(flipped, ident, entry.key, entry.token_ids)
 
 
+def test_tensors_larger_than_the_copy_chunk_come_back_whole(make: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder copies and hashes a chunk at a time: with chunks much smaller than the tensors (and
+    not a multiple of their element size) every tensor still equals the stored one, and a byte
+    flipped inside a later chunk is refused."""
+    from hypic.cache.tiers import entry_file
+
+    engine = make(cache_dir=None)
+    entry = built_entry(engine, DOCUMENTS[0])
+    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    data = encode_entry(entry, ident)
+    monkeypatch.setattr(entry_file, "COPY_CHUNK", 1001)
+    assert max(t.numel() * t.element_size() for t in _tensors(entry)) > 10 * 1001
+    decoded = decode_entry(data, ident, entry.key, entry.token_ids)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(decoded), _tensors(entry), strict=True))
+    middle = len(data) - 5 * 1001
+    with pytest.raises(BadEntryFile, match="checksum"):
+        decode_entry(data[:middle] + bytes([data[middle] ^ 0x10]) + data[middle + 1:], ident, entry.key, entry.token_ids)
+
+
 def test_a_header_damaged_where_only_the_checksum_can_tell_is_refused(make: MakeEngine) -> None:
     """Keys and values of one attention layer swap their bytes in the header (same shapes, same
     dtype, the data section untouched): every other check passes, the checksum does not."""
