@@ -3,7 +3,7 @@
 Three parts, each one run on this machine, ratios taken within the run:
 
 - ``latency``: the time to load one document's entry (1k tokens by default) from each tier, read +
-  checksum + decode, median of ``--repeats``: memory (a dictionary hit, the baseline), the disk with
+  checksum + decode, median of ``--repeats``, and the rate (GB/s) it comes to: memory (a dictionary hit, the baseline), the disk with
   the file in the page cache, the disk with the file dropped from it (``posix_fadvise``), and
   Mooncake (with ``--mooncake``: a master started here on loopback). For the shipped model (a real
   entry) and for Qwen3.5-35B-A3B's shapes (random tensors of its entry's shapes: 30 Gated DeltaNet
@@ -357,8 +357,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     latency = [r for r in records if r["part"] == "latency"]
     if latency:
-        summary["latency"] = {f"{r['model']} | {r['tier']}": {"median_ms": 1000 * r["median_s"],
-                                                              "entry_mb": r["entry_bytes"] / 2**20} for r in latency}
+        summary["latency"] = {f"{r['model']} | {r['tier']}": _latency_row(r) for r in latency}
     restart = [r for r in records if r["part"] == "restart"]
     if restart:
         summary["restart"] = {("with disk" if disk else "without disk"): {
@@ -390,6 +389,16 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "resume_states_mb": sum(r["state_bytes"] for r in chats if r["way"] == way) / 2**20,
             "turns": sum(1 for r in conversation if r["way"] == way)} for way in CONVERSATION_WAYS}
     return summary
+
+
+def _latency_row(record: dict[str, Any]) -> dict[str, float]:
+    """Median load time, the entry's size, and the rate it loads at (GB/s: 1e9 bytes a second; for
+    ``rebuild`` the rate the document's prefill makes its entry at)."""
+    median = record["median_s"]
+    row = {"median_ms": 1000 * median, "entry_mb": record["entry_bytes"] / 2**20}
+    if record["tier"] != "memory":  # a dictionary hit moves no bytes
+        row["gb_per_s"] = record["entry_bytes"] / median / 1e9
+    return row
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -64,6 +64,8 @@ TIER_METRICS = (  # (name, kind, field of a tier's status, help)
     ("tier_bad_entries_total", "counter", "bad_files", "truncated, damaged or foreign entries found, deleted, recomputed"),
     ("tier_loaded_bytes_total", "counter", "loaded_bytes", "bytes loaded from the tier"),
     ("tier_load_seconds_total", "counter", "load_seconds", "time spent loading from the tier (read, check, decode)"),
+    ("tier_load_gigabytes_per_second", "gauge", "load_gb_per_s",
+     "mean load rate from the tier since start: loaded bytes / load seconds, in 1e9 bytes a second"),
     ("tier_writes_total", "counter", "writes", "entries written to the tier"),
     ("tier_write_errors_total", "counter", "write_errors", "writes that failed"),
     ("tier_evictions_total", "counter", "evictions", "entries the tier evicted to stay within its budget"),

@@ -3,7 +3,10 @@ the CLI and reports what the engine did, checked against what must hold whatever
 restart on the disk hits every warmed document and one without it none; a disk tier never lowers
 the hit rate; memory is the fastest tier to load from."""
 import json
+import statistics
 from pathlib import Path
+
+import pytest
 
 from hypic.cli import main
 
@@ -20,6 +23,9 @@ def test_the_tiers_study_runs_and_reports(tiny_checkpoint: Path, tmp_path: Path)
     latency = {r["tier"]: r["median_s"] for r in records if r["part"] == "latency"}
     assert set(latency) == {"memory", "disk (page cache)", "disk (dropped)", "rebuild"}
     assert latency["memory"] < latency["disk (page cache)"]
+    for record in (r for r in records if r["part"] == "latency" and r["tier"] != "memory"):  # the rate, from the raw timings
+        row = summary["latency"][f"{record['model']} | {record['tier']}"]
+        assert row["gb_per_s"] == pytest.approx(record["entry_bytes"] / statistics.median(record["seconds"]) / 1e9)
     capacity = summary["capacity"]
     for eviction in ("lru", "cost"):
         assert capacity[f"+disk/{eviction} @ 4x"]["hit_rate"] >= capacity[f"memory/{eviction} @ 4x"]["hit_rate"]

@@ -2,6 +2,7 @@
 misses, namespaces, capacity beyond memory. Oracles: an engine without tiers building the same
 documents cold (its greedy tokens), the files' own bytes, closed-form byte budgets."""
 import errno
+import hashlib
 import json
 import shutil
 import struct
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
@@ -94,6 +96,16 @@ def test_a_file_is_safetensors_with_its_identity(make: MakeEngine, tmp_path: Pat
     assert json.loads(meta["token_ids"]) == list(entry.token_ids) and meta["seams"] == "8,8"
 
 
+def sha256_of_tensors(header: dict, body: bytes) -> str:
+    """The checksum of the previous format (``hypic-segment-entry/1``), from its definition: SHA-256
+    over each tensor's name and bytes, by name."""
+    digest = hashlib.sha256()
+    for name in sorted(n for n in header if n != "__metadata__"):
+        begin, end = header[name]["data_offsets"]
+        digest.update(name.encode() + body[begin:end])
+    return digest.hexdigest()
+
+
 def spoil(data: bytes, how: str, engine: Engine) -> bytes:
     size = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + size])
@@ -112,12 +124,15 @@ def spoil(data: bytes, how: str, engine: Engine) -> bytes:
         meta["state_dtype"] = "torch.bfloat16"
     elif how == "another document":
         meta["token_ids"] = json.dumps(list(engine.tokenizer.encode(DOCUMENTS[5])))
+    elif how == "previous format":  # as the writer of format /1 made it: whole, and sound by its own checksum
+        meta["format"], meta["checksum"] = "hypic-segment-entry/1", sha256_of_tensors(header, data[8 + size:])
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
     return struct.pack("<Q", len(encoded)) + encoded + data[8 + size:]
 
 
-SPOILS = ["truncated", "header cut", "flipped byte", "zeroes", "foreign model", "foreign dtype", "another document"]
+SPOILS = ["truncated", "header cut", "flipped byte", "zeroes", "foreign model", "foreign dtype", "another document",
+          "previous format"]
 
 
 @pytest.mark.parametrize("how", SPOILS)
@@ -130,6 +145,69 @@ def test_a_spoiled_file_is_refused_by_the_decoder(make: MakeEngine, how: str) ->
     assert all(torch.equal(a, b) for a, b in zip(_tensors(decoded), _tensors(entry)))
     with pytest.raises(BadEntryFile):
         decode_entry(spoil(data, how, engine), ident, entry.key, entry.token_ids)
+
+
+def _header_and_body(data: bytes) -> tuple[dict, bytes]:
+    size = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + size]), data[8 + size:]
+
+
+def _with_header(header: dict, body: bytes) -> bytes:
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded + body
+
+
+def test_the_checksum_is_xxh3_128_of_the_header_and_the_tensors(make: MakeEngine) -> None:
+    """From its definition: XXH3-128 of the header as written (compact JSON) less the checksum, then
+    the data section's bytes; a byte flipped anywhere in the data section is refused for it."""
+    engine = make(cache_dir=None)
+    entry = built_entry(engine, DOCUMENTS[0])
+    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    data = encode_entry(entry, ident)
+    header, body = _header_and_body(data)
+    stated = header["__metadata__"].pop("checksum")
+    expected = xxhash.xxh3_128(json.dumps(header, separators=(",", ":")).encode() + body).hexdigest()
+    assert stated == f"xxh3-128:{expected}"
+    start = len(data) - len(body)
+    for offset in (start, start + len(body) // 3, len(data) - 1):
+        flipped = data[:offset] + bytes([data[offset] ^ 0x01]) + data[offset + 1:]
+        with pytest.raises(BadEntryFile, match="checksum"):
+            decode_entry(flipped, ident, entry.key, entry.token_ids)
+
+
+def test_tensors_larger_than_the_copy_chunk_come_back_whole(make: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder copies and hashes a chunk at a time: with chunks much smaller than the tensors (and
+    not a multiple of their element size) every tensor still equals the stored one, and a byte
+    flipped inside a later chunk is refused."""
+    from hypic.cache.tiers import entry_file
+
+    engine = make(cache_dir=None)
+    entry = built_entry(engine, DOCUMENTS[0])
+    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    data = encode_entry(entry, ident)
+    monkeypatch.setattr(entry_file, "COPY_CHUNK", 1001)
+    assert max(t.numel() * t.element_size() for t in _tensors(entry)) > 10 * 1001
+    decoded = decode_entry(data, ident, entry.key, entry.token_ids)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(decoded), _tensors(entry), strict=True))
+    middle = len(data) - 5 * 1001
+    with pytest.raises(BadEntryFile, match="checksum"):
+        decode_entry(data[:middle] + bytes([data[middle] ^ 0x10]) + data[middle + 1:], ident, entry.key, entry.token_ids)
+
+
+def test_a_header_damaged_where_only_the_checksum_can_tell_is_refused(make: MakeEngine) -> None:
+    """Keys and values of one attention layer swap their bytes in the header (same shapes, same
+    dtype, the data section untouched): every other check passes, the checksum does not."""
+    engine = make(cache_dir=None)
+    entry = built_entry(engine, DOCUMENTS[0])
+    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    header, body = _header_and_body(encode_entry(entry, ident))
+    index = next(i for i, layer in enumerate(entry.layers) if hasattr(layer, "keys"))
+    keys, values = header[f"{index}.keys"], header[f"{index}.values"]
+    assert keys["shape"] == values["shape"] and not torch.equal(entry.layers[index].keys, entry.layers[index].values)
+    keys["data_offsets"], values["data_offsets"] = values["data_offsets"], keys["data_offsets"]
+    with pytest.raises(BadEntryFile, match="checksum"):
+        decode_entry(_with_header(header, body), ident, entry.key, entry.token_ids)
 
 
 def _tensors(entry: SegmentEntry) -> list[torch.Tensor]:
@@ -589,6 +667,35 @@ def test_a_spoiled_or_foreign_resume_file_is_a_miss_and_deleted(make: MakeEngine
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
+def test_resume_points_of_a_previous_format_are_misses_then_written_anew(make: MakeEngine, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a change of the objects' format, a resume point the previous version left on disk is a
+    miss (its head deleted, never misread); the request's own resume point is then written whole in
+    the new format (none of its KV chunks taken for the old ones the disk still holds), and the next
+    engine resumes from it with full recompute's logits."""
+    from hypic.cache.tiers import resume, resume_objects
+
+    for module in (resume, resume_objects):  # the previous version's writer
+        monkeypatch.setattr(module, "HEAD_FORMAT", "hypic-resume-state/older")
+        monkeypatch.setattr(module, "CHUNK_FORMAT", "hypic-resume-kv/older")
+    first = make()
+    turn1 = list(first.parse("you are a helpful assistant. " + DOCUMENTS[0] * 12).token_ids)  # KV of several chunks
+    turn2 = turn1 + first.generate(turn1, max_new_tokens=4, ignore_eos=True).output_ids + [65, 66]
+    first.close()
+    old_chunks = _resume_files(tmp_path / "cache", "k")
+    assert len(old_chunks) > 1
+    monkeypatch.undo()
+    second = make()
+    reply = second.generate(turn2, max_new_tokens=3, ignore_eos=True)
+    assert reply.stats.prefix_hit_tokens == 0 and second.resume.counters.bad_files == 1
+    second.close()
+    turn3 = turn2 + reply.output_ids + [67]
+    third = make()
+    resumed = third.prefill(third.parse(turn3))
+    assert resumed.stats.prefix_hit_tokens == resumed.stats.disk_cached_tokens == len(turn2) + 2
+    assert (resumed.logits - _full_logits(third, turn3)).abs().max().item() < 1e-4
+
+
 def test_a_conversation_writes_each_kv_chunk_once_and_resumes_from_chunks_of_every_turn(make: MakeEngine,
                                                                                       tmp_path: Path) -> None:
     """Three turns end at p1 < p2 < p3 (each a resume point): the disk holds the full chunks of p3
@@ -810,6 +917,7 @@ class FakeMooncakeStore:
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.batches: list[int] = []  # names asked for in each batched existence check
+        self.registered: dict[int, int] = {}  # registered buffers: address -> bytes
 
     def is_exist(self, key: str) -> int:
         return int(key in self.objects)
@@ -818,8 +926,32 @@ class FakeMooncakeStore:
         self.batches.append(len(keys))
         return [int(key in self.objects) for key in keys]
 
-    def get(self, key: str) -> bytes:
-        return self.objects.get(key, b"")
+    def get_size(self, key: str) -> int:
+        return len(self.objects[key]) if key in self.objects else -704  # Mooncake's OBJECT_NOT_FOUND
+
+    def register_buffer(self, address: int, size: int) -> int:
+        self.registered[address] = size
+        return 0
+
+    def unregister_buffer(self, address: int) -> int:
+        return 0 if self.registered.pop(address, None) is not None else -600
+
+    def batch_get_into(self, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        """Each object's bytes written at its address, as the transfer engine does: only into a registered
+        buffer that holds it (else a negative code, as Mooncake's), the bytes read per key."""
+        import ctypes
+
+        answers = []
+        for key, address, size in zip(keys, addresses, sizes):
+            data = self.objects.get(key)
+            inside = any(start <= address and address + size <= start + length
+                         for start, length in self.registered.items())
+            if data is None or not inside or size < len(data):
+                answers.append(-704 if data is None else -600)
+                continue
+            ctypes.memmove(address, data, len(data))
+            answers.append(len(data))
+        return answers
 
     def put(self, key: str, data: bytes) -> int:
         self.objects.setdefault(key, data)  # as the master: a name that exists keeps its first value
@@ -861,6 +993,45 @@ def test_mooncake_knows_what_this_server_put_or_found_until_it_sees_it_gone() ->
     assert not tier.indexed("team/b") and tier.indexed("shared/c")
     tier.remove("shared/c")
     assert not tier.indexed("shared/c") and tier.describe()["known_entries"] == 0
+
+
+class FlakyTransfers(FakeMooncakeStore):
+    """A store whose transfers fail (a timeout, say) while ``failing``; its names answer throughout."""
+
+    failing = False
+
+    def batch_get_into(self, keys: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        return [-800] * len(keys) if self.failing else super().batch_get_into(keys, addresses, sizes)  # TRANSFER_FAIL
+
+
+def test_mooncake_reads_into_registered_buffers_kept_between_reads() -> None:
+    """Objects come back whole through the zero-copy transfer, which writes only into registered
+    memory (the fake refuses any other, as the transfer engine does): one buffer, registered once,
+    serves reads one after another and is grown for a larger object; a failed transfer is the tier's
+    failure, and its buffer is never handed to another read."""
+    from hypic.cache.tiers.mooncake import MooncakeTier, MooncakeUnavailable
+
+    tier, store = MooncakeTier("127.0.0.1:50051"), FlakyTransfers()
+    tier.client = store
+    small, large = bytes(range(256)) * 1000, bytes(range(255, -1, -1)) * 90_000  # 256 kB, 23 MB
+    tier.write("shared/small", small)
+    tier.write("shared/large", large)
+    for name, expected in (("small", small), ("small", small), ("large", large), ("small", small)):
+        with tier.reading(f"shared/{name}") as data:
+            assert bytes(data) == expected
+    assert len(store.registered) == 2 and tier.describe()["staging_buffers"] == 2  # the first, then a larger one
+    with tier.reading("shared/absent") as data:
+        assert data is None
+    store.failing = True
+    with pytest.raises(MooncakeUnavailable, match="-800"):
+        with tier.reading("shared/large"):
+            pass
+    store.failing = False
+    for _ in range(2):
+        with tier.reading("shared/large") as data:
+            assert bytes(data) == large
+    status = tier.describe()
+    assert status["retired_staging_buffers"] == 1 and len(store.registered) == 3  # a new one for the failed one's work
 
 
 def _held_connect(monkeypatch: pytest.MonkeyPatch, ends: threading.Event, client: object | None) -> None:

@@ -6,6 +6,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 
 from hypic import DEFAULT_SEPARATOR as SEP
 from hypic.server.launch import ServerProcess, start_server
@@ -58,9 +59,18 @@ def test_documents_survive_a_sigkill(tiny_checkpoint: Path, tmp_path: Path) -> N
         assert info["tiers"]["disk"]["directory"] == str(cache) and info["tiers"]["disk"]["healthy"]
         metrics = restarted.get("/metrics")
         assert 'hypic_tier_hits_total{tier="disk"} 8.0' in metrics and 'hypic_tier_healthy{tier="disk"} 1.0' in metrics
+        loaded, seconds = sample(metrics, "tier_loaded_bytes_total"), sample(metrics, "tier_load_seconds_total")
+        assert loaded == sum(p.stat().st_size for p in cache.rglob("*.safetensors") if p.name[0] not in "rk")
+        assert seconds > 0 and sample(metrics, "tier_load_gigabytes_per_second") == pytest.approx(loaded / seconds / 1e9)
     finally:
         restarted.stop()
         cold.stop()
+
+
+def sample(metrics: str, name: str, tier: str = "disk") -> float:
+    """The value of ``hypic_<name>{tier="<tier>"}`` in a /metrics page."""
+    prefix = f'hypic_{name}{{tier="{tier}"}} '
+    return float(next(line[len(prefix):] for line in metrics.splitlines() if line.startswith(prefix)))
 
 
 def test_flush_names_its_tiers(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -171,9 +171,11 @@ def _mapped(handle) -> Iterator[memoryview]:
         yield memoryview(b"")
         return
     mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)
+    mapped.madvise(mmap.MADV_WILLNEED)  # a file not in the page cache is read ahead whole, not page by page
     view = memoryview(mapped)
     try:
         yield view
     finally:
-        view.release()
-        mapped.close()
+        with contextlib.suppress(BufferError):  # a view still held (an exception's frames): unmapped when it goes
+            view.release()
+            mapped.close()

@@ -3,8 +3,14 @@
 Layout (readable by any safetensors reader): 8-byte little-endian header length, a JSON header
 (each tensor's dtype, shape and byte range, plus ``__metadata__``), then the tensors' bytes. The
 metadata names the entry's content key, the model fingerprint, both dtypes, the seam rule, the
-token ids and a SHA-256 of the tensors, so a file from another model, another dtype, another
-document or a damaged disk is refused (``BadEntryFile``), never spliced.
+token ids and a checksum (XXH3-128) of the header and the tensors, so a file from another model,
+another dtype, another document or a damaged disk is refused (``BadEntryFile``), never spliced.
+
+A load reads the file in one pass: each tensor is copied from the buffer (a memory map, a transfer
+buffer) straight into the tensor it is returned as, a chunk at a time, and each chunk is hashed
+right after its copy, while it is still in the core's cache. The checksum guards against damage
+(torn writes, bit rot, a truncated transfer), not against someone who can write the store: entries
+are content-addressed per namespace, and whoever can write there can write a valid file.
 """
 import hashlib
 import json
@@ -12,7 +18,9 @@ import re
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import xxhash
 
 from ..composition import Family, Transition
 from ...config import ModelConfig
@@ -21,7 +29,9 @@ from ...errors import HypicError
 from ..segments import Seams
 from ..store import AttentionInterior, InteriorLayer, LinearInterior, Role, SegmentEntry
 
-FORMAT = "hypic-segment-entry/1"
+FORMAT = "hypic-segment-entry/2"  # /2: XXH3-128 of the header and the tensors (/1: SHA-256 of the tensors)
+CHECKSUM = "xxh3-128"  # the checksum's algorithm, named in its value: "xxh3-128:<hex>"
+COPY_CHUNK = 1 << 18  # bytes copied, then hashed, at a time: still in the core's L2 when hashed
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
@@ -81,18 +91,37 @@ def _layer_kind(layer: InteriorLayer) -> str:
     return "linear" if layer.transition is None else f"linear:{layer.transition.family.value}"
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(_raw(tensors[name]))  # hashed in place, not copied
-    return digest.hexdigest()
+@dataclass(frozen=True)
+class _Span:
+    """One tensor of a file: its name, dtype, shape and byte range in the buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without a copy where it is contiguous."""
     flat = tensor.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _dumps(header: dict) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _header_digest(header: dict) -> "xxhash.xxh3_128":
+    """A running checksum started on the header as written less the checksum itself; the tensors'
+    bytes follow in file order. (The header is re-serialised: a damaged one that still parses hashes
+    differently.)"""
+    meta = {name: value for name, value in header.get("__metadata__", {}).items() if name != "checksum"}
+    return xxhash.xxh3_128(_dumps({**header, "__metadata__": meta}))
+
+
+def _checksum_value(digest: "xxhash.xxh3_128") -> str:
+    return f"{CHECKSUM}:{digest.hexdigest()}"
 
 
 def encode_entry(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
@@ -110,31 +139,30 @@ def encode_entry(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
 
 
 def pack(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> bytes:
-    """A safetensors file of ``tensors`` (copied to the CPU) with ``metadata`` and their SHA-256
-    (``checksum``) in its header."""
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    header: dict = {"__metadata__": {**metadata, "checksum": _checksum(tensors)}}
-    offset, chunks = 0, []
-    for name in sorted(tensors):
-        data = _raw(tensors[name])
+    """A safetensors file of ``tensors`` (copied to the CPU) with ``metadata`` and the checksum of
+    the header and the tensors (``checksum``) in its header."""
+    names = sorted(tensors)
+    data = {name: _raw(tensors[name].detach().to("cpu")) for name in names}
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in names:
         header[name] = {"dtype": _NAMES[tensors[name].dtype], "shape": list(tensors[name].shape),
-                        "data_offsets": [offset, offset + data.nbytes]}
-        chunks.append(data)
-        offset += data.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
+                        "data_offsets": [offset, offset + data[name].nbytes]}
+        offset += data[name].nbytes
+    digest = _header_digest(header)
+    for name in names:
+        digest.update(data[name])
+    header["__metadata__"]["checksum"] = _checksum_value(digest)
+    encoded = _dumps(header)
     encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data section to 8 bytes
-    return b"".join([struct.pack("<Q", len(encoded)), encoded, *chunks])  # one copy of the tensors
+    return b"".join([struct.pack("<Q", len(encoded)), encoded, *data.values()])  # one copy of the tensors
 
 
 def unpack(buffer: bytes | memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
     """The metadata and the tensors (copies) of a file ``pack`` wrote; raises ``BadEntryFile`` if it is
     truncated, unreadable or damaged (checksum)."""
     header, start = _header(buffer)
-    meta = header.get("__metadata__", {})
-    tensors = _tensors(buffer, header, start)
-    if _checksum(tensors) != meta.get("checksum"):
-        raise BadEntryFile("checksum mismatch: the file is damaged")
-    return meta, tensors
+    return header.get("__metadata__", {}), _verified(buffer, header, start)
 
 
 def _header(buffer: bytes | memoryview) -> tuple[dict, int]:
@@ -147,8 +175,8 @@ def _header(buffer: bytes | memoryview) -> tuple[dict, int]:
         header = json.loads(bytes(buffer[8:8 + size]))
     except ValueError as err:
         raise BadEntryFile(f"unreadable header: {err}") from err
-    if not isinstance(header, dict):
-        raise BadEntryFile("unreadable header: not an object")
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+        raise BadEntryFile("unreadable header: not an object with an object of metadata")
     return header, 8 + size
 
 
@@ -158,10 +186,7 @@ def decode_entry(buffer: bytes | memoryview, identity: EntryIdentity, key: str, 
     header, start = _header(buffer)
     meta = header.get("__metadata__", {})
     _check_identity(meta, identity, key, token_ids)
-    tensors = _tensors(buffer, header, start)
-    if _checksum(tensors) != meta.get("checksum"):
-        raise BadEntryFile("checksum mismatch: the file is damaged")
-    tensors = {name: t.to(identity.device) for name, t in tensors.items()}
+    tensors = {name: t.to(identity.device) for name, t in _verified(buffer, header, start).items()}
     try:
         entry = _entry(meta, tensors, token_ids)
         check_entry(entry, identity.fingerprint, Role(meta["role"]), identity.config)
@@ -180,24 +205,64 @@ def _check_identity(meta: dict, identity: EntryIdentity, key: str, token_ids: tu
         raise BadEntryFile("the file holds another document's tokens")
 
 
-def _tensors(buffer: bytes | memoryview, header: dict, start: int) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (start + int(o) for o in spec["data_offsets"])
-            dtype, shape = _DTYPES[spec["dtype"]], [int(s) for s in spec["shape"]]
-        except (KeyError, TypeError, ValueError) as err:
-            raise BadEntryFile(f"tensor {name}: unreadable spec") from err
-        if end > len(buffer) or begin > end:
-            raise BadEntryFile(f"truncated: tensor {name} ends at byte {end} of {len(buffer)}")
-        data = bytearray(buffer[begin:end])
-        flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        if flat.numel() != dtype.itemsize * torch.Size(shape).numel():
-            raise BadEntryFile(f"tensor {name}: {flat.numel()} bytes for shape {shape}")
-        tensors[name] = flat.view(dtype).reshape(shape)
+def _verified(buffer: bytes | memoryview, header: dict, start: int) -> dict[str, torch.Tensor]:
+    """The file's tensors, copied out of ``buffer`` in one pass that also checks them and the header
+    against the checksum; raises ``BadEntryFile``."""
+    spans = _spans(header, start, len(buffer))
+    digest = _header_digest(header)
+    tensors = _copied_out(buffer, spans, digest)
+    if _checksum_value(digest) != header.get("__metadata__", {}).get("checksum"):
+        raise BadEntryFile("checksum mismatch: the file is damaged")
     return tensors
+
+
+def _spans(header: dict, start: int, size: int) -> list[_Span]:
+    """The tensors in the order of their bytes, checked to tile the data section exactly, each one's
+    bytes matching its shape (so nothing is allocated for a damaged header's sizes)."""
+    spans = sorted((_span(name, spec, start) for name, spec in header.items() if name != "__metadata__"),
+                   key=lambda span: span.begin)
+    cursor = start
+    for span in spans:
+        if span.end > size:
+            raise BadEntryFile(f"truncated: tensor {span.name} ends at byte {span.end} of {size}")
+        if span.begin != cursor:
+            raise BadEntryFile(f"tensor {span.name} starts at byte {span.begin}, expected {cursor}")
+        cursor = span.end
+    if cursor != size:
+        raise BadEntryFile(f"{size - cursor} bytes after the last tensor")
+    return spans
+
+
+def _span(name: str, spec: dict, start: int) -> _Span:
+    try:
+        begin, end = (start + int(o) for o in spec["data_offsets"])
+        dtype, shape = _DTYPES[spec["dtype"]], tuple(int(s) for s in spec["shape"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise BadEntryFile(f"tensor {name}: unreadable spec") from err
+    if min(shape, default=0) < 0 or end - begin != dtype.itemsize * torch.Size(shape).numel():
+        raise BadEntryFile(f"tensor {name}: {end - begin} bytes for shape {list(shape)} of {spec['dtype']}")
+    return _Span(name, dtype, shape, begin, end)
+
+
+def _copied_out(buffer: bytes | memoryview, spans: list[_Span], digest: "xxhash.xxh3_128") -> dict[str, torch.Tensor]:
+    """Each span's tensor, copied from ``buffer`` straight into its own memory and hashed into
+    ``digest``. Raises nothing on a checked ``spans``: no view of the buffer outlives the call, so a
+    memory map can be closed right after, whatever the checksum says."""
+    source = np.frombuffer(buffer, dtype=np.uint8)
+    return {span.name: _copy_hashed(source[span.begin:span.end], span, digest) for span in spans}
+
+
+def _copy_hashed(source: np.ndarray, span: _Span, digest: "xxhash.xxh3_128") -> torch.Tensor:
+    """A new tensor of ``span``'s shape holding ``source``'s bytes; each chunk is hashed from the copy
+    just made (still in cache), so the source is read once."""
+    tensor = torch.empty(span.shape, dtype=span.dtype)
+    if tensor.numel():
+        target = tensor.view(-1).view(torch.uint8).numpy()
+        for offset in range(0, len(source), COPY_CHUNK):
+            chunk = target[offset:offset + COPY_CHUNK]
+            np.copyto(chunk, source[offset:offset + COPY_CHUNK])
+            digest.update(chunk)
+    return tensor
 
 
 def _entry(meta: dict, tensors: dict[str, torch.Tensor], token_ids: tuple[int, ...]) -> SegmentEntry:

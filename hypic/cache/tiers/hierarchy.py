@@ -102,6 +102,11 @@ class TierCounters:
         return "healthy" if self.healthy else "connecting" if self.connecting else "unhealthy"
 
 
+def load_rate(loaded_bytes: int, load_seconds: float) -> float:
+    """GB/s (1e9 bytes a second) of a tier's loads since start (read, check and decode); 0 before any."""
+    return loaded_bytes / load_seconds / 1e9 if load_seconds > 0 else 0.0
+
+
 @dataclass
 class _Pending:
     entry: SegmentEntry
@@ -392,6 +397,7 @@ class StorageTiers:
         tiers = {}
         for tier in self.tiers:
             status = {**counters[tier.name], "state": self.counters[tier.name].state}
+            status["load_gb_per_s"] = load_rate(status["loaded_bytes"], status["load_seconds"])
             status.pop("failed_at")
             try:
                 tiers[tier.name] = {**tier.describe(), **status}

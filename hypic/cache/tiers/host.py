@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..store import Event, Load, LowerTiers, SegmentEntry, entry_tensors, with_tensors
+from .hierarchy import load_rate
 
 MAX_STAGED = 64  # copies to the device started and not yet taken, at most (older ones are dropped)
 
@@ -146,5 +147,6 @@ class HostTier:
             "write_policy": None, "prefetch_policy": None, "prefetches": {}, "write_queue": 0, "write_queue_bytes": 0,
             "dropped_writes": 0, "tiers": {}}
         host = {"budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self.entries),
-                "healthy": True, "connecting": False, "state": "healthy", "error": "", **vars(self.counters)}
+                "healthy": True, "connecting": False, "state": "healthy", "error": "", **vars(self.counters),
+                "load_gb_per_s": load_rate(self.counters.loaded_bytes, self.counters.load_seconds)}
         return {**report, "tiers": {self.name: host, **report.get("tiers", {})}}

@@ -5,10 +5,15 @@ so a document one server built is a hit on all. The objects live in the memory s
 servers contribute (``segment_bytes`` each), managed and evicted by the master. Connecting runs
 in the background (Mooncake's client retries for a minute when the master is down), so the engine
 never waits on it; once connected, the client finds a restarted master by itself.
+
+An object is read with one zero-copy transfer (``batch_get_into``) into a host buffer registered
+with the client (``StagingBuffers``), which the decoder then copies out of once, checking it as it
+goes; the buffers are kept for the next read.
 """
 import contextlib
+import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 import shutil
 import signal
 import socket
@@ -19,12 +24,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .hierarchy import TierConnecting
 
 PREFIX = "hypic/"
 DEFAULT_SEGMENT_BYTES = 1 << 30  # memory this server lends the shared store
 DEFAULT_BUFFER_BYTES = 256 << 20  # its transfer buffer
 KNOWN_ADDRESSES = 1 << 16  # addresses this server has seen in the store, at most (the scheduler's hint)
+OBJECT_NOT_FOUND = -704  # what Mooncake's client answers for a name the store does not hold
+STAGING_GRANULE = 16 << 20  # read buffers are registered in multiples of this
+IDLE_STAGING = 2  # read buffers kept registered between reads, at most
+RETIRED_STAGING = 4  # buffers of failed transfers kept out of use, at most (the oldest is freed: long done)
+log = logging.getLogger("hypic.cache.tiers")
 
 
 class MooncakeUnavailable(ConnectionError):
@@ -33,6 +45,56 @@ class MooncakeUnavailable(ConnectionError):
 
 class MooncakeConnecting(MooncakeUnavailable, TierConnecting):
     """The first connection to the master is under way (it has not failed yet)."""
+
+
+class StagingBuffers:
+    """Host buffers registered with a Mooncake client (its transfer engine writes only into registered
+    memory): one per read in progress, grown to fit the object, kept for the next read. Thread-safe
+    (reads run on the engine loop and on prefetch threads)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.idle: list[torch.Tensor] = []
+        self.retired: deque[torch.Tensor] = deque()  # a failed transfer may still write into these: not reused
+        self.lock = threading.Lock()
+
+    def take(self, size: int) -> torch.Tensor:
+        """A registered buffer of at least ``size`` bytes (raises ``MooncakeUnavailable`` if the client
+        refuses to register one)."""
+        with self.lock:
+            fits = [i for i, b in enumerate(self.idle) if b.numel() >= size]  # by index: tensors compare by value
+            buffer = self.idle.pop(min(fits, key=lambda i: self.idle[i].numel())) if fits else None
+        return buffer if buffer is not None else self._registered(size)
+
+    def _registered(self, size: int) -> torch.Tensor:
+        buffer = torch.empty(-(-max(size, 1) // STAGING_GRANULE) * STAGING_GRANULE, dtype=torch.uint8)
+        code = self.client.register_buffer(buffer.data_ptr(), buffer.numel())
+        if code != 0:
+            raise MooncakeUnavailable(f"register_buffer of {buffer.numel()} bytes failed with code {code}")
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` for the next read (the smallest idle one goes if too many are kept)."""
+        with self.lock:
+            self.idle.append(buffer)
+            if len(self.idle) <= IDLE_STAGING:
+                return
+            dropped = self.idle.pop(min(range(len(self.idle)), key=lambda i: self.idle[i].numel()))
+        self.client.unregister_buffer(dropped.data_ptr())
+
+    def retire(self, buffer: torch.Tensor) -> None:
+        """``buffer``'s transfer failed: it stays allocated and registered, unused, until
+        ``RETIRED_STAGING`` later failures (a transfer that timed out may still be writing into it)."""
+        with self.lock:
+            self.retired.append(buffer)
+            freed = self.retired.popleft() if len(self.retired) > RETIRED_STAGING else None
+        if freed is not None:
+            self.client.unregister_buffer(freed.data_ptr())
+
+    def describe(self) -> dict:
+        with self.lock:
+            return {"staging_buffers": len(self.idle), "staging_bytes": sum(b.numel() for b in self.idle),
+                    "retired_staging_buffers": len(self.retired)}
 
 
 class MooncakeTier:
@@ -47,6 +109,8 @@ class MooncakeTier:
         self.metadata_server = metadata_server or f"http://{host}:8080/metadata"
         self.local_hostname = local_hostname or _local_address(host)
         self.client = None
+        self.staging: StagingBuffers | None = None
+        self.staging_lock = threading.Lock()
         self.connecting: threading.Thread | None = None
         self.error = ""
         self.known: OrderedDict[str, None] = OrderedDict()  # put or found here, not seen gone since; LRU
@@ -87,11 +151,44 @@ class MooncakeTier:
             raise MooncakeUnavailable(self.error or "not connected")
         return self.client
 
+    def _staging(self) -> StagingBuffers:
+        client = self._connected()
+        with self.staging_lock:
+            if self.staging is None or self.staging.client is not client:
+                self.staging = StagingBuffers(client)
+            return self.staging
+
     @contextlib.contextmanager
-    def reading(self, address: str) -> Iterator[bytes | None]:
-        data = self._connected().get(PREFIX + address) if self.contains(address) else b""
-        self._saw(address, bool(data))
-        yield data if data else None  # gone between the two calls (evicted): a miss
+    def reading(self, address: str) -> Iterator[memoryview | None]:
+        """The object's bytes, transferred into a registered buffer (None if the store does not hold
+        it); valid inside the block only."""
+        size = self._connected().get_size(PREFIX + address)
+        if size < 0 and size != OBJECT_NOT_FOUND:
+            raise MooncakeUnavailable(f"get_size failed with code {size}")
+        if size <= 0:
+            self._saw(address, False)
+            yield None
+            return
+        staging = self._staging()
+        buffer = staging.take(size)
+        read = self._get_into(staging, buffer, address, size)
+        self._saw(address, read > 0)
+        try:
+            yield memoryview(buffer.numpy())[:read] if read > 0 else None  # gone since get_size (evicted): a miss
+        finally:
+            staging.give_back(buffer)
+
+    def _get_into(self, staging: StagingBuffers, buffer: torch.Tensor, address: str, size: int) -> int:
+        """Bytes of ``address`` transferred into ``buffer`` (0: gone); a failed transfer retires the buffer."""
+        try:
+            (read,) = self._connected().batch_get_into([PREFIX + address], [buffer.data_ptr()], [size])
+        except BaseException:
+            staging.retire(buffer)
+            raise
+        if read < 0 and read != OBJECT_NOT_FOUND:
+            staging.retire(buffer)
+            raise MooncakeUnavailable(f"batch_get_into of {size} bytes failed with code {read}")
+        return max(read, 0)
 
     def indexed(self, address: str) -> bool:
         """Whether this server put ``address`` in the store or found it there, and has not seen it gone
@@ -146,9 +243,10 @@ class MooncakeTier:
         return removed
 
     def describe(self) -> dict:
+        staging = self.staging.describe() if self.staging is not None else {}
         return {"master": self.master, "metadata_server": self.metadata_server, "local_hostname": self.local_hostname,
                 "segment_bytes": self.segment_bytes, "connected": self.client is not None,
-                "known_entries": len(self.known)}
+                "known_entries": len(self.known), **staging}
 
 
 def _local_address(master_host: str) -> str:

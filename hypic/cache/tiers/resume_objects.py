@@ -24,8 +24,8 @@ from ...state import AttentionLayerState, LayerState, LinearLayerState, RequestS
 from .entry_file import BadEntryFile, EntryIdentity
 from .hierarchy import BlobTier
 
-HEAD_FORMAT = "hypic-resume-state/3"  # /3: chunks named by a digest of their whole prefix (/2 by a 64-bit hash)
-CHUNK_FORMAT = "hypic-resume-kv/2"
+HEAD_FORMAT = "hypic-resume-state/4"  # /4: XXH3-128 checksums; /3: chunks named by a digest of their whole prefix
+CHUNK_FORMAT = "hypic-resume-kv/3"  # part of a chunk's name: a chunk of an older format is never taken as held
 CHUNK_TOKENS = 256  # positions of KV per chunk object
 Chunks = list[tuple[str, Callable[[], bytes]]]  # a resume point's chunk objects: name, and how to pack it
 
@@ -139,7 +139,7 @@ def check(meta: dict, identity: EntryIdentity, form: str, keys: list[int], start
 def chunk_names(seed: str, keys: list[int], directory: str) -> list[str]:
     """The chunk objects of the resume point after ``keys``."""
     ends = [end for _, end in chunk_spans(len(keys))]
-    return [chunk_address(directory, digest) for digest in prefix_digests(seed, keys, ends)]
+    return [chunk_address(directory, digest) for digest in prefix_digests(f"{CHUNK_FORMAT}|{seed}", keys, ends)]
 
 
 def state_from(head: dict[str, torch.Tensor], kv: dict[int, tuple[torch.Tensor, torch.Tensor]], keys: list[int],
