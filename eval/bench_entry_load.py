@@ -17,8 +17,9 @@ of them alike:
 Disk: the file in the page cache, and dropped from it first (``posix_fadvise(DONTNEED)``; the disk
 is whatever backs the working directory). Mooncake (``--mooncake``): a ``mooncake_master`` started
 here on loopback, TCP transport. Every way's entry is compared with the original, tensor by tensor,
-before the timings. Writes ``OUT/entry_load.json`` (every timing, the machine, its load average
-before and after) and prints the medians.
+before the timings. Writes ``OUT/entry_load.json`` (every timing with this thread's CPU time and
+page faults, the machine, its load average and CPU pressure before and after) and prints the
+medians. ``--name`` names the file (several runs side by side).
 
     python eval/bench_entry_load.py --mooncake --out eval/results/entry_load
 """
@@ -29,6 +30,7 @@ import json
 import mmap
 import os
 import platform
+import resource
 import statistics
 import struct
 import sys
@@ -210,22 +212,28 @@ def intact(loaded: SegmentEntry, entry: SegmentEntry) -> bool:
     return all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)
 
 
-def timed(way: Way) -> float:
-    """Seconds to a loaded entry (its memory is given back after the clock stops, as a server keeps it)."""
-    start = time.perf_counter()
+def timed(way: Way) -> dict[str, float]:
+    """Wall seconds to a loaded entry, this thread's CPU seconds in it, and the page faults it took (new
+    memory: the kernel zeroes each page); the entry's memory is given back after the clock stops,
+    as a server keeps it."""
+    faults, cpu, start = _faults(), time.thread_time(), time.perf_counter()
     loaded = way()
-    seconds = time.perf_counter() - start
+    seconds, cpu, faults = time.perf_counter() - start, time.thread_time() - cpu, _faults() - faults
     del loaded
-    return seconds
+    return {"seconds": seconds, "cpu_seconds": cpu, "page_faults": faults}
 
 
-def measure(ways: dict[str, Way], entry: SegmentEntry, repeats: int) -> dict[str, list[float]]:
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt + resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def measure(ways: dict[str, Way], entry: SegmentEntry, repeats: int) -> dict[str, list[dict[str, float]]]:
     """``repeats`` timings of every way, interleaved, after one untimed load each that is checked
     against ``entry``."""
     for name, way in ways.items():
         if not intact(way(), entry):
             raise AssertionError(f"{name}: the loaded entry differs from the stored one")
-    runs: dict[str, list[float]] = {name: [] for name in ways}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in ways}
     for _ in range(repeats):
         for name, way in ways.items():
             runs[name].append(timed(way))
@@ -259,11 +267,14 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "packages": versions, "torch_threads": torch.get_num_threads()}
 
 
-def summary(runs: dict[str, list[float]], entry_bytes: int) -> dict[str, dict[str, float]]:
+def summary(runs: dict[str, list[dict[str, float]]], file_bytes: int) -> dict[str, dict[str, float]]:
     rows = {}
-    for name, seconds in runs.items():
-        median = statistics.median(seconds)
-        rows[name] = {"median_ms": 1000 * median, "min_ms": 1000 * min(seconds), "gb_per_s": entry_bytes / median / 1e9}
+    for name, timings in runs.items():
+        median = statistics.median(t["seconds"] for t in timings)
+        rows[name] = {"median_ms": 1000 * median, "min_ms": 1000 * min(t["seconds"] for t in timings),
+                      "gb_per_s": file_bytes / median / 1e9,
+                      "median_cpu_ms": 1000 * statistics.median(t["cpu_seconds"] for t in timings),
+                      "median_page_faults": statistics.median(t["page_faults"] for t in timings)}
     for name in runs:
         if name.endswith("| after") and name.replace("after", "before") in runs:
             rows[name]["speedup"] = rows[name.replace("after", "before")]["median_ms"] / rows[name]["median_ms"]
@@ -271,11 +282,22 @@ def summary(runs: dict[str, list[float]], entry_bytes: int) -> dict[str, dict[st
 
 
 def report(rows: dict[str, dict[str, float]], file_bytes: int) -> str:
-    lines = [f"entry file: {file_bytes / 1e6:.1f} MB", f"{'way':<28} {'median ms':>10} {'min ms':>8} {'GB/s':>6} {'speedup':>8}"]
+    lines = [f"entry file: {file_bytes / 1e6:.1f} MB; medians; CPU: this thread's; faults: page faults per load",
+             f"{'way':<28} {'wall ms':>8} {'min ms':>8} {'GB/s':>6} {'CPU ms':>7} {'faults':>7} {'speedup':>8}"]
     for name, row in rows.items():
         speedup = f"{row['speedup']:.1f}x" if "speedup" in row else ""
-        lines.append(f"{name:<28} {row['median_ms']:>10.1f} {row['min_ms']:>8.1f} {row['gb_per_s']:>6.2f} {speedup:>8}")
+        lines.append(f"{name:<28} {row['median_ms']:>8.1f} {row['min_ms']:>8.1f} {row['gb_per_s']:>6.2f} "
+                     f"{row['median_cpu_ms']:>7.1f} {row['median_page_faults']:>7.0f} {speedup:>8}")
     return "\n".join(lines)
+
+
+def pressure() -> dict[str, str]:
+    """The kernel's CPU and memory pressure (PSI: the share of time some task waited), if it has it."""
+    found = {}
+    for kind in ("cpu", "memory"):
+        with contextlib.suppress(OSError):
+            found[kind] = Path(f"/proc/pressure/{kind}").read_text().splitlines()[0]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,11 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--mooncake", action="store_true", help="also Mooncake (a master started here on loopback)")
     parser.add_argument("--out", type=Path, default=Path("eval/runs/entry_load"))
+    parser.add_argument("--name", default="entry_load", help="the raw data file's name (OUT/NAME.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     entry, identity = _qwen35_entry(args.doc_tokens)
     file_bytes = len(encode_entry(entry, identity))
-    record: dict[str, Any] = {"machine": machine(), "load_average_before": os.getloadavg(), "started": time.time(),
+    record: dict[str, Any] = {"machine": machine(), "load_average_before": os.getloadavg(),
+                              "pressure_before": pressure(), "started": time.time(),
                               "entry_bytes": entry.nbytes, "file_bytes": file_bytes, "repeats": args.repeats}
     with tempfile.TemporaryDirectory(prefix="hypic-entry-load-", dir=".") as scratch, \
             mooncake_master(args.mooncake, Path(scratch)) as master:
@@ -297,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         if master is not None:
             ways |= mooncake_ways(_connected_tier(master), entry, identity)
         runs = measure(ways, entry, args.repeats)
-    record |= {"load_average_after": os.getloadavg(), "seconds": runs, "summary": summary(runs, file_bytes)}
+    record |= {"load_average_after": os.getloadavg(), "pressure_after": pressure(), "timings": runs,
+               "summary": summary(runs, file_bytes)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "entry_load.json").write_text(json.dumps(record, indent=1))
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
     print(report(record["summary"], file_bytes))
     print(f"load average (1, 5, 15 min) before {record['load_average_before']}, after {record['load_average_after']}")
+    print(f"CPU pressure before: {record['pressure_before'].get('cpu')}; after: {record['pressure_after'].get('cpu')}")
     return 0
 
 
