@@ -113,7 +113,8 @@ def summary(measured: dict[str, list[dict[str, float]]], paths: dict[str, Path])
         out[name] = {"median_seconds": statistics.median(r["seconds"] for r in runs),
                      "min_seconds": min(r["seconds"] for r in runs),
                      "median_peak_added_bytes": statistics.median(r["peak_added_bytes"] for r in runs),
-                     "model_bytes": runs[0]["model_bytes"], "file_bytes": (paths[name] / "model.safetensors").stat().st_size}
+                     "model_bytes": runs[0]["model_bytes"],
+                     "file_bytes": (paths[name] / "model.safetensors").stat().st_size}
     return out
 
 

@@ -17,11 +17,11 @@ from .errors import CheckpointError
 from .quantization import Quantization, dequantize_fp8, dequantize_mxfp4, fp8_scale_grid
 from .safetensors_reader import DTYPES, TensorInfo, TensorReader
 
+log = logging.getLogger(__name__)
 FP8_DTYPE = "F8_E4M3"
 FP8_SCALE_DTYPES = {"F32", "BF16", "F16", "U8"}  # U8: e8m0 exponents
 FP8_SCALE_SUFFIX = "_scale_inv"  # x.weight -> x.weight_scale_inv
 MXFP4_BLOCKS, MXFP4_SCALES, MXFP4_BYTES = "_blocks", "_scales", 16  # 16 bytes: one group of 32 nibbles
-log = logging.getLogger(__name__)
 ACTIVATION_SCALES = (".input_scale", ".activation_scale")  # static activation scales: no use to float weights
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 

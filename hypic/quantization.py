@@ -19,7 +19,7 @@ from .errors import CheckpointError, UnsupportedModel
 LOADED_METHODS = ("fp8", "mxfp4")
 E8M0_BIAS = 127
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by nibble
-CHUNK_ELEMENTS = 1 << 24  # float32 scratch of one dequantization step: 64 MiB
+CHUNK_ELEMENTS = 1 << 24  # elements dequantized per step: scratch of 64 MiB (FP8) to ~256 MiB (MXFP4)
 
 
 @dataclass(frozen=True)
