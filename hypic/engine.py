@@ -12,7 +12,8 @@ from .default_model import default_model_path
 from .errors import InvalidRequest
 from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
-from .loader import DTYPE_NAMES, load_model, model_fingerprint, resolve_dtype
+from .loader import DTYPE_NAMES, load_model, model_fingerprint, read_quantization, resolve_dtype
+from .quantization import Quantization
 from .models import HybridModel
 from .parallel import TensorParallel
 from .parallel.group import common_seed
@@ -73,7 +74,7 @@ class Engine:
                  seam_width: int = 8, pic_separator: str = DEFAULT_SEPARATOR, store: SegmentStore | None = None,
                  prefix_cache: PrefixCache | None = None, chunk_tokens: int = 2048,
                  snapshot_interval: int | None = None, state_cache_dtype: str = "float32",
-                 resume: ResumeStore | None = None) -> None:
+                 resume: ResumeStore | None = None, quantization: Quantization | None = None) -> None:
         if snapshot_interval is None:
             snapshot_interval = sizing.default_snapshot_interval(model.config)
         if not isinstance(seam_width, int) or seam_width < 0:
@@ -90,6 +91,7 @@ class Engine:
         if not pic_separator:
             raise InvalidRequest("pic_separator must be a non-empty string")
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
+        self.quantization = quantization  # how the checkpoint stored its weights (held dequantized in model.dtype)
         self.seam_width, self.pic_separator = seam_width, pic_separator
         config = model.config
         self.planner = Planner(tokenizer, fingerprint, seam_width, config.linear_conv_kernel_dim,
@@ -143,7 +145,8 @@ class Engine:
         return cls(model, TextTokenizer.from_dir(path), fingerprint, seam_width=seam_width,
                    pic_separator=pic_separator, store=SegmentStore(public_pool_bytes, built.public, eviction),
                    prefix_cache=PrefixCache(private_pool_bytes, private_window_bytes), chunk_tokens=chunk_tokens,
-                   snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype, resume=built.resume)
+                   snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype, resume=built.resume,
+                   quantization=read_quantization(path))
 
     # ----- caching -------------------------------------------------------------------------
     def policy(self, mode: Mode | str, namespace: str = "") -> ModePolicy:

@@ -2,7 +2,9 @@
 
 The model is built without memory, allocated once on the target device in the target dtype, and
 each parameter is filled from the checkpoint tensors it comes from, read one at a time: host
-memory beyond the model itself stays about one tensor. Quantized checkpoints are refused by name.
+memory beyond the model itself stays about one tensor. FP8 and MXFP4 checkpoints are dequantized
+tensor by tensor as they are read (``hypic.dequantizing_reader``); other quantized ones are refused
+by method.
 """
 import functools
 import hashlib
@@ -14,12 +16,14 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .errors import CheckpointError, UnsupportedModel
+from .errors import CheckpointError
 from .models import HybridModel
 from .models.arch import architecture, parse_config
 from .models.families import FAMILIES, family_of
 from .parallel import TensorParallel
 from .parallel.sharding import rank_config, sharding_rules, take
+from .dequantizing_reader import DequantizingReader
+from .quantization import Quantization, quantization_of
 from .safetensors_reader import DTYPES, TensorReader
 from .tensor_sources import Deinterleaved, Direct, ExpertStack, RowHalf, Source
 
@@ -32,21 +36,38 @@ LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 GROUPS = ("self_attn", "mlp", "shared_mlp")  # a layer's tensor groups besides the linear families' own
 
 
-def read_config(path: Path) -> ModelConfig:
-    """Parse ``config.json`` of a checkpoint directory; a quantized checkpoint is refused by method."""
+def _raw_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json")
     try:
-        raw = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{config_file} is not valid JSON: {err}") from None
-    quantization = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-        raise UnsupportedModel(f"the checkpoint is quantized ({method!r} in quantization_config): HYPIC serves "
-                               "float checkpoints (float32, bfloat16, float16)")
+
+
+def read_config(path: Path) -> ModelConfig:
+    """Parse ``config.json`` of a checkpoint directory; a quantization other than fp8 or mxfp4 is
+    refused by method."""
+    raw = _raw_config(path)
+    quantization_of(raw)
     return parse_config(raw)
+
+
+def read_quantization(path: str | Path) -> Quantization | None:
+    """The quantization a checkpoint declares in ``config.json`` (None: a float checkpoint)."""
+    return quantization_of(_raw_config(Path(path)))
+
+
+def open_checkpoint(path: Path, dtype: torch.dtype) -> TensorReader:
+    """The checkpoint's tensors as float tensors: a quantized one's dequantized to ``dtype`` when read."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weight files")
+    quantization = read_quantization(path)
+    reader = TensorReader(files) if quantization is None else DequantizingReader(files, quantization, dtype)
+    reader.check_dtypes()
+    return reader
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype:
@@ -57,7 +78,7 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
         return getattr(torch, named)
     reader = TensorReader(sorted(path.glob("*.safetensors")))
     stored = [DTYPES.get(info.dtype) for info in reader.index.values()]
-    floats = [dtype for dtype in stored if dtype is not None and dtype.is_floating_point]
+    floats = [dtype for dtype in stored if dtype is not None and dtype.is_floating_point and dtype.itemsize > 1]
     return max(set(floats), key=floats.count) if floats else torch.float32
 
 
@@ -212,11 +233,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     path = Path(path)
     config = read_config(path)
     rank = rank_config(config, tp)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} has no *.safetensors weight files")
-    reader = TensorReader(files)
-    reader.check_dtypes()
+    reader = open_checkpoint(path, dtype)
     sources, unused = parameter_sources(config, list(reader.index))
     with torch.device("meta"):
         model = HybridModel(rank)

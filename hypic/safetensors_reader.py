@@ -17,7 +17,7 @@ from .errors import CheckpointError, UnsupportedModel
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 FLOATS = {"F32", "F16", "BF16", "F64"}
 
 
@@ -56,16 +56,20 @@ class TensorReader:
         self._handles: dict[Path, BinaryIO] = {}
 
     def check_dtypes(self) -> None:
-        """Quantized or unknown tensor dtypes cannot be served: refuse them by name."""
+        """Tensors the model is filled from must be float: refuse any other dtype by name (a quantized
+        tensor not recognised as part of a format HYPIC dequantizes ends here)."""
         odd = sorted({info.dtype for info in self.index.values()} - FLOATS)
         if odd:
             example = next(name for name, info in self.index.items() if info.dtype in odd)
             raise UnsupportedModel(f"tensors of dtype {', '.join(odd)} (e.g. {example!r}) are not supported: HYPIC "
-                                   "serves float checkpoints (float32, bfloat16, float16), not quantized ones")
+                                   "serves float checkpoints (float32, bfloat16, float16) and the fp8 and mxfp4 "
+                                   "formats a quantization_config declares")
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` in its stored dtype, on the CPU."""
-        info = self.index[name]
+        return self._read_stored(name, self.index[name])
+
+    def _read_stored(self, name: str, info: TensorInfo) -> torch.Tensor:
         buffer = torch.empty(info.end - info.begin, dtype=torch.uint8)
         handle = self._handles.get(info.file)
         if handle is None:

@@ -339,13 +339,18 @@ class Server:
         return {"flushed": True, "namespace": "all" if namespace is None else "one", **flushed}
 
     def model_info(self) -> dict[str, Any]:
-        config = self.loop.engine.model.config
+        """The checkpoint's shape; ``quantization``: how its weights were stored (None: float), held
+        dequantized in ``dtype``."""
+        engine = self.loop.engine
+        config, quantization = engine.model.config, engine.quantization
         return {"model_path": self.info.model_path, "served_model_name": self.info.served_model_name,
                 "description": self.info.description, "random_weights": self.info.random_weights,
                 "is_generation": True, "model_type": config.model_type, "fingerprint": self.loop.engine.fingerprint,
                 "num_layers": config.num_hidden_layers, "layer_types": list(config.layer_types),
                 "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
-                "chat_template_from_model": self.info.chat_template_from_model}
+                "chat_template_from_model": self.info.chat_template_from_model,
+                "dtype": str(engine.model.dtype).removeprefix("torch."),
+                "quantization": quantization.describe() if quantization is not None else None}
 
     def server_info(self) -> dict[str, Any]:
         engine, budget = self.loop.engine, self.loop.max_state_bytes

@@ -1,4 +1,5 @@
-"""The loader: streamed tensors (bounded host memory), dtype auto, and quantized checkpoints refused."""
+"""The loader: streamed tensors (bounded host memory), dtype auto, and float8 tensors refused without a
+quantization_config (quantized checkpoints: test_quantized_checkpoints.py)."""
 import json
 import subprocess
 import sys
@@ -47,15 +48,6 @@ def test_peak_host_memory_is_the_model_plus_about_one_tensor(tmp_path: Path, che
     peak, size, largest = map(int, done.stdout.split())
     print(f"peak {peak / 1e6:.1f} MB, model {size / 1e6:.1f} MB, largest tensor {largest / 1e6:.1f} MB")
     assert size > 50e6 and peak <= size + 1.5 * largest
-
-
-def test_quantization_config_is_refused_by_method(tiny_copy: Path) -> None:
-    path = tiny_copy
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match="quantized \\('fp8'"):
-        Engine.from_pretrained(path)
 
 
 def test_float8_tensors_are_refused_by_dtype(tiny_copy: Path) -> None:
