@@ -1,6 +1,6 @@
 """``hypic.Engine``: load a checkpoint, cache segments, prefill in four modes, generate."""
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from .parallel import TensorParallel
 from .parallel.group import common_seed
 from .cache.modes import Mode, ModePolicy, tree_namespace
 from .planner import Planner
-from .prefill_stats import BuiltForRequest, PrefillStats
+from .prefill_stats import BuiltForRequest, PrefillStats, Reuse
 from .resume_points import ResumePoints
 from .cache.plan import RequestPlan
 from .cache.prefix_cache import PrefixCache
@@ -40,12 +40,23 @@ from .tokenizer import TextTokenizer
 class Prefill:
     """A prefilled request: first-token logits [vocab] and the state decode continues from; with
     ``logits_from`` p, ``prompt_logits`` [len - p, vocab] holds the logits at positions p.. (the
-    distribution of each next prompt token: input logprobs)."""
+    distribution of each next prompt token: input logprobs). ``reuse``: what the prefill found;
+    ``built``: what was done for the request before it (set by whoever knows: ``for_request``)."""
 
     logits: torch.Tensor
     state: RequestState
-    stats: PrefillStats
+    reuse: Reuse
     prompt_logits: torch.Tensor | None = None
+    built: BuiltForRequest = BuiltForRequest()
+
+    @property
+    def stats(self) -> PrefillStats:
+        """What the request reused and recomputed, counted as its client experienced it."""
+        return self.reuse.stats(self.built)
+
+    def for_request(self, built: BuiltForRequest) -> "Prefill":
+        """This prefill, counted for a request for which ``built`` was done beforehand."""
+        return replace(self, built=built)
 
 
 @dataclass
@@ -312,12 +323,12 @@ class Engine:
         ``namespace``: the cache namespace the request lives in ("": shared). Pure: safe on any thread."""
         return self.planner.parse(prompt, namespace)
 
-    def _segment_entries(self, plan: RequestPlan, indices: list[int], stats: PrefillStats, pinned: list[str],
-                         built: BuiltForRequest) -> Steps[dict[int, SegmentEntry]]:
+    def _segment_entries(self, plan: RequestPlan, indices: list[int], found: list[tuple[str, int, str | None]],
+                         pinned: list[str]) -> Steps[dict[int, SegmentEntry]]:
         """The cached interior of each segment in ``indices``: a public-pool hit, or the segment
-        prefilled alone (a ``CombineWork`` per chunk). Each is pinned, and its key added to ``pinned``,
-        before any yield: other requests' inserts must not evict it. An entry ``built`` for this
-        request is a miss."""
+        prefilled alone (a ``CombineWork`` per chunk); each is recorded in ``found`` (key, tokens,
+        tier it came from or None: built here). Each is pinned, and its key added to ``pinned``,
+        before any yield: other requests' inserts must not evict it."""
         entries: dict[int, SegmentEntry] = {}
         policy = plan.policy
         for index in indices:
@@ -326,37 +337,29 @@ class Engine:
             self.store.pin(key)
             pinned.append(key)
             if entry is None:
-                entries[index] = yield from self.build_segment(key, segment, policy)
-                stats.segments_missed += 1
-            elif key in built.keys:
-                entries[index] = entry
-                stats.segments_missed += 1
-            else:
-                entries[index] = entry
-                stats.count_hit(entry.length, built.tier_of(key, tier))
+                entry, tier = (yield from self.build_segment(key, segment, policy)), None
+            entries[index] = entry
+            found.append((key, entry.length, tier))
         return entries
 
-    def prefill_steps(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
-                      snapshot_end: bool = False) -> Steps[Prefill]:
+    def prefill_steps(self, plan: RequestPlan, snapshot_end: bool = False) -> Steps[Prefill]:
         """Prefill a planned request (``Engine.plan``) as ``Steps``: one ``CombineWork`` per chunk of at
         most ``chunk_tokens`` (of a cold segment's prefill or of the combine pass); returns the
         ``Prefill``, with the logits of every position from ``plan.logits_from`` on if it asks for
-        them (computed exactly). ``built``: what was computed for this request beforehand (its stats
-        count it as computed). ``snapshot_end``: the private pool also keeps the state at the
-        prompt's end (a head combined early: its request resumes there). Public entries the request
-        uses stay pinned until its combine pass is done. Everything it reuses or keeps is in the
-        plan's namespace."""
+        them (computed exactly), and a record of what it reused (``Reuse``: whoever knows what was
+        done for the request beforehand derives its counts from it). ``snapshot_end``: the private
+        pool also keeps the state at the prompt's end (a head combined early: its request resumes
+        there). Public entries the request uses stay pinned until its combine pass is done.
+        Everything it reuses or keeps is in the plan's namespace."""
         parts, policy, ids = plan.parts, plan.policy, plan.parts.token_ids
-        stats = PrefillStats(prompt_tokens=len(ids), segments_built_remotely=built.remote_segments,
-                             remote_prefill_tokens=built.remote_tokens)
-        init = self.resume_points.resume_state(plan.tree_key, policy, stats, built)
+        init, resumed = self.resume_points.resume_state(plan.tree_key, policy)
         after_resume = [i for i in plan.spliced if parts.segment_starts[i] >= init.length]
         pinned: list[str] = []
+        found: list[tuple[str, int, str | None]] = []
         try:
-            entries = yield from self._segment_entries(plan, after_resume, stats, pinned, built)
+            entries = yield from self._segment_entries(plan, after_resume, found, pinned)
             keep = policy.tree is not None and self.prefix_cache.budget_bytes != 0
             pieces = build_layout(parts, policy.seams, set(entries), init.length)
-            stats.combine_tokens += sum(p.length for p in pieces if isinstance(p, Run))  # after a head's own
             snapshot_at = self.resume_points.snapshot_positions(parts, init.length, snapshot_end) if keep else []
             result = yield from combine_chunked(self.model, ids, pieces, init, entries, chunk_tokens=self.chunk_tokens,
                                                 naive=not policy.transitions, snapshot_at=snapshot_at,
@@ -371,12 +374,13 @@ class Engine:
                 self.resume_points.keep(policy.tree, policy.namespace, result.state, len(parts.leading),
                                         result.snapshots[len(parts.leading)])
         assert result.logits is not None
-        return Prefill(result.logits, result.state, stats, result.row_logits)
+        reuse = Reuse(len(ids), resumed, tuple(found), sum(p.length for p in pieces if isinstance(p, Run)))
+        return Prefill(result.logits, result.state, reuse, result.row_logits)
 
     def prefill(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC, logits_from: int | None = None,
                 built: BuiltForRequest = BuiltForRequest()) -> Prefill:
         """Prefill a parsed request under ``mode`` (hypic | full | prefix | naive) in one go."""
-        return drain(self.prefill_steps(self.plan(parts, mode, logits_from), built))
+        return drain(self.prefill_steps(self.plan(parts, mode, logits_from))).for_request(built)
 
     def held_head(self, plan: RequestPlan, arriving: frozenset[str] = frozenset()) -> RequestPlan | None:
         """The plan of ``plan``'s prompt cut after its longest run of leading documents whose spliced
@@ -417,8 +421,8 @@ class Engine:
         head = self.held_head(plan, arriving)
         if head is None:
             return None
-        prefill = yield from self.prefill_steps(head, built, snapshot_end=True)
-        return prefill.stats
+        prefill = yield from self.prefill_steps(head, snapshot_end=True)
+        return prefill.reuse.stats(built)
 
     def remember(self, state: RequestState, mode: Mode | str, namespace: str = "") -> None:
         """Keep a finished request's state in the private pool of cache ``namespace`` (multi-turn
@@ -482,7 +486,7 @@ class Engine:
             raise InvalidRequest("Engine.generate makes one continuation (n = 1); the server runs n > 1")
         start = time.perf_counter() if start is None else start
         (sequence,) = self.sequences(params, plan.parts.token_ids)
-        prefill = yield from self.prefill_steps(plan, built)
+        prefill = (yield from self.prefill_steps(plan)).for_request(built)
         logits, state, ttft = prefill.logits, prefill.state, time.perf_counter() - start
         state.reserve(state.length + params.max_new_tokens)
         while not sequence.finished:

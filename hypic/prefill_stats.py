@@ -1,8 +1,11 @@
 """What a request's prefill reused, counted as the client experienced it.
 
-A document built for the request (by this engine or by a peer, before its combine pass) is a
-miss even once it sits in the public pool, and a head of its prompt combined early is no
-private-pool hit: only what existed before the request arrived counts as cached.
+A prefill only records what it found (``Reuse``: where its resume point and each document came
+from, what it computed). The counts are derived from that once, at the end, together with what
+was done for the request beforehand (``BuiltForRequest``): a document built for the request (by
+this engine or by a peer, before its combine pass) is a miss even once it sits in the public pool,
+and a head of its prompt combined early is no private-pool hit: only what existed before the
+request arrived counts as cached.
 """
 from dataclasses import dataclass, fields, replace
 
@@ -89,3 +92,42 @@ class BuiltForRequest:
     def head_ending_at(self, tokens: int) -> PrefillStats | None:
         """The early-combined head of ``tokens`` tokens, if any (a resume there was made for this request)."""
         return next((head for head in reversed(self.heads) if head.prompt_tokens == tokens), None)
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What one prefill found and did, before any accounting: the private-pool resume point it
+    started from (``resumed``: its tokens and the tier it came from, ``device`` for memory), each
+    spliced document it used (``documents``: key, interior tokens, the tier it was found in, or None
+    when this prefill built it), and the tokens its combine pass computed."""
+
+    prompt_tokens: int = 0
+    resumed: tuple[int, str] | None = None
+    documents: tuple[tuple[str, int, str | None], ...] = ()
+    combine_tokens: int = 0
+
+    def stats(self, built: BuiltForRequest = BuiltForRequest()) -> PrefillStats:
+        """The request's counts: this reuse, less what was ``built`` for the request beforehand."""
+        stats = PrefillStats(prompt_tokens=self.prompt_tokens, segments_built_remotely=built.remote_segments,
+                             remote_prefill_tokens=built.remote_tokens)
+        if self.resumed is not None:
+            _count_resume(stats, *self.resumed, built)
+        for key, tokens, tier in self.documents:
+            if tier is None or key in built.keys:
+                stats.segments_missed += 1
+            else:
+                stats.count_hit(tokens, built.tier_of(key, tier))
+        stats.combine_tokens += self.combine_tokens
+        return stats
+
+
+def _count_resume(stats: PrefillStats, tokens: int, tier: str, built: BuiltForRequest) -> None:
+    """A resume at ``tokens``: the reuse of a head combined early for the request, else a prefix hit."""
+    if tier in ("disk", "mooncake"):
+        setattr(stats, f"{tier}_cached_tokens", getattr(stats, f"{tier}_cached_tokens") + tokens)
+    head = built.head_ending_at(tokens)
+    if head is not None:
+        stats.resume_at_head(head)
+    else:
+        stats.cached_tokens += tokens
+        stats.prefix_hit_tokens = tokens

@@ -12,7 +12,6 @@ from .cache.store import Event, Load
 from .cache.tiers.hierarchy import WritePolicy
 from .cache.tiers.resume import ResumeStore
 from .models import HybridModel
-from .prefill_stats import BuiltForRequest, PrefillStats
 from .state import RequestState
 
 
@@ -31,33 +30,22 @@ class ResumePoints:
         """A state of no tokens on the model's device (the template states are assembled on)."""
         return RequestState.empty(self.model.config, self.model.device, self.model.dtype)
 
-    def resume_state(self, key: list[int], policy: ModePolicy, stats: PrefillStats,
-                     built: BuiltForRequest) -> RequestState:
+    def resume_state(self, key: list[int], policy: ModePolicy) -> tuple[RequestState, tuple[int, str] | None]:
         """The longest private-pool hit (never the whole prompt: the last token must be run), in
-        memory or, past it, among the resume points kept on disk or in Mooncake; one at the end of a
-        head combined early for this request counts as that head's reuse."""
+        memory or, past it, among the resume points kept on disk or in Mooncake, and where it came
+        from (its tokens and tier: ``device``, ``disk`` or ``mooncake``; None: no hit)."""
         empty = self.empty_state()
         if policy.tree is None:
-            return empty
+            return empty, None
         hit = self.pool.match(policy.tree, key, len(key) - 1, empty)
         kept = self._from_lower_tiers(key, policy, hit.length if hit is not None else 0, empty)
-        if kept is None and hit is not None:  # resumed from memory: write_through_selective's moment
-            self.keep(policy.tree, policy.namespace, hit.state, hit.length, hit.snapshot, Event.HIT)
         if kept is not None:
-            hit, tier = kept
-            if tier == "mooncake":
-                stats.mooncake_cached_tokens += hit.length
-            else:
-                stats.disk_cached_tokens += hit.length
+            hit, found_in = kept
+            return hit.state, (hit.length, "mooncake" if found_in == "mooncake" else "disk")
         if hit is None:
-            return empty
-        head = built.head_ending_at(hit.length)
-        if head is not None:
-            stats.resume_at_head(head)
-        else:
-            stats.cached_tokens += hit.length
-            stats.prefix_hit_tokens = hit.length
-        return hit.state
+            return empty, None
+        self.keep(policy.tree, policy.namespace, hit.state, hit.length, hit.snapshot, Event.HIT)  # write_through_selective's moment
+        return hit.state, (hit.length, "device")
 
     def _from_lower_tiers(self, key: list[int], policy: ModePolicy, after: int,
                           empty: RequestState) -> tuple[PrefixHit, str] | None:

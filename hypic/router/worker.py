@@ -116,7 +116,7 @@ class Worker:
         """The combine pass of the request ``plan`` (this worker is its combine node); the caller
         decodes the state. ``built``: what was computed for the request beforehand (its stats count
         it as computed)."""
-        return self.loop.run_steps(self.engine.prefill_steps(plan, built)).result()
+        return self.loop.run_steps(self.engine.prefill_steps(plan)).result().for_request(built)
 
     def precombine(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
                    arriving: frozenset[str] = frozenset()) -> PrefillStats | None:

@@ -563,7 +563,7 @@ class EngineLoop:
                 return job.remote.result()
             except Exception as err:  # a lost combine node: prefill here instead
                 log.warning("remote prefill of %s failed (%s: %s); prefilling here", job.rid, type(err).__name__, err)
-        return (yield from self.engine.prefill_steps(job.plan, job.built))
+        return (yield from self.engine.prefill_steps(job.plan)).for_request(job.built)
 
     def _prefilled(self, job: Job, prefill: Prefill) -> None:
         """The job's prefill is done: its samples start decoding from it (the first token now)."""
