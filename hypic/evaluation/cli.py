@@ -4,9 +4,14 @@ Writes ``OUT/STUDY.jsonl`` (one record per sample and method; a rerun computes o
 missing), ``OUT/STUDY_summary.json`` and ``OUT/STUDY.png``, and prints the summary table.
 """
 import argparse
+import contextlib
+import copy
 import importlib
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +20,7 @@ import torch
 from hypic import Engine
 from hypic.errors import HypicError
 from hypic.cache.modes import Mode
+from hypic.parallel import TensorParallel
 
 from .data import DATASETS, DataError, load
 from .drift import drift_figure, format_drift, run_drift, summarize_drift
@@ -96,7 +102,11 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
                              "instead of the in-process engine")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives steady timings)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, of each rank with --tp-size "
+                        "(1 gives steady timings)")
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                        help="run the in-process engine as N tensor-parallel ranks, one process each (pareto, "
+                             "seam); rank 0 times the requests and writes the results")
     parser.add_argument("--chunk-words", type=int, default=400,
                         help="LongBench contexts without passage markers are cut into documents of about this many words")
     parser.add_argument("--cold", action="store_true", help="no warm-up: documents are prefilled in the timed request")
@@ -112,12 +122,12 @@ def _methods(args: argparse.Namespace) -> list[Method]:
     return [parse_method(text) for text in args.methods]
 
 
-def _target(args: argparse.Namespace) -> Target:
+def _target(args: argparse.Namespace, tp: TensorParallel = TensorParallel()) -> Target:
     if args.url is not None:
         return ServerTarget(args.url)
     if args.threads:
         torch.set_num_threads(args.threads)
-    return EngineTarget(Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype))
+    return EngineTarget(Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, tp=tp))
 
 
 def run_eval(args: argparse.Namespace) -> dict:
@@ -134,11 +144,16 @@ def run_eval(args: argparse.Namespace) -> dict:
     samples = load(args.dataset, data, args.limit, args.chunk_words)
     if args.study == "drift" and args.url is not None:
         raise DataError("the drift study reads the model's states, which a server does not expose: run it in process")
-    target = _target(args)
+    if args.tp_size != 1:
+        return _run_on_ranks(args, methods, samples)
+    return _run_study(args, _target(args), methods, samples)
+
+
+def _run_study(args: argparse.Namespace, target: Target, methods: list[Method], samples: list) -> dict:
     results = ResultLog(args.out / f"{args.study}.jsonl")
     warm = not args.cold
-    print(f"hypic eval {args.study}: {len(samples)} {args.dataset} samples from {data}, methods "
-          f"{', '.join(m.label for m in methods)}; warm-up: {WARM_UP if warm else 'none (cold)'}; "
+    print(f"hypic eval {args.study}: {len(samples)} {args.dataset} samples from {args.data or SYNTHETIC_DEFAULT}, "
+          f"methods {', '.join(m.label for m in methods)}; warm-up: {WARM_UP if warm else 'none (cold)'}; "
           f"{len(results.records)} records already in {results.path}", file=sys.stderr)
     if args.study == "drift":
         assert isinstance(target, EngineTarget)
@@ -148,10 +163,59 @@ def run_eval(args: argparse.Namespace) -> dict:
         records = run_study(target, samples, methods, warm, results, progress=not args.no_progress)
         rows, table, draw = summarize(records), format_summary, FIGURES[args.study]
     summary = args.out / f"{args.study}_summary.json"
-    summary.write_text(json.dumps({"study": args.study, "warm": warm, "rows": rows}, indent=2) + "\n")
+    ranks = target.engine.model.config.tensor_parallel.size if isinstance(target, EngineTarget) else None
+    summary.write_text(json.dumps({"study": args.study, "warm": warm, "tp_size": ranks, "rows": rows}, indent=2) + "\n")
     draw(rows, args.out / f"{args.study}.png")
     print(table(rows))
     return {"records": records, "rows": rows, "summary": summary, "figure": args.out / f"{args.study}.png"}
+
+
+def _run_on_ranks(args: argparse.Namespace, methods: list[Method], samples: list) -> dict:
+    """The study run by ``--tp-size`` ranks in step, each on its shard of the model. Every rank runs
+    every request (the ranks compute each one together); the others start from a copy of the
+    records already written, so that all resume at the same sample, and write to folders thrown away."""
+    from hypic.parallel.launch import run_ranks
+    if args.url is not None:
+        raise DataError("--tp-size runs the in-process engine over several ranks; a server's ranks are set where it "
+                        "starts (hypic serve --tp-size)")
+    if args.study == "drift":
+        raise DataError("the drift study reads whole recurrent states, which --tp-size splits across ranks: run it "
+                        "with --tp-size 1")
+    _check_tp_size(args.model, args.tp_size)
+    with tempfile.TemporaryDirectory(prefix="hypic-eval-ranks-") as scratch:
+        outs = [args.out] + [_copy_records(args, Path(scratch) / f"rank{rank}") for rank in range(1, args.tp_size)]
+        return run_ranks(_study_on_rank, args.tp_size, args, outs, methods, samples, threads=args.threads or 1)[0]
+
+
+def _check_tp_size(model: str, tp_size: int) -> None:
+    """Refuse a TP size the model's head counts do not divide, before any rank starts."""
+    from hypic.default_model import default_model_path
+    from hypic.loader import read_config
+    from hypic.parallel.sharding import rank_config
+    if tp_size < 1:
+        raise DataError("--tp-size must be >= 1")
+    rank_config(read_config(default_model_path() if model == "default" else Path(model)), TensorParallel(0, tp_size))
+
+
+def _copy_records(args: argparse.Namespace, folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    records = args.out / f"{args.study}.jsonl"
+    if records.is_file():
+        shutil.copy(records, folder / records.name)
+    return folder
+
+
+def _study_on_rank(tp: TensorParallel, args: argparse.Namespace, outs: list[Path], methods: list[Method],
+                   samples: list) -> dict | None:
+    """One rank's run of the study (rank 0 reports it; the others run silently)."""
+    args = copy.copy(args)
+    args.out = outs[tp.rank]
+    if tp.rank == 0:
+        return _run_study(args, _target(args, tp), methods, samples)
+    args.no_progress = True
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        _run_study(args, _target(args, tp), methods, samples)
+    return None
 
 
 def eval_main(args: argparse.Namespace) -> int:

@@ -48,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "server listens on it in turn (to watch its /metrics, say); default: a free port "
                              "for each. Not with --url, which holds the port of the server to load")
     parser.add_argument("--model", default="default", help="checkpoint directory, or default (the shipped model)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each started server")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each started server (of each of its "
+                        "ranks with --tp-size)")
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                        help="the started servers' --tp-size (tensor-parallel ranks)")
     parser.add_argument("--max-running", type=int, default=64, help="started servers' --max-running-requests")
     parser.add_argument("--qps", type=float, nargs="+", default=[0.5, 1, 2, 4, 8], help="QPS levels")
     parser.add_argument("--requests", type=int, default=40, help="requests replayed per QPS level")
@@ -160,7 +163,7 @@ def serving(method: Method, args: argparse.Namespace, logs: Path) -> Iterator[Se
         raise DataError(f"port {args.port} is in use: pass another --port, or --url http://127.0.0.1:{args.port} to "
                         "load the server listening there")
     options = ["--mode", method.mode, "--seam-width", str(method.seam_width), "--log-level", "warning",
-               "--max-running-requests", str(args.max_running)]
+               "--max-running-requests", str(args.max_running), "--tp-size", str(args.tp_size)]
     options += [] if args.model == "default" else ["--model", str(args.model)]
     log = logs / f"server-{method.label.replace(':', '-')}.log"
     try:

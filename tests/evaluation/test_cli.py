@@ -181,3 +181,33 @@ def test_unknown_options_are_refused_outside_scaling(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", "pareto", "--bogus"])
     assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_two_ranks_give_one_ranks_records(synthetic: Path, tmp_path: Path) -> None:
+    """``--tp-size 2`` runs the study on two ranks of the shipped model (float32, so no rounding
+    tie can flip): the same predictions, tokens and reuse as one rank; a rerun resumes on both."""
+    common = ["eval", "pareto", "--data", str(synthetic), "--limit", "2", "--methods", "hypic:8",
+              "--dtype", "float32", "--no-progress"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    two = tmp_path / "two"
+    assert main([*common, "--limit", "1", "--tp-size", "2", "--out", str(two)]) == 0
+    assert main([*common, "--tp-size", "2", "--out", str(two)]) == 0  # resumes: sample 1 only
+    assert json.loads((two / "pareto_summary.json").read_text())["tp_size"] == 2  # the engine that ran: 2 shards
+    one_rank, two_ranks = _lines(tmp_path / "one" / "pareto.jsonl"), _lines(two / "pareto.jsonl")
+    assert [(r["sample"], r["method"]) for r in two_ranks] == [(r["sample"], r["method"]) for r in one_rank]
+    for a, b in zip(one_rank, two_ranks):
+        for key in ("prediction", "output_ids", "score", "cached_tokens", "recomputed_tokens", "segments_hit",
+                    "agrees_with_full"):
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tp-size", "3"], "not divisible by the tensor-parallel size 3"),
+    (["--tp-size", "2", "--url", "http://127.0.0.1:9"], "hypic serve --tp-size"),
+])
+def test_a_tp_size_that_cannot_run_is_a_clear_error(synthetic: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str], extra: list[str],
+                                                    message: str) -> None:
+    assert main(["eval", "pareto", "--data", str(synthetic), "--limit", "1", "--out", str(tmp_path),
+                 "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err
