@@ -482,7 +482,7 @@ def test_prefetch_policies_wait_as_they_say(make: MakeEngine, monkeypatch: pytes
     slow_read, release = DiskTier.reading, threading.Event()
 
     def slow(self: DiskTier, address: str):
-        release.wait(30)
+        release.wait(10)  # a policy that waits for the load gets it after 10 s: a hit, and the test fails
         return slow_read(self, address)
 
     monkeypatch.setattr(DiskTier, "reading", slow)
