@@ -47,6 +47,9 @@ class CostOrder:
     def touch(self, key: str, value_per_byte: float) -> None:
         self.priority[key] = self.clock + value_per_byte
         heapq.heappush(self.heap, (self.priority[key], key))
+        if len(self.heap) > 2 * len(self.priority) + 64:  # stale items (keys used again or gone): rebuild
+            self.heap = [(priority, held) for held, priority in self.priority.items()]
+            heapq.heapify(self.heap)
 
     def forget(self, key: str, evicted: bool = False) -> None:
         """Drop ``key``; an eviction raises the clock to its priority (what later uses start from)."""

@@ -65,3 +65,23 @@ def test_pinned_entries_stay_and_the_budget_holds(eviction: Eviction) -> None:
     assert not pool.put(entry("too-big", 10, 700))  # over what the pins leave: refused, nothing evicted
     pool.unpin("pinned")
     assert pool.pinned_bytes == 0 and pool.put(entry("big", 10, 700))
+
+
+def test_cost_order_stays_bounded_and_picks_greedydual_victims_under_many_hits() -> None:
+    """Hits push a new heap item each; the stale ones must not pile up. Victims match GreedyDual
+    worked out directly: the lowest (clock at last use + value per byte) among keys not held."""
+    from hypic.cache.eviction import CostOrder
+    rng, order = random.Random(0), CostOrder()
+    priority, clock = {}, 0.0
+    for step in range(20_000):
+        key = f"k{rng.randrange(8)}"
+        value = rng.choice([1.0, 2.5, 7.0])
+        order.touch(key, value)
+        priority[key] = clock + value
+        if step % 97 == 0:
+            held = {f"k{rng.randrange(8)}"}
+            expected = min((p, k) for k, p in priority.items() if k not in held)[1]
+            assert order.victim(lambda k: k in held) == expected
+            order.forget(expected, evicted=True)
+            clock = max(clock, priority.pop(expected))
+    assert len(order.heap) <= 2 * len(order.priority) + 64 + 1

@@ -467,26 +467,33 @@ def test_entries_are_checked_against_the_model_before_use(make: MakeEngine, tmp_
 @pytest.mark.parametrize("policy, hits", [("wait_complete", 2), ("best_effort", 0), ("timeout", 0)])
 def test_prefetch_policies_wait_as_they_say(make: MakeEngine, monkeypatch: pytest.MonkeyPatch,
                                             policy: str, hits: int) -> None:
-    """Loads that take 0.6 s each (a slow tier): wait_complete waits and hits; best_effort rebuilds
-    at once; timeout (0.2 s plus the bytes at 200 MB/s here, far under 0.6 s) gives up and rebuilds.
-    The answer is the same either way."""
+    """Loads held back until the prefill is over (a slow tier; for wait_complete, 0.6 s): wait_complete
+    waits and hits; best_effort rebuilds at once; timeout (0.2 s plus the bytes at 200 MB/s here)
+    gives up and rebuilds. Held by an event, not a sleep, so a loaded machine cannot let a load
+    finish first. The answer is the same either way."""
+    import threading
+
     from hypic.cache.tiers import hierarchy
 
     first = make()
     first.warmup(DOCUMENTS[:2])
     first.close()
     engine = make(prefetch_policy=hierarchy.PrefetchPolicy(policy))
-    slow_read = DiskTier.reading
+    slow_read, release = DiskTier.reading, threading.Event()
 
     def slow(self: DiskTier, address: str):
-        import time
-        time.sleep(0.6)
+        release.wait(10)  # a policy that waits for the load gets it after 10 s: a hit, and the test fails
         return slow_read(self, address)
 
     monkeypatch.setattr(DiskTier, "reading", slow)
-    parts = engine.parse(prompt([1, 0]))
-    assert len(engine.prefetch(engine.plan(parts))) == 2
-    prefill = engine.prefill(parts)
+    if policy == "wait_complete":
+        threading.Timer(0.6, release.set).start()
+    try:
+        parts = engine.parse(prompt([1, 0]))
+        assert len(engine.prefetch(engine.plan(parts))) == 2
+        prefill = engine.prefill(parts)
+    finally:
+        release.set()
     assert prefill.stats.segments_hit == hits and prefill.stats.segments_missed == 2 - hits
     assert tiers_of(engine).describe()["prefetches"]["started"] == 2
     tokens = [int(prefill.logits.argmax())]
