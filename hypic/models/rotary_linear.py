@@ -75,9 +75,10 @@ def alibi_slopes(heads: int) -> list[float]:
 
 
 def ring_slopes(heads: int, layer: int, layers: int) -> torch.Tensor:
-    """Ring-linear's decay rates [H] of layer ``layer`` (its index among all layers) of ``layers``:
-    ALiBi's slopes times 1 - layer / (layers - 1) + 1e-5, as SGLang's and vLLM's Bailing backends
-    compute them (the vendor's transformers code puts layer - 1 in that ratio: docs/models.md)."""
+    """Ring-linear's decay rates [H] of layer ``layer`` (its index from 0 among all layers) of ``layers``:
+    ALiBi's slopes times 1 - layer / (layers - 1) + 1e-5, as the vendor's training code and SGLang's
+    and vLLM's Bailing backends compute them (the transformers file shipped with the checkpoints is
+    one layer off: docs/models.md)."""
     depth = 1 - layer / (layers - 1) + 1e-5 if layers > 1 else 1 + 1e-5
     return torch.tensor(alibi_slopes(heads), dtype=torch.float32, device="cpu") * depth
 

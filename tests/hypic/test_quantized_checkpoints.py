@@ -5,9 +5,16 @@ are partial: transformers 5 derives the block from the scale grid, so a 192-row 
 128-row blocks becomes two 96-row ones), the float checkpoint of weights dequantized by the
 reference below, written from the formats' definitions. fp32 logits agree within 1e-4 (the bound
 of the float checkpoints' own tests: both sides sum in other orders; quantization itself moves
-these logits by more than 1e-3, which the tests check so that they could tell)."""
+these logits by more than 1e-3, which the tests check so that they could tell). PIC layouts of
+test_fidelity run on quantized long-memory copies against ``tests/reference``'s HYPIC generation on
+the reference-dequantized float checkpoint (its 1e-4 bound), and ``hypic serve`` on a damaged
+checkpoint exits, naming what is wrong, without leaving a port or a process behind."""
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +23,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
+import hypic
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.assembler import combine
 from hypic.cache.segments import Run
@@ -24,8 +32,12 @@ from hypic.errors import CheckpointError, UnsupportedModel
 from hypic.loader import load_model
 from hypic.parallel import TensorParallel
 from hypic.parallel.launch import run_ranks
+from hypic.server.launch import free_port, port_in_use
 from hypic.state import RequestState
+from hypic_reference.model import ReferenceModel
 from hypic_testing import tp as rank_code
+from hypic_testing.fidelity import (TOLERANCE, Layout, Oracle, assert_same_generation, engine_generation,
+                                    layout)
 from hypic_testing.quantized import write_fp8_checkpoint, write_mxfp4_checkpoint
 
 LOGIT_BOUND = 1e-4
@@ -44,13 +56,15 @@ FORMATS: dict[str, Callable[[Path, Path], Path]] = {  # name -> writer of a quan
 
 @pytest.fixture(scope="module")
 def quantized(checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``quantized(name, form)`` -> a copy of the tiny checkpoint ``name`` written in ``form``."""
-    made: dict[tuple[str, str], Path] = {}
+    """``quantized(name, form, long_memory=False)`` -> a copy of the tiny checkpoint ``name`` (or of its
+    long-memory copy) written in ``form``."""
+    made: dict[tuple[str, str, bool], Path] = {}
 
-    def make(name: str, form: str) -> Path:
-        if (name, form) not in made:
-            made[name, form] = FORMATS[form](checkpoint_factory(name), tmp_path_factory.mktemp(name) / form)
-        return made[name, form]
+    def make(name: str, form: str, long_memory: bool = False) -> Path:
+        if (name, form, long_memory) not in made:
+            source = checkpoint_factory(name, long_memory=long_memory)
+            made[name, form, long_memory] = FORMATS[form](source, tmp_path_factory.mktemp(name) / form)
+        return made[name, form, long_memory]
 
     return make
 
@@ -197,6 +211,80 @@ def test_two_ranks_of_a_quantized_checkpoint_match_one(quantized) -> None:
             assert tokens == want_tokens and (logits - want_logits).abs().max().item() < LOGIT_BOUND
 
 
+# ----- PIC layouts against the reference model of the reference-dequantized weights -------------
+# test_fidelity's layouts on the long-memory copies, quantized: the oracle is tests/reference's HYPIC
+# generation on the float checkpoint of the weights dequantized by ``write_reference_float`` above, so
+# no number of the oracle's comes from HYPIC's dequantizer.
+FIDELITY = [("qwen3_next-moe", "fp8-24x40"), ("qwen3_5_moe_text", "fp8-16"), ("gpt_oss", "mxfp4")]
+FIDELITY_SEAM = 8
+
+
+@pytest.fixture(scope="module")
+def quantized_fidelity(quantized, tmp_path_factory: pytest.TempPathFactory
+                       ) -> Callable[[str, str], tuple[Path, Oracle]]:
+    """``(name, form)`` -> (the quantized long-memory checkpoint, the oracle of its reference-dequantized float
+    checkpoint)."""
+    made: dict[tuple[str, str], tuple[Path, Oracle]] = {}
+
+    def make(name: str, form: str) -> tuple[Path, Oracle]:
+        if (name, form) not in made:
+            path = quantized(name, form, long_memory=True)
+            reference_float = write_reference_float(path, tmp_path_factory.mktemp(f"{name}-{form}-reference") / "ckpt")
+            made[name, form] = path, Oracle(ReferenceModel(reference_float), reference_float, FIDELITY_SEAM)
+        return made[name, form]
+
+    return make
+
+
+def _quantized_engine(path: Path) -> Engine:
+    return Engine.from_pretrained(path, dtype="float32", seam_width=FIDELITY_SEAM)
+
+
+@pytest.mark.parametrize("name, form", FIDELITY)
+def test_cold_and_warm_documents_of_a_quantized_checkpoint_match_reference(quantized_fidelity, name: str,
+                                                                          form: str) -> None:
+    path, oracle = quantized_fidelity(name, form)
+    case = layout(1, [70, 260, 41])
+    cold, warm = _quantized_engine(path), _quantized_engine(path)
+    warm.warmup(list(case.documents))
+    cold_prefill, warm_prefill = cold.prefill(cold.parse(case.text)), warm.prefill(warm.parse(case.text))
+    assert cold_prefill.stats.segments_missed == 3 and warm_prefill.stats.segments_hit == 3
+    expected = oracle.generate(case)
+    assert_same_generation(engine_generation(cold, cold_prefill), expected, "cold")
+    assert_same_generation(engine_generation(warm, warm_prefill), expected, "warm")
+
+
+@pytest.mark.parametrize("name, form", FIDELITY)
+def test_quantized_hits_reordered_behind_another_leading_part_match_reference(quantized_fidelity, name: str,
+                                                                              form: str) -> None:
+    path, oracle = quantized_fidelity(name, form)
+    first = layout(2, [120, 60, 200])
+    second = Layout("another leading part", tuple(first.documents[i] for i in (2, 0, 1)), "and a new query?")
+    engine = _quantized_engine(path)
+    engine.prefill(engine.parse(first.text))
+    prefill = engine.prefill(engine.parse(second.text))
+    assert prefill.stats.segments_hit == 3 and prefill.stats.prefix_hit_tokens == 0
+    assert_same_generation(engine_generation(engine, prefill), oracle.generate(second))
+
+
+@pytest.mark.parametrize("name, form", FIDELITY)
+def test_the_quantized_oracle_tells_quantization_and_full_recompute_apart(quantized_fidelity, checkpoint_factory,
+                                                                         name: str, form: str) -> None:
+    """Guards the guard: the reference's HYPIC logits of the dequantized weights are far from those of
+    the float weights they were quantized from (an engine that lost the scales, or read another
+    checkpoint, fails above), and, for the linear-attention models, from the same weights' full
+    recompute (so does a combine pass that recomputed everything; on gpt-oss's tiny copy the two are
+    only about 2e-4 apart, which test_fidelity's guard does not claim either)."""
+    _, oracle = quantized_fidelity(name, form)
+    case = layout(1, [70, 260, 41])
+    ours = oracle.generate(case, steps=1).logits[0]
+    float_path = checkpoint_factory(name, long_memory=True)
+    from_float = Oracle(ReferenceModel(float_path), float_path, FIDELITY_SEAM).generate(case, steps=1).logits[0]
+    assert (ours - from_float).abs().max().item() > QUANTIZATION_SHIFT
+    if name != "gpt_oss":
+        assert (ours - oracle.full(case)).abs().max().item() > 100 * TOLERANCE
+
+
 # ----- refusals ---------------------------------------------------------------------------------
 
 def _rewrite(path: Path, target: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
@@ -262,6 +350,75 @@ def test_other_quantization_methods_are_refused_by_name(tiny_copy: Path, method:
     (tiny_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match=f"quantized \\('{method}' in quantization_config\\)"):
         Engine.from_pretrained(tiny_copy)
+
+
+def _last_fp8_key(tensors: dict[str, torch.Tensor]) -> str:
+    """The FP8 weight of the deepest layer: damage there is met after most of the model has loaded."""
+    quantized = [name for name, tensor in tensors.items() if tensor.dtype == torch.float8_e4m3fn]
+    return max(quantized, key=lambda name: int(name.split(".")[2]))
+
+
+def _shorten_scale(tensors: dict[str, torch.Tensor]) -> None:
+    key = _last_fp8_key(tensors) + "_scale_inv"
+    tensors[key] = tensors[key][:1]
+
+
+def _drop_scale(tensors: dict[str, torch.Tensor]) -> None:
+    tensors.pop(_last_fp8_key(tensors) + "_scale_inv")
+
+
+def _unknown_method(path: Path) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "hqq"
+    (path / "config.json").write_text(json.dumps(config))
+
+
+SERVER_EXIT_S = 120  # a guard against a server left running, not a timing claim (imports alone take seconds)
+
+
+def _serve_until_exit(path: Path) -> tuple[int, str, int, int]:
+    """``hypic serve --model path`` in its own process group; (exit status, output, its port, the group's id)."""
+    port, package_root = free_port(), Path(hypic.__file__).resolve().parents[1]  # the hypic under test
+    process = subprocess.Popen([sys.executable, "-m", "hypic.cli", "serve", "--model", str(path), "--port", str(port),
+                                "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cwd=package_root, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=SERVER_EXIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"hypic serve on a damaged checkpoint was still running after {SERVER_EXIT_S} s")
+    return process.returncode, output, port, process.pid
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("damage, names", [
+    (_shorten_scale, lambda tensors: _last_fp8_key(tensors) + "_scale_inv"),
+    (_drop_scale, lambda tensors: _last_fp8_key(tensors) + "_scale_inv"),
+    (_unknown_method, lambda tensors: "'hqq' in quantization_config")],
+    ids=["misshapen-scale", "missing-scale", "unknown-method"])
+def test_a_damaged_checkpoint_stops_the_server_before_it_listens(quantized, tmp_path: Path, damage, names) -> None:
+    """``hypic serve`` on an FP8 checkpoint with a misshapen or missing block scale (in its deepest layer,
+    met late in the load), or with a quant_method HYPIC does not know: the process exits non-zero and
+    says which tensor or method, and leaves nothing behind: no port listening, no process of its group."""
+    source = quantized("qwen3_next-moe", "fp8-16")
+    expected = names(load_file(str(source / "model.safetensors")))
+    if damage is _unknown_method:
+        path = Path(shutil.copytree(source, tmp_path / "ckpt"))
+        damage(path)
+    else:
+        path = _rewrite(source, tmp_path / "ckpt", damage)
+    status, output, port, group = _serve_until_exit(path)
+    assert status != 0 and "hypic: error:" in output and expected in output, output
+    assert "hypic: serving" not in output
+    assert not port_in_use(port) and not _group_alive(group)
 
 
 def test_model_info_reports_the_checkpoint_quantization(quantized) -> None:

@@ -110,13 +110,18 @@ def test_what_hypic_does_not_model_is_refused(change: dict) -> None:
 
 def test_slopes_are_alibis_scaled_by_depth() -> None:
     """16 heads: 2^(-(h+1)/2); 12 heads (not a power of two): the 8-head slopes 2^-(h+1), then every other
-    16-head slope 2^(-(2j+1)/2); both times 1 - l / (L - 1) + 1e-5."""
-    for layer in (0, 7, 19):
+    16-head slope 2^(-(2j+1)/2); both times 1 - l / (L - 1) + 1e-5 with l counted from 0 (the training
+    code's form): Ring-mini's first layer decays at ALiBi's rates, its last at 1e-5 of them."""
+    for layer in range(20):
         depth = 1 - layer / 19 + 1e-5
         expected = [2 ** (-(h + 1) / 2) * depth for h in range(16)]
         torch.testing.assert_close(ring_slopes(16, layer, 20), torch.tensor(expected), rtol=1e-6, atol=0)
+    torch.testing.assert_close(ring_slopes(16, 0, 20)[0], torch.tensor(2 ** -0.5 * (1 + 1e-5)), rtol=1e-7, atol=0)
+    torch.testing.assert_close(ring_slopes(16, 19, 20)[0], torch.tensor(2 ** -0.5 * 1e-5), rtol=1e-6, atol=0)
     twelve = [2.0 ** -(h + 1) for h in range(8)] + [2 ** (-(2 * j + 1) / 2) for j in range(4)]
-    torch.testing.assert_close(ring_slopes(12, 3, 4), torch.tensor(twelve) * (1 - 3 / 3 + 1e-5), rtol=1e-6, atol=0)
+    for layer in range(4):
+        expected = torch.tensor(twelve) * (1 - layer / 3 + 1e-5)
+        torch.testing.assert_close(ring_slopes(12, layer, 4), expected, rtol=1e-6, atol=0)
 
 
 def test_a_zero_start_state_turns_with_its_start(tmp_path: Path) -> None:
