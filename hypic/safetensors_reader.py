@@ -1,15 +1,17 @@
-"""Reads safetensors files one tensor at a time, straight from the file (no memory map).
+"""Reads safetensors files one tensor at a time, each through a memory map of its own bytes.
 
-A memory-mapped checkpoint keeps every page it touched resident until the map closes, so loading
-through it costs the whole file in host memory on top of the model. Reading each tensor with
-``readinto`` costs at most that one tensor (or nothing extra, when it lands in a buffer of its
-own dtype).
+A tensor is handed out as a view of a private map of its byte range, so only the pages its reader
+copies out are read from the file: a tensor-parallel rank that keeps a quarter of a matrix's rows
+reads a quarter of it. The map closes with the last view of it, once the loader has copied what
+it keeps, so a load never holds more of the file than the one tensor it is on (one map for the
+whole checkpoint would keep every page it touched resident until the end).
 """
 import json
+import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -53,7 +55,6 @@ class TensorReader:
         self.index: dict[str, TensorInfo] = {}
         for file in files:
             self.index.update(read_header(file))
-        self._handles: dict[Path, BinaryIO] = {}
 
     def check_dtypes(self) -> None:
         """Tensors the model is filled from must be float: refuse any other dtype by name (a quantized
@@ -66,20 +67,26 @@ class TensorReader:
                                    "formats a quantization_config declares")
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` in its stored dtype, on the CPU."""
+        """The tensor ``name`` in its stored dtype, on the CPU: a copy-on-write view of the file (the
+        pages its reader touches are read; writing to it changes only this process's copy)."""
         return self._read_stored(name, self.index[name])
 
     def _read_stored(self, name: str, info: TensorInfo) -> torch.Tensor:
-        buffer = torch.empty(info.end - info.begin, dtype=torch.uint8)
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = info.file.open("rb")
-        handle.seek(info.begin)
-        if handle.readinto(memoryview(buffer.numpy())) != info.end - info.begin:
-            raise CheckpointError(f"{info.file} ends inside tensor {name!r}")
-        return buffer.view(DTYPES[info.dtype]).reshape(info.shape)
+        dtype, size = DTYPES[info.dtype], info.end - info.begin
+        if size == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        start = info.begin - info.begin % mmap.ALLOCATIONGRANULARITY
+        try:
+            with info.file.open("rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), info.end - start, access=mmap.ACCESS_COPY, offset=start)
+        except (OSError, ValueError) as err:  # ValueError: the file is shorter than the map
+            raise CheckpointError(f"{info.file} ends inside tensor {name!r} ({err})") from None
+        with warnings.catch_warnings():  # the map is private: writes cannot reach the file
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=info.begin - start)
+        if info.begin % dtype.itemsize:  # a misaligned tensor cannot be viewed in its dtype: copy it
+            raw = raw.clone()
+        return raw.view(dtype).reshape(info.shape)
 
     def close(self) -> None:
-        for handle in self._handles.values():
-            handle.close()
-        self._handles.clear()
+        """Nothing stays open between reads (each map closes with its last view)."""
