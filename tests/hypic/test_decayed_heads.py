@@ -28,10 +28,10 @@ from tokenizers import Tokenizer
 
 TOLERANCE = 1e-4  # the fidelity tests' bound on logits against the reference
 STEPS = 8
-SEAM = 8
+SEAM = 3  # short seams: what a fast head carries across one still shows in the logits
 EVEN_HEADS = slice(0, None, 2)
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
-LONG_DOCUMENT = (TEXT * 4)[:200]
+LONG_DOCUMENT = (TEXT * 4)[:300]
 MakeCheckpoint = Callable[[str, slice | None], Path]
 
 
@@ -111,7 +111,7 @@ def test_scalar_and_diagonal_transitions_are_never_flagged() -> None:
 @pytest.mark.parametrize("name", ["qwen3_5_text-ratio2", "kimi_linear"])
 def test_fast_heads_are_flagged_and_compose_as_the_full_matrices_do(checkpoint: MakeCheckpoint, name: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even heads decay fast, odd ones remember: on a 200-token document every layer flags exactly
+    """Even heads decay fast, odd ones remember: on a 300-token document every layer flags exactly
     the even heads (whose full T_C is exactly zero), stores the odd heads' matrices as they were,
     and composes bit for bit as the full matrices do, behind a prefix state of entries ~1e30."""
     path = checkpoint(name, EVEN_HEADS)
