@@ -50,7 +50,7 @@ def layout_text(seed: int, lengths: list[int], leading: int = 20, query: int = 1
 def docs_case(engine: Engine) -> tuple[list[str], str]:
     documents = []
     for name in ("architecture.md", "operations.md", "families.md"):
-        ids = engine.tokenizer.encode((ROOT / "docs" / name).read_text())[:1024]
+        ids = engine.tokenizer.encode((ROOT / "docs" / name).read_text().replace(SEP, ""))[:1024]
         documents.append(engine.tokenizer.decode(ids))
     return documents, SEP.join(["Answer from the documents.", *documents, "What does a public-pool entry hold?"])
 
