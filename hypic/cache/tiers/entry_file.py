@@ -3,7 +3,8 @@
 Layout (readable by any safetensors reader): 8-byte little-endian header length, a JSON header
 (each tensor's dtype, shape and byte range, plus ``__metadata__``), then the tensors' bytes. The
 metadata names the entry's content key, the model fingerprint, both dtypes, the seam rule, the
-token ids and a checksum (XXH3-128) of the header and the tensors, so a file from another model,
+token ids, the decayed heads of each T_C (``kept_heads``: flags instead of matrices) and a
+checksum (XXH3-128) of the header and the tensors, so a file from another model,
 another dtype, another document or a damaged disk is refused (``BadEntryFile``), never spliced.
 
 A load reads the file in one pass: each tensor is copied from the buffer (a memory map, a transfer
