@@ -67,7 +67,8 @@ class Arena:
         self._slabs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._free: dict[int, list[int]] = {}  # slab -> its free slot offsets
         self._open: set[int] = set()  # slabs with a free slot
-        self._poison = [(i, _poison_index(f.shape)) for i, f in enumerate(fields) if f.dtype.is_floating_point]
+        self._poison = [(i, _poison_index(f.shape)) for i, f in enumerate(fields)
+                        if f.dtype.is_floating_point and f.nbytes]  # an empty field (no kept head) has nothing to poison
         self._lock = threading.RLock()  # a page dropped inside ``take`` (a collection) gives back re-entrantly
         self.used = 0
 

@@ -22,26 +22,78 @@ class Family(str, Enum):
 
 @dataclass
 class Transition:
-    """T_C of one layer in compact form: ``value`` is [H] (scalar), [H, K] (diagonal) or [H, K, K] (dense), fp32."""
+    """T_C of one layer in compact form: ``value`` is [H] (scalar), [H, K] (diagonal) or [H, K, K] (dense), fp32.
+
+    ``kept``: None, or one flag per head, False for a head whose dense T_C is exactly zero (decayed:
+    its gate sum underflowed); ``value`` then holds the kept heads' matrices only, in head order."""
 
     family: Family
     value: torch.Tensor
+    kept: tuple[bool, ...] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The full shape [H, ...] (decayed heads counted), or -1 heads if ``kept`` does not match ``value``."""
+        if self.kept is None:
+            return tuple(self.value.shape)
+        heads = len(self.kept) if sum(self.kept) == self.value.shape[0] else -1
+        return (heads, *self.value.shape[1:])
+
+    def _kept_index(self, device: torch.device) -> torch.Tensor:
+        assert self.kept is not None
+        return torch.tensor([h for h, kept in enumerate(self.kept) if kept], dtype=torch.long, device=device)
 
     def apply(self, state: torch.Tensor) -> torch.Tensor:
-        """T_C S for state [H, K, V]."""
+        """T_C S for state [H, K, V]; a decayed head gives zeros without touching its state (T_C = 0
+        exactly, so 0 S = 0 for any finite S: the same values as the matrix would give)."""
+        if self.kept is None:
+            return self._apply(self.value, state)
+        index = self._kept_index(state.device)
+        out = state.new_zeros(state.shape)
+        out[index] = self._apply(self.value, state[index])
+        return out
+
+    def _apply(self, value: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         if self.family is Family.SCALAR:
-            return self.value[:, None, None] * state
+            return value[:, None, None] * state
         if self.family is Family.DIAGONAL:
-            return self.value[:, :, None] * state
-        return self.value @ state
+            return value[:, :, None] * state
+        return value @ state
+
+    def full_value(self) -> torch.Tensor:
+        """``value`` of every head, decayed ones as zeros."""
+        if self.kept is None:
+            return self.value
+        full = self.value.new_zeros(self.shape)
+        full[self._kept_index(self.value.device)] = self.value
+        return full
 
     def then(self, later: "Transition") -> "Transition":
         """The transition of this segment followed by ``later``: T_later T_self."""
         if self.family is not later.family:
             raise ValueError(f"cannot chain a {self.family.value} and a {later.family.value} transition")
         if self.family is Family.DENSE:
-            return Transition(self.family, later.value @ self.value)
-        return Transition(self.family, later.value * self.value)
+            return Transition(self.family, later.full_value() @ self.full_value())
+        return Transition(self.family, later.full_value() * self.full_value())
+
+    def with_value(self, value: torch.Tensor) -> "Transition":
+        """The same transition over another tensor (a copy, another dtype or device)."""
+        return Transition(self.family, value, self.kept)
+
+    def without_decayed(self) -> "Transition":
+        """This transition with its decayed heads flagged instead of stored. A dense head decays when
+        every entry of its T_C is exactly zero: only then is dropping it exact for any prefix, since
+        a finite fp32 prefix state can be as large as 2^128 and any nonzero entry times that shows."""
+        if self.family is not Family.DENSE or self.kept is not None:
+            return self
+        kept = self.value.flatten(1).ne(0).any(1)
+        if bool(kept.all()):
+            return self
+        return Transition(self.family, self.value[kept].contiguous(), tuple(kept.tolist()))
+
+    @property
+    def decayed_heads(self) -> int:
+        return 0 if self.kept is None else self.kept.count(False)
 
     @property
     def nbytes(self) -> int:

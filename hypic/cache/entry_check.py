@@ -43,6 +43,6 @@ def _layer_shapes(layer: object) -> tuple:
     if isinstance(layer, AttentionInterior):
         return ("attention", tuple(layer.keys.shape), tuple(layer.values.shape))
     if isinstance(layer, LinearInterior):
-        transition = None if layer.transition is None else tuple(layer.transition.value.shape)
+        transition = None if layer.transition is None else layer.transition.shape  # decayed heads counted
         return ("linear", transition, tuple(layer.zero_start_state.shape), tuple(layer.conv_tail.shape))
     return (type(layer).__name__,)

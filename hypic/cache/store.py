@@ -41,8 +41,10 @@ class LinearInterior:
     owner: object = field(default=None, repr=False, compare=False)
 
     def stored_as(self, dtype: torch.dtype) -> "LinearInterior":
-        """The entry with T_C and S_C|0 kept in ``dtype`` (the public pool's storage precision)."""
-        transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.to(dtype))
+        """The entry with T_C and S_C|0 kept in ``dtype`` (the public pool's storage precision), and
+        T_C's decayed heads (exactly zero in ``dtype``) flagged, not stored."""
+        transition = None if self.transition is None else self.transition.with_value(
+            self.transition.value.to(dtype)).without_decayed()
         zero_start = self.zero_start_state.to(dtype)
         return LinearInterior(transition, zero_start, self.conv_tail,
                               self.owner if _same_memory(zero_start, self.zero_start_state) else None)
@@ -52,20 +54,20 @@ class LinearInterior:
         tensors = (self.zero_start_state,) if self.transition is None else (self.zero_start_state, self.transition.value)
         slot = arenas.copy(*tensors)
         views = slot.views()
-        transition = None if self.transition is None else Transition(self.transition.family, views[1])
+        transition = None if self.transition is None else self.transition.with_value(views[1])
         return LinearInterior(transition, views[0], self.conv_tail, slot)
 
     def __getstate__(self) -> dict:
         """Pickled with copies when T_C and S_C|0 view a slot (a view would carry its whole slab)."""
         if self.owner is None:
             return self.__dict__
-        transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.clone())
+        transition = None if self.transition is None else self.transition.with_value(self.transition.value.clone())
         return {"transition": transition, "zero_start_state": self.zero_start_state.clone(),
                 "conv_tail": self.conv_tail, "owner": None}
 
     def for_compute(self) -> tuple[Transition | None, torch.Tensor]:
         """(T_C, S_C|0) in fp32, whatever they are stored in: composition always computes in fp32."""
-        transition = None if self.transition is None else Transition(self.transition.family, self.transition.value.float())
+        transition = None if self.transition is None else self.transition.with_value(self.transition.value.float())
         return transition, self.zero_start_state.float()
 
 
@@ -142,7 +144,7 @@ def _same_memory(new: Any, old: Any) -> bool:
 
 def _layer_with(layer: Any, supply: Iterator[Any]) -> Any:
     if isinstance(layer, LinearInterior):
-        transition = None if layer.transition is None else Transition(layer.transition.family, next(supply))
+        transition = None if layer.transition is None else layer.transition.with_value(next(supply))
         zero_start = next(supply)
         kept = _same_memory(zero_start, layer.zero_start_state)  # handed back as it was: still the slot's
         return LinearInterior(transition, zero_start, next(supply), layer.owner if kept else None)

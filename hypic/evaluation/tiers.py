@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=1024, help="tokens of the document the latency part loads")
     parser.add_argument("--shapes", nargs="+", choices=("model", "qwen3.5"), default=["model", "qwen3.5"],
                         help="the latency part's entries: the model's own, and/or Qwen3.5-35B-A3B's shapes")
+    parser.add_argument("--decayed-heads", type=float, default=0.0, metavar="FRACTION",
+                        help="share of the Qwen3.5-shaped entry's T_C heads decayed to zero, stored as flags")
     parser.add_argument("--repeats", type=int, default=7, help="latency and restart measurements per point (median)")
     parser.add_argument("--request-words", type=int, default=960,
                         help="mean words of a request's four documents together (the Prod-RAG trace's input length)")
@@ -125,8 +127,15 @@ def _connected(engine: Engine, timeout_s: float = 60.0) -> None:
 
 
 # ----- latency ----------------------------------------------------------------------------------
-def _qwen35_entry(tokens: int) -> tuple[SegmentEntry, EntryIdentity]:
-    """An entry of Qwen3.5-35B-A3B's shapes (random values) and the identity that decodes it."""
+def _decayed(transition: torch.Tensor, fraction: float, generator: torch.Generator) -> Transition:
+    """T_C [H, K, K] with each head zeroed with probability ``fraction``, those heads flagged."""
+    transition[torch.rand(transition.shape[0], generator=generator) < fraction] = 0
+    return Transition(Family.DENSE, transition).without_decayed()
+
+
+def _qwen35_entry(tokens: int, decayed: float = 0.0) -> tuple[SegmentEntry, EntryIdentity]:
+    """An entry of Qwen3.5-35B-A3B's shapes (random values; each head of T_C decayed, a flag, with
+    probability ``decayed``) and the identity that decodes it."""
     config = parse_config(dict(QWEN35_SHAPES))
     seams, generator = Seams(8, 8), torch.Generator().manual_seed(0)
     length = tokens - 16
@@ -134,7 +143,7 @@ def _qwen35_entry(tokens: int) -> tuple[SegmentEntry, EntryIdentity]:
     for index in range(config.num_hidden_layers):
         if config.layer_types[index] == "linear_attention":
             heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-            layers.append(LinearInterior(Transition(Family.DENSE, torch.randn(heads, dk, dk, generator=generator)),
+            layers.append(LinearInterior(_decayed(torch.randn(heads, dk, dk, generator=generator), decayed, generator),
                                          torch.randn(heads, dk, dv, generator=generator),
                                          torch.randn(config.linear_conv_kernel_dim - 1, config.linear_conv_channels,
                                                      generator=generator).bfloat16()))
@@ -215,7 +224,7 @@ def run_latency(args: argparse.Namespace, folder: Path, mooncake: dict[str, Any]
         records.append({"part": "latency", "model": args.model, "tier": "rebuild", "entry_bytes": entry.nbytes,
                         "seconds": [build_s], "median_s": build_s})
     if "qwen3.5" in args.shapes:
-        qwen, qwen_identity = _qwen35_entry(args.doc_tokens)
+        qwen, qwen_identity = _qwen35_entry(args.doc_tokens, args.decayed_heads)
         records += _latency_records("qwen3.5-35b-a3b shapes", qwen, qwen_identity, folder, args.repeats, mooncake)
     return records
 

@@ -3,7 +3,8 @@
 Layout (readable by any safetensors reader): 8-byte little-endian header length, a JSON header
 (each tensor's dtype, shape and byte range, plus ``__metadata__``), then the tensors' bytes. The
 metadata names the entry's content key, the model fingerprint, both dtypes, the seam rule, the
-token ids and a checksum (XXH3-128) of the header and the tensors, so a file from another model,
+token ids, the decayed heads of each T_C (``kept_heads``: flags instead of matrices) and a
+checksum (XXH3-128) of the header and the tensors, so a file from another model,
 another dtype, another document or a damaged disk is refused (``BadEntryFile``), never spliced.
 
 A load reads the file in one pass: each tensor is copied from the buffer (a memory map, a transfer
@@ -29,7 +30,7 @@ from ...errors import HypicError
 from ..segments import Seams
 from ..store import AttentionInterior, InteriorLayer, LinearInterior, Role, SegmentEntry
 
-FORMAT = "hypic-segment-entry/2"  # /2: XXH3-128 of the header and the tensors (/1: SHA-256 of the tensors)
+FORMAT = "hypic-segment-entry/3"  # /3: decayed heads of T_C flagged in "kept_heads"; /2: XXH3-128 (/1: SHA-256)
 CHECKSUM = "xxh3-128"  # the checksum's algorithm, named in its value: "xxh3-128:<hex>"
 COPY_CHUNK = 1 << 18  # bytes copied, then hashed, at a time: still in the core's L2 when hashed
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -134,8 +135,27 @@ def encode_entry(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
                 "seams": f"{entry.seams.head},{entry.seams.tail}", "role": role.value, "namespace": entry.namespace,
                 "local_start": str(entry.local_start), "length": str(entry.length),
                 "token_ids": json.dumps(list(entry.token_ids)),
-                "layers": json.dumps([_layer_kind(layer) for layer in entry.layers])}
+                "layers": json.dumps([_layer_kind(layer) for layer in entry.layers]),
+                "kept_heads": json.dumps(_kept_heads(entry))}
     return pack(metadata, tensors)
+
+
+def _kept_heads(entry: SegmentEntry) -> dict[str, str]:
+    """Layer index -> one character per head of its T_C, "1" stored, "0" decayed (a flag, no matrix);
+    layers with every head stored are left out."""
+    return {str(index): "".join("1" if kept else "0" for kept in layer.transition.kept)
+            for index, layer in enumerate(entry.layers)
+            if isinstance(layer, LinearInterior) and layer.transition is not None and layer.transition.kept is not None}
+
+
+def _kept_of(flags: dict, index: int) -> tuple[bool, ...] | None:
+    """The ``kept`` flags of layer ``index`` as ``_kept_heads`` wrote them (None: every head stored)."""
+    written = flags.get(str(index))
+    if written is None:
+        return None
+    if not isinstance(written, str) or set(written) - {"0", "1"}:
+        raise ValueError(f"layer {index}: kept heads {written!r} are not a string of 0 and 1")
+    return tuple(flag == "1" for flag in written)
 
 
 def pack(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> bytes:
@@ -190,7 +210,7 @@ def decode_entry(buffer: bytes | memoryview, identity: EntryIdentity, key: str, 
     try:
         entry = _entry(meta, tensors, token_ids)
         check_entry(entry, identity.fingerprint, Role(meta["role"]), identity.config)
-    except (EntryMismatch, KeyError, ValueError) as err:
+    except (EntryMismatch, KeyError, ValueError, AttributeError) as err:
         raise BadEntryFile(f"not an entry this model can splice: {err}") from err
     return entry
 
@@ -267,13 +287,14 @@ def _copy_hashed(source: np.ndarray, span: _Span, digest: "xxhash.xxh3_128") -> 
 
 def _entry(meta: dict, tensors: dict[str, torch.Tensor], token_ids: tuple[int, ...]) -> SegmentEntry:
     head, tail = (int(x) for x in meta["seams"].split(","))
+    flags = json.loads(meta["kept_heads"])
     layers: list[InteriorLayer] = []
     for index, kind in enumerate(json.loads(meta["layers"])):
         if kind == "attention":
             layers.append(AttentionInterior(tensors[f"{index}.keys"], tensors[f"{index}.values"]))
             continue
         family = kind.partition(":")[2]
-        transition = Transition(Family(family), tensors[f"{index}.transition"]) if family else None
+        transition = Transition(Family(family), tensors[f"{index}.transition"], _kept_of(flags, index)) if family else None
         layers.append(LinearInterior(transition, tensors[f"{index}.state"], tensors[f"{index}.conv_tail"]))
     return SegmentEntry(meta["key"], token_ids, Seams(head, tail), int(meta["local_start"]), int(meta["length"]),
                         layers, meta["namespace"])

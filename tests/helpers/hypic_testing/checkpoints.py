@@ -37,3 +37,25 @@ def _decay_bound(path: Path) -> float | None:
     """The lower bound of a bounded KDA decay g = bound sigmoid(exp(A_log) (f + dt_bias)) (Bailing's), as
     the checkpoint's parsed config says; None: g = -exp(A_log) softplus(...), made slow by a small A alone."""
     return parse_config(json.loads((path / "config.json").read_text())).kda_gates.lower_bound
+
+
+FAST_DECAY = 1.0  # A of a fast head: g ~ -softplus(1) ~ -1.3 a token: T_C underflows within ~100 tokens, a 3-token seam keeps ~2%
+
+
+def make_fast_decay(path: str | Path, heads: slice = slice(None)) -> Path:
+    """Rewrite a (long-memory) Gated DeltaNet or KDA checkpoint in place so that the linear heads
+    ``heads`` forget fast: A = FAST_DECAY and, for KDA's per-channel gate, dt_bias = 1 on their
+    channels. The other heads keep their gates."""
+    weights = Path(path) / "model.safetensors"
+    tensors = load_file(str(weights))
+    for name, tensor in tensors.items():
+        if name.endswith("A_log"):
+            flat = tensor.reshape(-1).clone()  # [H] for Gated DeltaNet, [1, 1, H, 1] for KDA
+            flat[heads] = math.log(FAST_DECAY)
+            tensors[name] = flat.reshape(tensor.shape)
+        elif name.endswith("dt_bias") and "self_attn" in name:  # KDA: one bias per head and channel
+            rows = tensor.reshape(tensors[name.replace("dt_bias", "A_log")].numel(), -1).clone()
+            rows[heads] = 1.0
+            tensors[name] = rows.reshape(tensor.shape)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return Path(path)
