@@ -195,7 +195,10 @@ class Engine:
         layers = yield from prefill_interior_steps(self.model, token_ids, policy.seams, self.chunk_tokens,
                                                    policy.transitions)
         lo, hi = policy.seams.interior(len(token_ids)) or (0, 0)
-        layers = [layer.stored_as(self.state_cache_dtype) if isinstance(layer, LinearInterior) else layer
+        # under tensor parallelism each rank's shard has its own decayed heads, but the ranks' pools must
+        # take the same bytes for an entry to decide alike: the shards keep every matrix
+        flag = not self.model.config.tensor_parallel.enabled
+        layers = [layer.stored_as(self.state_cache_dtype, flag) if isinstance(layer, LinearInterior) else layer
                   for layer in layers]
         entry = SegmentEntry(key, token_ids, policy.seams, lo, hi - lo, layers, policy.namespace)
         self.store.put(entry)

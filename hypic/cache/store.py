@@ -40,11 +40,12 @@ class LinearInterior:
     conv_tail: torch.Tensor  # [k-1, C] pre-conv inputs of the interior's last k-1 tokens
     owner: object = field(default=None, repr=False, compare=False)
 
-    def stored_as(self, dtype: torch.dtype) -> "LinearInterior":
+    def stored_as(self, dtype: torch.dtype, flag_decayed: bool = True) -> "LinearInterior":
         """The entry with T_C and S_C|0 kept in ``dtype`` (the public pool's storage precision), and
-        T_C's decayed heads (exactly zero in ``dtype``) flagged, not stored."""
-        transition = None if self.transition is None else self.transition.with_value(
-            self.transition.value.to(dtype)).without_decayed()
+        T_C's decayed heads (exactly zero in ``dtype``) flagged, not stored, if ``flag_decayed``."""
+        transition = None if self.transition is None else self.transition.with_value(self.transition.value.to(dtype))
+        if transition is not None and flag_decayed:
+            transition = transition.without_decayed()
         zero_start = self.zero_start_state.to(dtype)
         return LinearInterior(transition, zero_start, self.conv_tail,
                               self.owner if _same_memory(zero_start, self.zero_start_state) else None)

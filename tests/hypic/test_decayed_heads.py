@@ -247,3 +247,13 @@ def test_flagged_entries_round_trip_through_the_disk_tier(checkpoint: MakeCheckp
     header["__metadata__"]["format"] = "hypic-segment-entry/2"
     with pytest.raises(BadEntryFile, match="format"):
         decode_entry(_file(header, body), ident, entry.key, entry.token_ids)
+
+
+def test_tensor_parallel_ranks_hold_entries_of_the_same_bytes(checkpoint: MakeCheckpoint) -> None:
+    """Under tensor parallelism the ranks' pools decide alike only if an entry takes the same bytes on
+    each: with the fast heads all on rank 0 (the first half of the heads), neither rank flags any."""
+    from hypic.parallel.launch import run_ranks
+    from hypic_testing import tp
+    path = checkpoint("qwen3_5_text-ratio2", slice(0, 2))
+    first, second = run_ranks(tp.pool_bytes_after_warmup, 2, str(path), LONG_DOCUMENT)
+    assert first == second > 0

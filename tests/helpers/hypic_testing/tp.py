@@ -77,3 +77,10 @@ def unseeded_sample(tp: TensorParallel, path: str) -> list[int]:
     torch.manual_seed(1000 + tp.rank)
     engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
     return engine.generate(PROMPTS[1][0], max_new_tokens=12, temperature=1.0).output_ids
+
+
+def pool_bytes_after_warmup(tp: TensorParallel, path: str, document: str) -> int:
+    """The public pool's bytes on this rank once ``document`` is cached."""
+    engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
+    engine.warmup([document])
+    return engine.store.nbytes
