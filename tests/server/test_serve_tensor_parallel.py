@@ -280,3 +280,21 @@ def test_what_cannot_be_served_is_refused_before_any_rank_starts(checkpoint: Pat
     done = subprocess.run([sys.executable, "-m", "hypic.cli", "serve", "--model", str(checkpoint), *args],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr
+
+
+def test_a_failure_on_a_follower_alone_takes_the_server_down(checkpoint: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's warm-up fails where rank 0's succeeds (a document too short to cache: no model call, so
+    only the end-of-iteration check can tell): the ranks diverged, and the server stops rather than go on."""
+    helpers = Path(rank_code.__file__).parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "follower_faults"), str(helpers.parents[1]),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    server = _serve(checkpoint, tmp_path / "faulty.log", "--tp-size", "2")
+    try:
+        server.request("POST", "/warmup", {"documents": ["hi"]})
+        server.process.wait(timeout=30)
+    finally:
+        if server.process.poll() is None:
+            server.stop()
+    assert server.process.returncode not in (None, 0)
+    assert "ranks disagree" in server.log.read_text()
