@@ -26,6 +26,7 @@ from .loop import Command, EngineLoop, Event, Job, Pending, WarmupTask, wake_onl
 from .requests import Request
 
 log = logging.getLogger("hypic.server")
+NAME_THE_RANK_S = 1.5  # a failed collective waits this long for the watchdog to name the rank that died
 
 
 class RanksOutOfStep(BaseException):
@@ -185,9 +186,11 @@ class LeaderLoop(_Lockstep):
         try:
             while self._lead():
                 pass
-        except (Exception, RanksOutOfStep) as err:  # a rank gone (its collective failed), or out of step
-            self.ranks.fail(str(err) if isinstance(err, RanksOutOfStep) else
-                            f"the engine loop failed ({type(err).__name__}: {err})")
+        except RanksOutOfStep as err:
+            self.ranks.fail(str(err))
+        except Exception as err:  # mostly a rank gone (its collective failed): the watchdog names it first
+            time.sleep(NAME_THE_RANK_S)
+            self.ranks.fail(f"the engine loop failed ({type(err).__name__}: {err})")
 
     def _lead(self) -> bool:
         """One iteration: drain, broadcast what it took, run it; False once stopped."""

@@ -31,7 +31,8 @@ def _follow(rank: int, size: int, address: str, threads: int | None, path: str, 
             loop_options: dict[str, Any], parent: int) -> None:
     """A follower rank: join the group, load its shard, follow rank 0's loop until it stops."""
     from ..engine import Engine
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 ends the group (a terminal's Ctrl-C reaches every rank)
+    for stop in (signal.SIGINT, signal.SIGTERM):  # rank 0 ends the group (a terminal's Ctrl-C reaches every rank)
+        signal.signal(stop, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), name="hypic-parent-watch", daemon=True).start()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -230,6 +230,8 @@ def test_a_rank_that_misses_its_shard_makes_every_rank_rebuild(checkpoint: Path,
 def test_a_restart_hits_its_shards_on_disk_and_one_process_reads_none(pair: Pair, checkpoint: Path) -> None:
     prompts = [_pic("alpha", "beta"), _pic("gamma", "delta"), _pic("zeta")]
     want = [pair.tp1.post("/generate", {"text": p, "sampling_params": GREEDY}) for p in prompts]
+    for prompt in prompts:  # built (or hit) on the TP=2 server: its shards are on its disk
+        pair.tp2.post("/generate", {"text": prompt, "sampling_params": GREEDY})
     pair.tp2.stop()
     assert pair.tp2.process.returncode == 0  # a graceful stop: every rank finished its writes
     pair.tp2 = _serve(checkpoint, pair.root / "tp2-again.log", "--tp-size", "2", "--cache-dir",
