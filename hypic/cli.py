@@ -2,6 +2,7 @@
 import argparse
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -91,8 +92,11 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (of each rank with --tp-size; default: torch's choice, 1 per rank)")
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                         help="tensor-parallel ranks: the model's heads and widths are split over this many "
-                             "processes (gloo on the CPU, NCCL on GPUs 0..N-1), each holding 1/N of the weights "
-                             "and of every cache; its heads must divide N (default: 1)")
+                             "processes (gloo on the CPU, with --threads torch threads each, default 1; NCCL on "
+                             "GPUs 0..N-1 with --device cuda), each holding 1/N of the weights and of every cache, "
+                             "with the pool sizes given here each; N must divide the model's head counts. hypic "
+                             "serve starts ranks 1..N-1 itself and keeps them in step with its scheduler; a rank "
+                             "that dies stops the server; not combined with --workers (default: 1)")
     parser.add_argument("--state-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="precision of the cached T_C and S_C|0 in the public pool (composition computes in "
                              "float32 either way; bfloat16 halves their bytes) (default: float32)")
@@ -242,13 +246,18 @@ def _tiers(args: argparse.Namespace) -> TierOptions:
                        PrefetchPolicy(args.prefetch_policy), host)
 
 
+def _model_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``Engine.from_pretrained``'s options from the model flags."""
+    return {"device": args.device, "dtype": args.dtype, "seam_width": args.seam_width,
+            "pic_separator": args.pic_separator, "state_cache_dtype": args.state_cache_dtype}
+
+
 def _engine(args: argparse.Namespace, choice: ModelChoice, **options: Any) -> Engine:
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    return Engine.from_pretrained(choice.path, device=args.device, dtype=args.dtype, seam_width=args.seam_width,
-                                  pic_separator=args.pic_separator, state_cache_dtype=args.state_cache_dtype, **options)
+    return Engine.from_pretrained(choice.path, **_model_settings(args), **options)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -256,6 +265,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     from .server.app import ServerInfo, build_app
     from .server.chat import load_chat_template
+    from .scheduler.lockstep import LeaderLoop
     from .scheduler.loop import EngineLoop, default_prefill_batch
 
     if args.max_prefill_batch is None:
@@ -265,43 +275,74 @@ def _serve(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
     limits = _gate_limits(args)
-    if args.tp_size != 1:
-        raise HypicError("hypic serve runs a model on one rank for now: --tp-size above 1 is served by "
-                         "`hypic generate --tp-size N` and by Engine.from_pretrained(tp=...) in a torch.distributed "
-                         "program (see docs/parallel.md); the server's scheduler does not yet send its steps to "
-                         "other ranks")
     if args.workers < 1:
         raise HypicError("--workers must be >= 1")
+    if args.tp_size > 1 and args.workers > 1:
+        raise HypicError("--tp-size above 1 with --workers above 1 is not served: each peer worker would need its "
+                         "own group of tensor-parallel ranks, and the documents it builds would have to travel shard "
+                         "by shard to the matching rank here; use one or the other")
     if args.workers > 1 and not args.threads:
         args.threads = max(1, (os.cpu_count() or 1) // args.workers)
     choice = choose_model(args.model)
-    engine = _engine(args, choice, public_pool_bytes=args.public_pool_size, private_pool_bytes=args.private_pool_size,
-                     private_window_bytes=args.private_window_pool_size, chunk_tokens=args.chunked_prefill_size,
-                     snapshot_interval=args.snapshot_interval, tiers=_tiers(args), eviction=Eviction(args.eviction))
+    if args.tp_size != 1:
+        check_tp_size(choice.path, args.tp_size)  # a size the heads do not divide: refused before any rank starts
+        args.threads = args.threads or 1
+    serving = {"public_pool_bytes": args.public_pool_size, "private_pool_bytes": args.private_pool_size,
+               "private_window_bytes": args.private_window_pool_size, "chunk_tokens": args.chunked_prefill_size,
+               "snapshot_interval": args.snapshot_interval, "tiers": _tiers(args), "eviction": Eviction(args.eviction)}
+    loop_options = {"mode": args.mode, "max_running": args.max_running_requests,
+                    "max_queued": args.max_queued_requests, "max_state_bytes": args.max_state_memory,
+                    "max_prefill_batch": args.max_prefill_batch}
+    group = _rank_group(args, choice, serving, loop_options) if args.tp_size > 1 else None
+    try:
+        engine = _engine(args, choice, **serving, **({"tp": group.tp} if group is not None else {}))
+    except BaseException:
+        if group is not None:
+            group.kill()
+        raise
     template, from_model = load_chat_template(choice.path)
     info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
                       from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
                       args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
-                      str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents)
+                      str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents,
+                      tp_size=args.tp_size, rank_pids=tuple(group.pids) if group is not None else ())
     peers = _peers(args, choice) if args.workers > 1 else None
-    loop = EngineLoop(engine, args.mode, args.max_running_requests, args.max_queued_requests, args.max_state_memory,
-                      args.max_prefill_batch)
+    loop = EngineLoop(engine, **loop_options) if group is None else LeaderLoop(engine, ranks=group, **loop_options)
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)
+    if group is not None:
+        print(f"hypic: {args.tp_size} tensor-parallel ranks ({args.threads} thread(s) each); ranks 1..{args.tp_size - 1} "
+              f"are pids {', '.join(map(str, group.pids))}", flush=True)
     if engine.store.lower is not None:
         status = engine.store.lower.describe()
         names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error'] or tier['state']})"
                           for name, tier in status["tiers"].items())
         print(f"hypic: documents below memory: {names}; {status['write_policy']}, prefetch "
               f"{status['prefetch_policy']}", flush=True)
+    if group is not None:  # uvicorn re-raises SIGTERM after its graceful stop: end here, the ranks stopped in turn
+        signal.signal(signal.SIGTERM, _stop_gracefully)
     try:
         uvicorn.run(build_app(loop, info, peers, limits), host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        loop.stop()
+        loop.stop()  # with ranks: the stop is broadcast to them
         engine.close()  # the lower tiers' pending writes (write_back: memory's entries) finish
+        if group is not None:
+            group.close()
         if peers is not None:
             peers.shutdown()
+
+
+def _stop_gracefully(signum: int, _: Any) -> None:
+    raise SystemExit(0)
+
+
+def _rank_group(args: argparse.Namespace, choice: ModelChoice, serving: dict[str, Any],
+                loop_options: dict[str, Any]) -> Any:
+    """Ranks 1..N-1 started, each loading its shard with this process's options; this process joins as rank 0."""
+    from .scheduler.rank_group import RankGroup
+
+    return RankGroup(args.tp_size, str(choice.path), args.threads, {**_model_settings(args), **serving}, loop_options)
 
 
 def _gate_limits(args: argparse.Namespace) -> Any:

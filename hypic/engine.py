@@ -154,7 +154,7 @@ class Engine:
                                  model.config, model.device)
         built = build_tiers(tiers, identity)
         return cls(model, TextTokenizer.from_dir(path), fingerprint, seam_width=seam_width,
-                   pic_separator=pic_separator, store=SegmentStore(public_pool_bytes, built.public, eviction),
+                   pic_separator=pic_separator, store=SegmentStore(public_pool_bytes, built.public, eviction, tp),
                    prefix_cache=PrefixCache(private_pool_bytes, private_window_bytes), chunk_tokens=chunk_tokens,
                    snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype, resume=built.resume,
                    quantization=read_quantization(path))
@@ -439,10 +439,13 @@ class Engine:
         self.resume_points.keep(tree, self.policy(mode, namespace).namespace, state, state.length, {**linear, **rings})
 
     # ----- generation ----------------------------------------------------------------------
-    def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None) -> list[Sequence]:
+    def sequences(self, params: SamplingParams, prompt_ids: list[int], logprobs: int | None = None,
+                  seed: int | None = None) -> list[Sequence]:
         """The ``params.n`` continuations of a prompt, checked against this model (prompt + max_new_tokens
         within its positions, token ids in its vocabulary, the grammar compiles). ``logprobs``: None,
-        or record each token's logprob and its top-k alternatives. With a seed, sample i draws from ``seed + i``."""
+        or record each token's logprob and its top-k alternatives. With a seed, sample i draws from ``seed + i``.
+        ``seed``: the seed of an unseeded request (a tensor-parallel server's rank 0 draws one and hands it
+        to the other ranks); None: torch's generator, or under tensor parallelism one rank 0 draws now."""
         params.check_context(len(prompt_ids), self.model.config.max_position_embeddings)
         vocab = self.model.config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if not 0 <= t < vocab]
@@ -453,10 +456,14 @@ class Engine:
             self.grammars.compile(constraint)  # a bad grammar fails here, before any work
         limits = SequenceLimits(frozenset(self.eos_token_ids), self.model.config.max_position_embeddings, logprobs)
         tp = self.model.config.tensor_parallel
-        seed = common_seed(tp) if params.seed is None and tp.enabled else params.seed  # the ranks sample alike
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None and tp.enabled:
+            seed = common_seed(tp)  # the ranks sample alike
         return [Sequence(params, list(prompt_ids), self.tokenizer, limits,
                          torch.Generator().manual_seed(seed + i) if seed is not None else None,
-                         self.grammars.start(constraint) if constraint is not None else None)
+                         self.grammars.start(constraint) if constraint is not None else None,
+                         seed=seed + i if seed is not None else None)
                 for i in range(params.n)]
 
     def decode_step(self, state: RequestState, token: int) -> tuple[torch.Tensor, RequestState]:

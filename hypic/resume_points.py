@@ -10,8 +10,9 @@ from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
 from .cache.segments import PromptParts, document_boundaries
 from .cache.store import Event, Load
 from .cache.tiers.hierarchy import WritePolicy
-from .cache.tiers.resume import ResumeStore
+from .cache.tiers.resume import ResumeFound, ResumeStore
 from .models import HybridModel
+from .parallel.group import rank_extremes
 from .state import RequestState
 
 
@@ -55,12 +56,19 @@ class ResumePoints:
         if self.store is None or policy.tree is None:
             return None
         found = self.store.take(policy.tree, policy.namespace, key, after, len(key) - 1, empty)
-        if found is None:
+        if not self._every_rank_found(found):
             return None
         state = found.state
         self.pool.insert(policy.tree, state, {state.length: found.snapshot})
         hit = self.pool.match(policy.tree, key, state.length, empty)
         return (hit if hit is not None and hit.length == state.length else PrefixHit(state.length, state)), found.tier
+
+    def _every_rank_found(self, found: ResumeFound | None) -> bool:
+        """Whether every tensor-parallel rank found its shard of the same resume point (same length);
+        else each resumes from memory's, alike."""
+        length = found.state.length if found is not None else 0
+        low, high = rank_extremes([length], self.model.config.tensor_parallel)
+        return found is not None and low == high
 
     def prefetch(self, plan: RequestPlan) -> Load | None:
         """Start looking, on disk and in Mooncake, for a resume point of ``plan`` longer than memory's

@@ -57,6 +57,7 @@ class Sequence:
     matched_stop: int | str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_text_at: int = -1  # where the matched stop string starts in the text
+    seed: int | None = None  # what ``generator`` was seeded with (None: torch's global generator)
 
     def __post_init__(self) -> None:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)

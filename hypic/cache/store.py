@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..parallel.group import TensorParallel, on_every_rank
 from ..state import tensor_bytes
 from .arena import StateArenas
 from .composition import Transition
@@ -187,14 +188,16 @@ class SegmentStore:
     ``Eviction.COST``, see ``hypic.cache.eviction``); pinned entries are never evicted.
 
     An entry that cannot fit (larger than the budget, or the room is held by pinned entries) is
-    not stored; the request that built it still uses it. Sizes are exact tensor bytes.
+    not stored; the request that built it still uses it. Sizes are exact tensor bytes. ``tp``: the
+    tensor-parallel group this pool is one rank's shard of (a lower tier's hit counts only when every
+    rank found its shard).
     """
 
     def __init__(self, budget_bytes: int | None = None, lower: LowerTiers | None = None,
-                 eviction: Eviction = Eviction.LRU) -> None:
+                 eviction: Eviction = Eviction.LRU, tp: TensorParallel = TensorParallel()) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes, self.lower = budget_bytes, lower
+        self.budget_bytes, self.lower, self.tp = budget_bytes, lower, tp
         self.entries: dict[str, SegmentEntry] = {}
         self.order = eviction_order(eviction)
         self.rebuild_cost: Callable[[SegmentEntry], float] = lambda entry: float(len(entry.token_ids))  # set by the engine
@@ -219,9 +222,11 @@ class SegmentStore:
                 self.lower.offer(entry, Event.HIT)
             return entry, MEMORY_TIER
         self.misses += 1
-        found = self.lower.take(key, token_ids, namespace) if self.lower is not None else None
-        if found is None:
+        if self.lower is None:
             return None, ""
+        found = self.lower.take(key, token_ids, namespace)
+        if not on_every_rank(found is not None, self.tp) or found is None:
+            return None, ""  # a rank that found its shard while another did not builds it too, alike
         entry, tier = found
         if self._store(entry):
             entry = self.entries[key]  # the stored copy (in the pool's slots): the loaded one goes

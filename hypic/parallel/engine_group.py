@@ -1,6 +1,9 @@
 """An engine over N tensor-parallel ranks driven from one process: this process is rank 0, and every
 call made on it is first sent to ranks 1..N-1 (spawned here), which make the same call on their own
 shard of the model and caches. ``Engine.from_pretrained(..., tp_size=N)`` returns one."""
+import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import HypicError
-from .group import TensorParallel
+from .group import TensorParallel, same_on_every_rank
 from .launch import free_address, join_group
 
 STOP = None  # the call that ends a follower
@@ -27,13 +30,24 @@ def _follow(rank: int, size: int, address: str, threads: int | None, path: str, 
     try:
         while (call := _receive()) is not STOP:
             name, args, kwargs = call
-            try:
-                getattr(engine, name)(*args, **kwargs)
-            except Exception:  # rank 0 raises the same error from the same call and reports it
-                pass
+            error = _call(engine, name, args, kwargs)
+            if not same_on_every_rank([error is not None], tp):  # a failure on this rank alone, or on rank 0 alone
+                where = f"here alone:\n{error}" if error is not None else "on another rank alone"
+                print(f"hypic: tensor-parallel rank {rank}: Engine.{name} failed {where}", file=sys.stderr, flush=True)
+                os._exit(1)  # out of step: rank 0 raises, and sees this rank gone at its next call
     finally:
         engine.close()
         dist.destroy_process_group()
+
+
+def _call(engine: Any, name: str, args: tuple, kwargs: dict) -> str | None:
+    """Make one call rank 0 sent; its traceback if it raised (rank 0 raises the same error from the
+    same call and reports it), else None."""
+    try:
+        getattr(engine, name)(*args, **kwargs)
+    except Exception:
+        return traceback.format_exc()
+    return None
 
 
 def _receive() -> Any:
@@ -55,6 +69,7 @@ class EngineGroup:
     def __init__(self, path: str | Path, tp_size: int, threads: int | None = 1, **options: Any) -> None:
         from ..engine import Engine
         context, address = mp.get_context("spawn"), free_address()
+        self._broken = False
         self._followers = [context.Process(target=_follow, args=(rank, tp_size, address, threads, str(path), options),
                                            daemon=True) for rank in range(1, tp_size)]
         for process in self._followers:
@@ -81,10 +96,32 @@ class EngineGroup:
         def repeated(*args: Any, **kwargs: Any) -> Any:
             self._check_followers()
             _send((name, args, kwargs))
-            return value(*args, **kwargs)
+            try:
+                result = value(*args, **kwargs)
+            except Exception:
+                self._agree(name, failed=True)
+                raise
+            self._agree(name, failed=False)
+            return result
         return repeated
 
+    def _agree(self, name: str, failed: bool) -> None:
+        """Every rank failed the call or none did; else the ranks are out of step (the other ranks'
+        next collective would wait forever): the followers exit and this raises."""
+        try:
+            agreed = same_on_every_rank([failed], self.tp)
+        except RuntimeError as err:  # a rank is gone (it failed mid-call, out of step with this one)
+            self._broken = True
+            raise HypicError(f"Engine.{name}: a tensor-parallel rank failed or left during the call ({err}); "
+                             "the engine group cannot go on") from err
+        if not agreed:
+            self._broken = True
+            raise HypicError(f"Engine.{name} failed on {'rank 0 alone' if failed else 'another rank alone'}: "
+                             "the tensor-parallel ranks are out of step and the engine group cannot go on")
+
     def _check_followers(self) -> None:
+        if self._broken:
+            raise HypicError("the engine group's ranks fell out of step on an earlier call; it cannot go on")
         dead = [rank for rank, process in enumerate(self._followers, 1) if process.exitcode is not None]
         if dead:
             raise HypicError(f"tensor-parallel rank(s) {dead} have exited; the engine group cannot go on")
@@ -94,8 +131,9 @@ class EngineGroup:
         if not dist.is_initialized():
             return
         try:
-            self._check_followers()
-            _send(STOP)
+            if not self._broken:
+                self._check_followers()
+                _send(STOP)
         finally:
             self._engine.close()
             dist.destroy_process_group()

@@ -50,3 +50,32 @@ def common_seed(tp: TensorParallel) -> int:
     if tp.enabled:
         dist.broadcast_object_list(seed, src=0)
     return seed[0]
+
+
+def _control_device() -> torch.device:
+    """Where a small control tensor must live for the group's backend (NCCL reduces GPU tensors only)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_extremes(values: list[int], tp: TensorParallel) -> tuple[list[int], list[int]]:
+    """(minimum, maximum) over the ranks of each of ``values``, in one small all-reduce."""
+    if not tp.enabled:
+        return list(values), list(values)
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=_control_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    low = both.tolist()
+    return low[:len(values)], [-v for v in low[len(values):]]
+
+
+def on_every_rank(found: bool, tp: TensorParallel) -> bool:
+    """Whether every rank ``found`` its copy (a lower tier holds one shard per rank: one rank may miss
+    what another holds, and the ranks must treat it alike, or one would run the model alone)."""
+    return bool(rank_extremes([int(found)], tp)[0][0]) if tp.enabled else found
+
+
+def same_on_every_rank(values: list[int], tp: TensorParallel) -> bool:
+    """Whether every rank holds the same ``values`` (a lockstep loop's check that the ranks agree)."""
+    low, high = rank_extremes(values, tp)
+    return low == high

@@ -3,7 +3,6 @@
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..net import free_port
 from .group import TensorParallel
 
 POLL_S = 0.5  # how often a waiting launcher looks for a rank that died
@@ -20,9 +20,7 @@ POLL_S = 0.5  # how often a waiting launcher looks for a rank that died
 
 def free_address() -> str:
     """A TCP rendezvous address on this host nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def join_group(rank: int, size: int, address: str, device: str = "cpu", timeout_s: float = 300) -> TensorParallel:

@@ -123,6 +123,8 @@ class Job:
     # (time.monotonic) it waits for them before it starts
     loads: list[Load] = field(default_factory=list)
     admitted: bool = False  # it holds a running slot and its state memory
+    serial: int = -1  # its number in a lockstep loop's records (tensor parallelism; else unused)
+    held_back: bool | None = None  # a lockstep loop's frozen ``looking_up`` for this iteration (None: live)
     phases: list[Phase] = field(default_factory=lambda: [Phase.QUEUED])  # every phase it entered, in order
 
     @property
@@ -141,6 +143,8 @@ class Job:
         """Whether it still waits, before it starts, for what it reads below memory: its documents as
         long as the prefetch policy says, its resume point ``resume.LOOKUP_WAIT_S`` at most (then it
         starts, and its prefill takes what is in, as without the wait)."""
+        if self.held_back is not None:
+            return self.held_back
         return bool(self.holds(time.monotonic()))
 
     def holds(self, now: float) -> list[float]:
@@ -172,6 +176,8 @@ class WarmupTask:
     start: float = field(default_factory=time.perf_counter)
     footprint: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    serial: int = -1  # its number in a lockstep loop's records
+    source: tuple[str, list[Any], str] | None = None  # ("warmup" | "build", documents or segments, namespace)
 
 
 Pending = Job | WarmupTask
@@ -183,6 +189,10 @@ class Command:
 
     run: Callable[[], Any]
     future: Future = field(default_factory=Future)
+
+
+def wake_only() -> None:
+    """A command that does nothing: it wakes the loop (a load or a peer's work finished)."""
 
 
 def _left(remaining: float, done: int) -> float:
@@ -267,13 +277,15 @@ class EngineLoop:
         """Cache documents in the server's mode and cache ``namespace``, in chunks; the future holds
         their token counts. Bad documents raise here, before anything is queued."""
         steps = self.engine.warmup_steps(documents, self.mode, namespace)
-        task = WarmupTask(steps, sum(len(self.engine.tokenizer.encode(d)) for d in documents))
+        task = WarmupTask(steps, sum(len(self.engine.tokenizer.encode(d)) for d in documents),
+                          source=("warmup", list(documents), namespace))
         self._enqueue(task)
         return task.future
 
     def build(self, segments: list[tuple[int, ...]], namespace: str = "") -> Future:
         """Cache tokenized documents in the server's mode and cache ``namespace``, in chunks like a warm-up."""
-        task = WarmupTask(self.engine.build_steps(segments, self.mode, namespace), sum(map(len, segments)))
+        task = WarmupTask(self.engine.build_steps(segments, self.mode, namespace), sum(map(len, segments)),
+                          source=("build", list(segments), namespace))
         self._enqueue(task)
         return task.future
 
@@ -304,9 +316,24 @@ class EngineLoop:
         self.inbox.put(command)
         return command.future
 
+    def flush(self, namespace: str | None, tiers: frozenset[str]) -> Future:
+        """``Engine.flush`` on the loop thread between chunks; the future holds its counts."""
+        return self.call(lambda: self.engine.flush(namespace, tiers))
+
+    def sample_seed(self) -> int | None:
+        """The seed an unseeded request's samples draw from (None: torch's generator; a lockstep loop
+        draws one, so every rank samples alike)."""
+        return None
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the loop can no longer serve although its thread may run on (a tensor-parallel rank
+        died); None: it can."""
+        return None
 
     # ----- loop thread ----------------------------------------------------------------------
     def _main(self) -> None:
@@ -315,13 +342,17 @@ class EngineLoop:
             idle = not self.running and all(isinstance(p, Job) and p.awaiting for p in self.waiting)
             if not self._drain(self._idle_wait() if idle else None):
                 return
-            self._drop_cancelled()
-            self._start_peer_work()
-            self._take_peer_work()
-            self._step_prefills()
-            if self.running:
-                self._decode()
-            self.snapshot = self._publish()
+            self._iterate()
+
+    def _iterate(self) -> None:
+        """One iteration after the inbox is drained: cancellations, peers, a prefill step, a decode step."""
+        self._drop_cancelled()
+        self._start_peer_work()
+        self._take_peer_work()
+        self._step_prefills()
+        if self.running:
+            self._decode()
+        self.snapshot = self._publish()
 
     def _idle_wait(self) -> float:
         """How long an idle loop waits for news: until the first hold on a waiting job's reads runs
@@ -429,7 +460,7 @@ class EngineLoop:
 
     def _wake_when_done(self, future: Future) -> None:
         """The loop's next iteration runs as soon as ``future`` is done (it may be blocked waiting)."""
-        future.add_done_callback(lambda _: self.inbox.put(Command(lambda: None)))
+        future.add_done_callback(lambda _: self.inbox.put(Command(wake_only)))
 
     def _take_peer_work(self) -> None:
         """Take the outcome of every job's finished peer work (``_peer_outcome``)."""
@@ -457,8 +488,12 @@ class EngineLoop:
 
     def _by_priority(self) -> list[Pending]:
         """Waiting work, fewest uncached tokens left (less its waiting credit) first."""
-        now = time.perf_counter()
+        now = self._now()
         return sorted(self.waiting, key=lambda p: p.remaining - WAIT_CREDIT_TOKENS_PER_S * (now - p.start))
+
+    def _now(self) -> float:
+        """``time.perf_counter`` (a lockstep loop: rank 0's at the iteration's start)."""
+        return time.perf_counter()
 
     def _step_prefills(self) -> None:
         """One batch of prefill work: startable prefills and warm-ups in priority order, each resumed
@@ -486,7 +521,7 @@ class EngineLoop:
         works = [p.work for p in batch if p.work is not None]
         restores = [work.checkpoint() for work in works] if len(works) > 1 else []
         try:
-            results: list[CombineResult] = combine_batch(works)
+            results: list[CombineResult] = self._model_call(lambda: combine_batch(works))
         except Exception as err:
             if len(batch) == 1:
                 self._broke(batch[0], err)
@@ -548,13 +583,22 @@ class EngineLoop:
         self.stats.requests_failed += 1
         job.emit(ErrorEvent(f"internal error while serving the request: {type(err).__name__}: {err}"))
 
+    def _model_call(self, run: Callable[[], Any]) -> Any:
+        """A pass through the model (batched prefill passes or a decode step); a lockstep loop makes
+        its failure end the group (the ranks' collectives could no longer be matched)."""
+        return run()
+
     def _drop_cancelled(self) -> None:
         for pending in [p for p in (*self.waiting, *self.running) if p.cancelled.is_set()]:
-            if isinstance(pending, Job):
-                for sequence in pending.sequences:
-                    sequence.abort()
-                self._finish(pending)
-                self.stats.requests_cancelled += 1
+            self._drop(pending)
+
+    def _drop(self, pending: Pending) -> None:
+        """A cancelled request stops (its client went away); a cancelled warm-up runs on."""
+        if isinstance(pending, Job):
+            for sequence in pending.sequences:
+                sequence.abort()
+            self._finish(pending)
+            self.stats.requests_cancelled += 1
 
     def _prefill_steps(self, job: Job) -> Steps[Prefill]:
         """The job's remote Prefill, or its prefill here (also when the remote one failed)."""
@@ -591,7 +635,8 @@ class EngineLoop:
         states = [job.states[i] for job, i in rows]
         marks = [state.mark() for state in states]
         try:
-            logits, _ = decode_batch(self.engine.model, states, [job.sequences[i].output_ids[-1] for job, i in rows])
+            logits, _ = self._model_call(lambda: decode_batch(self.engine.model, states,
+                                                              [job.sequences[i].output_ids[-1] for job, i in rows]))
         except Exception:
             for state, mark in zip(states, marks):
                 state.rollback(mark)
@@ -606,8 +651,8 @@ class EngineLoop:
         """After a failed batch: each sample alone, so that only a failing request fails."""
         for job, index in rows:
             if job in self.running:
-                self._guarded(job, lambda j, i=index: self._accept(
-                    j, i, decode_batch(self.engine.model, [j.states[i]], [j.sequences[i].output_ids[-1]])[0][0]))
+                self._guarded(job, lambda j, i=index: self._accept(j, i, self._model_call(
+                    lambda: decode_batch(self.engine.model, [j.states[i]], [j.sequences[i].output_ids[-1]]))[0][0]))
         self._finish_done()
 
     def _finish_done(self) -> None:

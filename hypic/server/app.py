@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -61,6 +62,8 @@ class ServerInfo:
     api_keys: int = 0  # how many keys are accepted (0: no authentication); never the keys
     max_request_bytes: int | None = None
     max_concurrent_per_key: int | None = None
+    tp_size: int = 1  # tensor-parallel ranks the model is split over
+    rank_pids: tuple[int, ...] = ()  # process ids of ranks 1..tp_size-1
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -144,7 +147,7 @@ class Server:
         if request.logprobs is not None:
             request.logprobs.input_from(len(parts.token_ids))
         top = request.logprobs.top if request.logprobs is not None else None
-        sequences = self.loop.engine.sequences(request.params, parts.token_ids, top)
+        sequences = self.loop.engine.sequences(request.params, parts.token_ids, top, seed=self.loop.sample_seed())
         self.loop.check_state_fits(parts, request, len(sequences))  # before peers build or ship anything
         return request, parts, sequences
 
@@ -328,12 +331,9 @@ class Server:
         salt = request.salt
         namespace = self._namespace(http, salt or ()) if salt is not None or self.info.isolate_by_key else None
 
-        def flush() -> dict[str, Any]:
-            public, private, lower = self.loop.engine.flush(namespace, request.tiers)
-            return {"public_entries_dropped": public, "private_nodes_dropped": private,
-                    "tiers": sorted(request.tiers), "tier_entries_dropped": lower}
-
-        flushed = await asyncio.wrap_future(self.loop.call(flush))
+        public, private, lower = await asyncio.wrap_future(self.loop.flush(namespace, request.tiers))
+        flushed = {"public_entries_dropped": public, "private_nodes_dropped": private,
+                   "tiers": sorted(request.tiers), "tier_entries_dropped": lower}
         if self.peers is not None:
             flushed["peer_entries_dropped"] = await asyncio.to_thread(self.peers.flush, namespace)
         return {"flushed": True, "namespace": "all" if namespace is None else "one", **flushed}
@@ -356,11 +356,24 @@ class Server:
         engine, budget = self.loop.engine, self.loop.max_state_bytes
         limit, per_token = engine.model.config.max_position_embeddings, engine.state_bytes(2) - engine.state_bytes(1)
         tokens = budget // max(per_token, 1) if budget is not None else limit * self.info.max_running_requests
-        return {**{k: v for k, v in asdict(self.info).items() if k != "chat_template"}, **self.loop.snapshot,
+        skipped = ("chat_template", "rank_pids")
+        return {**{k: v for k, v in asdict(self.info).items() if k not in skipped}, **self.loop.snapshot,
+                "tensor_parallel": self.tensor_parallel(),
                 "uptime_s": time.time() - self.started, "version": __version__, "max_total_num_tokens": tokens,
                 "max_req_input_len": limit - 1, "snapshot_interval": engine.snapshot_interval,
                 "workers": {**(self.peers.status() if self.peers is not None else {"workers": [0], "lost_workers": []}),
                             "peer_prefill_failures": self.loop.snapshot["peer_prefill_failures"]}}
+
+
+    def tensor_parallel(self) -> dict[str, Any]:
+        """The ranks the model is split over and what one rank holds (rank 0's numbers: every rank's
+        shard and pools have the same sizes)."""
+        model = self.loop.engine.model
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        return {"tp_size": self.info.tp_size, "rank_pids": [os.getpid(), *self.info.rank_pids],
+                "per_rank": {"weight_bytes": weights, "public_pool_budget_bytes": self.info.public_pool_bytes,
+                             "private_pool_budget_bytes": self.info.private_pool_bytes,
+                             "note": "rank 0's numbers; every rank holds a shard of the same size"}}
 
 
 class ModelNotFound(HypicError):
@@ -437,6 +450,8 @@ def _routes(loop: EngineLoop, info: ServerInfo, peers: Peers | None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Any:
+        if loop.failure is not None:
+            return error_response(503, loop.failure, "internal_error")
         if not loop.alive:
             return error_response(503, "the engine loop has stopped", "internal_error")
         return {"status": "ok"}

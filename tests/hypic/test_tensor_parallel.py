@@ -80,3 +80,26 @@ def test_an_engine_group_driven_from_one_process_answers_as_one_engine(checkpoin
 def test_an_unseeded_sample_is_the_same_on_every_rank(checkpoint_factory) -> None:
     first, second = run_ranks(rank_code.unseeded_sample, 2, str(checkpoint_factory("qwen3_5_text-ratio2")))
     assert first == second
+
+
+def test_a_failure_on_a_follower_alone_fails_the_engine_group_fast(checkpoint_factory, monkeypatch) -> None:
+    """A follower whose call fails while rank 0's succeeds leaves the group out of step: rank 0 raises
+    at once (not at a later collective that would hang), the follower exits."""
+    import os
+    import time
+    from pathlib import Path
+    from hypic.engine import Engine
+    from hypic.errors import HypicError
+    helpers = Path(rank_code.__file__).parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "follower_faults"), str(helpers.parents[1]),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    group = Engine.from_pretrained(checkpoint_factory("qwen3_5_text-ratio2"), dtype="float32", tp_size=2)
+    start = time.monotonic()
+    with pytest.raises(HypicError, match="cannot go on"):
+        group.warmup(["a document long enough to be cached on every rank " * 2])
+    with pytest.raises(HypicError, match="out of step"):
+        group.generate("next", max_new_tokens=2)
+    group.close()
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)
+    assert not _live_children()

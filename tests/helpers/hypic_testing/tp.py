@@ -84,3 +84,23 @@ def pool_bytes_after_warmup(tp: TensorParallel, path: str, document: str) -> int
     engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
     engine.warmup([document])
     return engine.store.nbytes
+
+
+def pic_after_rank_one_lost_its_shards(tp: TensorParallel, path: str, cache_root: str) -> tuple[str, int, int, int]:
+    """The PIC test prompt run once (its documents and resume points written below memory, each rank
+    in a directory of its own), then, on new engines, again after rank 1's directory was emptied:
+    (text, segments hit, segments missed, cached tokens) of the second run. Rank 0 finds its shards
+    on disk while rank 1 finds none."""
+    import shutil
+    from pathlib import Path
+    from hypic.cache.tiers.options import TierOptions
+    tiers = TierOptions(cache_dir=str(Path(cache_root) / f"rank{tp.rank}"))
+    for run in range(2):
+        if run == 1 and tp.rank == 1:
+            shutil.rmtree(tiers.cache_dir)
+        engine = Engine.from_pretrained(path, dtype="float32", tp=tp, tiers=tiers)
+        try:
+            result = engine.generate(PROMPTS[1][0], max_new_tokens=4)
+        finally:
+            engine.close()
+    return result.text, result.segments_hit, result.segments_missed, result.cached_tokens
