@@ -22,6 +22,7 @@ bytes (format /3), with every matrix stored (before) and with decayed heads flag
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("architecture.md", "operations.md", "families.md")
 
 
+@functools.cache
 def _bench_module() -> Any:
     spec = importlib.util.spec_from_file_location("bench_real_shapes", ROOT / "eval" / "bench_real_shapes.py")
     module = importlib.util.module_from_spec(spec)
@@ -59,15 +61,8 @@ def qwen35_fields(layers: int) -> dict[str, Any]:
 
 
 def _initialise(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
-    """transformers' Qwen3-Next / Qwen3.5 gate init (A ~ U(0.01, 16), dt_bias = 1); N(0, 0.02) else."""
-    if name.endswith("A_log"):
-        param.copy_(torch.empty(param.shape).uniform_(0.01, 16, generator=generator).log())
-    elif name.endswith("dt_bias") or name.endswith("mixer.norm.weight"):
-        param.fill_(1.0)
-    elif name.endswith("norm.weight"):
-        param.zero_()  # zero-centred RMSNorm: weight 0 is the identity
-    else:
-        param.normal_(0.0, 0.02, generator=generator)
+    """transformers' Qwen3-Next / Qwen3.5 init: gates A ~ U(0.01, 16), dt_bias = 1; N(0, 0.02) else."""
+    _bench_module()._initialise(name, param, generator, a_low=0.01)
 
 
 def random_engine(fields: dict[str, Any], seed: int) -> Engine:
