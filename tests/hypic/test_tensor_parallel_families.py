@@ -6,6 +6,7 @@ import pytest
 from hypic.parallel import TensorParallel
 from hypic.parallel.launch import run_ranks
 from hypic_testing import tp as rank_code
+from hypic_testing.fidelity import Generation, Oracle, assert_same_generation, layout
 
 LOGIT_BOUND = 1e-4  # fp32: the ranks sum partial products in another order than one process does
 SHARE_BOUND = 0.55  # a rank's parameter bytes / the whole model's: vocabulary 320 is cut too; norms,
@@ -64,3 +65,28 @@ def test_each_rank_holds_about_half(checkpoint_factory, name: str) -> None:
     shares = [rank_code.parameter_bytes(TensorParallel(rank, 2), path) for rank in range(2)]
     assert all(share <= SHARE_BOUND * whole for share in shares), (shares, whole)
     assert sum(shares) >= whole  # nothing dropped: replicated parts are counted on both ranks
+
+
+FIDELITY_VARIANTS = VARIANTS
+
+
+@pytest.fixture(scope="module")
+def two_ranks_fidelity(checkpoint_factory) -> dict[str, list]:
+    """{variant: each rank's cold and warm generations of the fidelity layout}, long-memory copies (where
+    HYPIC's splice differs from full recompute), from one start of two ranks."""
+    paths = {name: str(checkpoint_factory(name, long_memory=True)) for name in FIDELITY_VARIANTS}
+    ranks = run_ranks(rank_code.fidelity_runs, 2, paths)
+    return {name: [rank[name] for rank in ranks] for name in FIDELITY_VARIANTS}
+
+
+@pytest.mark.parametrize("name", FIDELITY_VARIANTS)
+def test_fidelity_layout_at_two_ranks_matches_the_reference(two_ranks_fidelity: dict[str, list], checkpoint_factory,
+                                                            reference_factory, name: str) -> None:
+    """The independent reference's HYPIC generation (tests/reference: token loop and splice rule) of the
+    fidelity tests' layout, against both ranks' cold and warm runs, to the fidelity tests' bound."""
+    path = checkpoint_factory(name, long_memory=True)
+    expected = Oracle(reference_factory(path), path, 8).generate(layout(1, [70, 260, 41]))
+    for rank in two_ranks_fidelity[name]:
+        for kind, (tokens, logits, hit, missed) in rank.items():
+            assert (hit, missed) == ((3, 0) if kind == "warm" else (0, 3)), kind
+            assert_same_generation(Generation(tokens, logits), expected, f"{name} {kind}")

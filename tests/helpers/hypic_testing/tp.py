@@ -104,3 +104,22 @@ def pic_after_rank_one_lost_its_shards(tp: TensorParallel, path: str, cache_root
         finally:
             engine.close()
     return result.text, result.segments_hit, result.segments_missed, result.cached_tokens
+
+
+def fidelity_runs(tp: TensorParallel, paths: dict[str, str]) -> dict[str, dict[str, tuple]]:
+    """For each checkpoint, the fidelity tests' three-document layout with its documents cold (built
+    in the request) and warm (cached by a warm-up first): {"cold"|"warm": (greedy tokens, the logits
+    each was chosen from, segments hit, segments missed)}, seam width 8."""
+    from hypic_testing.fidelity import engine_generation, layout
+    case, runs = layout(1, [70, 260, 41]), {}
+    for name, path in paths.items():
+        runs[name] = {}
+        for kind in ("cold", "warm"):
+            engine = Engine.from_pretrained(path, dtype="float32", seam_width=8, tp=tp)
+            if kind == "warm":
+                engine.warmup(list(case.documents))
+            prefill = engine.prefill(engine.parse(case.text))
+            generation = engine_generation(engine, prefill)
+            runs[name][kind] = (generation.tokens, generation.logits, prefill.stats.segments_hit,
+                                prefill.stats.segments_missed)
+    return runs
