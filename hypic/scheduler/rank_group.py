@@ -2,7 +2,10 @@
 engine loop); ranks 1..N-1 are started here, each loading its shard and following rank 0's loop
 (``lockstep.FollowerLoop``). A rank that dies takes the server down: rank 0's watchdog notices it,
 /health answers 503 for a moment, then the remaining ranks are killed and rank 0 exits non-zero.
-A follower exits when rank 0 goes away (its broadcast fails, or its parent process is gone)."""
+A rank that hangs does too: each follower beats a heartbeat from a thread of its own (it goes on
+while the rank computes or waits in a collective, both of which release the interpreter), and one
+silent for ``HANG_S`` is taken for dead. A follower exits when rank 0 goes away (its broadcast
+fails, or its parent process is gone)."""
 import dataclasses
 import logging
 import os
@@ -25,15 +28,17 @@ log = logging.getLogger("hypic.server")
 POLL_S = 0.5  # how often the watchdog looks at the ranks' processes (and a follower at its parent)
 EXIT_GRACE_S = 1.0  # how long /health reports a failed group before the server exits
 EXIT_CODE = 3  # rank 0's exit status when its group fails
+HANG_S = 20.0  # a follower whose heartbeat is this old is hung (stopped, or stuck holding the interpreter)
 
 
 def _follow(rank: int, size: int, address: str, threads: int | None, path: str, engine_options: dict[str, Any],
-            loop_options: dict[str, Any], parent: int) -> None:
+            loop_options: dict[str, Any], parent: int, heartbeat: Any) -> None:
     """A follower rank: join the group, load its shard, follow rank 0's loop until it stops."""
     from ..engine import Engine
     for stop in (signal.SIGINT, signal.SIGTERM):  # rank 0 ends the group (a terminal's Ctrl-C reaches every rank)
         signal.signal(stop, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), name="hypic-parent-watch", daemon=True).start()
+    threading.Thread(target=_beat, args=(heartbeat,), name="hypic-heartbeat", daemon=True).start()
     if threads is not None:
         torch.set_num_threads(threads)
     tp = join_group(rank, size, address, engine_options.get("device", "cpu"))
@@ -57,6 +62,13 @@ def _follower_options(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "tiers": dataclasses.replace(tiers, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)}
 
 
+def _beat(heartbeat: Any) -> None:
+    """Stamp ``heartbeat`` with the time (``time.monotonic``, one clock for every process of the host)."""
+    while True:
+        heartbeat.value = time.monotonic()
+        time.sleep(POLL_S)
+
+
 def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(POLL_S)
@@ -74,8 +86,10 @@ class RankGroup:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one host talk over loopback
         self.failed: str | None = None
         self.closing, self._lock = False, threading.Lock()
+        self.heartbeats = [context.Value("d", 0.0) for _ in range(1, size)]  # 0: not beating yet
         self.processes = [context.Process(target=_follow, args=(rank, size, address, threads, path, engine_options,
-                                                                loop_options, os.getpid()), daemon=True)
+                                                                loop_options, os.getpid(), self.heartbeats[rank - 1]),
+                                          daemon=True)
                           for rank in range(1, size)]
         for process in self.processes:
             process.start()
@@ -89,9 +103,16 @@ class RankGroup:
 
     def _watch(self) -> None:
         while not self.closing:
-            for rank, process in enumerate(self.processes, 1):
-                if process.exitcode is not None and not self.closing:
+            for rank, (process, heartbeat) in enumerate(zip(self.processes, self.heartbeats), 1):
+                silent = time.monotonic() - heartbeat.value if heartbeat.value else 0.0
+                if self.closing:
+                    return
+                if process.exitcode is not None:
                     self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) died (exit code {process.exitcode})")
+                    return
+                if silent > HANG_S:
+                    self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) hangs (no heartbeat for "
+                              f"{silent:.0f} s)")
                     return
             time.sleep(POLL_S)
 

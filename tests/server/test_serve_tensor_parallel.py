@@ -273,6 +273,24 @@ def test_a_rank_killed_takes_the_server_down(pair: Pair) -> None:
     assert all(_gone(pid) for pid in pids)
 
 
+def test_a_rank_that_hangs_takes_the_server_down(checkpoint: Path, tmp_path: Path) -> None:
+    """Rank 1 stopped (SIGSTOP: alive, but silent) while rank 0 serves: the server exits non-zero
+    within 30 s, naming the rank, and leaves no process."""
+    server = _serve(checkpoint, tmp_path / "hang.log", "--tp-size", "2")
+    try:
+        pids = server.get("/get_server_info")["tensor_parallel"]["rank_pids"]
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        server.process.wait(timeout=30)
+        assert time.monotonic() - start < 30
+    finally:
+        if server.process.poll() is None:
+            server.stop()
+    assert server.process.returncode not in (None, 0)
+    assert "tensor-parallel rank 1" in server.log.read_text() and "hangs" in server.log.read_text()
+    assert all(_gone(pid) for pid in pids)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp-size", "2", "--workers", "2"], "--tp-size above 1 with --workers above 1 is not served"),
     (["--tp-size", "3"], "is not divisible by the tensor-parallel size 3"),
