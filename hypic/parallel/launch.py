@@ -91,8 +91,13 @@ def _collect(results: Any, processes: list, size: int, timeout_s: float) -> list
 
 
 def _check_alive(processes: list, got: dict[int, Any], deadline: float) -> None:
-    for rank, process in enumerate(processes):
-        if rank not in got and process.exitcode is not None:
+    """Fail the group for a rank that died without a result. A rank killed or failing (non-zero exit)
+    is named first: a rank that exited cleanly has its result, or its failure, still on the queue
+    (a peer's death often is what ended it), and it is read at the next poll."""
+    exited = [(rank, process) for rank, process in enumerate(processes)
+              if rank not in got and process.exitcode is not None]
+    for rank, process in sorted(exited, key=lambda item: item[1].exitcode == 0):
+        if process.exitcode != 0 or time.monotonic() > deadline:
             raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {process.exitcode}) without a result")
     if time.monotonic() > deadline:
         raise RuntimeError(f"tensor-parallel ranks {sorted(set(range(len(processes))) - set(got))} gave no result in time")
