@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import HypicError
-from .group import TensorParallel, same_on_every_rank
+from .group import TensorParallel, from_rank_zero, same_on_every_rank
 from .launch import free_address, join_group
 
 STOP = None  # the call that ends a follower
@@ -28,7 +28,7 @@ def _follow(rank: int, size: int, address: str, threads: int | None, path: str, 
     tp = join_group(rank, size, address)
     engine = Engine.from_pretrained(path, tp=tp, **options)
     try:
-        while (call := _receive()) is not STOP:
+        while (call := from_rank_zero()) is not STOP:
             name, args, kwargs = call
             error = _call(engine, name, args, kwargs)
             if not same_on_every_rank([error is not None], tp):  # a failure on this rank alone, or on rank 0 alone
@@ -48,16 +48,6 @@ def _call(engine: Any, name: str, args: tuple, kwargs: dict) -> str | None:
     except Exception:
         return traceback.format_exc()
     return None
-
-
-def _receive() -> Any:
-    box = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _send(call: Any) -> None:
-    dist.broadcast_object_list([call], src=0)
 
 
 class EngineGroup:
@@ -95,7 +85,7 @@ class EngineGroup:
 
         def repeated(*args: Any, **kwargs: Any) -> Any:
             self._check_followers()
-            _send((name, args, kwargs))
+            from_rank_zero((name, args, kwargs))
             try:
                 result = value(*args, **kwargs)
             except Exception:
@@ -133,7 +123,7 @@ class EngineGroup:
         try:
             if not self._broken:
                 self._check_followers()
-                _send(STOP)
+                from_rank_zero(STOP)
         finally:
             self._engine.close()
             dist.destroy_process_group()

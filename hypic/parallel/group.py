@@ -2,6 +2,7 @@
 default process group: gloo on the CPU, NCCL on GPUs)."""
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,10 +47,15 @@ def all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 def common_seed(tp: TensorParallel) -> int:
     """A random seed every rank agrees on (rank 0's): an unseeded sample must pick the same token on
     every rank, or the ranks' shards of its state would follow different texts."""
-    seed = [random.getrandbits(62) if tp.rank == 0 else 0]
-    if tp.enabled:
-        dist.broadcast_object_list(seed, src=0)
-    return seed[0]
+    seed = random.getrandbits(62) if tp.rank == 0 else 0
+    return from_rank_zero(seed) if tp.enabled else seed
+
+
+def from_rank_zero(value: Any = None) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object; the others pass nothing)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _control_device() -> torch.device:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from ..cache.plan import RequestPlan
 from ..errors import HypicError
-from ..parallel.group import TensorParallel, same_on_every_rank
+from ..parallel.group import TensorParallel, from_rank_zero, same_on_every_rank
 from .loop import Command, EngineLoop, Event, Job, Pending, WarmupTask, wake_only
 from .requests import Request
 
@@ -200,7 +199,7 @@ class LeaderLoop(_Lockstep):
         idle = not self.running and all(isinstance(p, Job) and p.awaiting for p in self.waiting)
         items, stop = self._take_inbox(self._idle_wait() if idle else None)
         record = self._record(items, stop)
-        dist.broadcast_object_list([record], src=0)
+        from_rank_zero(record)
         if stop:
             return False
         self._freeze(record)
@@ -267,7 +266,7 @@ class FollowerLoop(_Lockstep):
 
     def run(self) -> None:
         torch.set_grad_enabled(False)
-        while not (record := _receive()).stop:
+        while not (record := from_rank_zero()).stop:
             self._apply(record)
             self._freeze(record)
             self._iterate()
@@ -305,9 +304,3 @@ class FollowerLoop(_Lockstep):
 
     def _publish(self) -> dict[str, Any]:
         return {}  # nobody reads a follower's counters
-
-
-def _receive() -> Iteration:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
