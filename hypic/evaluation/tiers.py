@@ -161,7 +161,7 @@ def _default_entry(engine: Engine, tokens: int) -> tuple[SegmentEntry, EntryIden
     """A real entry of a ``tokens``-token document on ``engine``, its identity, and its build time."""
     ids = tuple((i * 7919 + 13) % (engine.model.config.vocab_size - 1) for i in range(tokens))
     policy = engine.policy("hypic")
-    key = engine.segment_key(ids, policy)
+    key = engine.cache.document_key(ids, policy)
     def rebuild() -> None:
         engine.store.clear()
         engine.segment_entry(ids, policy)

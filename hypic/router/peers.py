@@ -194,7 +194,7 @@ class PeerRequest:
         """Documents below memory brought up (held here, never rebuilt by a peer), the documents
         planned over the workers, the local builds queued on the loop, the peers' started."""
         engine, mode = self.loop.engine, self.loop.mode
-        loaded = engine.load_from_tiers(self.request)
+        loaded = engine.cache.load_from_tiers(self.request)
         plan = self.peers.plan(self.request, engine.store.keys())
         self.built = dataclasses.replace(plan.built_for_request(LOCAL), loaded=loaded)
         local = self.peers.local_segments(plan)

@@ -72,11 +72,11 @@ class Worker:
         entries = []
         for job in jobs:
             policy = self.engine.policy(mode, job.namespace)
-            entry, found = self.engine.lookup_segment(job.token_ids, policy)
+            entry, found = self.engine.cache.lookup_document(job.token_ids, policy)
             if found != job.key:
                 raise ValueError(f"job key {job.key[:12]} does not address its tokens on this worker")
             if entry is None:
-                entry = yield from self.engine.build_segment(job.key, job.token_ids, policy)
+                entry = yield from self.engine.prefiller.document_steps(job.key, job.token_ids, policy)
             entries.append(entry)
         return entries
 
@@ -116,14 +116,14 @@ class Worker:
         """The combine pass of the request ``plan`` (this worker is its combine node); the caller
         decodes the state. ``built``: what was computed for the request beforehand (its stats count
         it as computed)."""
-        return self.loop.run_steps(self.engine.prefill_steps(plan)).result().for_request(built)
+        return self.loop.run_steps(self.engine.prefiller.prefill_steps(plan)).result().for_request(built)
 
     def precombine(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
                    arriving: frozenset[str] = frozenset()) -> PrefillStats | None:
         """Combine the head of the request this worker already holds (``Engine.precombine_steps``; the
         documents keyed in ``arriving`` left out), while its peers' last documents are on their
         way; the head's stats (None: nothing combined)."""
-        return self.loop.run_steps(self.engine.precombine_steps(plan, built, arriving)).result()
+        return self.loop.run_steps(self.engine.prefiller.precombine_steps(plan, built, arriving)).result()
 
     def generate(self, plan: RequestPlan, sampling: dict[str, Any],
                  built: BuiltForRequest = BuiltForRequest()) -> GenerationResult:

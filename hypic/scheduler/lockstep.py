@@ -10,7 +10,6 @@ and the tokens they sampled: if they disagree, or a pass through the model fails
 peers would wait in a collective it never reaches), the group ends (``RanksOutOfStep``)."""
 import itertools
 import logging
-import queue
 import random
 import time
 from dataclasses import dataclass
@@ -211,19 +210,13 @@ class LeaderLoop(_Lockstep):
         """What the inbox holds (waiting up to ``wait_s`` for the first item), admitted or run here, as
         records; and whether the loop stops."""
         items: list[Item] = []
-        try:
-            item = self.inbox.get(timeout=wait_s) if wait_s is not None else self.inbox.get_nowait()
-        except queue.Empty:
-            return items, False
-        while item is not None:
+        for item in self._inbox_items(wait_s):
+            if item is None:
+                return items, True
             record = self._take(item)
             if record is not None:
                 items.append(record)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return items, False
-        return items, True
+        return items, False
 
     def _take(self, item: Pending | Command) -> Item | None:
         if isinstance(item, FlushCommand):

@@ -6,7 +6,7 @@ one batch (continuous batching: requests join and leave between iterations). Sev
 be in flight, each asking for its next combine pass (a chunk of a cold segment, of a warm-up, or
 of the combine pass); taken smallest first by uncached tokens left, less a credit for the time
 waited (so a long cold request does not hold up short ones, and is not starved by them), as many
-passes as fit one chunk's tokens run through the model together (``combine_batch``).
+passes as fit one chunk's tokens run through the model together (``ModelRunner.run``).
 A request starts only when the state it may hold fits ``max_state_bytes``; the waiting queue is
 bounded. An error in one request fails that request only. A request's n samples share its prefill.
 """
@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..assembler import CombineResult, CombineWork, Steps, combine_batch
-from ..decode import decode_batch
-from ..engine import Engine, Prefill
+from ..assembler import CombineResult, CombineWork, Steps
+from ..engine import Engine
+from ..prefill import Prefill
 from ..cache.plan import RequestPlan
 from ..cache.store import Load
 from ..cache.modes import Mode
@@ -294,7 +294,7 @@ class EngineLoop:
         documents are on their way (``Engine.precombine_steps``; those keyed in ``arriving`` left out
         of it), in chunks like a warm-up; the future holds the head's ``PrefillStats`` (None:
         nothing to combine early)."""
-        task = WarmupTask(self.engine.precombine_steps(plan, built, arriving), len(plan.parts.token_ids))
+        task = WarmupTask(self.engine.prefiller.precombine_steps(plan, built, arriving), len(plan.parts.token_ids))
         if self._queued >= self.max_queued:  # never refused as a request would be: it is combined later instead
             task.future.set_result(None)
         else:
@@ -364,27 +364,32 @@ class EngineLoop:
     def _drain(self, wait_s: float | None) -> bool:
         """Take everything queued (waiting up to ``wait_s`` for the first item; None: not at all);
         False on shutdown."""
-        try:
-            item = self.inbox.get(timeout=wait_s) if wait_s is not None else self.inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
+        for item in self._inbox_items(wait_s):
             if item is None:
                 return False
             if isinstance(item, Command):
                 self._run_command(item)
             else:
                 self._admit(item)
-            try:
+        return True
+
+    def _inbox_items(self, wait_s: float | None) -> Iterator[Pending | Command | None]:
+        """What the inbox holds now, waiting up to ``wait_s`` for the first item (None: not at all);
+        ends after a None (shutdown)."""
+        try:
+            item = self.inbox.get(timeout=wait_s) if wait_s is not None else self.inbox.get_nowait()
+            while item is not None:
+                yield item
                 item = self.inbox.get_nowait()
-            except queue.Empty:
-                return True
+            yield None
+        except queue.Empty:
+            return
 
     def _admit(self, item: Pending) -> None:
         if isinstance(item, Job):
             self.stats.requests_received += 1
-            item.remaining = self.engine.uncached_tokens(item.plan)
-            item.loads = self.engine.prefetch(item.plan)  # its documents and resume point are read meanwhile
+            item.remaining = self.engine.cache.uncached_tokens(item.plan)
+            item.loads = self.engine.cache.prefetch(item.plan)  # its documents and resume point are read meanwhile
             for future, _ in item.loads:
                 self._wake_when_done(future)
         self.waiting.append(item)
@@ -484,7 +489,7 @@ class EngineLoop:
             job.phases.append(Phase.RECEIVING)
             self._wake_when_done(job.remote)
         else:  # its documents are in the pool now: it ranks by what its combine pass computes
-            job.remaining = self.engine.uncached_tokens(job.plan)
+            job.remaining = self.engine.cache.uncached_tokens(job.plan)
 
     def _by_priority(self) -> list[Pending]:
         """Waiting work, fewest uncached tokens left (less its waiting credit) first."""
@@ -521,7 +526,7 @@ class EngineLoop:
         works = [p.work for p in batch if p.work is not None]
         restores = [work.checkpoint() for work in works] if len(works) > 1 else []
         try:
-            results: list[CombineResult] = self._model_call(lambda: combine_batch(works))
+            results: list[CombineResult] = self._model_call(lambda: self.engine.runner.run(works))
         except Exception as err:
             if len(batch) == 1:
                 self._broke(batch[0], err)
@@ -607,7 +612,7 @@ class EngineLoop:
                 return job.remote.result()
             except Exception as err:  # a lost combine node: prefill here instead
                 log.warning("remote prefill of %s failed (%s: %s); prefilling here", job.rid, type(err).__name__, err)
-        return (yield from self.engine.prefill_steps(job.plan)).for_request(job.built)
+        return (yield from self.engine.prefiller.prefill_steps(job.plan)).for_request(job.built)
 
     def _prefilled(self, job: Job, prefill: Prefill) -> None:
         """The job's prefill is done: its samples start decoding from it (the first token now)."""
@@ -635,7 +640,7 @@ class EngineLoop:
         states = [job.states[i] for job, i in rows]
         marks = [state.mark() for state in states]
         try:
-            logits, _ = self._model_call(lambda: decode_batch(self.engine.model, states,
+            logits, _ = self._model_call(lambda: self.engine.runner.decode(states,
                                                               [job.sequences[i].output_ids[-1] for job, i in rows]))
         except Exception:
             for state, mark in zip(states, marks):
@@ -652,7 +657,7 @@ class EngineLoop:
         for job, index in rows:
             if job in self.running:
                 self._guarded(job, lambda j, i=index: self._accept(j, i, self._model_call(
-                    lambda: decode_batch(self.engine.model, [j.states[i]], [j.sequences[i].output_ids[-1]]))[0][0]))
+                    lambda: self.engine.runner.decode([j.states[i]], [j.sequences[i].output_ids[-1]]))[0][0]))
         self._finish_done()
 
     def _finish_done(self) -> None:
@@ -671,7 +676,7 @@ class EngineLoop:
     def _finish(self, job: Job) -> None:
         self._remove(job)
         for state in job.states:  # each sample's prompt + output, for the next turn of a conversation
-            self.engine.remember(state, job.mode, job.parts.namespace)
+            self.engine.cache.insert_finished(state, self.engine.policy(job.mode, job.parts.namespace))
         self._release(job)
         completion = self._completion(job)
         self.stats.add_finished(completion)
@@ -702,7 +707,7 @@ class EngineLoop:
         if job.steps is not None:
             job.steps.close()  # releases the public entries its prefill pinned
         else:
-            self.engine.discard_prefetch(job.plan)  # gone before it started: what was read for it is dropped
+            self.engine.cache.discard_prefetch(job.plan)  # gone before it started: what was read for it is dropped
 
     def _by_phase(self) -> dict[str, int]:
         """Requests in the loop by phase."""
@@ -721,7 +726,6 @@ class EngineLoop:
 
     def _publish(self) -> dict[str, Any]:
         """A consistent copy of the numbers the HTTP side reports (read without locks)."""
-        store, prefix = self.engine.store, self.engine.prefix_cache
         return {
             **self.stats.as_dict(), "waiting_requests": len(self.waiting), "running_requests": len(self.running),
             "held_state_bytes": self._held_bytes(), "max_state_bytes": self.max_state_bytes,
@@ -729,17 +733,5 @@ class EngineLoop:
             "running_state_bytes": {"full": sum(s.nbytes - s.window_nbytes for j in self.running for s in j.states),
                                     "sliding_window": sum(s.window_nbytes for j in self.running for s in j.states)},
             "running_shared_bytes": self._shared_bytes(),
-            "public_pool": {"bytes": store.nbytes, "budget_bytes": store.budget_bytes, "entries": len(store),
-                            "hits": store.hits, "misses": store.misses, "evictions": store.evictions,
-                            "rejected": store.rejected, "pinned": store.pinned,
-                            "arena_reserved_bytes": store.arenas.reserved_bytes},
-            "private_pool": {"bytes": prefix.nbytes, "budget_bytes": prefix.budget_bytes, "hits": prefix.hits,
-                             "misses": prefix.misses, "evictions": prefix.evictions,
-                             "window_bytes": prefix.window_nbytes, "window_budget_bytes": prefix.window_budget_bytes,
-                             "window_evictions": prefix.window_evictions,
-                             "snapshot_evictions": prefix.snapshot_evictions, "pages": prefix.arenas.used_slots,
-                             "page_tokens": prefix.arenas.page_tokens,
-                             "arena_reserved_bytes": prefix.reserved_bytes},
-            "tiers": store.lower.describe() if store.lower is not None else None,
-            "resume_points": self.engine.resume.describe() if self.engine.resume is not None else None,
+            **self.engine.cache.describe(),
         }

@@ -6,6 +6,8 @@ imports inside functions are on-demand and not counted), what imports what.
   imports (checked in a fresh interpreter);
 - the scheduler (``hypic.scheduler``), which the server and the workers both host, imports neither;
 - the caches (``hypic.cache``) import nothing above them: no engine, assembler, model, server;
+- the scheduler runs the model only through the model runner (no forward pass of its own), and
+  a prefill reaches the pools only through their one interface (``HybridCache``);
 - nothing outside the pools reads a pool's ``entries``;
 - no module-level import cycles.
 """
@@ -108,6 +110,20 @@ def test_the_caches_import_nothing_above_them() -> None:
     graph = _graph()
     assert [(m, t) for m, targets in graph.items() if m.startswith("hypic.cache") for t in targets
             if t.startswith(above)] == []
+
+
+def test_the_scheduler_runs_the_model_only_through_the_runner() -> None:
+    passes = ("hypic.decode", "hypic.models", "hypic.segment_prefill", "hypic.assembler.combine", "hypic.kernels")
+    graph = _graph() | {m: _imports(m, path) for m, path in _modules().items() if m.startswith("hypic.scheduler")}
+    assert [(m, t) for m, targets in graph.items() if m.startswith("hypic.scheduler") for t in targets
+            if t.startswith(passes)] == []
+
+
+def test_a_prefill_reaches_the_pools_through_their_interface() -> None:
+    pools = ("hypic.cache.store.SegmentStore", "hypic.cache.prefix_cache", "hypic.cache.resume_points",
+             "hypic.cache.tiers")
+    found = {t for m in ("hypic.prefill", "hypic.model_runner") for t in _imports(m, _modules()[m])}
+    assert sorted(t for t in found if t.startswith(pools)) == []
 
 
 def test_no_module_level_import_cycles() -> None:

@@ -49,7 +49,7 @@ def test_chunked_request_prefill_equals_unchunked(engine: Engine, tiny_checkpoin
     rng = random.Random(3)
     prompt = SEP.join(["".join(rng.choice("abcdefgh ") for _ in range(n)) for n in (9, 40, 33, 12)])
     unchunked = Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=10_000)
-    steps = engine.prefill_steps(engine.plan(engine.parse(prompt), mode))
+    steps = engine.prefiller.prefill_steps(engine.plan(engine.parse(prompt), mode))
     count, reply = 0, None
     while True:
         try:

@@ -109,7 +109,7 @@ def test_requests_prefilled_together_on_cuda_match_each_alone(engines: dict[str,
     for engine in (cuda, cpu):
         engine.warmup([doc for seed in (5, 6) for doc in _prompt(seed)[1]])
         engine.prefix_cache.clear()
-    batched = drain_together([cuda.prefill_steps(cuda.plan(cuda.parse(p))) for p in prompts])
+    batched = drain_together([cuda.prefiller.prefill_steps(cuda.plan(cuda.parse(p))) for p in prompts])
     assert max(widths) == 4
     for prompt, result in zip(prompts, batched):
         alone = cpu.prefill(cpu.parse(prompt), "hypic")
@@ -131,7 +131,7 @@ def test_host_memory_on_cuda_hands_back_evicted_documents(tiny_checkpoint: Path)
     host = engine.store.lower
     assert len(host.entries) == len(docs) - 1
     assert all(t.is_pinned() for entry in host.entries.values() for t in _tensors(entry))
-    engine.prefetch(engine.plan(engine.parse(prompt)))
+    engine.cache.prefetch(engine.plan(engine.parse(prompt)))
     assert len(host.staged) >= 2
     result = engine.prefill(engine.parse(prompt), "hypic")
     assert result.stats.cached_tokens_by_tier["host"] > 0 and result.stats.segments_hit == len(docs)

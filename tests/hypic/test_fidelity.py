@@ -131,7 +131,7 @@ def test_precombined_head_then_the_rest(setup: Setup, name: str) -> None:
     assert early is not None and early.prompt_tokens == head and early.segments_hit == 2  # the second: no interior
     assert engine.precombine(parts) is None  # its head is already combined
     engine.warmup([case.documents[3]])
-    assert engine.held_head(engine.plan(parts)) is None  # every document is held: the request runs whole
+    assert engine.cache.held_head(engine.plan(parts)) is None  # every document is held: the request runs whole
     prefill = engine.prefill(parts, built=BuiltForRequest(heads=(early,)))
     alone, _ = setup(name, True, 8)  # the same documents held, nothing combined early
     alone.warmup([case.documents[0], case.documents[2], case.documents[3]])
@@ -281,7 +281,7 @@ def test_requests_prefilled_together_match_reference(setup: Setup, monkeypatch: 
              Layout(random_text(random.Random(24), 130), (), "a plain question")]
     engine, oracle = setup(name, True, 8, chunk_tokens=64)
     engine.warmup([first.documents[1]])
-    prefills = drain_together([engine.prefill_steps(engine.plan(engine.parse(case.text))) for case in cases])
+    prefills = drain_together([engine.prefiller.prefill_steps(engine.plan(engine.parse(case.text))) for case in cases])
     assert sum(p.stats.segments_missed for p in prefills) >= 2  # the cold documents were built among the batches
     assert not varlen or max(widths) >= 2
     for case, prefill in zip(cases, prefills):

@@ -131,12 +131,12 @@ def test_an_entry_loaded_from_below_is_served_from_its_stored_copy() -> None:
 
 
 def test_a_built_document_is_returned_as_the_pools_copy(engine: Engine) -> None:
-    """``build_segment`` hands the request the entry in the pool's slots when it fits (the built
+    """``Prefiller.document_steps`` hands the request the entry in the pool's slots when it fits (the built
     tensors go), and the built one when it does not."""
     policy = engine.policy("hypic")
     ids = tuple(engine.tokenizer.encode("the heron studied reeds by the river " * 3))
-    key = engine.lookup_segment(ids, policy)[1]
-    built = drain(engine.build_segment(key, ids, policy))
+    key = engine.cache.lookup_document(ids, policy)[1]
+    built = drain(engine.prefiller.document_steps(key, ids, policy))
     assert built is engine.store.peek(key, ids)
     assert any(isinstance(layer, LinearInterior) and layer.owner is not None for layer in built.layers)
 
@@ -411,9 +411,9 @@ def test_entry_bytes_are_the_bytes_an_entry_takes(checkpoint_factory, variant: s
         for length in (5, 9, 40):
             ids = tuple(rng.randrange(engine.model.config.vocab_size) for _ in range(length))
             policy = engine.policy(mode)
-            key = engine.lookup_segment(ids, policy)[1]
+            key = engine.cache.lookup_document(ids, policy)[1]
             has_interior = policy.seams is not None and policy.seams.interior(length) is not None
-            expected = drain(engine.build_segment(key, ids, policy)).nbytes if has_interior else 0
+            expected = drain(engine.prefiller.document_steps(key, ids, policy)).nbytes if has_interior else 0
             assert engine.entry_bytes(length, mode) == expected, (variant, mode, state_dtype, length)
 
 

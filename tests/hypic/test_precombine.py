@@ -1,4 +1,4 @@
-"""When a combine node has nothing to combine early (``Engine.held_head`` is None): no held document
+"""When a combine node has nothing to combine early (``HybridCache.held_head`` is None): no held document
 past the request's resume point, every document held, a mode that splices nothing, no private pool.
 That the early head then gives the reference's output is in test_fidelity.py."""
 import pytest
@@ -23,14 +23,14 @@ def _head_tokens(engine: Engine, documents: int) -> int:
 
 def test_the_head_stops_at_the_first_missing_document(engine: Engine) -> None:
     parts = engine.parse(PROMPT)
-    assert engine.held_head(engine.plan(parts)) is None  # nothing held: the head would be the leading part alone
+    assert engine.cache.held_head(engine.plan(parts)) is None  # nothing held: the head would be the leading part alone
     engine.warmup([DOCS[1]])
-    assert engine.held_head(engine.plan(parts)) is None  # the first document is missing
+    assert engine.cache.held_head(engine.plan(parts)) is None  # the first document is missing
     engine.warmup([DOCS[0]])
-    head = engine.held_head(engine.plan(parts))
+    head = engine.cache.held_head(engine.plan(parts))
     assert head is not None and len(head.parts.token_ids) == _head_tokens(engine, 2) and head.parts.trailing == ()
     engine.warmup([DOCS[2]])
-    assert engine.held_head(engine.plan(parts)) is None  # all held: nothing to do before the request itself
+    assert engine.cache.held_head(engine.plan(parts)) is None  # all held: nothing to do before the request itself
 
 
 def test_nothing_early_without_splices_or_a_private_pool(engine: Engine) -> None:

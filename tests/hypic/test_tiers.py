@@ -238,7 +238,7 @@ def test_a_spoiled_file_is_a_miss_deleted_and_the_answer_unchanged(make: MakeEng
 
 def _key(engine: Engine, index: int) -> tuple[str, tuple[int, ...]]:
     ids = tuple(engine.tokenizer.encode(DOCUMENTS[index]))
-    return engine.segment_key(ids, engine.policy("hypic")), ids
+    return engine.cache.document_key(ids, engine.policy("hypic")), ids
 
 
 def _order(engine: Engine, paths: list[Path]) -> list[int]:
@@ -273,9 +273,9 @@ def test_the_scheduler_counts_documents_on_disk_as_cached(make: MakeEngine) -> N
     parts = restarted.parse(prompt([3, 1, 0, 2]))
     seams = restarted.seams
     interiors = sum(hi - lo for lo, hi in (seams.interior(len(s)) for s in parts.segments))
-    assert restarted.uncached_tokens(restarted.plan(parts)) == len(parts.token_ids) - interiors
+    assert restarted.cache.uncached_tokens(restarted.plan(parts)) == len(parts.token_ids) - interiors
     memory_only = make(cache_dir=None)
-    assert memory_only.uncached_tokens(memory_only.plan(parts)) == len(parts.token_ids)
+    assert memory_only.cache.uncached_tokens(memory_only.plan(parts)) == len(parts.token_ids)
 
 
 @pytest.mark.parametrize("policy, after_build, after_reuse, after_close", [
@@ -490,7 +490,7 @@ def test_prefetch_policies_wait_as_they_say(make: MakeEngine, monkeypatch: pytes
         threading.Timer(0.6, release.set).start()
     try:
         parts = engine.parse(prompt([1, 0]))
-        assert len(engine.prefetch(engine.plan(parts))) == 2
+        assert len(engine.cache.prefetch(engine.plan(parts))) == 2
         prefill = engine.prefill(parts)
     finally:
         release.set()
@@ -551,7 +551,7 @@ def test_host_memory_keeps_what_the_device_pool_evicts(make: MakeEngine) -> None
     host = tiers_of(engine)
     assert len(engine.store) == 1 and len(host.entries) == 2 and host.nbytes == sizes[0] + sizes[1]
     text = prompt([1, 0, 2])
-    assert engine.prefetch(engine.plan(engine.parse(text))) == [] and len(host.staged) == 2  # copies: nothing to wait for
+    assert engine.cache.prefetch(engine.plan(engine.parse(text))) == [] and len(host.staged) == 2  # copies: nothing to wait for
     result = engine.generate(text, max_new_tokens=8)
     parts = engine.parse(text)
     interiors = [hi - lo for lo, hi in (engine.seams.interior(len(s)) for s in parts.segments)]
@@ -821,7 +821,7 @@ def test_a_resume_point_is_looked_up_as_its_request_arrives(make: MakeEngine, tm
 
     restarted.resume.disk.reading = recorded
     parts = restarted.parse(turn2)
-    restarted.prefetch(restarted.plan(parts))
+    restarted.cache.prefetch(restarted.plan(parts))
     (lookup,) = restarted.resume.prefetches.values()
     lookup.result(timeout=30)
     for path in (tmp_path / "cache").rglob("*.safetensors"):
@@ -845,7 +845,7 @@ def test_a_lookup_prefetched_for_one_key_never_serves_another(make: MakeEngine) 
     tree, namespace, key = plan.policy.tree, plan.policy.namespace, plan.tree_key
     other = [k + (2**61 - 1) if i == 10 else k for i, k in enumerate(key)]
     assert hash(tuple(other)) == hash(tuple(key)) and other != key
-    empty = engine.resume_points.empty_state()
+    empty = engine.cache.resume_points.empty_state()
     lookup, _ = engine.resume.prefetch(tree, namespace, key, 0, len(key) - 1, empty)
     assert lookup.result(timeout=30).state.length == len(prompt) + 4
     assert engine.resume.take(tree, namespace, other, 0, len(other) - 1, empty) is None
@@ -862,7 +862,7 @@ def test_a_prefetched_resume_point_gives_way_to_a_longer_one_memory_made_meanwhi
     turn3 = turn2 + reply.output_ids + [65, 66]
     engine = make()
     parts = engine.parse(turn3)
-    engine.prefetch(engine.plan(parts))
+    engine.cache.prefetch(engine.plan(parts))
     (lookup,) = engine.resume.prefetches.values()
     assert lookup.result(timeout=30).state.length == len(prompt) + 4
     engine.generate(list(turn2), max_new_tokens=5, ignore_eos=True)

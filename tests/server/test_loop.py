@@ -94,16 +94,16 @@ def test_a_failing_decode_batch_is_retried_per_request(running: EngineLoop, monk
     clean.wait(3)
     collector = Collector()
     jobs = {name: _submit(running, collector, name, _text(10 + i, 40), tokens=6) for i, name in enumerate("xyz")}
-    real = loop_module.decode_batch
+    real = running.engine.runner.decode
 
-    def faulty(model, states, tokens):
+    def faulty(states, tokens):
         if any(state is jobs["y"].states[0] for state in states if jobs["y"].states) and len(
                 jobs["y"].sequences[0].output_ids) >= 3:
-            real(model, states, tokens)  # half of the work done in place, then the fault
+            real(states, tokens)  # half of the work done in place, then the fault
             raise RuntimeError("injected decode fault")
-        return real(model, states, tokens)
+        return real(states, tokens)
 
-    monkeypatch.setattr(loop_module, "decode_batch", faulty)
+    monkeypatch.setattr(running.engine.runner, "decode", faulty)
     collector.wait(3)
     assert isinstance(collector.done["y"], ErrorEvent)
     for name in "xz":
@@ -488,8 +488,8 @@ def test_a_pass_that_breaks_in_a_batch_fails_only_its_request(tiny_checkpoint: P
 
     monkeypatch.setattr(assembler, "_full_attend", breaking)
     batches: list[int] = []
-    combine_batch = loop_module.combine_batch
-    monkeypatch.setattr(loop_module, "combine_batch", lambda works: batches.append(len(works)) or combine_batch(works))
+    run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda works: batches.append(len(works)) or run(works))
     loop, collector = EngineLoop(engine, "hypic"), Collector()
     for name, prompt in prompts.items():
         _scored(loop, collector, name, prompt)
@@ -550,7 +550,7 @@ def test_a_long_wait_earns_a_request_a_place_ahead_of_shorter_ones(engine: Engin
         parts = engine.parse(prompt)
         jobs[name] = loop.submit(parts, GenerationRequest(prompt, params), engine.sequences(params, parts.token_ids),
                                  collector.emit_for(name), arrived=now - waited[name])
-    assert {name: engine.uncached_tokens(job.plan) for name, job in jobs.items()} == sizes  # all cold
+    assert {name: engine.cache.uncached_tokens(job.plan) for name, job in jobs.items()} == sizes  # all cold
     loop.start()
     try:
         collector.wait(3)

@@ -2,34 +2,33 @@
 disk and in Mooncake, kept in step. What memory makes, resumes from or drops is offered below (as
 the write policy wants it); what only a lower tier holds is brought into memory when a request
 resumes from it."""
+from collections.abc import Callable
 from typing import Any
 
-from .cache.modes import ModePolicy, tree_namespace
-from .cache.plan import RequestPlan
-from .cache.prefix_cache import PrefixCache, PrefixHit, RadixNode
-from .cache.segments import PromptParts, document_boundaries
-from .cache.store import Event, Load
-from .cache.tiers.hierarchy import WritePolicy
-from .cache.tiers.resume import ResumeFound, ResumeStore
-from .models import HybridModel
-from .parallel.group import rank_extremes
-from .state import RequestState
+from .modes import ModePolicy, tree_namespace
+from .plan import RequestPlan
+from .prefix_cache import PrefixCache, PrefixHit, RadixNode
+from .segments import PromptParts, document_boundaries
+from .store import Event, Load
+from .tiers.hierarchy import WritePolicy
+from .tiers.resume import ResumeFound, ResumeStore
+from ..parallel.group import TensorParallel, rank_extremes
+from ..state import RequestState
 
 
 class ResumePoints:
     """Where a request's prefill starts, and which of its states are kept to start later ones from.
     ``pool``: the private pool in memory; ``store``: its resume points on disk and in Mooncake
-    (None: memory only); ``snapshot_interval``: tokens between kept states (0: off)."""
+    (None: memory only); ``snapshot_interval``: tokens between kept states (0: off);
+    ``empty_state``: a state of no tokens on the model's device (what hits are assembled on);
+    ``tp``: the tensor-parallel group whose ranks must resume alike."""
 
-    def __init__(self, model: HybridModel, pool: PrefixCache, store: ResumeStore | None,
-                 snapshot_interval: int) -> None:
-        self.model, self.pool, self.store, self.snapshot_interval = model, pool, store, snapshot_interval
+    def __init__(self, pool: PrefixCache, store: ResumeStore | None, snapshot_interval: int,
+                 empty_state: Callable[[], RequestState], tp: TensorParallel = TensorParallel()) -> None:
+        self.pool, self.store, self.snapshot_interval = pool, store, snapshot_interval
+        self.empty_state, self.tp = empty_state, tp
         if store is not None and store.write_policy is WritePolicy.WRITE_BACK:
             pool.on_drop = self.dropped  # write_back writes a resume point as memory lets go of it
-
-    def empty_state(self) -> RequestState:
-        """A state of no tokens on the model's device (the template states are assembled on)."""
-        return RequestState.empty(self.model.config, self.model.device, self.model.dtype)
 
     def resume_state(self, key: list[int], policy: ModePolicy) -> tuple[RequestState, tuple[int, str] | None]:
         """The longest private-pool hit (never the whole prompt: the last token must be run), in
@@ -67,7 +66,7 @@ class ResumePoints:
         """Whether every tensor-parallel rank found its shard of the same resume point (same length);
         else each resumes from memory's, alike."""
         length = found.state.length if found is not None else 0
-        low, high = rank_extremes([length], self.model.config.tensor_parallel)
+        low, high = rank_extremes([length], self.tp)
         return found is not None and low == high
 
     def prefetch(self, plan: RequestPlan) -> Load | None:
