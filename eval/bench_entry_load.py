@@ -1,27 +1,36 @@
 """Load time of one stored document's entry at Qwen3.5-35B-A3B's shapes: before and after, one run.
 
 The entry is the one ``hypic eval tiers`` loads (1k tokens: 30 Gated DeltaNet layers' dense T_C and
-S_C|0 in fp32, 10 attention layers' KV in bf16, 141 MB). Each way is timed from the tier's read to
-a decoded, checked entry (what ``StorageTiers`` does on a hit), ``--repeats`` times after one
-warm-up, the ways interleaved within each repeat so that other work on the machine weighs on all
-of them alike:
+S_C|0 in fp32, 10 attention layers' KV in bf16, 141 MB). Every way is timed ``--repeats`` times
+after one warm-up, the ways interleaved within each repeat so that other work on the machine weighs
+on all of them alike. Two comparisons (``--compare``):
+
+**pool** (the default): a hit loaded into the public pool, ``SegmentStore.fetch`` until the entry is
+resident in the pool's slots (what a request waits for):
+
+- **before** (``DecodedThenPlaced`` below, the baseline): the load path as it was, decoded into
+  tensors of its own (one pass: copy and XXH3-128 a chunk at a time), then each linear layer's T_C
+  and S_C|0 copied again into a slot of the pool's arenas as the pool stores it.
+- **after** (``hypic.cache`` as it is): the storage tiers decode each linear layer's T_C and S_C|0
+  straight into a slot taken before the copy; the pool stores the entry without another copy.
+
+**format**: from the tier's read to a decoded, checked entry (what ``StorageTiers`` did on a hit):
 
 - **before** (``legacy_*`` below, copied from the code as it was at commit 225229d and kept here
   as the baseline): format ``hypic-segment-entry/1``, each tensor copied out of the memory map into
   a ``bytearray``, then a SHA-256 over every tensor; Mooncake read with ``is_exist`` + ``get`` (the
   object returned as a new ``bytes``).
-- **after** (``hypic.cache.tiers`` as it is): format ``/2``, one pass that copies each tensor
+- **after** (``hypic.cache.tiers`` as it is): the current format, one pass that copies each tensor
   straight into its own tensor a chunk at a time and hashes the chunk just copied (XXH3-128);
   Mooncake read with ``get_size`` + ``batch_get_into`` into a registered buffer kept between reads.
 
 Disk: the file in the page cache, and dropped from it first (``posix_fadvise(DONTNEED)``; the disk
 is whatever backs the working directory). Mooncake (``--mooncake``): a ``mooncake_master`` started
 here on loopback, TCP transport. Every way's entry is compared with the original, tensor by tensor,
-before the timings. Writes ``OUT/entry_load.json`` (every timing with this thread's CPU time and
-page faults, the machine, its load average and CPU pressure before and after) and prints the
-medians. ``--name`` names the file (several runs side by side).
+before the timings. Writes ``OUT/NAME.json`` (every timing with this thread's CPU time and page
+faults, the machine, its load average and CPU pressure before and after) and prints the medians.
 
-    python eval/bench_entry_load.py --mooncake --out eval/results/entry_load
+    taskset -c 1 python eval/bench_entry_load.py --mooncake --out eval/results/entry_load --name slots_run1
 """
 import argparse
 import contextlib
@@ -44,10 +53,11 @@ from typing import Any
 import torch
 
 from hypic.cache.entry_check import EntryMismatch, check_entry
-from hypic.cache.store import Role, SegmentEntry, entry_tensors
+from hypic.cache.store import Role, SegmentEntry, SegmentStore, entry_tensors
 from hypic.cache.tiers import entry_file
 from hypic.cache.tiers.disk import DiskTier
 from hypic.cache.tiers.entry_file import EntryIdentity, decode_entry, encode_entry
+from hypic.cache.tiers.hierarchy import BlobTier, StorageTiers, WritePolicy
 from hypic.evaluation.tiers import _qwen35_entry
 from hypic.server.launch import free_port
 
@@ -68,7 +78,7 @@ def legacy_encode(entry: SegmentEntry, identity: EntryIdentity) -> bytes:
     data = encode_entry(entry, identity)
     (size,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + size])
-    tensors = entry_file._verified(data, header, 8 + size)
+    tensors = entry_file.unpack(data)[1]
     meta = header["__metadata__"]
     meta["format"], meta["checksum"] = LEGACY_FORMAT, legacy_checksum(tensors)
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -207,6 +217,72 @@ def mooncake_ways(tier, entry: SegmentEntry, identity: EntryIdentity) -> dict[st
     return {"mooncake | before": before, "mooncake | after": after}
 
 
+# ----- into the pool: decode then place (before) against straight into the slots (after) --------
+class DecodedThenPlaced(StorageTiers):
+    """before, as the load path was until loads went straight into the pool: the tiers keep no hold
+    on the pool's slots, so a hit is decoded into tensors of its own, and the pool then copies each
+    linear layer's T_C and S_C|0 into a slot as it stores the entry (``SegmentStore._placed``)."""
+
+    def place_loads_in(self, arenas) -> None:
+        pass
+
+
+def pool_way(tiers: StorageTiers, entry: SegmentEntry, dropped: Path | None = None) -> Way:
+    """A hit of ``tiers`` through a pool of its own: ``fetch`` until the entry is resident in the pool's
+    slots. The pool forgets it before the clock stops (the returned entry still holds its slots), so
+    the next call loads it again; its slots go back once the caller drops it."""
+    store = SegmentStore(lower=tiers)
+
+    def load() -> SegmentEntry:
+        if dropped is not None:
+            _dropped(dropped)
+        loaded, tier = store.fetch(entry.key, entry.token_ids)
+        if loaded is None or store.entries.get(entry.key) is not loaded:
+            raise AssertionError(f"{tier or 'no tier'}: the entry is not resident in the pool")
+        store.clear()
+        return loaded
+
+    return load
+
+
+def pool_ways(tier: BlobTier, label: str, entry: SegmentEntry, identity: EntryIdentity,
+              dropped: Path | None = None) -> dict[str, Way]:
+    """Loads into the public pool from ``tier``: decode, then place (before); straight into the slots (after)."""
+    kinds = {"before": DecodedThenPlaced, "after": StorageTiers}
+    return {f"{label} | {name}": pool_way(kind([tier], identity, WritePolicy.WRITE_BACK), entry, dropped)
+            for name, kind in kinds.items()}
+
+
+def all_pool_ways(folder: Path, entry: SegmentEntry, identity: EntryIdentity, mooncake_tier) -> dict[str, Way]:
+    """Into the pool from the disk (page cache, dropped) and from Mooncake (if given)."""
+    disk = DiskTier(folder)
+    disk.open()
+    address = identity.address(entry.key, "")
+    disk.write(address, encode_entry(entry, identity))
+    ways = pool_ways(disk, "pool <- disk, page cache", entry, identity)
+    ways |= pool_ways(disk, "pool <- disk, dropped", entry, identity, dropped=disk.path(address))
+    if mooncake_tier is not None:
+        mooncake_tier.write(address, encode_entry(entry, identity))
+        _readable(mooncake_tier, address)
+        ways |= pool_ways(mooncake_tier, "pool <- mooncake", entry, identity)
+    return ways
+
+
+def _readable(tier, address: str, timeout_s: float = 30.0) -> None:
+    """Wait until Mooncake serves a read of ``address`` just put (a loaded master answered one such
+    read with an error code, which takes the tier out of use for seconds)."""
+    from hypic.cache.tiers.mooncake import MooncakeUnavailable
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(MooncakeUnavailable), tier.reading(address) as buffer:
+            if buffer is not None:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Mooncake does not serve {address} {timeout_s:.0f} s after its put")
+        time.sleep(0.2)
+
+
 def intact(loaded: SegmentEntry, entry: SegmentEntry) -> bool:
     pairs = list(zip(entry_tensors(loaded), entry_tensors(entry), strict=True))
     return all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)
@@ -264,7 +340,8 @@ def machine() -> dict[str, Any]:
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
     return {"cpu": model, "cores": os.cpu_count(), "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "sha_ni") if f in flags],
-            "python": platform.python_version(), "packages": versions, "torch_threads": torch.get_num_threads()}
+            "python": platform.python_version(), "packages": versions, "torch_threads": torch.get_num_threads(),
+            "cpu_affinity": sorted(os.sched_getaffinity(0))}
 
 
 def summary(runs: dict[str, list[dict[str, float]]], file_bytes: int) -> dict[str, dict[str, float]]:
@@ -283,10 +360,10 @@ def summary(runs: dict[str, list[dict[str, float]]], file_bytes: int) -> dict[st
 
 def report(rows: dict[str, dict[str, float]], file_bytes: int) -> str:
     lines = [f"entry file: {file_bytes / 1e6:.1f} MB; medians; CPU: this thread's; faults: page faults per load",
-             f"{'way':<28} {'wall ms':>8} {'min ms':>8} {'GB/s':>6} {'CPU ms':>7} {'faults':>7} {'speedup':>8}"]
+             f"{'way':<36} {'wall ms':>8} {'min ms':>8} {'GB/s':>6} {'CPU ms':>7} {'faults':>7} {'speedup':>8}"]
     for name, row in rows.items():
         speedup = f"{row['speedup']:.1f}x" if "speedup" in row else ""
-        lines.append(f"{name:<28} {row['median_ms']:>8.1f} {row['min_ms']:>8.1f} {row['gb_per_s']:>6.2f} "
+        lines.append(f"{name:<36} {row['median_ms']:>8.1f} {row['min_ms']:>8.1f} {row['gb_per_s']:>6.2f} "
                      f"{row['median_cpu_ms']:>7.1f} {row['median_page_faults']:>7.0f} {speedup:>8}")
     return "\n".join(lines)
 
@@ -306,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--mooncake", action="store_true", help="also Mooncake (a master started here on loopback)")
+    parser.add_argument("--compare", choices=("pool", "format"), default="pool",
+                        help="pool: a hit loaded into the public pool, decode then place against straight into its "
+                             "slots; format: the file format /1 against now, to a decoded entry")
     parser.add_argument("--out", type=Path, default=Path("eval/runs/entry_load"))
     parser.add_argument("--name", default="entry_load", help="the raw data file's name (OUT/NAME.json)")
     args = parser.parse_args(argv)
@@ -314,12 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     file_bytes = len(encode_entry(entry, identity))
     record: dict[str, Any] = {"machine": machine(), "load_average_before": os.getloadavg(),
                               "pressure_before": pressure(), "started": time.time(),
-                              "entry_bytes": entry.nbytes, "file_bytes": file_bytes, "repeats": args.repeats}
+                              "entry_bytes": entry.nbytes, "file_bytes": file_bytes, "repeats": args.repeats,
+                              "compare": args.compare}
     with tempfile.TemporaryDirectory(prefix="hypic-entry-load-", dir=".") as scratch, \
             mooncake_master(args.mooncake, Path(scratch)) as master:
-        ways = disk_ways(Path(scratch) / "disk", entry, identity)
-        if master is not None:
-            ways |= mooncake_ways(_connected_tier(master), entry, identity)
+        tier = _connected_tier(master) if master is not None else None
+        if args.compare == "pool":
+            ways = all_pool_ways(Path(scratch) / "disk", entry, identity, tier)
+        else:
+            ways = disk_ways(Path(scratch) / "disk", entry, identity)
+            ways |= mooncake_ways(tier, entry, identity) if tier is not None else {}
         runs = measure(ways, entry, args.repeats)
     record |= {"load_average_after": os.getloadavg(), "pressure_after": pressure(), "timings": runs,
                "summary": summary(runs, file_bytes)}

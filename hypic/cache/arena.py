@@ -45,15 +45,24 @@ class Slot:
     __slots__ = ("arena", "number")
 
     def __init__(self, arena: "Arena", number: int) -> None:
-        self.arena, self.number = arena, number
+        self.arena, self.number = arena, number  # number: None once released
 
     def views(self) -> tuple[torch.Tensor, ...]:
         """The slot's tensors, one per field (views into the slab: valid while this object lives)."""
+        if self.number is None:
+            raise ValueError("the slot was released: its memory is another slot's now")
         return self.arena.views(self.number)
+
+    def release(self) -> None:
+        """Give the slot back now, not when this object goes (a load that failed: whatever still
+        refers to it, an exception's frames say, reads NaN from here on)."""
+        if self.number is not None:
+            number, self.number = self.number, None
+            self.arena.give_back(number)
 
     def __del__(self) -> None:
         if not sys.is_finalizing():  # at interpreter exit the arena may be half torn down: nothing to give back to
-            self.arena.give_back(self.number)
+            self.release()
 
 
 class Arena:
@@ -142,25 +151,36 @@ def size_classes(page_tokens: int) -> tuple[int, ...]:
 
 
 class Arenas:
-    """Arenas by slot shape, made on first use."""
+    """Arenas by slot shape, made on first use. Thread-safe (the public pool's loads take slots on
+    prefetch threads while the engine loop takes and counts them)."""
 
     def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
         self.slab_bytes = slab_bytes
         self.arenas: dict[tuple, Arena] = {}
+        self._lock = threading.Lock()
 
     def arena(self, key: tuple, fields: tuple[Field, ...], device: torch.device) -> Arena:
-        if key not in self.arenas:
-            self.arenas[key] = Arena(fields, device, self.slab_bytes)
-        return self.arenas[key]
+        with self._lock:
+            if key not in self.arenas:
+                self.arenas[key] = Arena(fields, device, self.slab_bytes)
+            return self.arenas[key]
+
+    def _all(self) -> list[Arena]:
+        with self._lock:
+            return list(self.arenas.values())
+
+    def holds(self, owner: object) -> bool:
+        """Whether ``owner`` is a slot (not released) of one of these arenas."""
+        return isinstance(owner, Slot) and owner.number is not None and any(owner.arena is a for a in self._all())
 
     @property
     def used_slots(self) -> int:
-        return sum(arena.used for arena in self.arenas.values())
+        return sum(arena.used for arena in self._all())
 
     @property
     def reserved_bytes(self) -> int:
         """Bytes of the slabs allocated (used and free slots)."""
-        return sum(arena.reserved_bytes for arena in self.arenas.values())
+        return sum(arena.reserved_bytes for arena in self._all())
 
 
 class PageArenas(Arenas):
@@ -194,10 +214,14 @@ class StateArenas(Arenas):
     """One ``Arena`` per tuple of fixed shapes and dtypes: a linear layer's state with its conv window,
     a sliding-window layer's rings (each slot holds one layer's state exactly)."""
 
+    def take(self, fields: tuple[Field, ...], device: torch.device) -> Slot:
+        """A free slot of ``fields`` on ``device``; its contents are undefined (the caller fills them:
+        a load from a lower tier decodes straight into it)."""
+        return self.arena((device, fields), fields, device).take()
+
     def copy(self, *tensors: torch.Tensor) -> Slot:
         """A slot holding copies of ``tensors`` (``Slot.views`` gives them back, in order)."""
-        fields = tuple(Field(tuple(t.shape), t.dtype) for t in tensors)
-        slot = self.arena((tensors[0].device, fields), fields, tensors[0].device).take()
+        slot = self.take(tuple(Field(tuple(t.shape), t.dtype) for t in tensors), tensors[0].device)
         for view, tensor in zip(slot.views(), tensors):
             view.copy_(tensor)
         return slot

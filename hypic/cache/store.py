@@ -171,6 +171,7 @@ class LowerTiers(Protocol):
     """Where memory's misses are looked up and its entries written (``hypic.cache.tiers.StorageTiers``,
     behind ``HostTier`` on a GPU server with host memory as L2)."""
 
+    def place_loads_in(self, arenas: StateArenas) -> None: ...  # the pool's slots: loads decode straight into them
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None: ...
     def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> Load | None: ...
     def offer(self, entry: SegmentEntry, event: Event, origin: str = "") -> None: ...
@@ -203,6 +204,8 @@ class SegmentStore:
         self.rebuild_cost: Callable[[SegmentEntry], float] = lambda entry: float(len(entry.token_ids))  # set by the engine
         self.pins: Counter[str] = Counter()
         self.arenas = StateArenas()  # the linear layers' (T_C, S_C|0): fixed-size slots, reused
+        if lower is not None:
+            lower.place_loads_in(self.arenas)  # a lower tier's hit lands in them: stored with no second copy
         self.nbytes = self.pinned_bytes = 0  # pinned_bytes: of stored entries in use (never evicted)
         self.hits = self.misses = self.evictions = self.rejected = 0
 
@@ -228,8 +231,8 @@ class SegmentStore:
         if not on_every_rank(found is not None, self.tp) or found is None:
             return None, ""  # a rank that found its shard while another did not builds it too, alike
         entry, tier = found
-        if self._store(entry):
-            entry = self.entries[key]  # the stored copy (in the pool's slots): the loaded one goes
+        if self._store(entry):  # not kept (no room): its slots go back once the request drops it
+            entry = self.entries[key]  # the stored one, in the pool's slots (a load decodes there: no copy)
             self.lower.offer(entry, Event.MADE, origin=tier)  # type: ignore[union-attr]
         return entry, tier
 
@@ -273,9 +276,10 @@ class SegmentStore:
         return True
 
     def _placed(self, entry: SegmentEntry) -> SegmentEntry:
-        """``entry`` with its linear layers' T_C and S_C|0 in the pool's slots (the rest as it is)."""
-        layers = [layer.placed(self.arenas) if isinstance(layer, LinearInterior) and layer.owner is None else layer
-                  for layer in entry.layers]
+        """``entry`` with its linear layers' T_C and S_C|0 in the pool's slots (the rest as it is); a
+        layer already in one of them (decoded there by a lower tier's load) is kept as it is."""
+        layers = [layer.placed(self.arenas) if isinstance(layer, LinearInterior) and not self.arenas.holds(layer.owner)
+                  else layer for layer in entry.layers]
         return replace(entry, layers=layers)
 
     def _touch(self, entry: SegmentEntry) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from hypic import Engine
 from hypic.cache.composition import Family, Transition, compose_states
-from hypic.cache.store import LinearInterior, SegmentEntry
+from hypic.cache.store import LinearInterior, SegmentEntry, SegmentStore
 from hypic.cache.tiers.entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry
 from hypic.cache.tiers.options import TierOptions
 from hypic_reference import semantics as reference
@@ -231,10 +231,16 @@ def test_flagged_entries_round_trip_through_the_disk_tier(checkpoint: MakeCheckp
     assert kept and all(flags == "01" * (heads // 2) for flags in kept.values())
     assert all(header[f"{index}.transition"]["shape"][0] == heads // 2 for index in kept)
     decoded = decode_entry(data, ident, entry.key, entry.token_ids)
-    for ours, theirs in zip(linear_layers(decoded), linear_layers(entry), strict=True):
-        assert ours.transition.kept == theirs.transition.kept
+    pool = SegmentStore()
+    into_slots = decode_entry(data, ident, entry.key, entry.token_ids, pool.arenas)  # a load for the pool
+    for ours, slotted, theirs in zip(linear_layers(decoded), linear_layers(into_slots), linear_layers(entry), strict=True):
+        assert ours.transition.kept == slotted.transition.kept == theirs.transition.kept
         assert torch.equal(ours.transition.value, theirs.transition.value)
         assert torch.equal(ours.zero_start_state, theirs.zero_start_state)
+        assert torch.equal(slotted.transition.value, theirs.transition.value)
+        assert torch.equal(slotted.zero_start_state, theirs.zero_start_state)
+        assert slotted.owner.arena.fields == theirs.owner.arena.fields  # the kept heads' slot, as the pool's own
+    assert pool.put(into_slots) and pool.arenas.used_slots == len(list(linear_layers(entry)))  # stored in them, no copy
     restarted = Engine.from_pretrained(path, seam_width=SEAM, tiers=tiers)
     assert_matches_reference(path, restarted)
     restarted.close()

@@ -113,6 +113,9 @@ class _OneEntryBelow:
     def __init__(self, entry: SegmentEntry) -> None:
         self.entry, self.offered = entry, []
 
+    def place_loads_in(self, arenas) -> None:
+        pass  # its entry is made before the pool: it arrives in tensors of its own
+
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str):
         return (self.entry, "disk") if key == self.entry.key else None
 

@@ -16,7 +16,7 @@ import xxhash
 from safetensors import safe_open
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
-from hypic.cache.store import SegmentEntry
+from hypic.cache.store import LinearInterior, SegmentEntry, entry_tensors
 from hypic.cache.tiers.disk import DiskTier
 from hypic.cache.tiers.entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry
 from hypic.cache.tiers.hierarchy import WritePolicy
@@ -245,6 +245,116 @@ def _order(engine: Engine, paths: list[Path]) -> list[int]:
     """Which document each file holds (by its address)."""
     addresses = {identity(engine).address(_key(engine, i)[0], "").split("/")[1]: i for i in range(len(DOCUMENTS))}
     return [addresses[p.name.removesuffix(".safetensors")] for p in paths]
+
+
+# ----- loads straight into the pool's slots --------------------------------------------------------
+def _engine(tiny_checkpoint: Path, tiers: TierOptions, state_dtype: str = "float32", **options) -> Engine:
+    return Engine.from_pretrained(tiny_checkpoint, state_cache_dtype=state_dtype, tiers=tiers, **options)
+
+
+def _linear(entry: SegmentEntry) -> list[LinearInterior]:
+    return [layer for layer in entry.layers if isinstance(layer, LinearInterior)]
+
+
+def _pool_tensors(layer: LinearInterior) -> list[torch.Tensor]:
+    """What a slot of the pool holds: S_C|0 and T_C."""
+    return [layer.zero_start_state, layer.transition.value]
+
+
+def _in_a_slab(tensor: torch.Tensor, store) -> bool:
+    """Whether ``tensor``'s bytes lie inside one slab of the pool's arenas."""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    slabs = [t for arena in store.arenas.arenas.values() for slab in arena._slabs.values() for t in slab]
+    return any(s.data_ptr() <= begin and end <= s.data_ptr() + s.numel() * s.element_size() for s in slabs)
+
+
+def _decoded_by_tiers(monkeypatch: pytest.MonkeyPatch) -> list[SegmentEntry]:
+    """Every entry the storage tiers decode from here on, as the decoder hands it over."""
+    from hypic.cache.tiers import hierarchy
+
+    decoded: list[SegmentEntry] = []
+
+    def recorded(*args, **kwargs) -> SegmentEntry:
+        decoded.append(decode_entry(*args, **kwargs))
+        return decoded[-1]
+
+    monkeypatch.setattr(hierarchy, "decode_entry", recorded)
+    return decoded
+
+
+def _fake_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hypic.cache.tiers.mooncake import MooncakeTier
+
+    shared = FakeMooncakeStore()
+    monkeypatch.setattr(MooncakeTier, "open", lambda tier: setattr(tier, "client", shared))
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["disk", "disk, prefetched", "mooncake"])
+def test_a_lower_tier_hit_is_decoded_straight_into_the_pools_slots(tiny_checkpoint: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch, source: str,
+                                                                   state_dtype: str) -> None:
+    """A document another engine built by prefilling, loaded from disk (on the caller's thread or a
+    prefetch thread) or Mooncake, equals the built entry tensor by tensor; its S_C|0 and T_C are the
+    very tensors the decoder wrote (no second copy), inside the pool's slabs, one slot a layer, of
+    the slot shapes the builder's pool gave them."""
+    if source == "mooncake":
+        _fake_mooncake(monkeypatch)
+    tiers = TierOptions(None, mooncake_master="127.0.0.1:50051") if source == "mooncake" else \
+        TierOptions(str(tmp_path / "cache"))
+    first = _engine(tiny_checkpoint, tiers, state_dtype)
+    built = built_entry(first, DOCUMENTS[0])
+    first.close()
+    second = _engine(tiny_checkpoint, tiers, state_dtype)
+    decoded = _decoded_by_tiers(monkeypatch)
+    if source == "disk, prefetched":
+        load, _ = tiers_of(second).prefetch(built.key, built.token_ids, "", built.nbytes)
+        assert load.result(timeout=30) is not None
+    loaded, tier = second.store.fetch(built.key, built.token_ids)
+    assert tier == source.partition(",")[0] and loaded is second.store.entries[built.key]
+    pairs = list(zip(entry_tensors(loaded), entry_tensors(built), strict=True))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)
+    (from_file,) = decoded
+    assert second.store.arenas.used_slots == len(_linear(built)) > 0
+    for ours, written, theirs in zip(_linear(loaded), _linear(from_file), _linear(built), strict=True):
+        assert ours.transition.kept == theirs.transition.kept
+        assert ours.owner.arena.fields == theirs.owner.arena.fields
+        for tensor, decoded_tensor in zip(_pool_tensors(ours), _pool_tensors(written), strict=True):
+            assert tensor.data_ptr() == decoded_tensor.data_ptr() and _in_a_slab(tensor, second.store)
+    second.close()
+
+
+def test_a_damaged_file_is_a_miss_that_gives_its_slots_back(make: MakeEngine, tmp_path: Path) -> None:
+    """A byte flipped in the last tensor is found after every slot was taken and written: the load
+    is a miss, and every slot is free again at once (poisoned), however long the error is kept."""
+    first = make()
+    first.warmup(DOCUMENTS[:1])
+    first.close()
+    (path,) = files(tmp_path / "cache")
+    path.write_bytes(spoil(path.read_bytes(), "flipped byte", first))
+    restarted = make()
+    pool = restarted.store.arenas
+    assert pool.used_slots == 0 and not pool.arenas
+    assert restarted.store.fetch(*_key(restarted, 0)) == (None, "")
+    assert disk_counters(restarted)["bad_files"] == 1 and pool.arenas  # slots were taken for the load ...
+    assert pool.used_slots == 0  # ... and given back
+    freed = next(iter(pool.arenas.values()))._slabs
+    assert all(torch.isnan(slab[0][0, 0, :, 0]).all() for slab in freed.values())
+
+
+def test_a_loaded_entry_the_pool_cannot_keep_holds_its_slots_only_while_in_use(make: MakeEngine) -> None:
+    """An entry loaded while the pool has no room is served (in its slots) and not stored; its slots
+    go back when the request drops it."""
+    first = make()
+    first.warmup(DOCUMENTS[:1])
+    first.close()
+    restarted = make(public_pool_bytes=1)
+    loaded, tier = restarted.store.fetch(*_key(restarted, 0))
+    assert tier == "disk" and loaded is not None and not restarted.store.entries and restarted.store.rejected == 1
+    assert restarted.store.arenas.used_slots == len(_linear(loaded)) > 0
+    del loaded
+    assert restarted.store.arenas.used_slots == 0
 
 
 # ----- persistence, policies, namespaces ----------------------------------------------------------

@@ -9,7 +9,9 @@ another dtype, another document or a damaged disk is refused (``BadEntryFile``),
 
 A load reads the file in one pass: each tensor is copied from the buffer (a memory map, a transfer
 buffer) straight into the tensor it is returned as, a chunk at a time, and each chunk is hashed
-right after its copy, while it is still in the core's cache. The checksum guards against damage
+right after its copy, while it is still in the core's cache. A load for the public pool copies each
+linear layer's S_C|0 and T_C straight into a slot of the pool's arenas, taken before the copy, so
+storing the entry copies nothing more; a refused file gives its slots back at once. The checksum guards against damage
 (torn writes, bit rot, a truncated transfer), not against someone who can write the store: entries
 are content-addressed per namespace, and whoever can write there can write a valid file.
 """
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..arena import Field, Slot, StateArenas
 from ..composition import Family, Transition
 from ...config import ModelConfig
 from ..entry_check import EntryMismatch, check_entry
@@ -182,7 +185,8 @@ def unpack(buffer: bytes | memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
     """The metadata and the tensors (copies) of a file ``pack`` wrote; raises ``BadEntryFile`` if it is
     truncated, unreadable or damaged (checksum)."""
     header, start = _header(buffer)
-    return header.get("__metadata__", {}), _verified(buffer, header, start)
+    spans = _spans(header, start, len(buffer))
+    return header.get("__metadata__", {}), _verified(buffer, header, spans, {}, torch.device("cpu"))
 
 
 def _header(buffer: bytes | memoryview) -> tuple[dict, int]:
@@ -200,19 +204,61 @@ def _header(buffer: bytes | memoryview) -> tuple[dict, int]:
     return header, 8 + size
 
 
-def decode_entry(buffer: bytes | memoryview, identity: EntryIdentity, key: str, token_ids: tuple[int, ...]) -> SegmentEntry:
+def decode_entry(buffer: bytes | memoryview, identity: EntryIdentity, key: str, token_ids: tuple[int, ...],
+                 arenas: StateArenas | None = None) -> SegmentEntry:
     """The entry stored in ``buffer`` if it is ``key``'s, for ``token_ids``, made by ``identity`` and
-    intact; its tensors are copies (the buffer may be a memory map). Raises ``BadEntryFile``."""
+    intact; its tensors are copies (the buffer may be a memory map). ``arenas``: the public pool's
+    slots; each linear layer's S_C|0 and T_C are then copied straight into a slot taken from them
+    (the layer's ``owner``: the pool stores it without another copy), and a file refused gives its
+    slots back before this returns. Raises ``BadEntryFile``."""
     header, start = _header(buffer)
     meta = header.get("__metadata__", {})
     _check_identity(meta, identity, key, token_ids)
-    tensors = {name: t.to(identity.device) for name, t in _verified(buffer, header, start).items()}
+    spans = _spans(header, start, len(buffer))
+    slots = _slots(spans, arenas, identity.device) if arenas is not None else {}
     try:
-        entry = _entry(meta, tensors, token_ids)
+        tensors = _verified(buffer, header, spans, _targets(spans, slots), identity.device)
+        return _checked(meta, tensors, token_ids, slots, identity)
+    except BaseException:
+        for slot in slots.values():
+            slot.release()  # now, not when the exception's frames go (a logged error keeps them)
+        raise
+
+
+def _checked(meta: dict, tensors: dict[str, torch.Tensor], token_ids: tuple[int, ...], slots: dict[int, Slot],
+             identity: EntryIdentity) -> SegmentEntry:
+    """The entry of a file's verified tensors, if this model can splice it; raises ``BadEntryFile``."""
+    try:
+        entry = _entry(meta, tensors, token_ids, slots)
         check_entry(entry, identity.fingerprint, Role(meta["role"]), identity.config)
     except (EntryMismatch, KeyError, ValueError, AttributeError) as err:
         raise BadEntryFile(f"not an entry this model can splice: {err}") from err
     return entry
+
+
+def _linear_spans(spans: list[_Span]) -> dict[int, tuple[_Span, ...]]:
+    """Layer index -> its S_C|0's span and its T_C's (if it has one), in the order of a slot's fields
+    (``LinearInterior.placed``'s: the slot shapes the pool's own copies take)."""
+    named = {span.name: span for span in spans}
+    found = {}
+    for name, span in named.items():
+        layer, _, tensor = name.partition(".")
+        if tensor == "state" and layer.isdigit():
+            transition = named.get(f"{layer}.transition")
+            found[int(layer)] = (span,) if transition is None else (span, transition)
+    return found
+
+
+def _slots(spans: list[_Span], arenas: StateArenas, device: torch.device) -> dict[int, Slot]:
+    """A slot of ``arenas`` for each linear layer's S_C|0 and T_C, taken before anything is copied."""
+    return {index: arenas.take(tuple(Field(span.shape, span.dtype) for span in fields), device)
+            for index, fields in _linear_spans(spans).items()}
+
+
+def _targets(spans: list[_Span], slots: dict[int, Slot]) -> dict[str, torch.Tensor]:
+    """Tensor name -> the slot's view it is decoded into."""
+    linear = _linear_spans(spans)
+    return {span.name: view for index, slot in slots.items() for span, view in zip(linear[index], slot.views())}
 
 
 def _check_identity(meta: dict, identity: EntryIdentity, key: str, token_ids: tuple[int, ...]) -> None:
@@ -225,15 +271,16 @@ def _check_identity(meta: dict, identity: EntryIdentity, key: str, token_ids: tu
         raise BadEntryFile("the file holds another document's tokens")
 
 
-def _verified(buffer: bytes | memoryview, header: dict, start: int) -> dict[str, torch.Tensor]:
-    """The file's tensors, copied out of ``buffer`` in one pass that also checks them and the header
-    against the checksum; raises ``BadEntryFile``."""
-    spans = _spans(header, start, len(buffer))
+def _verified(buffer: bytes | memoryview, header: dict, spans: list[_Span], targets: dict[str, torch.Tensor],
+              device: torch.device) -> dict[str, torch.Tensor]:
+    """The file's tensors on ``device``, copied out of ``buffer`` in one pass (into ``targets``' tensors
+    where it names them, else into new ones) that also checks them and the header against the
+    checksum; raises ``BadEntryFile``."""
     digest = _header_digest(header)
-    tensors = _copied_out(buffer, spans, digest)
+    tensors = _copied_out(buffer, spans, digest, targets)
     if _checksum_value(digest) != header.get("__metadata__", {}).get("checksum"):
         raise BadEntryFile("checksum mismatch: the file is damaged")
-    return tensors
+    return {name: tensor.to(device) for name, tensor in tensors.items()}
 
 
 def _spans(header: dict, start: int, size: int) -> list[_Span]:
@@ -264,28 +311,35 @@ def _span(name: str, spec: dict, start: int) -> _Span:
     return _Span(name, dtype, shape, begin, end)
 
 
-def _copied_out(buffer: bytes | memoryview, spans: list[_Span], digest: "xxhash.xxh3_128") -> dict[str, torch.Tensor]:
-    """Each span's tensor, copied from ``buffer`` straight into its own memory and hashed into
-    ``digest``. Raises nothing on a checked ``spans``: no view of the buffer outlives the call, so a
-    memory map can be closed right after, whatever the checksum says."""
+def _copied_out(buffer: bytes | memoryview, spans: list[_Span], digest: "xxhash.xxh3_128",
+                targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each span's tensor, copied from ``buffer`` straight into its target (or its own new memory) and
+    hashed into ``digest``. Raises nothing on a checked ``spans``: no view of the buffer outlives the
+    call, so a memory map can be closed right after, whatever the checksum says."""
     source = np.frombuffer(buffer, dtype=np.uint8)
-    return {span.name: _copy_hashed(source[span.begin:span.end], span, digest) for span in spans}
+    return {span.name: _copy_hashed(source[span.begin:span.end], span, digest, targets.get(span.name))
+            for span in spans}
 
 
-def _copy_hashed(source: np.ndarray, span: _Span, digest: "xxhash.xxh3_128") -> torch.Tensor:
-    """A new tensor of ``span``'s shape holding ``source``'s bytes; each chunk is hashed from the copy
-    just made (still in cache), so the source is read once."""
-    tensor = torch.empty(span.shape, dtype=span.dtype)
+def _copy_hashed(source: np.ndarray, span: _Span, digest: "xxhash.xxh3_128",
+                 target: torch.Tensor | None = None) -> torch.Tensor:
+    """``target`` (a contiguous tensor of ``span``'s shape; None: a new one) holding ``source``'s
+    bytes; each chunk is hashed from the copy just made (still in cache), so the source is read once.
+    A target off the CPU (a slot on a GPU) gets one transfer from a host copy."""
+    on_host = target is not None and target.device.type == "cpu"
+    tensor = target if on_host else torch.empty(span.shape, dtype=span.dtype)
     if tensor.numel():
-        target = tensor.view(-1).view(torch.uint8).numpy()
+        copy = tensor.view(-1).view(torch.uint8).numpy()
         for offset in range(0, len(source), COPY_CHUNK):
-            chunk = target[offset:offset + COPY_CHUNK]
+            chunk = copy[offset:offset + COPY_CHUNK]
             np.copyto(chunk, source[offset:offset + COPY_CHUNK])
             digest.update(chunk)
-    return tensor
+    return tensor if target is None or on_host else target.copy_(tensor)
 
 
-def _entry(meta: dict, tensors: dict[str, torch.Tensor], token_ids: tuple[int, ...]) -> SegmentEntry:
+def _entry(meta: dict, tensors: dict[str, torch.Tensor], token_ids: tuple[int, ...],
+           slots: dict[int, Slot] | None = None) -> SegmentEntry:
+    """The entry of a file's checked tensors; a linear layer decoded into one of ``slots`` owns it."""
     head, tail = (int(x) for x in meta["seams"].split(","))
     flags = json.loads(meta["kept_heads"])
     layers: list[InteriorLayer] = []
@@ -295,6 +349,7 @@ def _entry(meta: dict, tensors: dict[str, torch.Tensor], token_ids: tuple[int, .
             continue
         family = kind.partition(":")[2]
         transition = Transition(Family(family), tensors[f"{index}.transition"], _kept_of(flags, index)) if family else None
-        layers.append(LinearInterior(transition, tensors[f"{index}.state"], tensors[f"{index}.conv_tail"]))
+        owner = (slots or {}).get(index)
+        layers.append(LinearInterior(transition, tensors[f"{index}.state"], tensors[f"{index}.conv_tail"], owner))
     return SegmentEntry(meta["key"], token_ids, Seams(head, tail), int(meta["local_start"]), int(meta["length"]),
                         layers, meta["namespace"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from ..arena import StateArenas
 from ..store import Event, Load, SegmentEntry
 from .entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry, namespace_dir
 
@@ -120,6 +121,7 @@ class StorageTiers:
                  write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
                  prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT) -> None:
         self.tiers, self.identity = tiers, identity
+        self.arenas: StateArenas | None = None  # the pool's slots that loads decode into (None: new tensors)
         self.write_policy, self.prefetch_policy = write_policy, prefetch_policy
         self.prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hypic-tier-prefetch")
         self.prefetches: OrderedDict[str, tuple[Future, float, int]] = OrderedDict()  # key -> (load, deadline, bytes)
@@ -144,6 +146,11 @@ class StorageTiers:
         self.writer.start()
 
     # ----- reads ---------------------------------------------------------------------------
+    def place_loads_in(self, arenas: StateArenas) -> None:
+        """Decode every load's linear layers straight into slots of ``arenas`` (the public pool's: it
+        then stores the entry without copying it again)."""
+        self.arenas = arenas
+
     def load(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
         """Entry ``key`` of cache ``namespace`` from the fastest tier that holds a good copy, and that
         tier's name."""
@@ -221,7 +228,7 @@ class StorageTiers:
         counters, start = self.counters[tier.name], time.perf_counter()
         try:
             with tier.reading(address) as buffer:
-                entry = None if buffer is None else decode_entry(buffer, self.identity, key, token_ids)
+                entry = None if buffer is None else decode_entry(buffer, self.identity, key, token_ids, self.arenas)
                 size = 0 if buffer is None else len(buffer)
         except BadEntryFile as err:
             log.warning("%s tier: entry %s unusable (%s); deleted, recomputing", tier.name, address[:12], err)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arena import StateArenas
 from ..store import Event, Load, LowerTiers, SegmentEntry, entry_tensors, with_tensors
 from .hierarchy import load_rate
 
@@ -59,6 +60,12 @@ class HostTier:
         self.counters = HostCounters()
 
     # ----- reads ---------------------------------------------------------------------------
+    def place_loads_in(self, arenas: StateArenas) -> None:
+        """The storage tiers' loads decode into the device pool's slots (host memory's entries are
+        copied to the device, then into them)."""
+        if self.below is not None:
+            self.below.place_loads_in(arenas)
+
     def take(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry, str] | None:
         """Entry ``key`` on the device: the copy a prefetch started, or one made now from host
         memory; else what the storage tiers hold (None: nowhere)."""
