@@ -85,7 +85,8 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
         if name in ("pareto", "drift"):
             default = ["full", "prefix", "naive", "hypic:8"] if name == "pareto" else ["naive", "hypic:0", "hypic:8"]
             study.add_argument("--methods", nargs="+", default=default,
-                               help="full, prefix, naive, hypic or hypic:W (full always runs: the reference)")
+                               help="full, prefix, naive, hypic or hypic:W, hypic-bf16 or hypic-bf16:W (the public "
+                                    "pool's T_C and S_C|0 stored in bfloat16; full always runs: the reference)")
         else:
             study.add_argument("--widths", type=int, nargs="+", default=[0, 4, 8, 16, 32], help="seam widths w")
 

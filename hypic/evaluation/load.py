@@ -311,6 +311,8 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
     except TraceError as err:
         raise DataError(str(err)) from None
     methods = [ServerTarget(args.url).method] if args.url else list(dict.fromkeys(parse_method(m) for m in args.methods))
+    if any(method.state_cache_dtype != "float32" for method in methods):  # its servers store fp32 states
+        raise DataError("hypic-bf16 runs in process only (hypic eval pareto, drift), not in the load study")
     results = ResultLog(args.out / "load.jsonl")
     print(f"hypic eval load: {args.workload} trace, {args.requests} requests per level at QPS "
           f"{', '.join(f'{q:g}' for q in sorted(args.qps))}, burstiness {args.burstiness:g}; methods "

@@ -1,5 +1,8 @@
 """The methods a study compares and how each request is run on the in-process engine.
 
+``hypic-bf16`` is ``hypic`` with the public pool's T_C and S_C|0 stored in bfloat16 (the engine's
+``state_cache_dtype``, lossy: composition still computes in fp32); ``hypic`` stores them in fp32.
+
 Warm-up policy (``warm``): every document was seen before the timed request, in another prompt.
 ``hypic`` and ``naive`` cache the sample's documents (``Engine.warmup``); ``prefix`` serves one
 earlier request per document, the instruction then that document (``Sample.earlier_prompts``), so
@@ -17,6 +20,7 @@ from .data import Sample
 
 MODES = ("full", "prefix", "naive", "hypic")
 DEFAULT_WIDTH = 8
+HYPIC_STATE_DTYPES = {"hypic": "float32", "hypic-bf16": "bfloat16"}  # method name -> stored T_C and S_C|0 dtype
 
 
 class MethodError(ValueError):
@@ -25,33 +29,39 @@ class MethodError(ValueError):
 
 @dataclass(frozen=True)
 class Method:
-    """An engine mode with, for hypic, its seam width."""
+    """An engine mode with, for hypic, its seam width and the dtype its public pool stores T_C and
+    S_C|0 in."""
 
     mode: Mode
     seam_width: int = DEFAULT_WIDTH
+    state_cache_dtype: str = "float32"
 
     @property
     def label(self) -> str:
-        return f"hypic:{self.seam_width}" if self.mode == "hypic" else self.mode
+        if self.mode != "hypic":
+            return self.mode
+        name = next(n for n, dtype in HYPIC_STATE_DTYPES.items() if dtype == self.state_cache_dtype)
+        return f"{name}:{self.seam_width}"
 
 
 def parse_method(text: str) -> Method:
-    """``full``, ``prefix``, ``naive``, ``hypic`` (w = 8) or ``hypic:W``."""
-    mode, _, width = text.partition(":")
-    if mode not in MODES or (width and mode != "hypic"):
-        raise MethodError(f"unknown method {text!r}: full, prefix, naive, hypic or hypic:W (W a seam width)")
-    if not width:
-        return Method(Mode(mode))
-    if not width.isdigit():
+    """``full``, ``prefix``, ``naive``, ``hypic`` (w = 8), ``hypic:W``, ``hypic-bf16`` or ``hypic-bf16:W``."""
+    name, _, width = text.partition(":")
+    if name not in (*MODES, *HYPIC_STATE_DTYPES) or (width and name not in HYPIC_STATE_DTYPES):
+        raise MethodError(f"unknown method {text!r}: full, prefix, naive, hypic, hypic:W or hypic-bf16[:W] "
+                          "(W a seam width)")
+    if width and not width.isdigit():
         raise MethodError(f"method {text!r}: the seam width must be an integer >= 0")
-    return Method(Mode(mode), int(width))
+    if name not in HYPIC_STATE_DTYPES:
+        return Method(Mode(name))
+    return Method(Mode.HYPIC, int(width) if width else DEFAULT_WIDTH, HYPIC_STATE_DTYPES[name])
 
 
 def fresh_engine(base: Engine, sample: Sample, method: Method, warm: bool) -> Engine:
-    """An engine on ``base``'s weights with empty pools and ``method``'s seam width, warmed for
-    ``sample`` as the warm-up policy says (the sample's timed request not yet made)."""
+    """An engine on ``base``'s weights with empty pools, ``method``'s seam width and stored-state
+    dtype, warmed for ``sample`` as the warm-up policy says (the sample's timed request not yet made)."""
     engine = Engine(base.model, base.tokenizer, base.fingerprint, seam_width=method.seam_width,
-                    pic_separator=base.pic_separator)
+                    pic_separator=base.pic_separator, state_cache_dtype=method.state_cache_dtype)
     if warm and method.mode in ("hypic", "naive"):
         engine.warmup(list(sample.documents), method.mode)
     elif warm and method.mode == "prefix":

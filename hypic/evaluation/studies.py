@@ -54,7 +54,8 @@ def _record(target: Target, sample: Sample, method: Method, warm: bool, full: di
     result = target.run(sample, method, warm)
     divergence = first_divergence(result.output_ids, full["output_ids"]) if full is not None else None
     return {"dataset": sample.dataset, "sample": sample.id, "method": method.label, "mode": method.mode,
-            "seam_width": method.seam_width if method.mode == "hypic" else None, "warm": warm,
+            "seam_width": method.seam_width if method.mode == "hypic" else None,
+            "state_cache_dtype": method.state_cache_dtype if method.mode == "hypic" else None, "warm": warm,
             "prediction": result.text, "output_ids": result.output_ids, "answers": list(sample.answers),
             "metric": sample.metric, "score": METRICS[sample.metric](result.text, sample.answers),
             "ttft_s": result.ttft_s, "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,

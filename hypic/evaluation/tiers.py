@@ -56,6 +56,7 @@ from .studies import plain_log_ticks, pyplot, save_figure
 from .trace import Trace, TraceConfig
 
 PARTS = ("latency", "restart", "capacity", "conversation")
+CAPACITY_CONFIGS = ("memory/lru", "+disk/lru", "+mooncake/lru", "memory/cost", "+disk/cost", "+mooncake/cost")
 CONVERSATION_WAYS = ("another server, memory only", "another server, resume points in Mooncake", "same server")
 QWEN35_SHAPES = dict(  # Qwen3.5-35B-A3B's text config: what its entry holds per layer
     model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
@@ -81,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mean words of a request's four documents together (the Prod-RAG trace's input length)")
     parser.add_argument("--restart-docs", type=int, default=8, help="documents warmed before the restart")
     parser.add_argument("--memory-docs", type=int, default=8, help="the public pool's budget, in mean documents")
+    parser.add_argument("--pool-bytes", type=int, default=None,
+                        help="the public pool's budget in bytes (default: --memory-docs mean documents' entries, sized "
+                             "from the model's shapes); fix it to compare runs whose entries differ in size")
+    parser.add_argument("--configs", nargs="+", choices=CAPACITY_CONFIGS, default=list(CAPACITY_CONFIGS),
+                        help="the capacity part's configurations (the +mooncake ones need --mooncake)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 1, 2, 5, 10, 20],
                         help="document-set sizes, in multiples of what the public pool holds")
     parser.add_argument("--requests", type=int, default=60, help="timed requests per capacity point")
@@ -254,27 +260,35 @@ def run_restart(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
 
 
 # ----- capacity ---------------------------------------------------------------------------------
-def _configurations(mooncake: dict[str, Any], folder: Path) -> list[tuple[str, Eviction, dict[str, Any]]]:
+def _configurations(chosen: list[str], mooncake: dict[str, Any], folder: Path) -> list[tuple[str, Eviction, dict[str, Any]]]:
     configs = []
     for eviction in Eviction:
         configs.append((f"memory/{eviction.value}", eviction, {}))
         configs.append((f"+disk/{eviction.value}", eviction, {"cache_dir": str(folder / f"capacity-{eviction.value}")}))
         if mooncake:
             configs.append((f"+mooncake/{eviction.value}", eviction, dict(mooncake)))
-    return configs
+    return [config for config in configs if config[0] in chosen]
+
+
+def _pool_budget(args: argparse.Namespace) -> int:
+    """The public pool's bytes: ``--pool-bytes``, else ``--memory-docs`` mean documents' entries as the
+    model's shapes size them (every T_C head counted, whether or not it decays to a flag)."""
+    if args.pool_bytes is not None:
+        return args.pool_bytes
+    probe = Trace(TraceConfig(documents=40, seed=1, mean_input_words=args.request_words))
+    engine = Engine.from_pretrained(args.model, public_pool_bytes=None)
+    return int(args.memory_docs * statistics.mean(engine.entry_bytes(len(engine.tokenizer.encode(d)))
+                                                  for d in probe.documents))
 
 
 def run_capacity(args: argparse.Namespace, folder: Path, mooncake: dict[str, Any]) -> list[dict[str, Any]]:
-    probe = Trace(TraceConfig(documents=40, seed=1, mean_input_words=args.request_words))
-    engine = Engine.from_pretrained(args.model, public_pool_bytes=None)
-    mean_bytes = statistics.mean(engine.entry_bytes(len(engine.tokenizer.encode(d))) for d in probe.documents)
-    budget = int(args.memory_docs * mean_bytes)
+    budget = _pool_budget(args)
     records = []
     for fraction in args.fractions:
         documents = max(4, round(fraction * args.memory_docs))
         trace = Trace(TraceConfig(documents=documents, seed=1, mean_input_words=args.request_words))
         prompts = trace.prompts(args.warm_requests + args.requests, 0)
-        for label, eviction, options in _configurations(mooncake, folder):
+        for label, eviction, options in _configurations(args.configs, mooncake, folder):
             records += _capacity_point(args, label, eviction, options, budget, fraction, documents, prompts)
     return records
 
@@ -298,7 +312,8 @@ def _capacity_point(args: argparse.Namespace, label: str, eviction: Eviction, op
             records.append({"part": "capacity", "config": label, "eviction": eviction.value, "fraction": fraction,
                             "documents": documents, "budget_bytes": budget, "ttft_s": result.ttft_s,
                             "segments_hit": result.segments_hit, "segments_missed": result.segments_missed,
-                            "by_tier": result.stats.cached_tokens_by_tier, "prompt_tokens": result.prompt_tokens})
+                            "by_tier": result.stats.cached_tokens_by_tier, "prompt_tokens": result.prompt_tokens,
+                            "pool_entries": len(engine.store.entries), "pool_bytes": engine.store.nbytes})
     engine.close()
     return records
 

@@ -130,6 +130,7 @@ def test_load_against_a_running_server_uses_its_mode(tiny_checkpoint: Path, tmp_
     (["--url", "http://127.0.0.1:9"], "cannot reach the server"),
     (["--url", "http://127.0.0.1:9", "--port", "9"], "with --url nothing is started and the port is the URL's"),
     (["--port", "0"], "--port must be in 1..65535"),
+    (["--methods", "hypic-bf16"], "hypic-bf16 runs in process only"),
 ])
 def test_bad_load_input_is_a_clear_error(bad: list[str], message: str, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:

@@ -56,3 +56,19 @@ def test_the_conversation_part_resumes_each_turn_on_another_server_through_moonc
     assert all(r["prefix_hit_tokens"] == 0 for r in by_way["another server, memory only"])
     summary = json.loads((out / "tiers_summary.json").read_text())["conversation"]
     assert summary["another server, memory only"]["resumed_fraction"] == 0 < summary["same server"]["resumed_fraction"]
+
+def test_the_capacity_part_runs_the_chosen_configurations_on_the_pool_bytes_given(tiny_checkpoint: Path,
+                                                                                   tmp_path: Path) -> None:
+    """``--configs`` picks the configurations run; ``--pool-bytes`` is the public pool's budget: with
+    one byte no entry fits, so a document set that fits the default budget (0.5x) gets no hit."""
+    def capacity(out: Path, *options: str) -> list[dict]:
+        main(["eval", "tiers", "--model", str(tiny_checkpoint), "--parts", "capacity", "--request-words", "200",
+              "--fractions", "0.5", "--requests", "4", "--warm-requests", "4", "--configs", "memory/lru",
+              *options, "--out", str(out)])
+        return [json.loads(line) for line in (out / "tiers.jsonl").read_text().splitlines()]
+
+    sized = capacity(tmp_path / "sized")
+    tiny = capacity(tmp_path / "tiny", "--pool-bytes", "1")
+    assert {r["config"] for r in sized + tiny} == {"memory/lru"}
+    assert all(r["segments_hit"] == 4 and r["pool_entries"] >= 4 for r in sized)  # everything fits once warm
+    assert all(r["budget_bytes"] == 1 and r["segments_hit"] == 0 and r["pool_entries"] == 0 for r in tiny)
