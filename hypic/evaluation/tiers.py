@@ -313,7 +313,7 @@ def _capacity_point(args: argparse.Namespace, label: str, eviction: Eviction, op
                             "documents": documents, "budget_bytes": budget, "ttft_s": result.ttft_s,
                             "segments_hit": result.segments_hit, "segments_missed": result.segments_missed,
                             "by_tier": result.stats.cached_tokens_by_tier, "prompt_tokens": result.prompt_tokens,
-                            "pool_entries": len(engine.store.entries), "pool_bytes": engine.store.nbytes})
+                            "pool_entries": len(engine.store), "pool_bytes": engine.store.nbytes})
     engine.close()
     return records
 
