@@ -267,7 +267,9 @@ def _serve(args: argparse.Namespace) -> None:
     from .server.chat import load_chat_template
     from .scheduler.lockstep import LeaderLoop
     from .scheduler.loop import EngineLoop, default_prefill_batch
+    from .memory_trace import start_from_env
 
+    start_from_env()
     if args.max_prefill_batch is None:
         args.max_prefill_batch = default_prefill_batch(args.device)
     for name in ("max_running_requests", "max_segments", "chunked_prefill_size", "max_warmup_documents",
