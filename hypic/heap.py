@@ -5,7 +5,8 @@ to the system only from an arena's top. A server whose engine loop, HTTP threads
 peer waits all allocate and free tensors of changing sizes ends up with much of its resident
 memory free inside arenas but still held: it creeps up under steady load with no object growing.
 ``malloc_trim(0)`` gives the free pages of every arena back (a few milliseconds for hundreds of
-megabytes). Elsewhere than glibc this does nothing."""
+megabytes), and fewer arenas (``limit_arenas``) hold less free memory between trims. Elsewhere
+than glibc this does nothing."""
 import ctypes
 import math
 import os
@@ -18,6 +19,9 @@ from .errors import HypicError
 
 TRIM_EVERY_S = 30.0  # between trims of a busy process; each costs milliseconds
 TRIM_ENV = "HYPIC_HEAP_TRIM_S"
+MAX_ARENAS = 2  # malloc arenas of a server and its Ray workers (glibc's default: 8 per core)
+ARENAS_ENV = "MALLOC_ARENA_MAX"  # glibc's own variable
+M_ARENA_MAX = -8  # mallopt's parameter number for it (malloc.h)
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -34,14 +38,31 @@ def heap_trim_interval() -> float:
     return math.inf if seconds == 0 else seconds
 
 
+def limit_arenas(arenas: int = MAX_ARENAS) -> None:
+    """At most ``arenas`` malloc arenas in this process from now on, and in the processes it starts
+    (Ray's raylet and workers read ``MALLOC_ARENA_MAX`` when they start); a value already in the
+    environment wins. Each arena keeps its own free memory: fewer arenas, less held free."""
+    chosen = os.environ.setdefault(ARENAS_ENV, str(arenas))
+    libc = _libc()
+    if libc is not None and chosen.isdigit() and int(chosen) > 0:
+        libc.mallopt(M_ARENA_MAX, int(chosen))
+
+
 @cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc() -> ctypes.CDLL | None:
+    """glibc, where it has ``malloc_trim`` and ``mallopt`` (None elsewhere)."""
     try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    return libc
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    libc = _libc()
+    return None if libc is None else libc.malloc_trim
 
 
 def resident_bytes() -> int:

@@ -63,3 +63,52 @@ def test_the_interval_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv("HYPIC_HEAP_TRIM_S", bad)
         with pytest.raises(HypicError, match="HYPIC_HEAP_TRIM_S"):
             heap_trim_interval()
+
+
+ARENA_COUNT = """
+import ctypes, os, sys, tempfile, threading
+from hypic.heap import limit_arenas
+if sys.argv[1] == "limited":
+    limit_arenas(2)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
+libc.malloc_info.argtypes, libc.fflush.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+start = threading.Barrier(8)
+def allocate():
+    start.wait()  # all at once: each thread takes an arena of its own while there may be more
+    libc.malloc(1000)
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+with tempfile.TemporaryFile("w+") as report:  # glibc's own account: one <heap> per arena
+    libc.fflush(None)
+    libc.malloc_info(0, libc.fdopen(os.dup(report.fileno()), b"w"))
+    libc.fflush(None)
+    report.seek(0)
+    print(report.read().count("<heap nr="), os.environ["MALLOC_ARENA_MAX"] if "MALLOC_ARENA_MAX" in os.environ else "-")
+"""
+
+
+@pytest.mark.skipif(heap._libc() is None, reason="needs glibc")
+@pytest.mark.parametrize(("mode", "env", "most", "exported"), [
+    ("limited", None, 2, "2"), ("free", None, None, "-"), ("limited", "3", 3, "3")])
+def test_arenas_are_limited_here_and_for_the_processes_started_from_here(
+        mode: str, env: str | None, most: int | None, exported: str) -> None:
+    """Eight threads allocating at once take an arena each unless the process is limited: with
+    ``limit_arenas(2)`` glibc reports at most 2 arenas and ``MALLOC_ARENA_MAX`` is exported for the
+    processes this one starts; a value already in the environment wins."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    # a value set after the child started (glibc has read its environment by then): only the call applies it
+    script = ARENA_COUNT if env is None else f"import os; os.environ['MALLOC_ARENA_MAX'] = '{env}'\n" + ARENA_COUNT
+    out = subprocess.run([sys.executable, "-c", script, mode], env=environ, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    arenas, exported_value = out.stdout.split()
+    assert exported_value == exported
+    assert int(arenas) <= most if most is not None else int(arenas) > 2
