@@ -267,7 +267,11 @@ def _serve(args: argparse.Namespace) -> None:
     from .server.chat import load_chat_template
     from .scheduler.lockstep import LeaderLoop
     from .scheduler.loop import EngineLoop, default_prefill_batch
+    from .heap import limit_arenas
+    from .memory_trace import start_from_env
 
+    limit_arenas()  # before the threads that would each take an arena, here and in Ray's workers
+    start_from_env()
     if args.max_prefill_batch is None:
         args.max_prefill_batch = default_prefill_batch(args.device)
     for name in ("max_running_requests", "max_segments", "chunked_prefill_size", "max_warmup_documents",

@@ -6,10 +6,11 @@ requests; dropped streams, bad bodies, warm-ups and one namespace's flushes; two
 and the shared one) to a ``hypic serve`` started here with small pools (``--pool-size``), while
 faults are injected every ``--fault-every`` seconds: the server killed with SIGKILL and restarted on
 its port, or, with ``--workers 2``, a Ray worker killed. Every ``--sample-s`` seconds the server's
-RSS and pool bytes are read. At the end every ``--replay-every``-th greedy answer is sent again
-to a quiet server of the same mode and model (started here, or ``--reference-url``): under load,
-eviction and faults the answer must not change (a PIC answer is compared with HYPIC's own quiet
-answer, not with full recompute: how far those differ is the accuracy studies' subject).
+RSS, its Ray worker actors' RSS (each by pid) and the pool bytes are read. At the end every
+``--replay-every``-th greedy answer is sent again to a quiet server of the same mode and model
+(started here, or ``--reference-url``): under load, eviction and faults the answer must not
+change (a PIC answer is compared with HYPIC's own quiet answer, not with full recompute: how far
+those differ is the accuracy studies' subject).
 
 Writes ``OUT/soak.jsonl`` (one record per request, sample, fault and replay), ``OUT/soak_summary.json``,
 ``OUT/soak.png`` and the servers' logs in ``OUT/soak_logs/`` (RSS, TTFT p50/p99 and outcomes over time, faults marked). A rerun with the
@@ -17,7 +18,8 @@ same options only re-reads the JSONL and reports it. With ``--url`` the server t
 nothing is injected (it is not ours to kill) and its RSS is not read.
 
 Passes when: no wrong answer, no 5xx, every fault recovered from, RSS within ``--max-rss-growth``
-of its value after warm-up in every server life, pool bytes within their budgets.
+of its value after warm-up in every server life and every Ray worker's life, pool bytes within
+their budgets.
 """
 import argparse
 import json
@@ -153,6 +155,15 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
+HEAP_FIELDS = ("heap_trims", "heap_trim_seconds", "heap_trimmed_bytes")  # the server's (hypic.heap)
+
+
+def workers_rss_mb(server: int | None) -> dict[str, float]:
+    """RSS of each of the server's Ray worker actors, by pid (JSON keys are strings)."""
+    found = {str(pid): rss_mb(pid) for pid in _ray_worker_pids(server)} if server is not None else {}
+    return {pid: mb for pid, mb in found.items() if mb is not None}
+
+
 class Recorder:
     """Every record of the run, appended to the JSONL as it is made (threads share it)."""
 
@@ -197,7 +208,8 @@ def _sample(server: SoakedServer, recorder: Recorder) -> None:
     pools = {name: {k: info[name][k] for k in ("bytes", "budget_bytes")} for name in ("public_pool", "private_pool")} \
         if info else None
     recorder.add({"type": "sample", "t_s": recorder.clock(), "life": server.lives, "rss_mb": rss_mb(server.pid),
-                  "pools": pools})
+                  "workers_rss_mb": workers_rss_mb(server.pid), "pools": pools,
+                  "heap": {k: info.get(k) for k in HEAP_FIELDS} if info else None})
 
 
 def _faults(server: SoakedServer, args: argparse.Namespace) -> list[Callable[[], str]]:

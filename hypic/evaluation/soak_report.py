@@ -47,18 +47,42 @@ def _pools_full(sample: dict[str, Any]) -> bool:
 def rss_lives(samples: Sequence[dict[str, Any]], warmup_fraction: float) -> list[dict[str, Any]]:
     """Per server life: RSS after its warm-up (the first ``warmup_fraction`` of the life, and until
     its pools first reach ``FULL`` of their budgets: caches filling up are no leak), its largest
-    value after, and the growth between them (None: too few samples to judge)."""
+    value after, the growth between them (None: too few samples to judge), and the least-squares
+    slope over the life's second half (MB per minute; None under 3 samples)."""
     lives = []
     for life in sorted({s["life"] for s in samples}):
         mine = [s for s in samples if s["life"] == life and s["rss_mb"] is not None]
-        if not mine:
-            continue
-        begin, end = mine[0]["t_s"], mine[-1]["t_s"]
-        filled = next((s["t_s"] for s in mine if _pools_full(s)), begin)
-        judged = [s for s in mine if s["t_s"] >= max(begin + warmup_fraction * (end - begin), filled)]
-        growth = max(s["rss_mb"] for s in judged) / judged[0]["rss_mb"] - 1 if len(judged) >= 3 else None
-        lives.append({"life": life, "from_s": begin, "to_s": end, "rss_after_warmup_mb": judged[0]["rss_mb"],
-                      "rss_max_mb": max(s["rss_mb"] for s in judged), "growth": growth})
+        if mine:
+            lives.append({"life": life, **_rss_life(mine, warmup_fraction)})
+    return lives
+
+
+def _rss_life(mine: Sequence[dict[str, Any]], warmup_fraction: float) -> dict[str, Any]:
+    begin, end = mine[0]["t_s"], mine[-1]["t_s"]
+    filled = next((s["t_s"] for s in mine if _pools_full(s)), begin)
+    judged = [s for s in mine if s["t_s"] >= max(begin + warmup_fraction * (end - begin), filled)]
+    growth = max(s["rss_mb"] for s in judged) / judged[0]["rss_mb"] - 1 if len(judged) >= 3 else None
+    return {"from_s": begin, "to_s": end, "rss_after_warmup_mb": judged[0]["rss_mb"],
+            "rss_end_mb": mine[-1]["rss_mb"], "rss_max_mb": max(s["rss_mb"] for s in judged), "growth": growth,
+            "slope_mb_per_min_second_half": _slope([s for s in mine if s["t_s"] >= (begin + end) / 2])}
+
+
+def _slope(samples: Sequence[dict[str, Any]]) -> float | None:
+    """Least-squares slope of RSS over time, MB per minute."""
+    if len(samples) < 3:
+        return None
+    minutes, mb = np.array([s["t_s"] / 60 for s in samples]), np.array([s["rss_mb"] for s in samples])
+    return float(np.polyfit(minutes, mb, 1)[0])
+
+
+def worker_rss_lives(samples: Sequence[dict[str, Any]], warmup_fraction: float) -> list[dict[str, Any]]:
+    """``rss_lives`` for each Ray worker actor of the server (a worker's life is its pid's: one
+    killed and replaced is a new life), judged by the same rule."""
+    pids = sorted({pid for s in samples for pid in s.get("workers_rss_mb") or {}}, key=int)
+    lives = []
+    for pid in pids:
+        mine = [{**s, "rss_mb": s["workers_rss_mb"][pid]} for s in samples if pid in (s.get("workers_rss_mb") or {})]
+        lives.append({"worker_pid": int(pid), **_rss_life(mine, warmup_fraction)})
     return lives
 
 
@@ -111,6 +135,8 @@ def summarize_soak(records: Sequence[dict[str, Any]], args: argparse.Namespace) 
               for r in replays if not r["same"]]
     lives, peaks, recovered = rss_lives(samples, args.warmup_fraction), pool_peaks(samples), recoveries(faults, requests)
     judged = [life["growth"] for life in lives if life["growth"] is not None]
+    workers = worker_rss_lives(samples, args.warmup_fraction)
+    workers_judged = [life["growth"] for life in workers if life["growth"] is not None]
     unanswered = [r for r in requests if r["outcome"] == "no_answer" and not _near_fault(r, faults)]
     leak = timing_leak(requests)
     checks = {
@@ -119,6 +145,7 @@ def summarize_soak(records: Sequence[dict[str, Any]], args: argparse.Namespace) 
         "answered_outside_faults": not unanswered,
         "faults_recovered": all(f["recovered_after_s"] is not None for f in recovered),
         "rss_flat": bool(judged) and max(judged) <= args.max_rss_growth if args.url is None else None,
+        "worker_rss_flat": max(workers_judged) <= args.max_rss_growth if workers_judged else None,
         "pools_within_budget": all(p["budget_bytes"] is None or p["max_bytes"] <= p["budget_bytes"]
                                    for p in peaks.values()),
         "replayed": bool(replays) and all(r["status"] == 200 for r in replays),
@@ -131,7 +158,8 @@ def summarize_soak(records: Sequence[dict[str, Any]], args: argparse.Namespace) 
             "outcomes": dict(Counter(r["outcome"] for r in requests)),
             "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())}, "wrong": wrong,
             "replays": len(replays), "replays_same": sum(r["same"] for r in replays),
-            "unanswered_outside_faults": len(unanswered), "namespace_timing": leak, "faults": recovered, "rss": lives, "pools": peaks,
+            "unanswered_outside_faults": len(unanswered), "namespace_timing": leak, "faults": recovered, "rss": lives,
+            "worker_rss": workers, "pools": peaks,
             "windows": windows(requests, width), "checks": checks,
             "passed": all(v for v in checks.values() if v is not None)}
 
@@ -158,7 +186,13 @@ def format_soak(summary: dict[str, Any]) -> str:
     for life in summary["rss"]:
         growth = "too short to judge" if life["growth"] is None else f"{life['growth']:+.1%}"
         lines.append(f"- server life {life['life']} ({life['from_s']:.0f}-{life['to_s']:.0f} s): RSS after warm-up "
-                     f"{life['rss_after_warmup_mb']:.0f} MB, max {life['rss_max_mb']:.0f} MB, growth {growth}")
+                     f"{life['rss_after_warmup_mb']:.0f} MB, max {life['rss_max_mb']:.0f} MB, growth {growth}"
+                     f"{_slope_text(life)}")
+    for life in summary.get("worker_rss", []):
+        growth = "too short to judge" if life["growth"] is None else f"{life['growth']:+.1%}"
+        lines.append(f"- Ray worker {life['worker_pid']} ({life['from_s']:.0f}-{life['to_s']:.0f} s): RSS after "
+                     f"warm-up {life['rss_after_warmup_mb']:.0f} MB, max {life['rss_max_mb']:.0f} MB, growth {growth}"
+                     f"{_slope_text(life)}")
     leak = summary["namespace_timing"]
     if leak["p_value"] is not None:
         lines.append(f"- another namespace's documents: first token p50 {leak['other_namespace_p50_s']:.3f} s against "
@@ -169,6 +203,11 @@ def format_soak(summary: dict[str, Any]) -> str:
     lines += [f"- check {name}: {'n/a' if ok is None else 'PASS' if ok else 'FAIL'}" for name, ok in summary["checks"].items()]
     lines += [f"  wrong: {w['kind']} at {w['start_s']:.0f} s: {w['why']}" for w in summary["wrong"][:10]]
     return "\n".join(lines)
+
+
+def _slope_text(life: dict[str, Any]) -> str:
+    slope = life.get("slope_mb_per_min_second_half")
+    return "" if slope is None else f", second half {slope:+.2f} MB/min"
 
 
 def _mib(budget: int | None) -> str:
@@ -184,6 +223,10 @@ def draw_soak(records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
     for life in sorted({s["life"] for s in samples}):
         mine = [s for s in samples if s["life"] == life and s["rss_mb"] is not None]
         rss.plot([s["t_s"] / 60 for s in mine], [s["rss_mb"] for s in mine], marker=".", label=f"server life {life}")
+    for pid in sorted({pid for s in samples for pid in s.get("workers_rss_mb") or {}}, key=int):
+        mine = [s for s in samples if pid in (s.get("workers_rss_mb") or {})]
+        rss.plot([s["t_s"] / 60 for s in mine], [s["workers_rss_mb"][pid] for s in mine], marker=".", linestyle=":",
+                 label=f"Ray worker {pid}")
     minutes = [row["t_s"] / 60 for row in rows]
     for key, label in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
         ttft.plot(minutes, [row[key] if row[key] is not None else np.nan for row in rows], marker="o", label=label)
@@ -196,7 +239,7 @@ def draw_soak(records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
     for axis in (rss, ttft, counts):
         for fault in faults:
             axis.axvline(fault["t_s"] / 60, linestyle="--", color="gray", linewidth=0.8)
-    rss.set(ylabel="server RSS (MB)")
+    rss.set(ylabel="RSS (MB)")
     ttft.set(ylabel="first token (s)", yscale="log")
     plain_log_ticks(ttft.yaxis)
     counts.set(ylabel="requests per window", xlabel="minutes (dashed: faults)")

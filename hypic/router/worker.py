@@ -8,6 +8,7 @@ import torch
 
 from hypic.assembler import Steps
 from hypic.engine import Engine, GenerationResult, Prefill
+from hypic.memory_trace import start_from_env
 from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.cache.modes import Mode
@@ -32,6 +33,7 @@ class Worker:
 
     def __init__(self, model: str, threads: int | None = None, options: dict[str, Any] | None = None) -> None:
         register_tensor_serializer()
+        start_from_env()
         if threads is not None:
             torch.set_num_threads(threads)
         self.engine = Engine.from_pretrained(model, **(options or {}))

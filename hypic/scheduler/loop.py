@@ -32,6 +32,7 @@ from ..cache.plan import RequestPlan
 from ..cache.store import Load
 from ..cache.modes import Mode
 from ..errors import HypicError, InvalidRequest
+from ..heap import HeapTrimmer, heap_trim_interval
 from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..cache.segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
@@ -223,6 +224,7 @@ class EngineLoop:
         self.waiting: list[Pending] = []
         self.running: list[Job] = []
         self.stats = LoopStats()
+        self.heap = HeapTrimmer(heap_trim_interval())  # freed memory handed back now and then (see hypic.heap)
         self._queued, self._queued_lock = 0, threading.Lock()
         self.snapshot: dict[str, Any] = self._publish()
         self._thread = threading.Thread(target=self._main, name="hypic-engine-loop", daemon=True)
@@ -343,6 +345,7 @@ class EngineLoop:
             if not self._drain(self._idle_wait() if idle else None):
                 return
             self._iterate()
+            self.heap.maybe()
 
     def _iterate(self) -> None:
         """One iteration after the inbox is drained: cancellations, peers, a prefill step, a decode step."""
@@ -727,7 +730,8 @@ class EngineLoop:
     def _publish(self) -> dict[str, Any]:
         """A consistent copy of the numbers the HTTP side reports (read without locks)."""
         return {
-            **self.stats.as_dict(), "waiting_requests": len(self.waiting), "running_requests": len(self.running),
+            **self.stats.as_dict(), **self.heap.as_dict(), "waiting_requests": len(self.waiting),
+            "running_requests": len(self.running),
             "held_state_bytes": self._held_bytes(), "max_state_bytes": self.max_state_bytes,
             "requests_by_phase": self._by_phase(),
             "running_state_bytes": {"full": sum(s.nbytes - s.window_nbytes for j in self.running for s in j.states),

@@ -15,6 +15,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     for name in ("requests_received", "requests_finished", "requests_cancelled", "requests_failed", "requests_refused",
                  "generated_tokens", *PREFILL_TOTALS):
         metric(f"{name}_total", "counter", snapshot[name], name.replace("_", " "))
+    metric("heap_trimmed_bytes_total", "counter", snapshot.get("heap_trimmed_bytes", 0),
+           "resident bytes the C allocator gave back to the system when the loop trimmed it")
     metric("waiting_requests", "gauge", snapshot["waiting_requests"], "requests waiting for prefill")
     metric("running_requests", "gauge", snapshot["running_requests"], "requests decoding")
     lines.extend(_metric_lines("requests_in_phase", "gauge", "requests in the loop by phase (queued, building on "

@@ -9,7 +9,7 @@ import pytest
 
 from hypic.cli import main
 from hypic.evaluation.soak import add_arguments
-from hypic.evaluation.soak_report import recoveries, rss_lives, summarize_soak
+from hypic.evaluation.soak_report import recoveries, rss_lives, summarize_soak, worker_rss_lives
 
 
 def _args(**options: object) -> argparse.Namespace:
@@ -92,6 +92,39 @@ def test_rss_growth_and_recovery_in_closed_form() -> None:
     assert recoveries(faults, requests)[0]["recovered_after_s"] == pytest.approx(5.5)
     summary = summarize_soak([*_healthy(), *faults, *requests], _args(minutes=100 / 60))
     assert summary["unanswered_outside_faults"] == 0 and summary["checks"]["answered_outside_faults"]
+
+
+def _with_workers(records: list[dict], rss_of: dict[str, object]) -> list[dict]:
+    """``records`` whose samples also read each worker pid's RSS (``rss_of[pid](t_s)``)."""
+    for sample in (r for r in records if r["type"] == "sample"):
+        sample["workers_rss_mb"] = {pid: rss(sample["t_s"]) for pid, rss in rss_of.items()}
+    return records
+
+
+def test_a_growing_ray_worker_fails_its_own_check() -> None:
+    """The workers' RSS is judged by the server's rule: a flat worker passes, one growing 2 MB a
+    second after warm-up fails ``worker_rss_flat`` alone (the server is flat); without worker
+    samples the check is not applicable."""
+    args = _args(minutes=100 / 60)
+    assert summarize_soak(_healthy(), args)["checks"]["worker_rss_flat"] is None
+    flat = summarize_soak(_with_workers(_healthy(), {"41": lambda t: 700.0}), args)
+    assert flat["passed"] and flat["checks"]["worker_rss_flat"] is True
+    growing = summarize_soak(_with_workers(_healthy(), {"41": lambda t: 700.0, "42": lambda t: 600.0 + 2 * t}), args)
+    assert [name for name, ok in growing["checks"].items() if ok is False] == ["worker_rss_flat"]
+    worker = next(w for w in growing["worker_rss"] if w["worker_pid"] == 42)
+    # judged from 20 s (the warm-up fifth of 0..90 s): 640 MB, at most 780 MB
+    assert (worker["rss_after_warmup_mb"], worker["rss_max_mb"]) == (640.0, 780.0)
+    assert worker["growth"] == pytest.approx(780 / 640 - 1)
+    assert worker["slope_mb_per_min_second_half"] == pytest.approx(120.0)  # 2 MB/s
+
+
+def test_a_worker_replaced_midway_is_a_new_life() -> None:
+    """Samples name workers by pid: one killed at 50 s and its replacement are judged apart."""
+    samples = [{"type": "sample", "t_s": float(t), "life": 1, "rss_mb": 500.0,
+                "workers_rss_mb": {"7" if t < 50 else "8": 300.0 + t}} for t in range(0, 100, 10)]
+    lives = worker_rss_lives(samples, 0.0)
+    assert [(w["worker_pid"], w["from_s"], w["to_s"]) for w in lives] == [(7, 0.0, 40.0), (8, 50.0, 90.0)]
+    assert [w["rss_after_warmup_mb"] for w in lives] == [300.0, 350.0]
 
 
 def test_a_timing_leak_across_namespaces_is_caught() -> None:

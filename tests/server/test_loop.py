@@ -619,3 +619,23 @@ def test_the_counters_a_client_reads_after_its_answer_include_it(running: Engine
     command.add_done_callback(lambda _: flushed.append(running.snapshot["private_pool"]["bytes"]))
     command.result(timeout=60)
     assert flushed == [0]
+
+
+@pytest.mark.parametrize(("interval", "trims"), [("0.05", True), ("0", False)])
+def test_the_loop_hands_freed_heap_memory_back_as_often_as_the_environment_says(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch, interval: str, trims: bool) -> None:
+    """``HYPIC_HEAP_TRIM_S`` (which the Ray workers a server starts inherit) sets how often the loop
+    trims the C heap between steps, busy or idle; 0 turns it off. The counters say so."""
+    monkeypatch.setenv("HYPIC_HEAP_TRIM_S", interval)
+    loop = EngineLoop(engine, "hypic", max_running=8)
+    loop.start()
+    try:
+        collector = Collector()
+        _submit(loop, collector, "one", _text(91, 60))
+        collector.wait(1)
+        time.sleep(0.6)  # idle: the loop wakes at least every 0.5 s
+        loop.call(lambda: None).result(timeout=60)  # a command republishes the counters
+    finally:
+        loop.stop()
+    assert (loop.snapshot["heap_trims"] >= 2) is trims and (loop.snapshot["heap_trims"] == 0) is not trims
+    assert loop.snapshot["heap_trim_seconds"] >= 0 and loop.snapshot["heap_trimmed_bytes"] >= 0

@@ -255,7 +255,7 @@ def test_info_models_metrics_and_flush(hypic_server: ServerProcess) -> None:
     status, text = hypic_server.request("GET", "/metrics")
     assert status == 200 and "hypic_cached_tokens_total" in text and "hypic_public_pool_bytes" in text
     assert "hypic_private_pool_pages" in text and "hypic_private_pool_arena_reserved_bytes" in text
-    assert "hypic_public_pool_arena_reserved_bytes" in text
+    assert "hypic_public_pool_arena_reserved_bytes" in text and "hypic_heap_trimmed_bytes_total" in text
     hypic_server.post("/generate", {"text": "a prompt the private pool keeps", "sampling_params": GREEDY})
     assert hypic_server.get("/get_server_info")["private_pool"]["pages"] > 0
     hypic_server.post("/warmup", {"documents": _docs(9, 1)})
