@@ -345,16 +345,17 @@ class EngineLoop:
             if not self._drain(self._idle_wait() if idle else None):
                 return
             self._iterate()
-            self.heap.maybe()
 
     def _iterate(self) -> None:
-        """One iteration after the inbox is drained: cancellations, peers, a prefill step, a decode step."""
+        """One iteration after the inbox is drained: cancellations, peers, a prefill step, a decode step,
+        now and then a heap trim."""
         self._drop_cancelled()
         self._start_peer_work()
         self._take_peer_work()
         self._step_prefills()
         if self.running:
             self._decode()
+        self.heap.maybe()  # every loop's iteration, the lockstep loops' too: a trim is per process
         self.snapshot = self._publish()
 
     def _idle_wait(self) -> float:

@@ -291,6 +291,22 @@ def test_a_rank_that_hangs_takes_the_server_down(checkpoint: Path, tmp_path: Pat
     assert all(_gone(pid) for pid in pids)
 
 
+def test_the_lockstep_loop_trims_the_heap_as_often_as_the_environment_says(checkpoint: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HYPIC_HEAP_TRIM_S`` reaches the tensor-parallel loop too (it has a main loop of its own): an idle
+    rank 0 wakes every 0.5 s, so 1.6 s after a request it has trimmed at least twice, and still serves."""
+    monkeypatch.setenv("HYPIC_HEAP_TRIM_S", "0.05")
+    server = _serve(checkpoint, tmp_path / "trim.log", "--tp-size", "2")
+    try:
+        server.post("/generate", {"text": _pic("nu"), "sampling_params": GREEDY})
+        time.sleep(1.6)
+        server.post("/generate", {"text": _pic("xi"), "sampling_params": GREEDY})  # publishes the counters
+        assert server.get("/get_server_info")["heap_trims"] >= 2
+        assert server.request("GET", "/health")[0] == 200
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp-size", "2", "--workers", "2"], "--tp-size above 1 with --workers above 1 is not served"),
     (["--tp-size", "3"], "is not divisible by the tensor-parallel size 3"),
