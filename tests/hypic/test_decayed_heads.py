@@ -9,7 +9,6 @@ long (no head decays); ``make_fast_decay`` gives chosen heads transformers' kind
 """
 import json
 import shutil
-import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from hypic.cache.tiers.options import TierOptions
 from hypic_reference import semantics as reference
 from hypic_reference.model import ReferenceModel
 from hypic_testing.checkpoints import make_fast_decay
+from hypic_testing.entry_files import join_entry_file, split_entry_file
 from tokenizers import Tokenizer
 
 TOLERANCE = 1e-4  # the fidelity tests' bound on logits against the reference
@@ -202,17 +202,6 @@ def test_warm_documents_with_flagged_heads_match_reference(checkpoint: MakeCheck
 
 
 # ----- the disk tier -------------------------------------------------------------------------------
-def _header(data: bytes) -> tuple[dict, bytes]:
-    size = struct.unpack("<Q", data[:8])[0]
-    return json.loads(data[8:8 + size]), data[8 + size:]
-
-
-def _file(header: dict, body: bytes) -> bytes:
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded + body
-
-
 def test_flagged_entries_round_trip_through_the_disk_tier(checkpoint: MakeCheckpoint, tmp_path: Path) -> None:
     """A file keeps the flags in its header (covered by the checksum) and only the kept heads'
     matrices; decoded, the entry equals the one written; a restarted engine splices it as the
@@ -225,7 +214,7 @@ def test_flagged_entries_round_trip_through_the_disk_tier(checkpoint: MakeCheckp
     first.close()
     ident = EntryIdentity(first.fingerprint, first.model.dtype, first.state_cache_dtype, first.model.config)
     data = encode_entry(entry, ident)
-    header, body = _header(data)
+    header, body = split_entry_file(data)
     heads = first.model.config.linear_num_value_heads
     kept = json.loads(header["__metadata__"]["kept_heads"])
     assert kept and all(flags == "01" * (heads // 2) for flags in kept.values())
@@ -248,11 +237,11 @@ def test_flagged_entries_round_trip_through_the_disk_tier(checkpoint: MakeCheckp
     flipped = dict(kept, **{index: "11" + kept[index][2:]})
     header["__metadata__"]["kept_heads"] = json.dumps(flipped)
     with pytest.raises(BadEntryFile):
-        decode_entry(_file(header, body), ident, entry.key, entry.token_ids)
+        decode_entry(join_entry_file(header, body), ident, entry.key, entry.token_ids)
     header["__metadata__"]["kept_heads"] = json.dumps(kept)
     header["__metadata__"]["format"] = "hypic-segment-entry/2"
     with pytest.raises(BadEntryFile, match="format"):
-        decode_entry(_file(header, body), ident, entry.key, entry.token_ids)
+        decode_entry(join_entry_file(header, body), ident, entry.key, entry.token_ids)
 
 
 def test_tensor_parallel_ranks_hold_entries_of_the_same_bytes(checkpoint: MakeCheckpoint) -> None:

@@ -22,6 +22,7 @@ from hypic.cache.tiers.entry_file import BadEntryFile, EntryIdentity, decode_ent
 from hypic.cache.tiers.hierarchy import WritePolicy
 from hypic.cache.tiers.host import HostTier
 from hypic.cache.tiers.options import TierOptions
+from hypic_testing.entry_files import join_entry_file, split_entry_file
 
 DOCUMENTS = [f"document {i}: " + " ".join(f"fact{i}-{j}" for j in range(25)) for i in range(6)]
 MakeEngine = Callable[..., Engine]
@@ -147,17 +148,6 @@ def test_a_spoiled_file_is_refused_by_the_decoder(make: MakeEngine, how: str) ->
         decode_entry(spoil(data, how, engine), ident, entry.key, entry.token_ids)
 
 
-def _header_and_body(data: bytes) -> tuple[dict, bytes]:
-    size = struct.unpack("<Q", data[:8])[0]
-    return json.loads(data[8:8 + size]), data[8 + size:]
-
-
-def _with_header(header: dict, body: bytes) -> bytes:
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded + body
-
-
 def test_the_checksum_is_xxh3_128_of_the_header_and_the_tensors(make: MakeEngine) -> None:
     """From its definition: XXH3-128 of the header as written (compact JSON) less the checksum, then
     the data section's bytes; a byte flipped anywhere in the data section is refused for it."""
@@ -165,7 +155,7 @@ def test_the_checksum_is_xxh3_128_of_the_header_and_the_tensors(make: MakeEngine
     entry = built_entry(engine, DOCUMENTS[0])
     ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
     data = encode_entry(entry, ident)
-    header, body = _header_and_body(data)
+    header, body = split_entry_file(data)
     stated = header["__metadata__"].pop("checksum")
     expected = xxhash.xxh3_128(json.dumps(header, separators=(",", ":")).encode() + body).hexdigest()
     assert stated == f"xxh3-128:{expected}"
@@ -201,13 +191,13 @@ def test_a_header_damaged_where_only_the_checksum_can_tell_is_refused(make: Make
     engine = make(cache_dir=None)
     entry = built_entry(engine, DOCUMENTS[0])
     ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
-    header, body = _header_and_body(encode_entry(entry, ident))
+    header, body = split_entry_file(encode_entry(entry, ident))
     index = next(i for i, layer in enumerate(entry.layers) if hasattr(layer, "keys"))
     keys, values = header[f"{index}.keys"], header[f"{index}.values"]
     assert keys["shape"] == values["shape"] and not torch.equal(entry.layers[index].keys, entry.layers[index].values)
     keys["data_offsets"], values["data_offsets"] = values["data_offsets"], keys["data_offsets"]
     with pytest.raises(BadEntryFile, match="checksum"):
-        decode_entry(_with_header(header, body), ident, entry.key, entry.token_ids)
+        decode_entry(join_entry_file(header, body), ident, entry.key, entry.token_ids)
 
 
 def _tensors(entry: SegmentEntry) -> list[torch.Tensor]:

@@ -215,9 +215,10 @@ def decode_entry(buffer: bytes | memoryview, identity: EntryIdentity, key: str, 
     meta = header.get("__metadata__", {})
     _check_identity(meta, identity, key, token_ids)
     spans = _spans(header, start, len(buffer))
-    slots = _slots(spans, arenas, identity.device) if arenas is not None else {}
+    linear = _linear_spans(spans) if arenas is not None else {}
+    slots = _slots(linear, arenas, identity.device) if arenas is not None else {}
     try:
-        tensors = _verified(buffer, header, spans, _targets(spans, slots), identity.device)
+        tensors = _verified(buffer, header, spans, _targets(linear, slots), identity.device)
         return _checked(meta, tensors, token_ids, slots, identity)
     except BaseException:
         for slot in slots.values():
@@ -249,15 +250,15 @@ def _linear_spans(spans: list[_Span]) -> dict[int, tuple[_Span, ...]]:
     return found
 
 
-def _slots(spans: list[_Span], arenas: StateArenas, device: torch.device) -> dict[int, Slot]:
-    """A slot of ``arenas`` for each linear layer's S_C|0 and T_C, taken before anything is copied."""
+def _slots(linear: dict[int, tuple[_Span, ...]], arenas: StateArenas, device: torch.device) -> dict[int, Slot]:
+    """A slot of ``arenas`` for each linear layer's S_C|0 and T_C (``_linear_spans``), taken before
+    anything is copied."""
     return {index: arenas.take(tuple(Field(span.shape, span.dtype) for span in fields), device)
-            for index, fields in _linear_spans(spans).items()}
+            for index, fields in linear.items()}
 
 
-def _targets(spans: list[_Span], slots: dict[int, Slot]) -> dict[str, torch.Tensor]:
+def _targets(linear: dict[int, tuple[_Span, ...]], slots: dict[int, Slot]) -> dict[str, torch.Tensor]:
     """Tensor name -> the slot's view it is decoded into."""
-    linear = _linear_spans(spans)
     return {span.name: view for index, slot in slots.items() for span, view in zip(linear[index], slot.views())}
 
 
