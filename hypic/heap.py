@@ -43,13 +43,13 @@ def limit_arenas(arenas: int = MAX_ARENAS) -> None:
     (Ray's raylet and workers read ``MALLOC_ARENA_MAX`` when they start); a value already in the
     environment wins. Each arena keeps its own free memory: fewer arenas, less held free."""
     chosen = os.environ.setdefault(ARENAS_ENV, str(arenas))
-    libc = _libc()
+    libc = glibc()
     if libc is not None and chosen.isdigit() and int(chosen) > 0:
         libc.mallopt(M_ARENA_MAX, int(chosen))
 
 
 @cache
-def _libc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
     """glibc, where it has ``malloc_trim`` and ``mallopt`` (None elsewhere)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -61,7 +61,7 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    libc = _libc()
+    libc = glibc()
     return None if libc is None else libc.malloc_trim
 
 

@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .heap import glibc, resident_bytes
+
 TOP = 25  # rows per table
 FRAMES = 6  # call frames kept per allocation (the line that allocates is rarely the one that holds)
 
@@ -27,20 +29,13 @@ class _MallInfo2(ctypes.Structure):
 def malloc_bytes() -> dict[str, int]:
     """glibc's heap: bytes in use (``uordblks`` + mmapped ``hblkhd``), free inside its arenas
     (``fordblks``: fragmentation when it grows), and the arenas' total ({} off glibc >= 2.33)."""
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    libc = glibc()
+    mallinfo2 = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if mallinfo2 is None:
         return {}
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return {"in_use": info.uordblks + info.hblkhd, "free_in_arenas": info.fordblks, "arenas": info.arena}
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def object_counts() -> Counter:
@@ -81,7 +76,7 @@ class MemoryTrace:
 
     def report(self) -> None:
         counts, snapshot = object_counts(), tracemalloc.take_snapshot()
-        lines = [f"=== t={time.monotonic() - self.start:.0f}s rss={rss_bytes() / 2**20:.1f}MB "
+        lines = [f"=== t={time.monotonic() - self.start:.0f}s rss={resident_bytes() / 2**20:.1f}MB "
                  f"malloc={ {k: round(v / 2**20, 1) for k, v in malloc_bytes().items()} } "
                  f"tensors={tensor_bytes() / 2**20:.1f}MB traced={tracemalloc.get_traced_memory()[0] / 2**20:.1f}MB "
                  f"objects={sum(counts.values())}"]

@@ -92,7 +92,7 @@ with tempfile.TemporaryFile("w+") as report:  # glibc's own account: one <heap> 
 """
 
 
-@pytest.mark.skipif(heap._libc() is None, reason="needs glibc")
+@pytest.mark.skipif(heap.glibc() is None, reason="needs glibc")
 @pytest.mark.parametrize(("mode", "env", "most", "exported"), [
     ("limited", None, 2, "2"), ("free", None, None, "-"), ("limited", "3", 3, "3")])
 def test_arenas_are_limited_here_and_for_the_processes_started_from_here(
