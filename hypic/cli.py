@@ -266,6 +266,7 @@ def _serve(args: argparse.Namespace) -> None:
     from .server.app import ServerInfo, build_app
     from .server.chat import load_chat_template
     from .scheduler.lockstep import LeaderLoop
+    from .scheduler.fatal import exit_soon
     from .scheduler.loop import EngineLoop, default_prefill_batch
     from .heap import limit_arenas
     from .memory_trace import start_from_env
@@ -311,7 +312,8 @@ def _serve(args: argparse.Namespace) -> None:
                       str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents,
                       tp_size=args.tp_size, rank_pids=tuple(group.pids) if group is not None else ())
     peers = _peers(args, choice) if args.workers > 1 else None
-    loop = EngineLoop(engine, **loop_options) if group is None else LeaderLoop(engine, ranks=group, **loop_options)
+    loop = (EngineLoop(engine, on_fatal=exit_soon, **loop_options) if group is None
+            else LeaderLoop(engine, ranks=group, **loop_options))
     loop.start()
     print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)

@@ -175,17 +175,26 @@ class HybridCache:
         ``disk``, ``mooncake`` (documents and resume points); ``namespace``: only that cache
         namespace's. Returns (public entries, private-pool nodes, entries per lower tier) dropped.
         Entries in use stay."""
-        public = private = 0
+        public, private = self.flush_memory(namespace) if "memory" in tiers else (0, 0)
+        return public, private, self.flush_below(namespace, tiers)
+
+    def flush_memory(self, namespace: str | None = None) -> tuple[int, int]:
+        """Empty both pools (of ``namespace`` only, if given); returns (public entries, private-pool
+        nodes) dropped. Quick: what the engine loop runs between its steps."""
+        trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
+        return self.public.clear(namespace), self.private.clear(trees)
+
+    def flush_below(self, namespace: str | None, tiers: frozenset[str]) -> dict[str, int]:
+        """Empty the tiers below memory named in ``tiers`` (host memory, disk, Mooncake); returns the
+        entries each dropped. It waits for the writes under way: safe on a thread of its own while
+        the pools serve, as long as nothing is admitted into ``namespace`` meanwhile."""
         resume = self.resume_points.store
-        if "memory" in tiers:
-            trees = None if namespace is None else (lambda tree: tree_namespace(tree) == namespace)
-            public, private = self.public.clear(namespace), self.private.clear(trees)
         if resume is not None and tiers & {"disk", "mooncake"}:
             resume.drain()  # the resume points being written are flushed too
         dropped = self.public.lower.flush(set(tiers), namespace) if self.public.lower is not None else {}
         if resume is not None and "disk" in tiers:
             resume.forget(namespace)
-        return public, private, dropped
+        return dropped
 
     def describe(self) -> dict[str, Any]:
         """Both pools' numbers and their tiers' (what ``/metrics`` and ``/get_server_info`` report)."""

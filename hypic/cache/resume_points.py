@@ -66,7 +66,7 @@ class ResumePoints:
         """Whether every tensor-parallel rank found its shard of the same resume point (same length);
         else each resumes from memory's, alike."""
         length = found.state.length if found is not None else 0
-        low, high = rank_extremes([length], self.tp)
+        low, high = rank_extremes([length], self.tp, "a resume point's length")
         return found is not None and low == high
 
     def prefetch(self, plan: RequestPlan) -> Load | None:

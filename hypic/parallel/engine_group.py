@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import HypicError
-from .group import TensorParallel, from_rank_zero, same_on_every_rank
+from .group import GroupFailure, TensorParallel, from_rank_zero, same_on_every_rank
 from .launch import free_address, join_group
 
 STOP = None  # the call that ends a follower
@@ -31,7 +31,7 @@ def _follow(rank: int, size: int, address: str, threads: int | None, path: str, 
         while (call := from_rank_zero()) is not STOP:
             name, args, kwargs = call
             error = _call(engine, name, args, kwargs)
-            if not same_on_every_rank([error is not None], tp):  # a failure on this rank alone, or on rank 0 alone
+            if not same_on_every_rank([error is not None], tp, "an engine call's outcome"):  # one rank failed alone
                 where = f"here alone:\n{error}" if error is not None else "on another rank alone"
                 print(f"hypic: tensor-parallel rank {rank}: Engine.{name} failed {where}", file=sys.stderr, flush=True)
                 os._exit(1)  # out of step: rank 0 raises, and sees this rank gone at its next call
@@ -85,26 +85,25 @@ class EngineGroup:
 
         def repeated(*args: Any, **kwargs: Any) -> Any:
             self._check_followers()
-            from_rank_zero((name, args, kwargs))
             try:
-                result = value(*args, **kwargs)
-            except Exception:
-                self._agree(name, failed=True)
-                raise
-            self._agree(name, failed=False)
+                from_rank_zero((name, args, kwargs))
+                try:
+                    result = value(*args, **kwargs)
+                except Exception:
+                    self._agree(name, failed=True)
+                    raise
+                self._agree(name, failed=False)
+            except GroupFailure as err:  # a rank is gone (it failed mid-call, out of step with this one)
+                self._broken = True
+                raise HypicError(f"Engine.{name}: a tensor-parallel rank failed or left during the call ({err}); "
+                                 "the engine group cannot go on") from err
             return result
         return repeated
 
     def _agree(self, name: str, failed: bool) -> None:
         """Every rank failed the call or none did; else the ranks are out of step (the other ranks'
         next collective would wait forever): the followers exit and this raises."""
-        try:
-            agreed = same_on_every_rank([failed], self.tp)
-        except RuntimeError as err:  # a rank is gone (it failed mid-call, out of step with this one)
-            self._broken = True
-            raise HypicError(f"Engine.{name}: a tensor-parallel rank failed or left during the call ({err}); "
-                             "the engine group cannot go on") from err
-        if not agreed:
+        if not same_on_every_rank([failed], self.tp, "an engine call's outcome"):
             self._broken = True
             raise HypicError(f"Engine.{name} failed on {'rank 0 alone' if failed else 'another rank alone'}: "
                              "the tensor-parallel ranks are out of step and the engine group cannot go on")

@@ -1,11 +1,35 @@
-"""Which rank this process is, and the two collectives the model needs (over torch.distributed's
-default process group: gloo on the CPU, NCCL on GPUs)."""
+"""Which rank this process is, and the collectives of a tensor-parallel group (over torch.distributed's
+default process group: gloo on the CPU, NCCL on GPUs). Every collective goes through ``_collective``:
+a failure of one (a rank died, timed out, or reached another collective) is the group's failure
+(``GroupFailure``), never one request's. The small control collectives carry the name of their call
+site, so ranks that reach different ones are told apart instead of mixing their values."""
 import random
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class GroupFailure(BaseException):
+    """The tensor-parallel group cannot go on: a collective failed, or the ranks reached different
+    collectives, or disagree where they must agree. A BaseException, so that no per-request handler
+    takes it for one request's error."""
+
+
+def _collective(what: str, run: Callable[[], T]) -> T:
+    """``run()``, a collective; any failure of it ends the group."""
+    try:
+        return run()
+    except GroupFailure:
+        raise
+    except Exception as err:  # gloo and NCCL report a peer gone, a timeout or a size mismatch this way
+        raise GroupFailure(f"the tensor-parallel collective {what} failed on rank {dist.get_rank()} "
+                           f"({type(err).__name__}: {err})") from err
 
 
 @dataclass(frozen=True)
@@ -30,7 +54,7 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if not tp.enabled:
         return x
     total = x.float()
-    dist.all_reduce(total)
+    _collective("all_reduce", lambda: dist.all_reduce(total))
     return total.to(x.dtype)
 
 
@@ -40,7 +64,7 @@ def all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if not tp.enabled:
         return x
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous())
+    _collective("all_gather", lambda: dist.all_gather(parts, x.contiguous()))
     return torch.cat(parts, dim=-1)
 
 
@@ -54,7 +78,7 @@ def common_seed(tp: TensorParallel) -> int:
 def from_rank_zero(value: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (a picklable object; the others pass nothing)."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    _collective("broadcast from rank 0", lambda: dist.broadcast_object_list(box, src=0))
     return box[0]
 
 
@@ -65,23 +89,34 @@ def _control_device() -> torch.device:
     return torch.device("cpu")
 
 
-def rank_extremes(values: list[int], tp: TensorParallel) -> tuple[list[int], list[int]]:
-    """(minimum, maximum) over the ranks of each of ``values``, in one small all-reduce."""
+def _site_tag(site: str) -> int:
+    """A number for a control collective's call site, the same in every process."""
+    return zlib.crc32(site.encode()) + 1
+
+
+def rank_extremes(values: list[int], tp: TensorParallel, site: str) -> tuple[list[int], list[int]]:
+    """(minimum, maximum) over the ranks of each of ``values``, in one small all-reduce made at ``site``
+    (a name of the call site: ranks at different sites end the group)."""
     if not tp.enabled:
         return list(values), list(values)
-    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=_control_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    tagged = [_site_tag(site), *values]
+    both = torch.tensor([*tagged, *(-v for v in tagged)], dtype=torch.int64, device=_control_device())
+    _collective(f"at {site}", lambda: dist.all_reduce(both, op=dist.ReduceOp.MIN))
     low = both.tolist()
-    return low[:len(values)], [-v for v in low[len(values):]]
+    low, high = low[:len(tagged)], [-v for v in low[len(tagged):]]
+    if low[0] != high[0]:
+        raise GroupFailure(f"the tensor-parallel ranks are out of step: rank {tp.rank} reached {site} while "
+                           "another rank was at a different collective")
+    return low[1:], high[1:]
 
 
-def on_every_rank(found: bool, tp: TensorParallel) -> bool:
+def on_every_rank(found: bool, tp: TensorParallel, site: str = "a lookup below memory") -> bool:
     """Whether every rank ``found`` its copy (a lower tier holds one shard per rank: one rank may miss
     what another holds, and the ranks must treat it alike, or one would run the model alone)."""
-    return bool(rank_extremes([int(found)], tp)[0][0]) if tp.enabled else found
+    return bool(rank_extremes([int(found)], tp, site)[0][0]) if tp.enabled else found
 
 
-def same_on_every_rank(values: list[int], tp: TensorParallel) -> bool:
-    """Whether every rank holds the same ``values`` (a lockstep loop's check that the ranks agree)."""
-    low, high = rank_extremes(values, tp)
+def same_on_every_rank(values: list[int], tp: TensorParallel, site: str) -> bool:
+    """Whether every rank holds the same ``values`` at ``site`` (the ranks' check that they agree)."""
+    low, high = rank_extremes(values, tp, site)
     return low == high

@@ -1,33 +1,43 @@
 """The engine loop over N tensor-parallel ranks, in lockstep. Rank 0 (the server) runs the loop as one
 process would, except that every iteration starts by broadcasting an ``Iteration``: a plain-data
 record of everything the iteration takes from outside the loop (what was drained from the inbox,
-the requests cancelled, which requests still wait for their reads below memory, the clock). Every
+the requests cancelled, which requests still wait for their reads below memory). Every
 other rank (``FollowerLoop``) applies it and runs the same iteration on its own shard, so every rank
 makes the same cache decisions and the same model calls in the same order.
 
-At the end of each iteration the ranks compare, in one small all-reduce, how many requests failed
-and the tokens they sampled: if they disagree, or a pass through the model fails on any rank (its
-peers would wait in a collective it never reaches), the group ends (``RanksOutOfStep``)."""
+The ranks check that they are in step before they could fall out of it (each in one small
+all-reduce, ``RankSync``): before an iteration, on the requests it starts from (each one's identity,
+tokens left, admission, in order); before each pass through the model, on its batch; after the
+iteration, on what failed and an ordered digest of the tokens sampled. A disagreement, a pass that
+fails on one rank (its peers would wait in a collective it never reaches) or a collective that fails
+ends the group (``RanksOutOfStep``, a ``GroupFailure``) in seconds, not at gloo's timeout."""
 import itertools
 import logging
+import math
 import random
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from ..cache.plan import RequestPlan
 from ..errors import HypicError
-from ..parallel.group import TensorParallel, from_rank_zero, same_on_every_rank
-from .loop import Command, EngineLoop, Event, Job, Pending, WarmupTask, wake_only
+from ..parallel.group import GroupFailure, TensorParallel, from_rank_zero, same_on_every_rank
+from .loop import Command, EngineLoop, Event, Job, Pending, Solo, WarmupTask, wake_only
 from .requests import Request
 
 log = logging.getLogger("hypic.server")
 NAME_THE_RANK_S = 1.5  # a failed collective waits this long for the watchdog to name the rank that died
 
 
-class RanksOutOfStep(BaseException):
+HASH_MODULUS = (1 << 61) - 1  # a prime: the ordered hash stays below 2**61
+HASH_BASE = 1_000_003
+
+
+class RanksOutOfStep(GroupFailure):
     """The ranks can no longer go on together (a model call failed on one, or they disagree on an
     iteration's outcome): the group ends. A BaseException, so no per-request handler takes it."""
 
@@ -70,17 +80,15 @@ Item = JobRecord | WarmupRecord | FlushRecord
 @dataclass(frozen=True)
 class Iteration:
     """What rank 0 broadcasts before each iteration. ``cancelled``: serials of requests dropped now;
-    ``held``: serials of waiting requests still held back for their reads below memory; ``clock``:
-    rank 0's ``time.perf_counter`` (priorities' waiting credit); ``stop``: the server stops."""
+    ``held``: serials of waiting requests still held back for their reads below memory; ``stop``: the
+    server stops."""
 
     items: list[Item]
     cancelled: frozenset[int]
     held: frozenset[int]
-    clock: float
     stop: bool = False
 
 
-STOP = Iteration([], frozenset(), frozenset(), 0.0, stop=True)
 
 
 @dataclass
@@ -103,55 +111,109 @@ def _ignore(_: Event) -> None:
     """A follower's requests answer no client."""
 
 
-class _Lockstep(EngineLoop):
-    """What rank 0 and the followers run alike: the frozen clock, cancellations and holds, and the
-    end-of-iteration check."""
+def ordered_hash(values: Iterable[int], start: int = 0) -> int:
+    """A hash of ``values`` in order (swapping two changes it), the same in every process: 61 bits, so
+    that it travels in an int64 all-reduce."""
+    digest = start
+    for value in values:
+        digest = (digest * HASH_BASE + value + 1) % HASH_MODULUS
+    return digest
 
-    def _start_lockstep(self) -> None:
-        self.tp: TensorParallel = self.engine.model.config.tensor_parallel
-        self.clock = time.perf_counter()
-        self.cancelled_now: frozenset[int] = frozenset()
-        self.failures = self.digest = 0  # this iteration's failed requests and sum of sampled tokens (+1)
 
-    def _now(self) -> float:
-        return self.clock
+def stable_hash(value: Any) -> int:
+    """A hash of a plain-data value's ``repr`` that every process computes alike (``hash`` is salted)."""
+    return xxhash.xxh3_64_intdigest(repr(value).encode()) % HASH_MODULUS
 
-    def _freeze(self, record: Iteration) -> None:
-        self.clock, self.cancelled_now = record.clock, record.cancelled
-        for pending in self.waiting:
-            if isinstance(pending, Job) and not pending.admitted:
-                pending.held_back = pending.serial in record.held
 
-    def _drop_cancelled(self) -> None:
-        for pending in [p for p in (*self.waiting, *self.running) if p.serial in self.cancelled_now]:
-            self._drop(pending)
+class RankSync(Solo):
+    """How a rank's loop stays in step with the others: before each pass through the model the ranks agree on its batch (serials and sizes, in order), so
+    none enters a collective its peers skip; after the iteration they agree on what failed and what
+    each sample took (an ordered digest). A disagreement, or a pass that fails on one rank, ends the
+    group (``RanksOutOfStep``)."""
 
-    def _fail(self, job: Job, err: Exception) -> None:
-        self.failures += 1
-        super()._fail(job, err)
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+        self.failures = self.digest = 0  # this iteration's failed requests and warm-ups, and sampled tokens
 
-    def _broke(self, pending: Pending, err: Exception) -> None:
-        if isinstance(pending, WarmupTask):
-            self.failures += 1
-        super()._broke(pending, err)
-
-    def _accept(self, job: Job, index: int, logits: torch.Tensor) -> None:
-        super()._accept(job, index, logits)
-        self.digest += job.sequences[index].output_ids[-1] + 1
-
-    def _model_call(self, run: Any) -> Any:
+    def model_call(self, run: Callable[[], Any], batch: list[int]) -> Any:
+        self.agree("a batch", [ordered_hash(batch), len(batch)])
         try:
             return run()
         except Exception as err:
             raise RanksOutOfStep(f"a pass through the model failed on tensor-parallel rank {self.tp.rank} "
                                  f"({type(err).__name__}: {err}); the ranks cannot go on in step") from err
 
-    def _check(self) -> None:
-        """The ranks agree on this iteration's failed requests and sampled tokens, or the group ends."""
+    def failed(self) -> None:
+        self.failures += 1
+
+    def sampled(self, serial: int, index: int, token: int) -> None:
+        self.digest = ordered_hash((serial, index, token), self.digest)
+
+    def agree(self, what: str, values: list[int]) -> None:
+        """Every rank holds the same ``values`` for ``what``, or the group ends."""
+        if not same_on_every_rank(values, self.tp, what):
+            raise RanksOutOfStep(f"the tensor-parallel ranks disagree on {what} (rank {self.tp.rank}: {values}): "
+                                 "they diverged")
+
+    def check(self) -> None:
+        """The ranks agree on this iteration's failures and sampled tokens, or the group ends."""
         failures, digest, self.failures, self.digest = self.failures, self.digest, 0, 0
-        if not same_on_every_rank([failures, digest], self.tp):
-            raise RanksOutOfStep(f"the tensor-parallel ranks disagree on an iteration (rank {self.tp.rank}: "
-                                 f"{failures} failed requests, token digest {digest}): they diverged")
+        self.agree("an iteration's outcome (failed requests, token digest)", [failures, digest])
+
+
+class _Lockstep(EngineLoop):
+    """What rank 0 and the followers run alike: the record's cancellations and holds, and the
+    ranks' agreement on the requests each iteration starts from."""
+
+    def __init__(self, engine: Any, mode: Any, **options: Any) -> None:
+        self.rank_sync = RankSync(engine.model.config.tensor_parallel)
+        super().__init__(engine, mode, sync=self.rank_sync, **options)
+        self.tp: TensorParallel = self.rank_sync.tp
+        self.cancelled_now: frozenset[int] = frozenset()
+        self.digests: dict[int, int] = {}  # serial -> what each admitted request or warm-up is, hashed
+
+    def _freeze(self, record: Iteration) -> None:
+        self.cancelled_now = record.cancelled
+        for pending in self.waiting:
+            if isinstance(pending, Job) and not pending.admitted:
+                pending.held_back = pending.serial in record.held
+
+    def _admit(self, item: Pending) -> None:
+        self.digests[item.serial] = stable_hash(_identity(item))
+        super()._admit(item)
+
+    def _run_iteration(self) -> None:
+        """This iteration, between the ranks' two agreements: on what it starts from, and on its outcome."""
+        self.rank_sync.agree("the iteration's requests", [ordered_hash(self._fingerprint())])
+        self._iterate()
+        self.rank_sync.check()
+
+    def _fingerprint(self) -> Iterator[int]:
+        """Each waiting item's serial, identity, tokens left and admission, and each running one's samples
+        left, in the loop's order."""
+        for pending in self.waiting:
+            left = int(pending.remaining) if math.isfinite(pending.remaining) else -1
+            admitted = isinstance(pending, Job) and pending.admitted
+            yield from (pending.serial, self.digests.get(pending.serial, 0), left, admitted)
+        for job in self.running:
+            yield from (job.serial, sum(not s.finished for s in job.sequences))
+
+    def _drop_cancelled(self) -> None:
+        for pending in [p for p in (*self.waiting, *self.running) if p.serial in self.cancelled_now]:
+            self._drop(pending)
+
+    def _leave_queue(self, item: Pending) -> None:
+        self.digests.pop(item.serial, None)
+        super()._leave_queue(item)
+
+
+def _identity(item: Pending) -> Any:
+    """What a request or a warm-up is, as plain data every rank derives alike from rank 0's record."""
+    if isinstance(item, WarmupTask):
+        return item.source
+    plan = item.plan
+    return (item.rid, tuple(plan.parts.token_ids), plan.spliced, sorted(plan.entry_keys.items()), plan.logits_from,
+            item.request.params, [sequence.seed for sequence in item.sequences], item.footprint)
 
 
 class LeaderLoop(_Lockstep):
@@ -159,13 +221,12 @@ class LeaderLoop(_Lockstep):
     told when it can no longer go on."""
 
     def __init__(self, engine: Any, mode: Any, ranks: Ranks, **options: Any) -> None:
-        super().__init__(engine, mode, **options)
+        super().__init__(engine, mode, on_fatal=ranks.fail, **options)
         self.ranks, self.serials = ranks, itertools.count()
-        self._start_lockstep()
 
     @property
     def failure(self) -> str | None:
-        return self.ranks.failed
+        return self.ranks.failed or self.stopped
 
     def sample_seed(self) -> int | None:
         return random.getrandbits(62)
@@ -179,31 +240,25 @@ class LeaderLoop(_Lockstep):
         self.inbox.put(command)
         return command.future
 
-    def _main(self) -> None:
-        torch.set_grad_enabled(False)
-        try:
-            while self._lead():
-                pass
-        except RanksOutOfStep as err:
-            self.ranks.fail(str(err))
-        except Exception as err:  # mostly a rank gone (its collective failed): the watchdog names it first
+    def _die(self, err: BaseException) -> None:
+        """The group ends; a failure other than the ranks' disagreement is mostly a rank gone (its
+        collective failed): the watchdog names it first."""
+        if not isinstance(err, RanksOutOfStep):
             time.sleep(NAME_THE_RANK_S)
-            self.ranks.fail(f"the engine loop failed ({type(err).__name__}: {err})")
+        super()._die(err)
 
-    def _lead(self) -> bool:
+    def _turn(self) -> bool:
         """One iteration: drain, broadcast what it took, run it; False once stopped."""
         for pending in self.waiting:
             if isinstance(pending, Job):
                 pending.held_back = None  # live: whether the loop is idle
-        idle = not self.running and all(isinstance(p, Job) and p.awaiting for p in self.waiting)
-        items, stop = self._take_inbox(self._idle_wait() if idle else None)
+        items, stop = self._take_inbox(self._idle_wait() if self._idle() else None)
         record = self._record(items, stop)
         from_rank_zero(record)
         if stop:
             return False
         self._freeze(record)
-        self._iterate()
-        self._check()
+        self._run_iteration()
         return True
 
     def _take_inbox(self, wait_s: float | None) -> tuple[list[Item], bool]:
@@ -221,6 +276,8 @@ class LeaderLoop(_Lockstep):
     def _take(self, item: Pending | Command) -> Item | None:
         if isinstance(item, FlushCommand):
             self._run_command(item)
+            if item.future.exception() is not None:  # the other ranks' flushes must fail too, or the group ends
+                self.rank_sync.failed()
             return FlushRecord(item.namespace, item.tiers)
         if isinstance(item, Command):
             if item.run is not wake_only:
@@ -240,30 +297,25 @@ class LeaderLoop(_Lockstep):
                          item.footprint, item.remaining)
 
     def _record(self, items: list[Item], stop: bool) -> Iteration:
-        """This iteration's record: ``items``, and the cancellations, holds and clock as of now."""
+        """This iteration's record: ``items``, and the cancellations and holds as of now."""
         if stop:
-            return Iteration(items, frozenset(), frozenset(), 0.0, stop=True)
+            return Iteration(items, frozenset(), frozenset(), stop=True)
         now = time.monotonic()
         pendings = (*self.waiting, *self.running)
         cancelled = frozenset(p.serial for p in pendings if p.cancelled.is_set())
         held = frozenset(p.serial for p in self.waiting if isinstance(p, Job) and p.holds(now))
-        return Iteration(items, cancelled, held, time.perf_counter())
+        return Iteration(items, cancelled, held)
 
 
 class FollowerLoop(_Lockstep):
     """Rank 1..N-1's loop: runs, on this thread, the iterations rank 0 broadcasts until it stops."""
-
-    def __init__(self, engine: Any, mode: Any, **options: Any) -> None:
-        super().__init__(engine, mode, **options)
-        self._start_lockstep()
 
     def run(self) -> None:
         torch.set_grad_enabled(False)
         while not (record := from_rank_zero()).stop:
             self._apply(record)
             self._freeze(record)
-            self._iterate()
-            self._check()
+            self._run_iteration()
 
     def _apply(self, record: Iteration) -> None:
         for item in record.items:
@@ -277,13 +329,17 @@ class FollowerLoop(_Lockstep):
                 kind, documents, namespace = item.source
                 steps = (self.engine.warmup_steps if kind == "warmup" else self.engine.build_steps)(
                     documents, self.mode, namespace)
-                self._admit(WarmupTask(steps, item.remaining, start=item.start, serial=item.serial))
+                self._admit(WarmupTask(steps, item.remaining, start=item.start, serial=item.serial,
+                                       source=item.source))
 
     def _flush(self, item: FlushRecord) -> None:
+        """Rank 0's flush here too; one that fails on some ranks only leaves their pools apart: the
+        iteration's check ends the group then."""
         try:
             self.engine.flush(item.namespace, item.tiers)
-        except Exception as err:  # noqa: BLE001 - rank 0 reports its own outcome to the client
-            log.warning("flush on rank %d failed (%s: %s)", self.tp.rank, type(err).__name__, err)
+        except Exception as err:  # noqa: BLE001 - counted: every rank failed alike, or the group ends
+            self.rank_sync.failed()
+            log.error("flush on rank %d failed (%s: %s)", self.tp.rank, type(err).__name__, err)
 
     def _job(self, record: JobRecord) -> Job:
         request, parts = record.request, record.plan.parts

@@ -11,11 +11,9 @@ A request starts only when the state it may hold fits ``max_state_bytes``; the w
 bounded. An error in one request fails that request only. A request's n samples share its prefill.
 """
 import logging
-import math
 import queue
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -37,12 +35,11 @@ from ..prefill_stats import BuiltForRequest, PrefillStats
 from ..cache.segments import PromptParts
 from ..sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState, tensor_bytes
+from .policy import URGENT, WAIT_CREDIT_TOKENS_PER_S, SchedulingPolicy
 from .requests import Completion, Request, SampleResult
 from .stats import LoopStats
 
 log = logging.getLogger("hypic.server")
-WAIT_CREDIT_TOKENS_PER_S = 256.0  # a request that has waited t seconds counts as 256 t tokens smaller
-URGENT = -math.inf  # the priority of work that goes before any build (a worker's combine passes)
 
 
 def default_prefill_batch(device: str) -> int:
@@ -53,6 +50,10 @@ def default_prefill_batch(device: str) -> int:
 
 class QueueFull(HypicError):
     """The waiting queue holds ``max_queued`` requests already (the app answers 503)."""
+
+
+class LoopStopped(HypicError):
+    """The engine loop has stopped after a fault and serves nothing more (the app answers 503)."""
 
 
 @dataclass
@@ -196,10 +197,31 @@ def wake_only() -> None:
     """A command that does nothing: it wakes the loop (a load or a peer's work finished)."""
 
 
-def _left(remaining: float, done: int) -> float:
-    """A pending's priority after ``done`` tokens of its work ran: what it still needs, at least 1
-    (a priority of 0 or ``URGENT`` stays as it was)."""
-    return remaining if remaining < 1 else max(1, remaining - done)
+def _abandon(item: "Pending | Command", message: str) -> None:
+    """Tell whoever waits on ``item`` that the loop stopped (``message``)."""
+    if isinstance(item, Job):
+        item.emit(ErrorEvent(message))
+    elif not item.future.done():
+        item.future.set_exception(LoopStopped(message))
+
+
+def _nobody_told(message: str) -> None:
+    """The default ``on_fatal``: the loop's clients heard of it already; nothing else is told."""
+
+
+class Solo:
+    """How a loop that runs alone keeps time and makes its passes through the model; the lockstep
+    loops' ``RankSync`` agrees on each of them with the other tensor-parallel ranks."""
+
+    def model_call(self, run: Callable[[], Any], batch: list[int]) -> Any:
+        """``run()``, one pass through the model over ``batch`` (serials and sizes, in order)."""
+        return run()
+
+    def failed(self) -> None:
+        """A request or a warm-up failed."""
+
+    def sampled(self, serial: int, index: int, token: int) -> None:
+        """Sample ``index`` of request ``serial`` took ``token``."""
 
 
 def input_logprobs(prompt_ids: list[int], start: int, logits: torch.Tensor, top: int) -> list[TokenLogprob | None]:
@@ -216,8 +238,14 @@ class EngineLoop:
     ``max_prefill_batch``: the most prefill passes one step runs together."""
 
     def __init__(self, engine: Engine, mode: Mode | str, max_running: int = 64, max_queued: int = 256,
-                 max_state_bytes: int | None = None, max_prefill_batch: int = 16) -> None:
+                 max_state_bytes: int | None = None, max_prefill_batch: int = 16,
+                 on_fatal: Callable[[str], None] = _nobody_told, sync: "Solo | None" = None) -> None:
         self.engine, self.mode, self.max_running = engine, Mode.parse(mode), max_running
+        self.sync = sync or Solo()  # how its model passes and outcomes are kept alike with other ranks
+        self.policy = SchedulingPolicy(max_running, max_state_bytes)
+        self.flushing: list[str | None] = []  # namespaces whose tiers below memory are being flushed (None: all)
+        self.on_fatal = on_fatal  # told why, once, if the loop cannot go on (a server exits non-zero)
+        self.stopped: str | None = None  # why the loop stopped after a fault
         self.max_prefill_batch = max_prefill_batch  # prefill passes run together in one step, at most
         self.max_queued, self.max_state_bytes = max_queued, max_state_bytes
         self.inbox: queue.Queue[Pending | Command | None] = queue.Queue()
@@ -239,6 +267,8 @@ class EngineLoop:
 
     def _enqueue(self, item: Pending) -> None:
         with self._queued_lock:
+            if self.stopped is not None:
+                raise LoopStopped(self.stopped)
             if self._queued >= self.max_queued:
                 self.stats.requests_refused += 1
                 raise QueueFull(f"the server is at its limit of {self.max_queued} waiting requests "
@@ -315,12 +345,46 @@ class EngineLoop:
         """Run ``run`` on the loop thread when the loop next drains its queue (between chunks); the
         future holds its result or exception. Peer work posts its news this way and never waits."""
         command = Command(run)
-        self.inbox.put(command)
+        with self._queued_lock:
+            if self.stopped is not None:
+                raise LoopStopped(self.stopped)
+            self.inbox.put(command)
         return command.future
 
     def flush(self, namespace: str | None, tiers: frozenset[str]) -> Future:
-        """``Engine.flush`` on the loop thread between chunks; the future holds its counts."""
-        return self.call(lambda: self.engine.flush(namespace, tiers))
+        """``Engine.flush`` without stopping the loop: memory between two of its steps, the tiers below
+        on a thread of their own while decoding goes on; meanwhile no request of ``namespace`` (None:
+        of any) starts. The future holds the counts."""
+        flushed: Future = Future()
+        self.call(lambda: self._start_flush(namespace, tiers, flushed))
+        return flushed
+
+    def _start_flush(self, namespace: str | None, tiers: frozenset[str], flushed: Future) -> None:
+        try:
+            public, private = self.engine.cache.flush_memory(namespace) if "memory" in tiers else (0, 0)
+        except Exception as err:  # noqa: BLE001 - handed to the flush's caller
+            flushed.set_exception(err)
+            return
+        if not tiers - {"memory"}:
+            flushed.set_result((public, private, {}))
+            return
+        self.flushing.append(namespace)
+
+        def below() -> None:
+            try:
+                outcome: Any = (public, private, self.engine.cache.flush_below(namespace, tiers))
+            except Exception as err:  # noqa: BLE001 - handed to the flush's caller
+                outcome = err
+            self.inbox.put(Command(lambda: self._flushed(namespace, flushed, outcome)))
+        threading.Thread(target=below, name="hypic-flush", daemon=True).start()
+
+    def _flushed(self, namespace: str | None, flushed: Future, outcome: Any) -> None:
+        """The tiers below are flushed: requests of ``namespace`` may start again."""
+        self.flushing.remove(namespace)
+        if isinstance(outcome, Exception):
+            flushed.set_exception(outcome)
+        else:
+            flushed.set_result(outcome)
 
     def sample_seed(self) -> int | None:
         """The seed an unseeded request's samples draw from (None: torch's generator; a lockstep loop
@@ -333,30 +397,75 @@ class EngineLoop:
 
     @property
     def failure(self) -> str | None:
-        """Why the loop can no longer serve although its thread may run on (a tensor-parallel rank
-        died); None: it can."""
-        return None
+        """Why the loop can no longer serve (it stopped after a fault; a tensor-parallel rank died while
+        its thread runs on); None: it can."""
+        return self.stopped
 
     # ----- loop thread ----------------------------------------------------------------------
     def _main(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
-            idle = not self.running and all(isinstance(p, Job) and p.awaiting for p in self.waiting)
-            if not self._drain(self._idle_wait() if idle else None):
-                return
-            self._iterate()
+        try:
+            while self._turn():
+                pass
+        except BaseException as err:  # noqa: BLE001 - whatever ends the loop, its clients hear of it
+            self._die(err)
+
+    def _turn(self) -> bool:
+        """Drain the inbox (waiting for news when idle), then one iteration; False once stopped."""
+        if not self._drain(self._idle_wait() if self._idle() else None):
+            return False
+        self._iterate()
+        return True
+
+    def _idle(self) -> bool:
+        return not self.running and all(isinstance(p, Job) and p.awaiting for p in self.waiting)
 
     def _iterate(self) -> None:
         """One iteration after the inbox is drained: cancellations, peers, a prefill step, a decode step,
-        now and then a heap trim."""
+        now and then a heap trim. What fails inside a request's work fails that request; what escapes
+        from here ends the loop (``_die``)."""
         self._drop_cancelled()
         self._start_peer_work()
         self._take_peer_work()
         self._step_prefills()
         if self.running:
             self._decode()
-        self.heap.maybe()  # every loop's iteration, the lockstep loops' too: a trim is per process
-        self.snapshot = self._publish()
+        self._quietly("heap_trim", self.heap.maybe)  # every loop's iteration, the lockstep loops' too: per process
+        self._republish()
+
+    def _quietly(self, step: str, run: Callable[[], Any]) -> None:
+        """Run a step no request depends on (a heap trim, the counters' snapshot): a failure is logged
+        and counted, and the loop goes on."""
+        try:
+            run()
+        except Exception:  # noqa: BLE001 - nobody waits on this step
+            self.stats.loop_errors[step] = self.stats.loop_errors.get(step, 0) + 1
+            log.exception("the engine loop's %s failed; the loop goes on", step.replace("_", " "))
+
+    def _republish(self) -> None:
+        """A new snapshot of the counters (the last one stays if making it fails)."""
+        self._quietly("publish", lambda: setattr(self, "snapshot", self._publish()))
+
+    def _die(self, err: BaseException) -> None:
+        """The loop cannot go on: later submissions are refused, every client still waiting hears why
+        at once, and ``on_fatal`` is told (a server exits non-zero)."""
+        message = f"the engine loop stopped ({type(err).__name__}: {err})"
+        log.critical("%s", message, exc_info=err)
+        with self._queued_lock:
+            self.stopped = message
+        for item in [*self.waiting, *self.running, *self._inbox_left()]:
+            _abandon(item, message)
+        self.on_fatal(message)
+
+    def _inbox_left(self) -> list[Pending | Command]:
+        items = []
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return items
+            if item is not None:
+                items.append(item)
 
     def _idle_wait(self) -> float:
         """How long an idle loop waits for news: until the first hold on a waiting job's reads runs
@@ -390,13 +499,17 @@ class EngineLoop:
             return
 
     def _admit(self, item: Pending) -> None:
+        """Into the waiting list; a request's reads below memory start (a failure fails it alone)."""
+        self.waiting.append(item)
         if isinstance(item, Job):
             self.stats.requests_received += 1
-            item.remaining = self.engine.cache.uncached_tokens(item.plan)
-            item.loads = self.engine.cache.prefetch(item.plan)  # its documents and resume point are read meanwhile
-            for future, _ in item.loads:
-                self._wake_when_done(future)
-        self.waiting.append(item)
+            self._guarded(item, self._look_up)
+
+    def _look_up(self, job: Job) -> None:
+        job.remaining = self.engine.cache.uncached_tokens(job.plan)
+        job.loads = self.engine.cache.prefetch(job.plan)  # its documents and resume point are read meanwhile
+        for future, _ in job.loads:
+            self._wake_when_done(future)
 
     def _leave_queue(self, item: Pending) -> None:
         if item in self.waiting:
@@ -410,7 +523,7 @@ class EngineLoop:
         except Exception as err:  # handed to the caller, who reports it
             command.future.set_exception(err)
             return
-        self.snapshot = self._publish()  # whoever reads the counters once it is done sees it (a flush's empty pools)
+        self._republish()  # whoever reads the counters once it is done sees it (a flush's empty pools)
         command.future.set_result(result)
 
     # ----- scheduling -----------------------------------------------------------------------
@@ -430,11 +543,11 @@ class EngineLoop:
     def _fits(self, job: Job, slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
         """Whether a new job gets a running slot and room for its state beside the running and admitted
         ones and what jobs ahead of it, about to start, will take (``slots_ahead``, ``bytes_ahead``)."""
+        if None in self.flushing or job.parts.namespace in self.flushing:
+            return False  # its namespace's entries are being deleted below memory
         started = sum(1 for p in self.waiting if isinstance(p, Job) and p.admitted)
-        if len(self.running) + started + slots_ahead >= self.max_running:
-            return False
-        held = self._held_bytes() + bytes_ahead + job.footprint
-        return self.max_state_bytes is None or held <= self.max_state_bytes
+        return self.policy.admits(len(self.running) + started + slots_ahead, self._held_bytes() + bytes_ahead,
+                                  job.footprint)
 
     def _start_peer_work(self) -> None:
         """Admit every job with peer work that fits now, in priority order, so its peers build while
@@ -473,9 +586,9 @@ class EngineLoop:
 
     def _take_peer_work(self) -> None:
         """Take the outcome of every job's finished peer work (``_peer_outcome``)."""
-        for job in self.waiting:
+        for job in list(self.waiting):
             if isinstance(job, Job) and job.peer is not None and job.peer.done():
-                self._peer_outcome(job)
+                self._guarded(job, self._peer_outcome)
 
     def _peer_outcome(self, job: Job) -> None:
         """The job's peer work is done: its combine pass runs on a peer (RECEIVING) or here; a failure
@@ -496,13 +609,8 @@ class EngineLoop:
             job.remaining = self.engine.cache.uncached_tokens(job.plan)
 
     def _by_priority(self) -> list[Pending]:
-        """Waiting work, fewest uncached tokens left (less its waiting credit) first."""
-        now = self._now()
-        return sorted(self.waiting, key=lambda p: p.remaining - WAIT_CREDIT_TOKENS_PER_S * (now - p.start))
-
-    def _now(self) -> float:
-        """``time.perf_counter`` (a lockstep loop: rank 0's at the iteration's start)."""
-        return time.perf_counter()
+        """Waiting work in the policy's order."""
+        return self.policy.order(self.waiting)
 
     def _step_prefills(self) -> None:
         """One batch of prefill work: startable prefills and warm-ups in priority order, each resumed
@@ -530,7 +638,8 @@ class EngineLoop:
         works = [p.work for p in batch if p.work is not None]
         restores = [work.checkpoint() for work in works] if len(works) > 1 else []
         try:
-            results: list[CombineResult] = self._model_call(lambda: self.engine.runner.run(works))
+            results: list[CombineResult] = self.sync.model_call(lambda: self.engine.runner.run(works),
+                                                                [v for p in batch for v in (p.serial, p.work.tokens)])
         except Exception as err:
             if len(batch) == 1:
                 self._broke(batch[0], err)
@@ -541,7 +650,7 @@ class EngineLoop:
                 self._run([pending])
             return
         for pending, work, result in zip(batch, works, results):
-            pending.remaining = _left(pending.remaining, work.tokens)
+            pending.remaining = self.policy.left(pending.remaining, work.tokens)
             self._resume(pending, result)
 
     def _resume(self, pending: Pending, reply: CombineResult | None) -> bool:
@@ -572,6 +681,7 @@ class EngineLoop:
     def _broke(self, pending: Pending, err: Exception) -> None:
         """A warm-up that breaks fails alone; a request's error fails that request."""
         if isinstance(pending, WarmupTask):
+            self.sync.failed()
             self._leave_queue(pending)
             pending.future.set_exception(err)
         else:
@@ -586,16 +696,15 @@ class EngineLoop:
             self._fail(job, err)
 
     def _fail(self, job: Job, err: Exception) -> None:
-        traceback.print_exc()
-        self._remove(job)
-        self._release(job)
+        """The job ends with an error event; it hears of it even if letting go of what it holds fails."""
+        log.error("request %s failed: %s: %s", job.rid, type(err).__name__, err, exc_info=err)
         self.stats.requests_failed += 1
-        job.emit(ErrorEvent(f"internal error while serving the request: {type(err).__name__}: {err}"))
-
-    def _model_call(self, run: Callable[[], Any]) -> Any:
-        """A pass through the model (batched prefill passes or a decode step); a lockstep loop makes
-        its failure end the group (the ranks' collectives could no longer be matched)."""
-        return run()
+        self.sync.failed()
+        try:
+            self._remove(job)
+            self._release(job)
+        finally:
+            job.emit(ErrorEvent(f"internal error while serving the request: {type(err).__name__}: {err}"))
 
     def _drop_cancelled(self) -> None:
         for pending in [p for p in (*self.waiting, *self.running) if p.cancelled.is_set()]:
@@ -604,10 +713,13 @@ class EngineLoop:
     def _drop(self, pending: Pending) -> None:
         """A cancelled request stops (its client went away); a cancelled warm-up runs on."""
         if isinstance(pending, Job):
-            for sequence in pending.sequences:
-                sequence.abort()
-            self._finish(pending)
             self.stats.requests_cancelled += 1
+            self._guarded(pending, self._stop)
+
+    def _stop(self, job: Job) -> None:
+        for sequence in job.sequences:
+            sequence.abort()
+        self._finish(job)
 
     def _prefill_steps(self, job: Job) -> Steps[Prefill]:
         """The job's remote Prefill, or its prefill here (also when the remote one failed)."""
@@ -644,8 +756,9 @@ class EngineLoop:
         states = [job.states[i] for job, i in rows]
         marks = [state.mark() for state in states]
         try:
-            logits, _ = self._model_call(lambda: self.engine.runner.decode(states,
-                                                              [job.sequences[i].output_ids[-1] for job, i in rows]))
+            logits, _ = self.sync.model_call(
+                lambda: self.engine.runner.decode(states, [job.sequences[i].output_ids[-1] for job, i in rows]),
+                [v for (job, i), state in zip(rows, states) for v in (job.serial, i, state.length)])
         except Exception:
             for state, mark in zip(states, marks):
                 state.rollback(mark)
@@ -660,17 +773,19 @@ class EngineLoop:
         """After a failed batch: each sample alone, so that only a failing request fails."""
         for job, index in rows:
             if job in self.running:
-                self._guarded(job, lambda j, i=index: self._accept(j, i, self._model_call(
-                    lambda: self.engine.runner.decode([j.states[i]], [j.sequences[i].output_ids[-1]]))[0][0]))
+                self._guarded(job, lambda j, i=index: self._accept(j, i, self.sync.model_call(
+                    lambda: self.engine.runner.decode([j.states[i]], [j.sequences[i].output_ids[-1]]),
+                    [j.serial, i, j.states[i].length])[0][0]))
         self._finish_done()
 
     def _finish_done(self) -> None:
         for job in [job for job in self.running if job.finished]:
-            self._finish(job)
+            self._guarded(job, self._finish)
 
     def _accept(self, job: Job, index: int, logits: torch.Tensor) -> None:
         """Sample ``index`` of ``job`` takes its next token from ``logits``; the client hears of it."""
         job.sequences[index].step(logits)
+        self.sync.sampled(job.serial, index, job.sequences[index].output_ids[-1])
         if job.first_token_at is None:
             job.first_token_at = time.perf_counter()
         self.stats.generated_tokens += 1
@@ -684,7 +799,7 @@ class EngineLoop:
         self._release(job)
         completion = self._completion(job)
         self.stats.add_finished(completion)
-        self.snapshot = self._publish()  # a client that reads the counters after its last chunk sees its request
+        self._republish()  # a client that reads the counters after its last chunk sees its request
         job.emit(DoneEvent(completion))
 
     @staticmethod

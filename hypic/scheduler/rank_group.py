@@ -20,14 +20,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..cache.tiers.hierarchy import PrefetchPolicy
-from ..parallel.group import TensorParallel
+from ..parallel.group import GroupFailure, TensorParallel
 from ..parallel.launch import free_address, join_group
-from .lockstep import FollowerLoop, RanksOutOfStep
+from .fatal import exit_soon
+from .lockstep import FollowerLoop
 
 log = logging.getLogger("hypic.server")
 POLL_S = 0.5  # how often the watchdog looks at the ranks' processes (and a follower at its parent)
-EXIT_GRACE_S = 1.0  # how long /health reports a failed group before the server exits
-EXIT_CODE = 3  # rank 0's exit status when its group fails
 HANG_S = 20.0  # a follower whose heartbeat is this old is hung (stopped, or stuck holding the interpreter)
 
 
@@ -46,7 +45,7 @@ def _follow(rank: int, size: int, address: str, threads: int | None, path: str, 
     loop = FollowerLoop(engine, **loop_options)
     try:
         loop.run()
-    except (Exception, RanksOutOfStep) as err:  # rank 0 gone (the broadcast failed) or the ranks out of step
+    except (Exception, GroupFailure) as err:  # rank 0 gone (the broadcast failed) or the ranks out of step
         print(f"hypic: tensor-parallel rank {rank} stops: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         os._exit(1)  # its peers may be stuck in a collective: nothing is closed gracefully
     engine.close()  # rank 0 stopped the server: lower tiers' writes finish
@@ -123,15 +122,7 @@ class RankGroup:
             if self.failed is not None or self.closing:
                 return
             self.failed = message
-        log.error("%s: the server stops", message)
-        print(f"hypic: error: {message}: the server stops", file=sys.stderr, flush=True)
-        threading.Thread(target=self._exit_soon, name="hypic-rank-exit", daemon=True).start()
-
-    def _exit_soon(self) -> None:
-        time.sleep(EXIT_GRACE_S)
-        self.kill()
-        sys.stdout.flush()
-        os._exit(EXIT_CODE)
+        exit_soon(message, before_exit=self.kill)
 
     def kill(self) -> None:
         for process in self.processes:

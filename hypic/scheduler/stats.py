@@ -22,6 +22,7 @@ class LoopStats:
     requests_failed: int = 0
     requests_refused: int = 0  # queue full
     peer_prefill_failures: int = 0  # requests whose peer work broke (they ran here alone)
+    loop_errors: dict[str, int] = field(default_factory=dict)  # failures of steps no request depends on, by step
     generated_tokens: int = 0
     prefill: PrefillStats = field(default_factory=PrefillStats)  # summed over prefilled requests
     ttft_sum_s: float = 0.0

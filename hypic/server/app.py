@@ -23,7 +23,7 @@ from ..cache.plan import RequestPlan
 from ..sequence import Sequence
 from .chat import chat_renderer
 from ..scheduler.loop import (
-    DoneEvent, EngineLoop, ErrorEvent, Event, Job, PeerWork, ProgressEvent, QueueFull)
+    DoneEvent, EngineLoop, ErrorEvent, Event, Job, LoopStopped, PeerWork, ProgressEvent, QueueFull)
 from .fields import check_fields
 from .gate import BodyTooLarge, Gate, GateLimits
 from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_flush,
@@ -34,6 +34,7 @@ from .shapes import OpenAIStream, Shaper
 from .stats import prometheus_text
 
 DISCONNECT_POLL_S = 0.25
+LOOP_CHECK_S = 1.0  # how often a client waiting for its next event looks whether the engine loop still runs
 QUEUE_RETRY_AFTER_S = 2  # a full queue drains in about this long at the default limits
 log = logging.getLogger("hypic.server")
 
@@ -183,7 +184,7 @@ class Server:
         done: dict[int, Completion] = {}
         try:
             while len(done) < len(jobs):
-                position, event = await events.get()
+                position, event = await self._next_event(events)
                 if isinstance(event, DoneEvent):
                     done[position] = event.completion
                 elif isinstance(event, ErrorEvent):
@@ -193,6 +194,16 @@ class Server:
             for job in jobs:
                 job.cancel()  # no-op for finished jobs; the rest of a failed batch stops
         return [done[position] for position in range(len(jobs))]
+
+    async def _next_event(self, events: asyncio.Queue[tuple[int, Event]]) -> tuple[int, Event]:
+        """The next event of a client's requests; if the engine loop stopped without sending it, the
+        loop's failure (the loop tells its clients as it stops; this covers any it could not reach)."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), timeout=LOOP_CHECK_S)
+            except TimeoutError:
+                if not self.loop.alive or self.loop.failure is not None:
+                    return 0, ErrorEvent(self.loop.failure or "the engine loop has stopped")
 
     @staticmethod
     async def _cancel_on_disconnect(http: Request, jobs: list[Job]) -> None:
@@ -208,7 +219,7 @@ class Server:
         done: dict[int, Completion] = {}
         try:
             while len(done) < len(jobs):
-                position, event = await events.get()
+                position, event = await self._next_event(events)
                 for payload in shape(position, event):
                     yield _sse(payload)
                 if isinstance(event, ErrorEvent):
@@ -414,6 +425,10 @@ def _routes(loop: EngineLoop, info: ServerInfo, peers: Peers | None) -> FastAPI:
         response = error_response(503, str(err), "service_unavailable")
         response.headers["retry-after"] = str(QUEUE_RETRY_AFTER_S)
         return response
+
+    @app.exception_handler(LoopStopped)
+    async def stopped(_: Request, err: LoopStopped) -> JSONResponse:
+        return error_response(503, str(err), "service_unavailable")
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:

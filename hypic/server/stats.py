@@ -17,6 +17,9 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
         metric(f"{name}_total", "counter", snapshot[name], name.replace("_", " "))
     metric("heap_trimmed_bytes_total", "counter", snapshot.get("heap_trimmed_bytes", 0),
            "resident bytes the C allocator gave back to the system when the loop trimmed it")
+    lines.extend(_metric_lines("loop_errors_total", "counter", "failures of engine-loop steps no request depends on "
+                               "(heap trim, counters' snapshot): logged, and the loop goes on",
+                               {f'{{step="{step}"}}': count for step, count in snapshot.get("loop_errors", {}).items()}))
     metric("waiting_requests", "gauge", snapshot["waiting_requests"], "requests waiting for prefill")
     metric("running_requests", "gauge", snapshot["running_requests"], "requests decoding")
     lines.extend(_metric_lines("requests_in_phase", "gauge", "requests in the loop by phase (queued, building on "

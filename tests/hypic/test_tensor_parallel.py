@@ -91,8 +91,9 @@ def test_a_failure_on_a_follower_alone_fails_the_engine_group_fast(checkpoint_fa
     from hypic.engine import Engine
     from hypic.errors import HypicError
     helpers = Path(rank_code.__file__).parents[1]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "follower_faults"), str(helpers.parents[1]),
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "faults"), str(helpers.parents[1]),
                                                       os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYPIC_TEST_FAULT", "follower_warmup")
     group = Engine.from_pretrained(checkpoint_factory("qwen3_5_text-ratio2"), dtype="float32", tp_size=2)
     start = time.monotonic()
     with pytest.raises(HypicError, match="cannot go on"):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from hypic.parallel import TensorParallel
 from hypic.parallel.launch import run_ranks
 from hypic.server.launch import ServerProcess, start_server
 from hypic_testing import tp as rank_code
+from hypic_testing.exits import exits_within
 
 CHECKPOINT = "qwen3_5_text-ratio2"  # its heads divide 2, not 3
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -318,19 +320,66 @@ def test_what_cannot_be_served_is_refused_before_any_rank_starts(checkpoint: Pat
     assert done.returncode != 0 and message in done.stderr
 
 
-def test_a_failure_on_a_follower_alone_takes_the_server_down(checkpoint: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 1's warm-up fails where rank 0's succeeds (a document too short to cache: no model call, so
-    only the end-of-iteration check can tell): the ranks diverged, and the server stops rather than go on."""
+def _with_fault(checkpoint: Path, log: Path, fault: str, monkeypatch: pytest.MonkeyPatch) -> ServerProcess:
+    """A ``--tp-size 2`` server whose processes carry ``fault`` (``tests/helpers/faults``)."""
     helpers = Path(rank_code.__file__).parents[1]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "follower_faults"), str(helpers.parents[1]),
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "faults"), str(helpers.parents[1]),
                                                       os.environ.get("PYTHONPATH", "")]))
-    server = _serve(checkpoint, tmp_path / "faulty.log", "--tp-size", "2")
+    monkeypatch.setenv("HYPIC_TEST_FAULT", fault)
+    return _serve(checkpoint, log, "--tp-size", "2")
+
+
+def _two_at_once(server: ServerProcess) -> None:
+    """Two greedy requests decoding side by side."""
+    bodies = [{"text": _pic(tag), "sampling_params": {**GREEDY, "max_new_tokens": 24}} for tag in ("rho", "tau")]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda body: server.request("POST", "/generate", body, timeout=30), bodies))
+
+
+OUT_OF_STEP = {  # fault -> what trips it, and what the log then says
+    "follower_warmup": (lambda s: s.request("POST", "/warmup", {"documents": ["hi"]}, timeout=30),
+                        "disagree on an iteration's outcome"),
+    "follower_record": (lambda s: s.request("POST", "/generate", {"text": _pic("phi"), "sampling_params": GREEDY},
+                                            timeout=30), "disagree on the iteration's requests"),
+    "follower_rows": (_two_at_once, "disagree on an iteration's outcome"),
+    "follower_flush": (lambda s: s.request("POST", "/flush_cache", timeout=30), "disagree on an iteration's outcome"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(OUT_OF_STEP))
+def test_a_follower_out_of_step_ends_the_server_within_10_s(checkpoint: Path, tmp_path: Path, fault: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower that fails a warm-up rank 0 completes (no model call: only the outcome check can tell),
+    reads a perturbed record, samples its rows' tokens swapped (the same tokens in another order), or
+    fails a flush: the ranks disagree, and the server exits non-zero within 10 s naming what they
+    disagree on, rather than hang in mismatched collectives or serve from pools that differ."""
+    trip, cause = OUT_OF_STEP[fault]
+    server = _with_fault(checkpoint, tmp_path / f"{fault}.log", fault, monkeypatch)
+    start = time.monotonic()
     try:
-        server.request("POST", "/warmup", {"documents": ["hi"]})
-        server.process.wait(timeout=30)
+        trip(server)
+    except OSError:
+        pass  # the server went away under the request
+    exits_within(server, 10, start)
+    assert cause in server.log.read_text()
+
+
+def test_a_follower_whose_clock_runs_fast_serves_as_one_process(pair: Pair, checkpoint: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Priorities rank by rank 0's arrival times, never a follower's clock: a follower whose clock runs 1000
+    times fast, under requests that arrive while a long one is prefilled (their order is then decided by
+    their waits), answers as the one-process server does and stays up."""
+    server = _with_fault(checkpoint, tmp_path / "clock.log", "follower_clock", monkeypatch)
+    try:
+        long_body = {"text": _pic(*(f"long{i}" for i in range(12))), "sampling_params": GREEDY}
+        bodies = [long_body] + [{"text": _pic(tag), "sampling_params": GREEDY} for tag in ("chi", "psi", "omega")]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            futures = []
+            for body in bodies:
+                futures.append(pool.submit(server.post, "/generate", body))
+                time.sleep(0.05)
+            answers = [future.result(timeout=120) for future in futures]
+        assert [a["output_ids"] for a in answers] == [pair.tp1.post("/generate", b)["output_ids"] for b in bodies]
+        assert server.request("GET", "/health")[0] == 200
     finally:
-        if server.process.poll() is None:
-            server.stop()
-    assert server.process.returncode not in (None, 0)
-    assert "ranks disagree" in server.log.read_text()
+        server.stop()

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +42,7 @@ from .shared_resume import SharedResumePoints
 log = logging.getLogger("hypic.tiers")
 MAX_PREFETCHES = 16  # lookups started and not taken yet, at most (each may hold a whole state)
 LOOKUP_WAIT_S = 2.0  # a request is held back this long at most for its resume point's read
+DRAIN_S = 30.0  # a flush waits this long at most for the resume-point writes under way
 MULTIPLIER = 0x100000001B3  # odd: invertible modulo 2^64
 
 
@@ -295,11 +296,15 @@ class ResumeStore:
         with self.lock:
             self.known.get(directory, set()).discard(int(name[1:], 16))
 
-    def drain(self) -> None:
-        """Wait for the writes under way (a flush of the disk must see their files)."""
-        for future in self.pending:
+    def drain(self, timeout_s: float = DRAIN_S) -> None:
+        """Wait for the writes under way (a flush of the disk must see their files), ``timeout_s`` at
+        most for all of them: a write still hung then is left to finish on its own (and logged)."""
+        pending, self.pending = self.pending, []
+        done, hung = wait(pending, timeout=timeout_s)
+        for future in done:
             future.result()
-        self.pending = []
+        if hung:
+            log.warning("%d resume-point write(s) still under way after %.0f s; the flush goes on", len(hung), timeout_s)
 
     def forget(self, namespace: str | None) -> None:
         """The disk's files of ``namespace`` (None: all) were flushed: nothing is kept for it."""
