@@ -80,9 +80,18 @@ def port_number(text: str) -> int:
 
 def positive(text: str) -> int:
     """A count of at least 1 (``--threads``)."""
+    return _at_least(1, text)
+
+
+def non_negative(text: str) -> int:
+    """A count that may be 0 (``--seam-width``)."""
+    return _at_least(0, text)
+
+
+def _at_least(least: int, text: str) -> int:
     count = _integer(text)
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    if count < least:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text}")
     return count
 
 
@@ -112,7 +121,7 @@ def _model_options(parser: argparse.ArgumentParser, threads_default: str) -> Non
     parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.HYPIC,
                         help="reuse strategy: hypic (segments + prefix cache), prefix (prefix cache only), "
                              "naive (segments without transitions: the baseline), full (no reuse) (default: hypic)")
-    parser.add_argument("--seam-width", type=int, default=8, help="tokens recomputed at each segment end (default: 8)")
+    parser.add_argument("--seam-width", type=non_negative, default=8, help="tokens recomputed at each segment end (default: 8)")
     parser.add_argument("--pic-separator", default=DEFAULT_SEPARATOR, help=f"segment separator (default: {DEFAULT_SEPARATOR})")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -121,7 +130,7 @@ def _model_options(parser: argparse.ArgumentParser, threads_default: str) -> Non
                              "states and T_C are float32 in every case")
     parser.add_argument("--threads", type=positive, default=None,
                         help=f"torch CPU threads (of each rank with --tp-size; default: {threads_default})")
-    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive, default=1,
                         help="tensor-parallel ranks: the model's heads and widths are split over this many "
                              "processes (gloo on the CPU, with --threads torch threads each, default 1; NCCL on "
                              "GPUs 0..N-1 with --device cuda), each holding 1/N of the weights and of every cache, "
@@ -145,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     add_eval_parser(commands)
     gen.add_argument("prompt", nargs="+", help="one or more prompts, run in order on one engine (later ones reuse the cache)")
     _model_options(gen, "the physical cores this process may run on, split between the ranks")
-    gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default: 16)")
+    gen.add_argument("--max-new-tokens", type=non_negative, default=16, help="tokens to generate (default: 16)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     serve = commands.add_parser("serve", help="run the HTTP server (SGLang /generate and OpenAI-compatible APIs)",
                                 description="Serve a hybrid model over HTTP with position-independent caching. "
@@ -166,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
                             "points (models with sliding-window attention); over it the least recently used resume "
                             "points lose their tails and stop being hits (default: no separate limit)")
     serve.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
-    serve.add_argument("--max-queued-requests", type=int, default=256,
+    serve.add_argument("--max-queued-requests", type=positive, default=256,
                        help="requests that may wait for a start; more are answered 503 (default: 256)")
     serve.add_argument("--max-state-memory", type=state_memory, default="auto",
                        help="memory the states of running and prefilling requests may take together (KV of the "
@@ -182,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
                             "within --chunked-prefill-size tokens; 1: one at a time (default: 16 on a GPU, 1 on a "
                             "CPU, where prefill is compute-bound and batching measured no gain: "
                             "eval/results/batched_prefill.md)")
-    serve.add_argument("--snapshot-interval", type=int, default=None,
+    serve.add_argument("--snapshot-interval", type=non_negative, default=None,
                        help="keep the linear layers' states (sliding-window layers' last window) every this many "
                             "prompt tokens in the private pool, so prompts sharing a long plain prefix (a system "
                             "prompt, a chat history) resume from it; 0: only at document edges and before each "

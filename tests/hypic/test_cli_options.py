@@ -19,6 +19,7 @@ def _hypic(*argv: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--port", "99999"], "argument --port: must be a port number in 1..65535, got 99999"),
     (["serve", "--threads", "-4"], "argument --threads: must be an integer >= 1, got -4"),
+    (["serve", "--seam-width", "-1"], "argument --seam-width: must be an integer >= 0, got -1"),
     (["generate", "--threads", "0", "a prompt"], "argument --threads: must be an integer >= 1, got 0")])
 def test_a_bad_number_is_one_line_and_status_2(tiny_checkpoint: Path, argv: list[str], message: str) -> None:
     done = _hypic(*argv, "--model", str(tiny_checkpoint))
