@@ -7,10 +7,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import DEFAULT_SEPARATOR, Engine, HypicError
-from .errors import CheckpointError
+from .cpus import physical_cores
+from .errors import CheckpointError, as_written
 from .evaluation.cli import add_eval_parser, eval_main
 from .cache.eviction import Eviction
 from .cache.modes import Mode
@@ -65,8 +66,47 @@ def parse_size(text: str) -> int | None:
         return None
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
     if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 300000, 512M, 2G, none)")
+        raise argparse.ArgumentTypeError(f"not a size: {as_written(text)} (examples: 300000, 512M, 2G, none)")
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+def port_number(text: str) -> int:
+    """``--port``: a TCP port, 1..65535."""
+    port = _integer(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {text}")
+    return port
+
+
+def positive(text: str) -> int:
+    """A count of at least 1 (``--threads``)."""
+    return _at_least(1, text)
+
+
+def non_negative(text: str) -> int:
+    """A count that may be 0 (``--seam-width``)."""
+    return _at_least(0, text)
+
+
+def _at_least(least: int, text: str) -> int:
+    count = _integer(text)
+    if count < least:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text}")
+    return count
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {as_written(text)}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line that says where to look, not under the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def state_memory(text: str) -> int | None:
@@ -76,21 +116,21 @@ def state_memory(text: str) -> int | None:
     return parse_size(text)
 
 
-def _model_options(parser: argparse.ArgumentParser) -> None:
+def _model_options(parser: argparse.ArgumentParser, threads_default: str) -> None:
     parser.add_argument("--model", help="local HF checkpoint directory (default: the model shipped with hypic)")
     parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.HYPIC,
                         help="reuse strategy: hypic (segments + prefix cache), prefix (prefix cache only), "
                              "naive (segments without transitions: the baseline), full (no reuse) (default: hypic)")
-    parser.add_argument("--seam-width", type=int, default=8, help="tokens recomputed at each segment end (default: 8)")
+    parser.add_argument("--seam-width", type=non_negative, default=8, help="tokens recomputed at each segment end (default: 8)")
     parser.add_argument("--pic-separator", default=DEFAULT_SEPARATOR, help=f"segment separator (default: {DEFAULT_SEPARATOR})")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight dtype; auto: the checkpoint's, except half precision on a CPU that does not "
                              "multiply it natively, which runs in float32 (default: auto). Linear-attention "
                              "states and T_C are float32 in every case")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (of each rank with --tp-size; default: torch's choice, 1 per rank)")
-    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+    parser.add_argument("--threads", type=positive, default=None,
+                        help=f"torch CPU threads (of each rank with --tp-size; default: {threads_default})")
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=positive, default=1,
                         help="tensor-parallel ranks: the model's heads and widths are split over this many "
                              "processes (gloo on the CPU, with --threads torch threads each, default 1; NCCL on "
                              "GPUs 0..N-1 with --device cuda), each holding 1/N of the weights and of every cache, "
@@ -103,24 +143,29 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hypic", description="Position-independent caching for hybrid-attention LLMs.")
+    parser = _Parser(prog="hypic", description="Position-independent caching for hybrid-attention LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="prefill a prompt (separators mark reusable segments) and decode",
                               description="Generate from PROMPT. Parts between separators are PIC segments: "
-                                          f"'system {DEFAULT_SEPARATOR} doc1 {DEFAULT_SEPARATOR} doc2 {DEFAULT_SEPARATOR} question'.")
+                                          f"'system {DEFAULT_SEPARATOR} doc1 {DEFAULT_SEPARATOR} doc2 {DEFAULT_SEPARATOR} "
+                                          "question'. The first request a process runs is slow (weights paged in, "
+                                          "kernels and allocators set up): generate runs a throwaway warm-up first and "
+                                          "reports its time apart, so the timings shown are the prompts' own.")
     add_eval_parser(commands)
     gen.add_argument("prompt", nargs="+", help="one or more prompts, run in order on one engine (later ones reuse the cache)")
-    _model_options(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default: 16)")
+    _model_options(gen, "the physical cores this process may run on, split between the ranks")
+    gen.add_argument("--max-new-tokens", type=non_negative, default=16, help="tokens to generate (default: 16)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     serve = commands.add_parser("serve", help="run the HTTP server (SGLang /generate and OpenAI-compatible APIs)",
                                 description="Serve a hybrid model over HTTP with position-independent caching. "
                                             "Endpoints: /generate, /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/tokenize, /detokenize, /warmup, /health, /get_model_info, "
-                                            "/get_server_info (/server_info), /flush_cache, /metrics.")
-    _model_options(serve)
+                                            "/get_server_info (/server_info), /flush_cache, /metrics. The first "
+                                            "request after a start is slower than the rest (weights paged in, "
+                                            "kernels and allocators set up): time the second one.")
+    _model_options(serve, "torch's choice, 1 per rank")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
+    serve.add_argument("--port", type=port_number, default=30000, help="port, 1..65535 (default: 30000)")
     serve.add_argument("--public-pool-size", type=parse_size, default=parse_size("2G"),
                        help="byte budget of the public pool of cached documents, e.g. 512M, 2G, none (default: 2G)")
     serve.add_argument("--private-pool-size", type=parse_size, default=parse_size("2G"),
@@ -130,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
                             "points (models with sliding-window attention); over it the least recently used resume "
                             "points lose their tails and stop being hits (default: no separate limit)")
     serve.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
-    serve.add_argument("--max-queued-requests", type=int, default=256,
+    serve.add_argument("--max-queued-requests", type=positive, default=256,
                        help="requests that may wait for a start; more are answered 503 (default: 256)")
     serve.add_argument("--max-state-memory", type=state_memory, default="auto",
                        help="memory the states of running and prefilling requests may take together (KV of the "
@@ -146,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
                             "within --chunked-prefill-size tokens; 1: one at a time (default: 16 on a GPU, 1 on a "
                             "CPU, where prefill is compute-bound and batching measured no gain: "
                             "eval/results/batched_prefill.md)")
-    serve.add_argument("--snapshot-interval", type=int, default=None,
+    serve.add_argument("--snapshot-interval", type=non_negative, default=None,
                        help="keep the linear layers' states (sliding-window layers' last window) every this many "
                             "prompt tokens in the private pool, so prompts sharing a long plain prefix (a system "
                             "prompt, a chat history) resume from it; 0: only at document edges and before each "
@@ -240,7 +285,7 @@ def _tiers(args: argparse.Namespace) -> TierOptions:
         raise HypicError("--host-cache-size keeps a GPU's evicted documents in host memory; on a CPU server the "
                          "public pool already is host memory: raise --public-pool-size instead")
     if args.mooncake_master is not None and not re.fullmatch(r"[^:\s]+:\d+", args.mooncake_master):
-        raise HypicError(f"--mooncake-master must be HOST:PORT, got {args.mooncake_master!r}")
+        raise HypicError(f"--mooncake-master must be HOST:PORT, got {as_written(args.mooncake_master)}")
     return TierOptions(args.cache_dir, args.disk_cache_size, args.mooncake_master, args.mooncake_metadata_server,
                        args.mooncake_segment_size or DEFAULT_SEGMENT_BYTES, WritePolicy(args.write_policy),
                        PrefetchPolicy(args.prefetch_policy), host)
@@ -326,8 +371,8 @@ def _serve(args: argparse.Namespace) -> None:
                           for name, tier in status["tiers"].items())
         print(f"hypic: documents below memory: {names}; {status['write_policy']}, prefetch "
               f"{status['prefetch_policy']}", flush=True)
-    if group is not None:  # uvicorn re-raises SIGTERM after its graceful stop: end here, the ranks stopped in turn
-        signal.signal(signal.SIGTERM, _stop_gracefully)
+    if group is not None or peers is not None:  # uvicorn re-raises SIGTERM after its graceful stop: end here,
+        signal.signal(signal.SIGTERM, _stop_gracefully)  # the ranks, or Ray and its session folder, stopped in turn
     try:
         uvicorn.run(build_app(loop, info, peers, limits), host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -407,6 +452,8 @@ def _warm_up(engine: Engine, mode: Mode) -> float:
 
 def _generate(args: argparse.Namespace) -> None:
     choice = choose_model(args.model)
+    if args.threads is None:  # torch's own default counts hyper-threads and ignores the affinity mask
+        args.threads = max(1, physical_cores() // max(args.tp_size, 1))
     if args.tp_size == 1:
         for line in _generate_lines(args, choice):
             print(line)

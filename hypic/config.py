@@ -3,7 +3,7 @@ helpers the architectures' parsers share (``hypic.models.arch`` reads each ``con
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UnsupportedModel
+from .errors import UnsupportedModel, as_written
 from .parallel.group import TensorParallel
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
@@ -268,7 +268,7 @@ def parse_layer_types(text: dict[str, Any], kinds: tuple[str, ...] = ("linear_at
         interval = int(text.get("full_attention_interval", 4))
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
     if len(types) != layers or set(types) - set(kinds):
-        raise UnsupportedModel(f"layer_types {types!r} do not describe {layers} layers of kinds {', '.join(kinds)}")
+        raise UnsupportedModel(f"layer_types {as_written(types)} do not describe {layers} layers of kinds {', '.join(kinds)}")
     return tuple(types)
 
 
@@ -293,7 +293,7 @@ def rope_from_params(params: dict[str, Any], theta: float, partial: float = 1.0)
     """A rope config from HF ``rope_parameters`` (default, linear or YaRN)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "linear", "yarn"):
-        raise UnsupportedModel(f"rope_type {rope_type!r} is not supported (default, linear, yarn)")
+        raise UnsupportedModel(f"rope_type {as_written(rope_type)} is not supported (default, linear, yarn)")
     yarn = None
     if rope_type == "yarn":
         yarn = YarnScaling(int(params["original_max_position_embeddings"]), float(params.get("beta_fast", 32.0)),

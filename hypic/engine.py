@@ -12,7 +12,7 @@ import torch
 
 from .assembler import Steps, drain
 from .default_model import default_model_path
-from .errors import InvalidRequest
+from .errors import InvalidRequest, as_written
 from .cache.eviction import Eviction
 from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, read_quantization, resolve_dtype
@@ -70,15 +70,17 @@ class Engine:
         if snapshot_interval is None:
             snapshot_interval = sizing.default_snapshot_interval(model.config)
         if not isinstance(seam_width, int) or seam_width < 0:
-            raise InvalidRequest(f"seam_width must be an integer >= 0, got {seam_width!r}")
+            raise InvalidRequest(f"seam_width must be an integer >= 0, got {as_written(seam_width)}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise InvalidRequest(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+            raise InvalidRequest(f"chunk_tokens must be an integer >= 1, got {as_written(chunk_tokens)}")
         if not isinstance(snapshot_interval, int) or snapshot_interval < 0:
-            raise InvalidRequest(f"snapshot_interval must be an integer >= 0 (0: off), got {snapshot_interval!r}")
+            raise InvalidRequest(f"snapshot_interval must be an integer >= 0 (0: off), "
+                                 f"got {as_written(snapshot_interval)}")
         self.chunk_tokens = chunk_tokens  # prefill work between two decode steps of a serving loop
         self.snapshot_interval = snapshot_interval  # private-pool snapshots every this many prompt tokens
         if state_cache_dtype not in DTYPE_NAMES:
-            raise InvalidRequest(f"state_cache_dtype must be one of {sorted(DTYPE_NAMES)}, got {state_cache_dtype!r}")
+            raise InvalidRequest(f"state_cache_dtype must be one of {', '.join(sorted(DTYPE_NAMES))}, "
+                                 f"got {as_written(state_cache_dtype)}")
         self.state_cache_dtype = DTYPE_NAMES[state_cache_dtype]  # T_C and S_C|0 in the public pool
         if not pic_separator:
             raise InvalidRequest("pic_separator must be a non-empty string")
@@ -128,10 +130,10 @@ class Engine:
                                chunk_tokens=chunk_tokens, snapshot_interval=snapshot_interval,
                                state_cache_dtype=state_cache_dtype, tiers=tiers, eviction=eviction)
         if dtype not in (*DTYPE_NAMES, "auto"):
-            raise InvalidRequest(f"dtype must be auto or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+            raise InvalidRequest(f"dtype must be auto or one of {', '.join(sorted(DTYPE_NAMES))}, got {as_written(dtype)}")
         path = default_model_path() if str(path) == "default" else Path(path)
         if not path.is_dir():
-            raise InvalidRequest(f"model path {str(path)!r} is not a directory")
+            raise InvalidRequest(f"model path {as_written(str(path))} is not a directory")
         model = load_model(path, device, resolve_dtype(dtype, path, device), tp)
         fingerprint = model_fingerprint(path)
         identity = EntryIdentity(fingerprint, model.dtype, DTYPE_NAMES.get(state_cache_dtype, torch.float32),
@@ -184,30 +186,41 @@ class Engine:
         """The policy of ``mode`` in ``namespace``, which must cache segments to warm anything up."""
         policy = self.policy(mode, namespace)
         if not policy.caches_segments:
-            raise InvalidRequest(f"mode {mode!r} caches no segments, so there is nothing to warm up "
-                                 "(warm-up needs mode 'hypic' or 'naive')")
+            raise InvalidRequest(f"mode {as_written(mode)} caches no segments, so there is nothing to warm up "
+                                 "(warm-up needs mode hypic or naive)")
         return policy
 
-    def check_documents(self, documents: list[str]) -> None:
-        """Documents to warm up: strings, none empty, none holding the PIC separator (a request would
-        split such a document in two, so its entry could never be hit)."""
+    def check_documents(self, documents: list[str]) -> list[tuple[int, ...]]:
+        """Documents to warm up, checked before any compute is spent on them, and their token ids:
+        strings, none empty, none holding the PIC separator (a request would split such a document in
+        two, so its entry could never be hit), none longer than the model's context (no prompt could
+        hold it, so its entry could never be used)."""
         if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
             raise InvalidRequest("documents must be a list of strings")
         for index, document in enumerate(documents):
             if not document:
                 raise InvalidRequest(f"document {index} is empty")
             if self.pic_separator in document:
-                raise InvalidRequest(f"document {index} contains the PIC separator {self.pic_separator!r}: a request "
-                                     "would split it into two segments; warm up each part as its own document")
+                raise InvalidRequest(f"document {index} contains the PIC separator {as_written(self.pic_separator)}: "
+                                     "a request would split it into two segments; warm up each part as its own document")
+        encoded = [tuple(self.tokenizer.encode(d)) for d in documents]
+        for index, ids in enumerate(encoded):
+            self._check_document_tokens(index, len(ids))
+        return encoded
+
+    def _check_document_tokens(self, index: int, tokens: int) -> None:
+        context = self.model.config.max_position_embeddings
+        if not tokens:
+            raise InvalidRequest(f"document {index} is empty")
+        if tokens > context:
+            raise InvalidRequest(f"document {index} has {tokens} tokens, over the model's context of {context} tokens: "
+                                 "no prompt could hold it; split it into documents of at most that many tokens "
+                                 "(a prompt holding one must still fit the context with its other parts and answer)")
 
     def _warmup_plan(self, documents: list[str], mode: Mode | str,
                      namespace: str) -> tuple[ModePolicy, list[tuple[int, ...]]]:
         policy = self._caching_policy(mode, namespace)
-        self.check_documents(documents)
-        encoded = [tuple(self.tokenizer.encode(d)) for d in documents]
-        for index, ids in enumerate(encoded):
-            if not ids:
-                raise InvalidRequest(f"document {index} is empty")
+        encoded = self.check_documents(documents)
         needed = sum(self.entry_bytes(len(ids), mode) for ids in set(encoded))
         if not self.cache.holds_all(needed):  # they would evict each other
             raise InvalidRequest(f"the documents' cache entries take {needed} bytes, more than the public pool holds "

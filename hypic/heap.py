@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from .errors import HypicError
+from .errors import HypicError, as_written
 
 TRIM_EVERY_S = 30.0  # between trims of a busy process; each costs milliseconds
 TRIM_ENV = "HYPIC_HEAP_TRIM_S"
@@ -32,9 +32,9 @@ def heap_trim_interval() -> float:
     try:
         seconds = float(text) if text else TRIM_EVERY_S
     except ValueError:
-        raise HypicError(f"{TRIM_ENV} must be a number of seconds (0: never), got {text!r}") from None
+        raise HypicError(f"{TRIM_ENV} must be a number of seconds (0: never), got {as_written(text)}") from None
     if seconds < 0:
-        raise HypicError(f"{TRIM_ENV} must be >= 0 (0: never), got {text!r}")
+        raise HypicError(f"{TRIM_ENV} must be >= 0 (0: never), got {text}")
     return math.inf if seconds == 0 else seconds
 
 

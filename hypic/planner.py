@@ -8,7 +8,7 @@ from .cache.modes import Mode, ModePolicy, mode_policy
 from .cache.plan import RequestPlan, plan_request
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, split_prompt
 from .default_model import default_model_path
-from .errors import InvalidRequest
+from .errors import InvalidRequest, as_written
 from .loader import model_fingerprint, read_config
 from .tokenizer import TextTokenizer
 
@@ -53,7 +53,7 @@ class Planner:
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size),
                    None)
         if bad is not None:
-            raise InvalidRequest(f"input_ids must be integers in [0, {self.vocab_size}), got {bad!r}")
+            raise InvalidRequest(f"input_ids must be integers in [0, {self.vocab_size}), got {as_written(bad)}")
         return PromptParts((), (), tuple(ids))
 
     def plan(self, parts: PromptParts, mode: Mode | str = Mode.HYPIC, logits_from: int | None = None) -> RequestPlan:

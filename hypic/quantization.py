@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, UnsupportedModel
+from .errors import CheckpointError, UnsupportedModel, as_written
 
 LOADED_METHODS = ("fp8", "mxfp4")
 E8M0_BIAS = 127
@@ -57,11 +57,11 @@ def quantization_of(raw: dict[str, Any]) -> Quantization | None:
     if not declared:
         return None
     if not isinstance(declared, dict):
-        raise UnsupportedModel(f"the checkpoint is quantized ({declared!r} in quantization_config): HYPIC loads "
+        raise UnsupportedModel(f"the checkpoint is quantized ({as_written(declared)} in quantization_config): HYPIC loads "
                                f"{' and '.join(LOADED_METHODS)} checkpoints and float ones")
     method = str(declared.get("quant_method", "unknown")).lower()
     if method not in LOADED_METHODS:
-        raise UnsupportedModel(f"the checkpoint is quantized ({method!r} in quantization_config): HYPIC loads "
+        raise UnsupportedModel(f"the checkpoint is quantized ({as_written(method)} in quantization_config): HYPIC loads "
                                f"{' and '.join(LOADED_METHODS)} checkpoints (dequantized at load) and float ones")
     return Quantization(method, _block_size(declared) if method == "fp8" else None, _not_converted(declared),
                         declared.get("activation_scheme"))
@@ -72,14 +72,14 @@ def _block_size(declared: dict[str, Any]) -> tuple[int, int] | None:
     if block is None:
         return None
     if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        raise CheckpointError(f"quantization_config.weight_block_size must be two positive integers, got {as_written(block)}")
     return (block[0], block[1])
 
 
 def _not_converted(declared: dict[str, Any]) -> tuple[str, ...]:
     entries = declared.get("modules_to_not_convert") or declared.get("ignored_layers") or []
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-        raise CheckpointError(f"quantization_config.modules_to_not_convert must be a list of names, got {entries!r}")
+        raise CheckpointError(f"quantization_config.modules_to_not_convert must be a list of names, got {as_written(entries)}")
     return tuple(entries)
 
 

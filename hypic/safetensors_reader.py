@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, UnsupportedModel
+from .errors import CheckpointError, UnsupportedModel, as_written
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -62,7 +62,7 @@ class TensorReader:
         odd = sorted({info.dtype for info in self.index.values()} - FLOATS)
         if odd:
             example = next(name for name, info in self.index.items() if info.dtype in odd)
-            raise UnsupportedModel(f"tensors of dtype {', '.join(odd)} (e.g. {example!r}) are not supported: HYPIC "
+            raise UnsupportedModel(f"tensors of dtype {', '.join(odd)} (e.g. {as_written(example)}) are not supported: HYPIC "
                                    "serves float checkpoints (float32, bfloat16, float16) and the fp8 and mxfp4 "
                                    "formats a quantization_config declares")
 
@@ -80,7 +80,7 @@ class TensorReader:
             with info.file.open("rb") as handle:
                 mapped = mmap.mmap(handle.fileno(), info.end - start, access=mmap.ACCESS_COPY, offset=start)
         except (OSError, ValueError) as err:  # ValueError: the file is shorter than the map
-            raise CheckpointError(f"{info.file} ends inside tensor {name!r} ({err})") from None
+            raise CheckpointError(f"{info.file} ends inside tensor {as_written(name)} ({err})") from None
         with warnings.catch_warnings():  # the map is private: writes cannot reach the file
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=info.begin - start)

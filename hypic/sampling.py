@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, as_written
 
 MAX_SAMPLES = 64  # n: continuations of one prompt sharing its prefill
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM and SGLang
@@ -51,27 +51,27 @@ class SamplingParams:
         grammars = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
         return [
             (integer(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens",
-             f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"),
+             f"max_new_tokens must be an integer >= 0, got {as_written(self.max_new_tokens)}"),
             (integer(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
-             f"min_new_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_new_tokens!r}"),
+             f"min_new_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got {as_written(self.min_new_tokens)}"),
             (number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
-             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
-            (number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}"),
+             f"temperature must be a finite number >= 0, got {as_written(self.temperature)}"),
+            (number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {as_written(self.top_p)}"),
             (integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-             f"top_k must be -1 (off) or >= 1, got {self.top_k!r}"),
-            (number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}"),
+             f"top_k must be -1 (off) or >= 1, got {as_written(self.top_k)}"),
+            (number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {as_written(self.min_p)}"),
             (number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+             f"frequency_penalty must be in [-2, 2], got {as_written(self.frequency_penalty)}"),
             (number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+             f"presence_penalty must be in [-2, 2], got {as_written(self.presence_penalty)}"),
             (number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
-             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}"),
+             f"repetition_penalty must be in (0, 2], got {as_written(self.repetition_penalty)}"),
             (all(integer(t) and t >= 0 and number(b) and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
              "logit_bias maps token ids (>= 0) to biases in [-100, 100]"),
-            (integer(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}"),
+            (integer(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"n must be an integer in [1, {MAX_SAMPLES}], got {as_written(self.n)}"),
             (len(grammars) <= 1, grammars[-1] if grammars else "regex",
              f"give at most one of regex, json_schema and ebnf, got {', '.join(grammars)}"),
-            (self.seed is None or integer(self.seed), "seed", f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or integer(self.seed), "seed", f"seed must be an integer, got {as_written(self.seed)}"),
         ]
 
     def check_context(self, prompt_tokens: int, context: int) -> None:

@@ -10,7 +10,7 @@
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, as_written
 from .segments import Seams
 from .store import Role
 
@@ -30,7 +30,7 @@ class Mode(StrEnum):
         try:
             return cls(value)
         except ValueError:
-            raise InvalidRequest(f"mode must be one of {MODES}, got {value!r}") from None
+            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}, got {as_written(value)}") from None
 
 
 MODES = tuple(mode.value for mode in Mode)

@@ -4,12 +4,14 @@
 PIC segment whose interior (all but its seams: max(w, k-1) tokens at the head, w at the tail) can
 be spliced from cache; Q and every seam are recomputed.
 """
+import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntFlag
+from functools import lru_cache
 from typing import Callable
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, as_written
 
 DEFAULT_SEPARATOR = "<<PIC_SEP>>"
 
@@ -18,12 +20,14 @@ DEFAULT_SEPARATOR = "<<PIC_SEP>>"
 class PromptParts:
     """Token ids of each part of a request; ``segments`` are the PIC segments C1..Cn; ``namespace``:
     the cache namespace it reuses from and caches into ("": the shared one; a request's
-    ``cache_salt`` / ``extra_key`` or API key names another)."""
+    ``cache_salt`` / ``extra_key`` or API key names another). ``warnings``: what the client should
+    know about how its text was read (near misses of the separator), found once, when it was split."""
 
     leading: tuple[int, ...]
     segments: tuple[tuple[int, ...], ...]
     trailing: tuple[int, ...]
     namespace: str = ""
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def token_ids(self) -> list[int]:
@@ -53,12 +57,50 @@ def split_prompt(text: str, encode: Callable[[str], list[int]], separator: str =
     encoded = [tuple(encode(piece)) for piece in text.split(separator)]
     if not any(encoded):
         raise InvalidRequest("the prompt has no tokens (empty, or separators only)")
+    warnings = separator_near_misses(text, separator)
     if len(encoded) == 1:
-        return PromptParts((), (), encoded[0])
+        return PromptParts((), (), encoded[0], warnings=warnings)
     for index, segment in enumerate(encoded[1:-1]):
         if not segment:
             raise InvalidRequest(f"segment {index + 1} is empty: two separators with nothing between them")
-    return PromptParts(encoded[0], tuple(encoded[1:-1]), encoded[-1])
+    return PromptParts(encoded[0], tuple(encoded[1:-1]), encoded[-1], warnings=warnings)
+
+
+def separator_near_misses(text: str, separator: str) -> tuple[str, ...]:
+    """A warning for each distinct near miss of ``separator`` in ``text``: its name with other
+    brackets around it (``<<PIC_SEP>``, ``<PIC_SEP>>>``), another case, or ``-`` / a space for ``_``.
+    Only the exact separator marks a segment, so a near miss is most likely a typo the client
+    wants to hear about. A separator without a name between its brackets has no near misses."""
+    pattern = _near_miss_pattern(separator)
+    seen: dict[str, int] = {}
+    for match in pattern.finditer(text) if pattern is not None else ():
+        found = match.group()
+        if found != separator and found not in seen and found != match.group(1):  # a bare name is prose
+            seen[found] = match.start()
+    return tuple(_near_miss_warning(found, at, separator) for found, at in seen.items())
+
+
+@lru_cache(maxsize=8)
+def _near_miss_pattern(separator: str) -> re.Pattern[str] | None:
+    """``separator``'s name (its one group) with any run of its brackets on either side."""
+    lead, name, trail = re.fullmatch(r"(\W*)(.*?)(\W*)", separator, re.DOTALL).groups()  # type: ignore[union-attr]
+    if not name or not (lead or trail):
+        return None
+    spelled = "".join("[-_ ]" if c in "-_ " else re.escape(c) for c in name)
+    return re.compile(f"{_any_run_of(lead)}({spelled}){_any_run_of(trail)}", re.IGNORECASE)
+
+
+def _any_run_of(chars: str) -> str:
+    return f"[{re.escape(''.join(sorted(set(chars))))}]*" if chars else ""
+
+
+def _near_miss_warning(found: str, at: int, separator: str) -> str:
+    if separator in found:
+        return (f"the prompt holds {as_written(found)} at character {at}: the PIC separator {separator} with "
+                "extra characters next to it; the separator splits the prompt there and the extra characters are "
+                "served as text")
+    return (f"the prompt holds {as_written(found)} at character {at}, which looks like the PIC separator {separator} "
+            "but is not it: it was served as text (only the exact separator marks a segment)")
 
 
 @dataclass(frozen=True)

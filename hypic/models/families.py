@@ -5,7 +5,7 @@ structure, state shape and checkpoint names. Adding a family is adding its modul
 and its record below; a test may ``register`` one of its own.
 """
 from ..config import ModelConfig
-from ..errors import UnsupportedModel
+from ..errors import UnsupportedModel, as_written
 from . import gated_deltanet, gla, kimi_delta, lightning, mamba2, rotary_linear
 from .linear import LinearFamily
 
@@ -28,7 +28,7 @@ for _family in (gated_deltanet.FAMILY, lightning.FAMILY, mamba2.FAMILY, gla.FAMI
 def linear_family(name: str) -> LinearFamily:
     """The family named ``name``; raises ``UnsupportedModel``."""
     if name not in FAMILIES:
-        raise UnsupportedModel(f"unknown linear family {name!r}: one of {', '.join(FAMILIES)}")
+        raise UnsupportedModel(f"unknown linear family {as_written(name)}: one of {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 

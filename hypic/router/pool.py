@@ -1,6 +1,7 @@
 """Worker actors on Ray and the router's bookkeeping of them: the global segment index, the tokens
 queued on each, and the workers lost."""
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,15 +40,44 @@ class WorkerStartError(RuntimeError):
 WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskError: its worker lives on)
 
 
+_started_sessions: list[Path] = []  # session folders of the local Ray runtimes start_ray started
+
+
 def start_ray(cpus: int, address: str | None) -> None:
     """Join ``address``, or start a local Ray runtime with ``cpus`` CPUs (once per process)."""
     if not ray.is_initialized():
         with _in_folder(PACKAGE_ROOT):
             if address is None:
                 ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+                _started_sessions.extend(_session_started_here())
             else:
                 ray.init(address=address, log_to_driver=False)
     register_tensor_serializer()
+
+
+def _session_started_here() -> list[Path]:
+    """The session folder (logs, sockets, spilled objects) of the Ray runtime this process started;
+    none when ``ray.init`` joined a runtime that was already running (``RAY_ADDRESS``)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return [Path(node.get_session_dir_path())] if node is not None and node.head else []
+
+
+def stop_ray() -> None:
+    """Stop the local Ray runtime ``start_ray`` started, and delete its session folder (nothing of
+    a runtime it joined). Other processes' sessions, and ``session_latest`` when it names one, stay."""
+    if not _started_sessions:
+        return
+    ray.shutdown()
+    while _started_sessions:
+        session = _started_sessions.pop()
+        for _ in range(3):  # a Ray process still exiting may write a last log line meanwhile
+            shutil.rmtree(session, ignore_errors=True)
+            if not session.exists():
+                break
+            time.sleep(0.2)
+        latest = session.parent / "session_latest"
+        if latest.is_symlink() and Path(os.readlink(latest)) == session:
+            latest.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -330,7 +360,9 @@ class WorkerPool:
                     **(self.group.status() if self.group is not None else {"transfer": "ray object store"})}
 
     def shutdown(self) -> None:
+        """Stop the workers, and the Ray runtime with them if ``start_ray`` started it."""
         for worker in self.workers.values():
             ray.kill(worker)
         self.workers.clear()
+        stop_ray()
 

@@ -145,6 +145,7 @@ class Server:
             raise InvalidRequest(f"the prompt has {len(parts.segments)} segments, over the limit of "
                                  f"{self.info.max_segments} (--max-segments)")
         request = request.fitted(len(parts.token_ids), self.loop.engine.model.config.max_position_embeddings)
+        request = replace(request, warnings=parts.warnings) if parts.warnings else request
         if request.logprobs is not None:
             request.logprobs.input_from(len(parts.token_ids))
         top = request.logprobs.top if request.logprobs is not None else None
@@ -153,10 +154,12 @@ class Server:
         return request, parts, sequences
 
     async def _submit(self, http: Request, requests: list[GenerationRequest],
-                      arrived: float) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
+                      arrived: float) -> tuple[list[GenerationRequest], list[Job], asyncio.Queue[tuple[int, Event]]]:
         """Queue every request (all checked first, off the event loop: tokenizing and compiling a
-        grammar take time; a bad one in a batch starts none); their events arrive on one queue as
-        (position in the batch, event). ``arrived``: when the HTTP request came in (its TTFT starts there)."""
+        grammar take time; a bad one in a batch starts none); returns the requests as checked (their
+        budgets fitted, the warnings about their prompts) to shape the answers by, their jobs, and
+        the one queue their events arrive on as (position in the batch, event). ``arrived``: when the
+        HTTP request came in (its TTFT starts there)."""
         prepared = [await asyncio.to_thread(self._prepare, request, self._namespace(http, request.salt))
                     for request in requests]
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -168,7 +171,7 @@ class Server:
 
             jobs.append(self.loop.submit(parts, request, sequences, emit, arrived=arrived,
                                          peer_work=self._peer_work()))
-        return jobs, events
+        return [request for request, _, _ in prepared], jobs, events
 
     def _peer_work(self) -> PeerWork | None:
         """With peers (and a mode that caches documents): what starts a request's documents' builds on
@@ -245,7 +248,7 @@ class Server:
         arrived = time.perf_counter()
         requests, batched = parse_generate(await _json_body(http))
         listed = batched or requests[0].params.n > 1
-        jobs, events = await self._submit(http, requests, arrived)
+        requests, jobs, events = await self._submit(http, requests, arrived)
         if requests[0].stream:
             def shape(position: int, event: Event) -> list[Any]:
                 if not isinstance(event, ProgressEvent):
@@ -266,7 +269,7 @@ class Server:
             requests = [request]
         else:
             requests, options = parse_completion(body)
-        jobs, events = await self._submit(http, requests, arrived)
+        requests, jobs, events = await self._submit(http, requests, arrived)
         rid = jobs[0].rid
         if requests[0].stream:
             stream = OpenAIStream(self.shaper, rid, chat, options, requests[0].params.n)

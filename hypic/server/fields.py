@@ -14,7 +14,7 @@ requests, vLLM's and SGLang's extensions of them, and chat message fields. What 
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, as_written
 
 
 def is_neutral(value: Any) -> bool:
@@ -129,7 +129,7 @@ def check_fields(body: dict, served: set[str], where: str) -> None:
             continue
         rule = UNSERVED.get(name)
         if rule is None and not is_neutral(value):
-            raise InvalidRequest(f"unsupported field {name!r} in {where}", param=name)
+            raise InvalidRequest(f"unsupported field '{name}' in {where}", param=name)
         if rule is not None and not rule.accepts(value):
-            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-            raise InvalidRequest(f"{name!r} = {shown} in {where} is not supported: {rule.reason}", param=name)
+            raise InvalidRequest(f"'{name}' = {as_written(value)} in {where} is not supported: {rule.reason}",
+                                 param=name)

@@ -13,6 +13,7 @@ from .tenancy import ApiKeys
 
 OPEN_PATHS = ("/health",)  # load balancers probe it without a key
 RETRY_AFTER_S = 1
+DRAIN_LIMIT_BYTES = 64 * 2**20  # most of a body over the limit read (and dropped) before its 413, see ``_drain``
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ class Gate:
         limit = self.limits.max_request_bytes
         length = Headers(scope=scope).get("content-length")
         if limit is not None and length is not None and length.isdigit() and int(length) > limit:
-            return await _reply(send, *_too_large(BodyTooLarge(int(length), limit)))
+            if int(length) <= DRAIN_LIMIT_BYTES:
+                await _drain(receive)
+            return await _reply(send, *_too_large(BodyTooLarge(int(length), limit)), [(b"connection", b"close")])
         if scope["method"] != "POST" or self.limits.max_concurrent_per_key is None:
             return await self._run(scope, receive, send)
         if self.in_flight[caller] >= self.limits.max_concurrent_per_key:
@@ -85,6 +88,8 @@ class Gate:
             message = await receive()
             read += len(message.get("body", b""))
             if limit is not None and read > limit:
+                if message.get("more_body", False):
+                    await _drain(receive, read)
                 raise BodyTooLarge(read, limit)
             return message
 
@@ -98,6 +103,17 @@ class Gate:
         except BodyTooLarge as err:  # raised outside a route (the app's handler answers those)
             if not started:
                 await _reply(send, *_too_large(err))
+
+
+async def _drain(receive: Receive, read: int = 0) -> None:
+    """Read and drop the rest of a request body, up to ``DRAIN_LIMIT_BYTES`` in all. A client that
+    sends its whole body before it reads the answer (urllib, curl without Expect) would otherwise see
+    the connection reset under its feet instead of the 413 sent while its body was still coming."""
+    while read <= DRAIN_LIMIT_BYTES:
+        message = await receive()
+        read += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 def _too_large(err: BodyTooLarge) -> tuple[bytes, int]:

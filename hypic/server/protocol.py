@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, as_written
 from ..sampling import SamplingParams
 from ..scheduler.requests import Completion, SampleResult  # noqa: F401 - what the loop reports, at home there
 from .fields import check_fields
@@ -67,6 +67,7 @@ class GenerationRequest:
     to_context: bool = False  # max_new_tokens is the context the prompt leaves (set once it is tokenized)
     salt: tuple[str, ...] = ()  # the cache salt and extra key it named (its cache namespace with the caller's key)
     spelling: tuple[tuple[str, str], ...] = ()  # (SamplingParams field, the client's name for it) where they differ
+    warnings: tuple[str, ...] = ()  # how its prompt was read, for the response (``PromptParts.warnings``)
 
     def in_its_words(self, err: InvalidRequest) -> InvalidRequest:
         """``err`` naming the request's fields as the client spelled them (its ``max_tokens``, not our
@@ -115,7 +116,7 @@ def _typed(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: s
     if value is None:
         return default
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise InvalidRequest(f"'{name}' must be {what}, got {value!r}", param=name)
+        raise InvalidRequest(f"'{name}' must be {what}, got {as_written(value)}", param=name)
     return value
 
 
@@ -126,12 +127,12 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         return (value,) if value else ()
     if isinstance(value, list) and all(isinstance(s, str) and s for s in value):
         return tuple(value)
-    raise InvalidRequest(f"'stop' must be a non-empty string or a list of them, got {value!r}", param="stop")
+    raise InvalidRequest(f"'stop' must be a non-empty string or a list of them, got {as_written(value)}", param="stop")
 
 
 def _token_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidRequest(f"'{name}' must be a list of integers, got {value!r}", param=name)
+        raise InvalidRequest(f"'{name}' must be a list of integers, got {as_written(value)}", param=name)
     return value
 
 
@@ -140,16 +141,16 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise InvalidRequest(f"'logit_bias' must be an object mapping token ids to biases, got {value!r}",
+        raise InvalidRequest(f"'logit_bias' must be an object mapping token ids to biases, got {as_written(value)}",
                              param="logit_bias")
     pairs = []
     for key, bias in value.items():
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {as_written(key)}", param="logit_bias") from None
         if not isinstance(bias, (int, float)) or isinstance(bias, bool):
-            raise InvalidRequest(f"'logit_bias' values must be numbers, got {bias!r}", param="logit_bias")
+            raise InvalidRequest(f"'logit_bias' values must be numbers, got {as_written(bias)}", param="logit_bias")
         pairs.append((token, float(bias)))
     return tuple(sorted(pairs))
 
@@ -162,7 +163,7 @@ def _schema(value: Any, name: str) -> str | None:
         return json.dumps(value)
     if isinstance(value, str):
         return value
-    raise InvalidRequest(f"'{name}' must be a JSON schema (an object or its text), got {value!r}", param=name)
+    raise InvalidRequest(f"'{name}' must be a JSON schema (an object or its text), got {as_written(value)}", param=name)
 
 
 def cache_salt(body: dict) -> tuple[str, ...]:
@@ -201,7 +202,7 @@ def sampling_params(body: dict, max_tokens_field: str, default_max_tokens: int |
     _special_tokens(body)
     seed = body.get("seed", body.get("sampling_seed"))
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise InvalidRequest(f"'seed' must be an integer, got {seed!r}", param="seed")
+        raise InvalidRequest(f"'seed' must be an integer, got {as_written(seed)}", param="seed")
     number = (int, float)
     budget = _budget(body, max_tokens_field, default_max_tokens)
     least = _typed(body, min_tokens_field, (int,), 0, "an integer >= 0")
@@ -318,7 +319,7 @@ def _response_format(body: dict) -> str | None:
             raise InvalidRequest("'response_format.json_schema.schema' must be a JSON schema object",
                                  param="response_format")
         return json.dumps(spec["schema"])
-    raise InvalidRequest(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+    raise InvalidRequest(f"'response_format.type' must be text, json_object or json_schema, got {as_written(kind)}",
                          param="response_format")
 
 
@@ -330,7 +331,7 @@ def _openai_params(body: dict, max_tokens_default: int | None) -> tuple[Sampling
     params, to_context = sampling_params(body, budget, max_tokens_default, "min_tokens", json_schema=schema)
     best_of = body.get("best_of")
     if best_of is not None and best_of != params.n:
-        raise InvalidRequest(f"'best_of' = {best_of!r} is not supported (only best_of = n)", param="best_of")
+        raise InvalidRequest(f"'best_of' = {as_written(best_of)} is not supported (only best_of = n)", param="best_of")
     spelling = budget_spelling(budget, "min_tokens") | ({"json_schema": "response_format"} if schema is not None else {})
     return params, to_context, tuple(spelling.items())
 
@@ -443,7 +444,7 @@ def parse_chat_messages(body: Any) -> list[ChatMessage]:
             raise InvalidRequest(f"messages[{index}] must be an object with a string 'role'",
                                  param=f"messages[{index}].role")
         if message["role"] not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{index}].role = {message['role']!r} is not supported: use one of "
+            raise InvalidRequest(f"messages[{index}].role = {as_written(message['role'])} is not supported: use one of "
                                  f"{', '.join(CHAT_ROLES)} (tool calling is not served)",
                                  param=f"messages[{index}].role")
         check_fields(message, {"role", "content", "name"}, f"messages[{index}]")
@@ -531,11 +532,11 @@ def flush_tiers(value: Any) -> frozenset[str]:
         return FlushRequest.tiers
     names = value.split(",") if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise InvalidRequest(f"'tiers' must be a non-empty list of {', '.join(FLUSH_TIERS)} or 'all', got {value!r}",
+        raise InvalidRequest(f"'tiers' must be a non-empty list of {', '.join(FLUSH_TIERS)} or 'all', got {as_written(value)}",
                              param="tiers")
     names = [n.strip() for n in names]
     unknown = [n for n in names if n not in (*FLUSH_TIERS, "all")]
     if unknown:
-        raise InvalidRequest(f"unknown tier {unknown[0]!r} in 'tiers': use {', '.join(FLUSH_TIERS)} or 'all'",
+        raise InvalidRequest(f"unknown tier {as_written(unknown[0])} in 'tiers': use {', '.join(FLUSH_TIERS)} or 'all'",
                              param="tiers")
     return frozenset(FLUSH_TIERS) if "all" in names else frozenset(names)

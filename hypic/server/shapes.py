@@ -51,7 +51,8 @@ class Shaper:
         return meta
 
     def meta_info(self, c: Completion, index: int, request: GenerationRequest) -> dict[str, Any]:
-        """SGLang's meta_info of sample ``index``, plus HYPIC's breakdown of what was reused."""
+        """SGLang's meta_info of sample ``index``, plus HYPIC's breakdown of what was reused and, when
+        there are any, ``warnings`` about how the prompt was read."""
         sample = c.samples[index]
         stats = c.prefill
         meta: dict[str, Any] = {
@@ -64,6 +65,8 @@ class Shaper:
             "combine_tokens": stats.combine_tokens, "cached_tokens_by_tier": stats.cached_tokens_by_tier, "mode": c.mode}
         if sample.finish_reason is not None:
             meta["e2e_latency"] = c.e2e_s
+        if request.warnings:
+            meta["warnings"] = list(request.warnings)
         if request.logprobs is not None:
             meta.update(self._sglang_logprobs(c, sample, request.logprobs))
         return meta

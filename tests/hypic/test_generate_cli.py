@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 
 import hypic.cli as cli
+import hypic.cpus as cpus
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 
 
@@ -52,3 +53,26 @@ def test_generate_refuses_a_tp_size_the_heads_do_not_divide(tiny_checkpoint: Pat
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "--model", str(tiny_checkpoint), "--tp-size", "3", "x"]) == 2
     assert "num_attention_heads = 4 is not divisible by the tensor-parallel size 3" in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize(("argv", "threads"), [([], 6), (["--threads", "2"], 2)])
+def test_generate_runs_on_the_physical_cores_it_may_use(tiny_checkpoint: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                                                       threads: int) -> None:
+    """Without --threads, one torch thread per physical core the process may use (here a fake
+    topology of 6 cores of 2 threads each), not torch's count of the machine's logical CPUs."""
+    for cpu in range(12):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{cpu % 6},{cpu % 6 + 6}")
+    monkeypatch.setattr(cpus, "allowed_cpus", lambda: set(range(12)))
+    monkeypatch.setattr(cpus, "CPU_SYSFS", tmp_path)
+    seen: list[int] = []
+
+    def engine(args: Any, *_: Any, **__: Any) -> Engine:
+        seen.append(args.threads)
+        raise cli.HypicError("stopped before loading")
+
+    monkeypatch.setattr(cli, "_engine", engine)
+    assert cli.main(["generate", "--model", str(tiny_checkpoint), *argv, "x"]) == 2
+    assert seen == [threads]

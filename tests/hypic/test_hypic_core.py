@@ -8,7 +8,8 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.config import RopeConfig
 from hypic.models.rope import RotaryEmbedding
-from hypic.cache.segments import Run, Seams, Splice, build_layout, document_boundaries, spliceable, split_prompt
+from hypic.cache.segments import (Run, Seams, Splice, build_layout, document_boundaries, separator_near_misses,
+                                  spliceable, split_prompt)
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -138,6 +139,23 @@ def test_layout_runs_and_splices() -> None:
     assert spliceable(no_query, Seams(3, 0)) == [] and spliceable(no_query, Seams(3, 1)) == [0]
     with pytest.raises(ValueError, match="cannot be spliced"):
         build_layout(no_query, Seams(3, 0), spliced={0})
+
+
+def _near_misses(text: str, separator: str = SEP) -> list[str]:
+    """What each warning says was seen."""
+    return [w.split(" at character")[0].removeprefix("the prompt holds ") for w in separator_near_misses(text, separator)]
+
+
+def test_near_misses_of_the_separator_are_found_once_each() -> None:
+    """Its name with other brackets, another case or ``-`` for ``_`` is a near miss; the exact
+    separator, the bare name (prose) and a separator with no name are not."""
+    found = _near_misses
+    assert found(f"a <<PIC_SEP> b <PIC_SEP>> c <<pic-sep>> d {SEP} e <<PIC_SEP> f") == [
+        "<<PIC_SEP>", "<PIC_SEP>>", "<<pic-sep>>"]
+    assert found(f"{SEP}{SEP} about PIC_SEP in prose") == [] and found("a ||| b || c", "|||") == []
+    assert found("x [[DOC]] y [DOC]]", "[[DOC]]") == ["[DOC]]"]
+    parts = split_prompt("lead <<PIC_SEP> doc", lambda s: list(s.encode()))
+    assert parts.segments == () and len(parts.warnings) == 1  # carried on the parts, served as text
 
 
 def test_seams_exclude_the_conv_window_at_the_head() -> None:

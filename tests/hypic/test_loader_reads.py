@@ -4,6 +4,7 @@ first, the rank's model is loaded, and ``mincore`` says which pages of the file 
 import ctypes
 import mmap
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -88,5 +89,5 @@ def test_a_tensor_read_is_its_bytes_and_a_truncated_file_is_named(tmp_path: Path
     last = max(read_header(file).items(), key=lambda item: item[1].end)[0]
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(file.read_bytes()[:-1])
-    with pytest.raises(CheckpointError, match=f"ends inside tensor '{last}'"):
+    with pytest.raises(CheckpointError, match=f"ends inside tensor {re.escape(last)} "):
         TensorReader([cut]).read(last)

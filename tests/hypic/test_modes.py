@@ -72,7 +72,7 @@ def test_warmed_documents_hit_in_the_same_mode(engine: Engine, mode: str) -> Non
 
 @pytest.mark.parametrize("mode", ["prefix", "full"])
 def test_warmup_refuses_modes_that_cache_no_segments(engine: Engine, mode: str) -> None:
-    with pytest.raises(InvalidRequest, match=f"mode '{mode}' caches no segments"):
+    with pytest.raises(InvalidRequest, match=f"mode {mode} caches no segments"):
         engine.warmup([_text(5, 70)], mode=mode)
     assert len(engine.store) == 0
 

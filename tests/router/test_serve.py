@@ -3,6 +3,8 @@ documents together; every endpoint answers as with one worker, and outputs equal
 Each pool holds about six entries (12M), so requests of five or six documents evict."""
 import json
 import random
+import signal
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -11,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from hypic import Engine
+from hypic import Engine, default_model_path
 from hypic.cli import parse_size
 from hypic.server.launch import ServerProcess, start_server
+from hypic.tokenizer import TextTokenizer
 
 Prompt = Callable[[list[int], str], str]
 
@@ -155,6 +158,19 @@ def test_concurrent_requests_under_eviction(server: ServerProcess, pic_prompt: P
     assert status["lost_workers"] == [] and set(status["queued_tokens"].values()) == {0}  # all released
 
 
+def test_warmup_refuses_a_document_longer_than_the_context(server: ServerProcess) -> None:
+    """With peers as without: a document no prompt could hold is refused, naming its length and the
+    context, before it is planned or built anywhere."""
+    context = server.get("/get_model_info")["max_position_embeddings"]
+    document = "a long account of the heron's river, " * (context // 6)
+    tokens = len(TextTokenizer.from_dir(default_model_path()).encode(document))
+    status, payload = server.request("POST", "/warmup", {"documents": ["a short note", document]})
+    assert tokens > context and status == 400
+    assert payload["error"]["message"].startswith(
+        f"document 1 has {tokens} tokens, over the model's context of {context} tokens")
+    assert server.get("/get_server_info")["workers"]["queued_tokens"] == {"0": 0, "1": 0}
+
+
 @pytest.mark.parametrize(("args", "message"), [(["--workers", "0"], "--workers must be >= 1"),
                                                (["--workers", "2", "--worker-timeout", "0"], "--worker-timeout must be > 0")])
 def test_bad_worker_options_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -162,3 +178,18 @@ def test_bad_worker_options_are_refused(args: list[str], message: str, capsys: p
 
     assert main(["serve", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_clean_stop_removes_the_ray_session_folder(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The local Ray runtime a server starts writes a session folder (logs, sockets) named after the
+    server's pid; a SIGTERM stops the server, its Ray runtime, and removes that folder."""
+    server = start_server(["--model", str(tiny_checkpoint), "--workers", "2", "--log-level", "warning"],
+                          tmp_path / "server.log")
+    try:
+        sessions = list((Path(tempfile.gettempdir()) / "ray").glob(f"session_*_{server.process.pid}"))
+        assert len(sessions) == 1 and (sessions[0] / "logs").is_dir()
+    finally:
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=60)
+    assert server.process.returncode == 0, (tmp_path / "server.log").read_text()
+    assert not sessions[0].exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from hypic.net import free_port
 from hypic.router import PeerPrefill
 
 BROKEN = "this module is broken on purpose"
@@ -24,7 +25,8 @@ def test_a_worker_that_cannot_import_fails_the_start_with_its_error(tmp_path: Pa
     (shadow / "torch").mkdir(parents=True)
     (shadow / "torch" / "__init__.py").write_text(f"raise ImportError({BROKEN!r})\n")
     serve = ("import sys; sys.path.remove(sys.argv[1]); from hypic.cli import main; "
-             "sys.argv = ['hypic', 'serve', '--workers', '2', '--threads', '1', '--port', '0']; sys.exit(main())")
+             f"sys.argv = ['hypic', 'serve', '--workers', '2', '--threads', '1', '--port', '{free_port()}']; "
+             "sys.exit(main())")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")])}
     server = subprocess.Popen([sys.executable, "-c", serve, str(shadow)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)

@@ -5,6 +5,8 @@ import hmac
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -124,11 +126,16 @@ def test_a_cache_salt_is_a_namespace(launch) -> None:
     assert _meta(server, cache_salt="tenant-1")["segments_hit"] == 0
 
 
-def test_request_bounds(launch) -> None:
+@pytest.fixture(scope="module")
+def bounded(launch) -> ServerProcess:
+    return launch("--max-request-bytes", "4K", "--max-concurrent-per-key", "1", "--max-warmup-documents", "2")
+
+
+def test_request_bounds(bounded: ServerProcess) -> None:
     """413 for a body over --max-request-bytes (declared or streamed without a length), 400 for a
     /warmup of too many documents, 429 with Retry-After for a key's request over
     --max-concurrent-per-key while its stream runs; the server serves on."""
-    server = launch("--max-request-bytes", "4K", "--max-concurrent-per-key", "1", "--max-warmup-documents", "2")
+    server = bounded
     info = server.get("/get_server_info")
     assert (info["max_request_bytes"], info["max_concurrent_per_key"], info["max_warmup_documents"]) == (4096, 1, 2)
     assert info["api_keys"] == 0 and not info["isolate_by_key"]
@@ -159,6 +166,19 @@ def test_request_bounds(launch) -> None:
     runner.join()
     assert results == [200]
     assert server.exchange("POST", "/tokenize", {"prompt": "hi"})[0] == 200
+
+
+def test_a_client_that_sends_its_whole_body_first_reads_the_413(bounded: ServerProcess) -> None:
+    """urllib (like most simple clients) sends all of a body before it reads the answer: a body
+    far over --max-request-bytes must still come back as a 413, not as a reset connection."""
+    for body in (b"x" * (4 * 2**20), iter([b"x" * 2**20] * 4)):  # declared, and chunked without a length
+        request = urllib.request.Request(bounded.url + "/generate", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 413
+        assert "--max-request-bytes" in json.loads(refused.value.read())["error"]["message"]
+    assert bounded.request("GET", "/health")[0] == 200
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -136,16 +136,16 @@ BAD_REQUESTS = [
     ("POST", "/generate", json.dumps({"text": 5}).encode(), "'text' must be a string"),
     ("POST", "/generate", json.dumps({"input_ids": [1, 10**9]}).encode(), "input_ids must be integers"),
     ("POST", "/generate", json.dumps(["text"]).encode(), "JSON object"),
-    ("POST", "/v1/completions", json.dumps({"prompt": "a", "suffix": "b"}).encode(), "'suffix' = 'b' in /v1/completions is not supported"),
+    ("POST", "/v1/completions", json.dumps({"prompt": "a", "suffix": "b"}).encode(), "'suffix' = b in /v1/completions is not supported"),
     ("POST", "/v1/completions", json.dumps({"prompt": "a", "model": "gpt-9"}).encode(), "does not exist"),
     ("POST", "/v1/completions", json.dumps({"prompt": "a", "n": 2, "best_of": 3}).encode(), "best_of"),
     ("POST", "/v1/completions", json.dumps({"prompt": "a", "logprobs": 9}).encode(), "'logprobs' must be in [0, 5]"),
     ("POST", "/v1/completions", json.dumps({"prompt": "a", "logit_bias": {"5": 300}}).encode(), "[-100, 100]"),
     ("POST", "/v1/completions", json.dumps({"prompt": "a", "logit_bias": {"99999": 1}}).encode(), "outside the vocabulary"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}], "tools": [
-        {"type": "function", "function": {"name": "f"}}]}).encode(), "'tools' = [{'type'"),
+        {"type": "function", "function": {"name": "f"}}]}).encode(), "'tools' = [{\"type\""),
     ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "a"}]}).encode(),
-     "messages[0].role = 'wizard' is not supported"),
+     "messages[0].role = wizard is not supported"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}],
                                                  "stream_options": {"include_usage": True}}).encode(),
      "'stream_options' is only allowed when 'stream' is true"),
@@ -158,7 +158,7 @@ BAD_REQUESTS = [
     ("POST", "/generate", json.dumps({"text": "a", "extra_key": "x" * 1025}).encode(), "over the limit of 1024"),
     ("POST", "/warmup", json.dumps({"documents": ["a"], "cache_salt": ["t"]}).encode(), "'cache_salt' must be a string"),
     ("POST", "/flush_cache", json.dumps({"cache_salt": 1}).encode(), "'cache_salt' must be a string"),
-    ("POST", "/flush_cache", json.dumps({"tiers": ["tape"]}).encode(), "unknown tier 'tape'"),
+    ("POST", "/flush_cache", json.dumps({"tiers": ["tape"]}).encode(), "unknown tier tape in 'tiers'"),
     ("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokenz": 5}).encode(), "unsupported field 'max_tokenz'"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}],
                                                  "top_logprobs": 2}).encode(), "needs 'logprobs'"),
@@ -171,10 +171,16 @@ BAD_REQUESTS = [
     ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"regex": "(unclosed"}}).encode(), "invalid regex"),
     ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"json_schema": "{not json"}}).encode(), "json_schema"),
     ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"stop_regex": "x+"}}).encode(),
-     "'stop_regex' = 'x+' in sampling_params is not supported"),
+     "'stop_regex' = x+ in sampling_params is not supported"),
     ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"n": 0}}).encode(), "n must be"),
+    ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"n": True}}).encode(),
+     "'n' must be an integer, got true"),  # values as the client wrote them, not as Python shows them
+    ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"temperature": "hot"}}).encode(),
+     "'temperature' must be a number >= 0, got hot"),
+    ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"seed": "7"}}).encode(),
+     "'seed' must be an integer, got \"7\""),
     ("POST", "/generate", json.dumps({"text": "a", "lora_path": "x"}).encode(),
-     "'lora_path' = 'x' in /generate is not supported: LoRA adapters are not served"),
+     "'lora_path' = x in /generate is not supported: LoRA adapters are not served"),
     ("POST", "/generate", json.dumps({"text": "a", "return_hidden_states": True}).encode(), "'return_hidden_states'"),
     ("POST", "/generate", json.dumps({"text": "abc", "return_logprob": True, "logprob_start_len": 7}).encode(),
      "outside the prompt"),
@@ -311,3 +317,47 @@ def test_stop_string_cuts_the_text(hypic_server: ServerProcess) -> None:
     assert cut["text"] == free["text"][: free["text"].index(stop)]
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert cut["output_ids"] == free["output_ids"][: len(cut["output_ids"])]
+
+
+def test_warmup_refuses_a_document_longer_than_the_context_before_any_work(hypic_server: ServerProcess) -> None:
+    """No prompt could hold a document over the model's context, so its entry could never be used:
+    /warmup answers 400 naming its length and the context, and builds none of the call's documents."""
+    context = hypic_server.get("/get_model_info")["max_position_embeddings"]
+    hypic_server.post("/flush_cache", {})
+    before = hypic_server.get("/get_server_info")["public_pool"]
+    status, payload = hypic_server.request("POST", "/warmup", {"documents": ["a short note", "x" * (context + 1)]})
+    assert status == 400, payload
+    assert payload["error"]["message"].startswith(
+        f"document 1 has {context + 1} tokens, over the model's context of {context} tokens")  # byte-level tokenizer
+    after = hypic_server.get("/get_server_info")["public_pool"]
+    assert after["entries"] == 0 and after["misses"] == before["misses"]  # nothing was looked up or built
+    assert hypic_server.post("/warmup", {"documents": ["x" * context]})["token_counts"] == [context]  # the context fits
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_near_miss_of_the_separator_is_served_as_text_with_a_warning(hypic_server: ServerProcess,
+                                                                       stream: bool) -> None:
+    """``<<PIC_SEP>`` is not the separator ``<<PIC_SEP>>``: the prompt is one plain part (every byte a
+    token), and meta_info says what was seen; ``<<PIC_SEP>>>`` splits at the separator, the extra
+    ``>`` is text, and meta_info says that too. A prompt with exact separators only gets no warnings."""
+    near = SEP[:-1]  # <<PIC_SEP>
+    plain, extra, exact = f"lead {near} a document", f"lead{SEP}> a document{SEP} q", _prompt("lead", ["doc"], "q")
+    metas = [_final_meta(hypic_server, prompt, stream) for prompt in (plain, extra, exact)]
+    assert metas[0]["prompt_tokens"] == len(plain.encode()) and metas[0]["segments_missed"] == 0
+    assert metas[0]["warnings"] == [f"the prompt holds {near} at character 5, which looks like the PIC separator "
+                                    f"{SEP} but is not it: it was served as text (only the exact separator marks a "
+                                    "segment)"]
+    assert metas[1]["prompt_tokens"] == len(extra.replace(SEP, "").encode())
+    assert len(metas[1]["warnings"]) == 1 and f"holds {SEP}> at character 4" in metas[1]["warnings"][0]
+    assert "warnings" not in metas[2]
+
+
+def _final_meta(server: ServerProcess, prompt: str, stream: bool) -> dict:
+    """The meta_info of a /generate of ``prompt``: of its last chunk when streamed."""
+    if not stream:
+        return server.post("/generate", {"text": prompt, "sampling_params": GREEDY})["meta_info"]
+    body = json.dumps({"text": prompt, "stream": True, "sampling_params": GREEDY}).encode()
+    request = urllib.request.Request(server.url + "/generate", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [line for line in response if line.startswith(b"data: {")]
+    return json.loads(chunks[-1][len(b"data: "):])["meta_info"]

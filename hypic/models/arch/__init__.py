@@ -8,7 +8,7 @@ what ``ModelConfig`` says, and its linear layers' family record (``hypic.models.
 from typing import Any
 
 from ...config import ModelConfig
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from . import bailing, bailing_linear, gpt_oss, granite, kimi, mimo, minimax, nemotron_h, qwen
 from .base import Architecture
 
@@ -26,7 +26,7 @@ def architecture(model_type: str) -> Architecture:
     found = REGISTRY.get(model_type) or WRAPPERS.get(model_type)
     if found is None:
         known = ", ".join([*REGISTRY, *WRAPPERS])
-        raise UnsupportedModel(f"unknown model_type {model_type!r}: HYPIC runs {known}")
+        raise UnsupportedModel(f"unknown model_type {as_written(model_type)}: HYPIC runs {known}")
     return found
 
 
@@ -49,7 +49,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     try:
         return architecture(text["model_type"]).parse(text, raw)
     except KeyError as missing:
-        raise UnsupportedModel(f"config.json lacks the field {missing.args[0]!r}") from None
+        raise UnsupportedModel(f"config.json lacks the field {as_written(missing.args[0])}") from None
 
 
 __all__ = ["ARCHITECTURES", "Architecture", "architecture", "parse_config", "text_config"]

@@ -5,7 +5,7 @@ import re
 from typing import Any
 
 from ...config import KDAGates, LatentAttention, ModelConfig, RopeConfig, eos_ids, first_set, parse_layer_types
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from .base import Architecture
 from .kimi import deepseek_experts
 
@@ -47,7 +47,7 @@ def _rope(text: dict[str, Any], rope_dim: int) -> RopeConfig:
     """Plain RoPE on the rope channels, which end the cached head; scaled variants are refused."""
     params = dict(text.get("rope_parameters") or {})
     if params.get("rope_type", "default") != "default" or text.get("rope_scaling"):
-        raise UnsupportedModel(f"bailing_hybrid with rope_type {params.get('rope_type')!r} is not supported (default)")
+        raise UnsupportedModel(f"bailing_hybrid with rope_type {as_written(params.get('rope_type'))} is not supported (default)")
     theta = float(params.get("rope_theta", text.get("rope_theta", 6_000_000.0)))
     return RopeConfig(theta=theta, rotary_dim=rope_dim, rotated_last=True)
 
@@ -63,7 +63,7 @@ def bailing_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     ``head_dim``, as transformers derives them), MLA with rotated rope parts at the last of every
     ``layer_group_size`` layers, DeepSeek-V3's sigmoid router with an ungated shared expert, plain RMSNorm."""
     if text.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"bailing_hybrid with hidden_act {text['hidden_act']!r} is not supported (silu)")
+        raise UnsupportedModel(f"bailing_hybrid with hidden_act {as_written(text['hidden_act'])} is not supported (silu)")
     heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
     if int(text.get("num_key_value_heads") or heads) != heads:
         raise UnsupportedModel("bailing_hybrid: latent attention gives every head its own keys (num_key_value_heads "

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from ...config import ModelConfig, RingLinear, RopeConfig, eos_ids, parse_layer_types
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from ...tensor_sources import Direct, RowSlice, Source
 from .base import Architecture
 from .kimi import deepseek_experts
@@ -65,7 +65,7 @@ def _rope(text: dict[str, Any]) -> RopeConfig:
     """RoPE on the first ``partial_rotary_factor`` of each head (rotate-half pairs), in both kinds of
     layer; a scaled RoPE (YaRN) is refused: the linear states turn by plain rotations."""
     if text.get("rope_scaling"):
-        raise UnsupportedModel(f"bailing_moe_linear with rope_scaling {text['rope_scaling']!r} is not supported "
+        raise UnsupportedModel(f"bailing_moe_linear with rope_scaling {as_written(text['rope_scaling'])} is not supported "
                                "(plain RoPE only)")
     return RopeConfig(theta=float(text.get("rope_theta", 600000.0)),
                       partial_rotary_factor=float(text.get("partial_rotary_factor", 1.0)))
@@ -75,7 +75,7 @@ def _check(text: dict[str, Any], head_dim: int) -> None:
     """Refuse what Ring-linear's published configs never set and HYPIC does not model."""
     for name, value in REQUIRED.items():
         if name in text and bool(text[name]) != value:
-            raise UnsupportedModel(f"bailing_moe_linear with {name} {text[name]!r} is not supported ({value})")
+            raise UnsupportedModel(f"bailing_moe_linear with {name} {as_written(text[name])} is not supported ({value})")
     if text.get("hidden_act", "silu") != "silu" or text.get("score_function", "sigmoid") != "sigmoid":
         raise UnsupportedModel("bailing_moe_linear needs hidden_act silu and the sigmoid router (score_function)")
     groups, width = int(text.get("group_norm_size", 1)), int(text["num_attention_heads"]) * head_dim

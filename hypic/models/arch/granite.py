@@ -3,7 +3,7 @@ experts, Granite's multipliers."""
 from typing import Any
 
 from ...config import Mamba2Options, ModelConfig, RopeConfig, eos_ids, json_float, parse_layer_types
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from .base import Architecture, every_fourth_full
 
 
@@ -18,9 +18,9 @@ def granite_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     alone), Granite's embedding, residual, attention and logits multipliers."""
     kinds = text.get("layer_types") or text.get("layers_block_type")
     if kinds is None or any(kind not in GRANITE_LAYER_KINDS for kind in kinds):
-        raise UnsupportedModel(f"granitemoehybrid layer types {kinds!r}: expected mamba / attention per layer")
+        raise UnsupportedModel(f"granitemoehybrid layer types {as_written(kinds)}: expected mamba / attention per layer")
     if text.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"granitemoehybrid with hidden_act {text['hidden_act']!r} is not supported (silu)")
+        raise UnsupportedModel(f"granitemoehybrid with hidden_act {as_written(text['hidden_act'])} is not supported (silu)")
     hidden, heads, groups = int(text["hidden_size"]), int(text["mamba_n_heads"]), int(text["mamba_n_groups"])
     head_dim, experts = int(text["mamba_d_head"]), int(text.get("num_local_experts") or 0)
     if int(text.get("mamba_expand", 2) * hidden) != heads * head_dim or heads % groups:

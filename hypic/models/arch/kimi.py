@@ -4,7 +4,7 @@ from typing import Any
 
 from ...config import (
     GroupedSigmoidRouting, LatentAttention, ModelConfig, RopeConfig, eos_ids, first_set, parse_layer_types)
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from .base import Architecture, every_fourth_full
 
 
@@ -33,7 +33,7 @@ def kimi_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     channel: dense T_C), multi-head latent attention without RoPE, DeepSeek-V3's sigmoid-routed
     experts with an ungated shared expert (dense MLPs in the first layers), plain RMSNorm."""
     if text.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"kimi_linear with hidden_act {text['hidden_act']!r} is not supported (silu)")
+        raise UnsupportedModel(f"kimi_linear with hidden_act {as_written(text['hidden_act'])} is not supported (silu)")
     heads, layers = int(text["num_attention_heads"]), int(text["num_hidden_layers"])
     if int(text.get("num_key_value_heads") or heads) != heads:
         raise UnsupportedModel("kimi_linear: latent attention gives every head its own keys (num_key_value_heads "

@@ -5,7 +5,7 @@ from typing import Any
 from ...config import (
     ATTENTION_KINDS, GroupedSigmoidRouting, ModelConfig, RopeConfig, SlidingWindow, eos_ids, first_set,
     parse_layer_types, rope_from_params)
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from .base import Architecture
 
 
@@ -21,7 +21,7 @@ def mimo_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     values 128 wide and scaled by 0.707; DeepSeek-V3 sigmoid routing without shared experts, dense
     MLP in the first layer."""
     if text.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"mimo_v2_flash with hidden_act {text['hidden_act']!r} is not supported (silu)")
+        raise UnsupportedModel(f"mimo_v2_flash with hidden_act {as_written(text['hidden_act'])} is not supported (silu)")
     heads, hidden, layers = int(text["num_attention_heads"]), int(text["hidden_size"]), int(text["num_hidden_layers"])
     types = text.get("layer_types") or ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
                                         for i in range(layers)]

@@ -3,7 +3,7 @@ scaled post-norm residuals."""
 from typing import Any
 
 from ...config import ModelConfig, ResidualScales, RopeConfig, eos_ids, parse_layer_types
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from .base import Architecture, every_fourth_full
 
 
@@ -25,7 +25,7 @@ def minimax_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
     if text.get("sliding_window") is not None:
         raise UnsupportedModel("minimax with sliding_window is not supported (sliding-window hybrids are not served yet)")
     if text.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"minimax with hidden_act {text['hidden_act']!r} is not supported (silu)")
+        raise UnsupportedModel(f"minimax with hidden_act {as_written(text['hidden_act'])} is not supported (silu)")
     heads, hidden = int(text["num_attention_heads"]), int(text["hidden_size"])
     head_dim = int(text.get("head_dim") or hidden // heads)
     factor = lambda name: float(text.get(name, 1))  # noqa: E731

@@ -5,7 +5,7 @@ from typing import Any
 
 from ...config import (
     BlockLayout, GroupedSigmoidRouting, Mamba2Options, ModelConfig, RopeConfig, eos_ids, first_set, json_float)
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from .base import Architecture, every_fourth_full
 
 
@@ -25,7 +25,7 @@ def nemotron_layout(kinds: list[str]) -> BlockLayout:
         elif kind in ("mlp", "moe") and mixers and ffns[-1] is None:  # the block before was a mixer
             ffns[-1], ffn_kinds[-1] = index, kind
         else:
-            raise UnsupportedModel(f"nemotron_h block {index} ({kind!r}) does not follow a Mamba2 or attention block: "
+            raise UnsupportedModel(f"nemotron_h block {index} ({as_written(kind)}) does not follow a Mamba2 or attention block: "
                                    "HYPIC serves patterns where every MLP / MoE block follows a mixer block")
     return BlockLayout(tuple(mixers), tuple(ffns), tuple(ffn_kinds))
 
@@ -41,7 +41,7 @@ def nemotron_config(text: dict[str, Any], raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModel("nemotron_h config names no layers_block_type / hybrid_override_pattern")
     for name, expected in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
         if text.get(name, expected) != expected:
-            raise UnsupportedModel(f"nemotron_h with {name} {text[name]!r} is not supported ({expected})")
+            raise UnsupportedModel(f"nemotron_h with {name} {as_written(text[name])} is not supported ({expected})")
     if text.get("mlp_bias"):
         raise UnsupportedModel("nemotron_h with mlp_bias is not supported")
     if text.get("sliding_window") is not None:

@@ -5,7 +5,7 @@ scalar_rope)."""
 from typing import Any
 
 from ...config import ModelConfig, RopeConfig, eos_ids, parse_layer_types
-from ...errors import UnsupportedModel
+from ...errors import UnsupportedModel, as_written
 from ..families import linear_family, native_families
 from .base import Architecture
 
@@ -15,7 +15,7 @@ def qwen_rope(text: dict[str, Any]) -> RopeConfig:
     params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "linear"):
-        raise UnsupportedModel(f"rope_type {rope_type!r} is not supported (default, linear)")
+        raise UnsupportedModel(f"rope_type {as_written(rope_type)} is not supported (default, linear)")
     return RopeConfig(
         theta=float(params.get("rope_theta", text.get("rope_theta", 10000.0))),
         partial_rotary_factor=float(params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
@@ -58,7 +58,7 @@ def _native_family(text: dict[str, Any]) -> str:
         return "gated_delta"
     name, natives = text.get("linear_family", "gated_delta"), native_families()
     if name not in natives:
-        raise UnsupportedModel(f"hypic_hybrid linear_family {name!r}: one of {', '.join(natives)}")
+        raise UnsupportedModel(f"hypic_hybrid linear_family {as_written(name)}: one of {', '.join(natives)}")
     check = linear_family(name).native
     assert check is not None
     check(text)
