@@ -20,7 +20,7 @@ class PrefillStats:
     segments_missed: int = 0
     combine_tokens: int = 0  # tokens run in the combine pass (seams, Q, unspliced segments)
     prefix_hit_tokens: int = 0  # leading tokens resumed from the private pool (prefix cache)
-    segments_built_remotely: int = 0  # of the missed, those a peer worker built
+    segments_built_remotely: int = 0  # of the missed, those a peer worker built and the prefill took from the pool
     remote_prefill_tokens: int = 0  # the tokens of those documents
     combined_early_tokens: int = 0  # the head of the prompt combined while its documents were still arriving
     disk_cached_tokens: int = 0  # of cached_tokens, those of documents loaded from the disk tier
@@ -63,18 +63,21 @@ class PrefillStats:
         self.combined_early_tokens = head.prompt_tokens
         self.segments_hit += head.segments_hit
         self.segments_missed += head.segments_missed
+        self.segments_built_remotely += head.segments_built_remotely
+        self.remote_prefill_tokens += head.remote_prefill_tokens
         self.combine_tokens += head.combine_tokens
 
 
 @dataclass(frozen=True)
 class BuiltForRequest:
     """Work done for one request before its combine pass: the public-pool keys of the documents
-    built for it (anywhere), how many of them and how many tokens peers built, and the heads of its
-    prompt combined early (their stats, shortest first)."""
+    built for it (anywhere), the (key, tokens) of those a peer was to build (``remote``: one counts
+    as built remotely only if its entry arrived and the prefill took it from the pool; one whose
+    build or transfer failed is recomputed and is not), and the heads of its prompt combined early
+    (their stats, shortest first)."""
 
     keys: frozenset[str] = frozenset()
-    remote_segments: int = 0
-    remote_tokens: int = 0
+    remote: tuple[tuple[str, int], ...] = ()
     heads: tuple[PrefillStats, ...] = ()
     loaded: tuple[tuple[str, str], ...] = ()  # (key, tier) of documents brought up from a lower tier for it
 
@@ -108,8 +111,7 @@ class Reuse:
 
     def stats(self, built: BuiltForRequest = BuiltForRequest()) -> PrefillStats:
         """The request's counts: this reuse, less what was ``built`` for the request beforehand."""
-        stats = PrefillStats(prompt_tokens=self.prompt_tokens, segments_built_remotely=built.remote_segments,
-                             remote_prefill_tokens=built.remote_tokens)
+        stats, remote = PrefillStats(prompt_tokens=self.prompt_tokens), dict(built.remote)
         if self.resumed is not None:
             _count_resume(stats, *self.resumed, built)
         for key, tokens, tier in self.documents:
@@ -117,6 +119,9 @@ class Reuse:
                 stats.segments_missed += 1
             else:
                 stats.count_hit(tokens, built.tier_of(key, tier))
+            if tier is not None and key in remote:  # a peer's entry, taken from the pool
+                stats.segments_built_remotely += 1
+                stats.remote_prefill_tokens += remote[key]
         stats.combine_tokens += self.combine_tokens
         return stats
 

@@ -9,10 +9,13 @@ A request's peer work is a ``PeerRequest``: started by the loop on its own threa
 has admitted the request (a slot and room for its state), it goes by the request's
 ``RequestPlan`` (made once, when the request arrived) and touches the engine only on the loop's
 thread. Threads of this module wait on Ray and on transfers, never on the loop: what they bring
-back (entries, their end) is posted to the loop's queue, which the loop drains between chunks."""
+back (entries, their end) is posted to the loop's queue, which the loop drains between chunks.
+A request's peer work has a deadline (the worker timeout): past it, the request runs here alone
+and what its peers bring later is ignored."""
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,19 +60,23 @@ class PeerPrefill:
             raise ValueError(f"peer prefill needs at least 2 workers, got {workers!r}")
         start_ray((workers - 1) * threads, ray_address)
         peers = list(range(1, workers))
-        self.pool = WorkerPool(model, peers, threads, {**(engine_options or {}), "seam_width": seam_width}, (LOCAL,),
-                               timeout_s, transfer)
+        self._attach(WorkerPool(model, peers, threads, {**(engine_options or {}), "seam_width": seam_width}, (LOCAL,),
+                                timeout_s, transfer))
         fingerprint = model_fingerprint(default_model_path() if model == "default" else Path(model))
         if any(f != fingerprint for f in self.pool.fingerprints()):
             raise RuntimeError("the workers loaded a different model than the server")
+
+    def _attach(self, pool: WorkerPool) -> None:
+        """Serve with ``pool``'s workers as the peers (worker 0, ``LOCAL``, is the caller's engine)."""
+        self.pool = pool
         self.received = ReceiveCounts()  # entries this server received as combine node
         self.waits = ThreadPoolExecutor(32, thread_name_prefix="hypic-peer-wait")  # wait on peers, never on the loop
 
     def prefill_for(self, loop: Loop, request: RequestPlan) -> Future:
         """Start a request's peer work; called on the loop's thread (the loop admits it there). The
         future holds (a future of the remote ``Prefill``, or None: combined here; what was built
-        for the request)."""
-        return PeerRequest(self, loop, request).start()
+        for the request); it is done within the worker timeout (``PeerTimeout`` past it)."""
+        return PeerRequest(self, loop, request).start(self.pool.timeout_s)
 
     def warmup_for(self, loop: Loop, documents: list[str], namespace: str = "") -> Future:
         """Documents (checked already, as the engine's own warm-up checks them) spread by LPT over the
@@ -137,7 +144,7 @@ class PeerPrefill:
         try:
             for index, shipment in enumerate(dispatch.shipments):
                 received: list[SegmentEntry] = []
-                for batch in self.pool.wait([shipment], lost):
+                for batch in self.pool.wait([shipment], lost, builds=True):
                     received, counts = receive_all(group.channel if group else None, batch, check)
                     self.received.add(counts)
                     self.pool.note_receipt(counts)
@@ -176,11 +183,16 @@ class PeerPrefill:
         self.pool.shutdown()
 
 
+class PeerTimeout(TimeoutError):
+    """A request's peer work did not finish within the worker timeout."""
+
+
 class PeerRequest:
-    """One request's peer work. Every method but ``_receive`` runs on the loop's thread: started
-    there, then moved on by what is posted to the loop's queue (the local builds done, each
-    shipment received, an early combine done, the last shipment in). Its ``outcome`` holds
-    (a future of the remote ``Prefill`` or None, what was built for the request)."""
+    """One request's peer work. Every method but ``_receive`` and ``_expire`` runs on the loop's
+    thread: started there, then moved on by what is posted to the loop's queue (the local builds
+    done, each shipment received, an early combine done, the last shipment in). Its ``outcome``
+    holds (a future of the remote ``Prefill`` or None, what was built for the request); once it is
+    done (or timed out), what comes later is ignored."""
 
     def __init__(self, peers: PeerPrefill, loop: Loop, request: RequestPlan) -> None:
         self.peers, self.loop, self.request = peers, loop, request
@@ -189,10 +201,13 @@ class PeerRequest:
         self.built_here = self.all_arrived = False
         self.early: Future | None = None  # the head combined early, one at a time
         self.dispatch: Dispatch | None = None
+        self.plan_released = False  # a remote plan is finished by its combine run, or by ``_give_up``
 
-    def start(self) -> Future:
+    def start(self, timeout_s: float) -> Future:
         """Documents below memory brought up (held here, never rebuilt by a peer), the documents
-        planned over the workers, the local builds queued on the loop, the peers' started."""
+        planned over the workers, the local builds queued on the loop, the peers' started; the
+        outcome fails with ``PeerTimeout`` if it is not done within ``timeout_s``."""
+        self._expire_after(timeout_s)
         engine, mode = self.loop.engine, self.loop.mode
         loaded = engine.cache.load_from_tiers(self.request)
         plan = self.peers.plan(self.request, engine.store.keys())
@@ -217,12 +232,25 @@ class PeerRequest:
         except Exception as err:  # noqa: BLE001 - a broken peer path costs only speed
             self._give_up(err)
 
+    def _expire_after(self, timeout_s: float) -> None:
+        """A timer (its own thread: the loop may be busy) that fails the outcome at the deadline."""
+        timer = threading.Timer(timeout_s, self._expire, args=(timeout_s,))
+        timer.daemon = True
+        timer.start()
+        self.outcome.add_done_callback(lambda _: timer.cancel())
+
+    def _expire(self, timeout_s: float) -> None:
+        """Off the loop, at the deadline: the outcome fails now (the loop runs the request here
+        alone); the loop then gives the rest up."""
+        err = PeerTimeout(f"the peers did not finish within the worker timeout ({timeout_s:g} s)")
+        if _fail(self.outcome, err):
+            self._post(self._give_up, err)
+
     def _give_up(self, err: BaseException) -> None:
         """The request runs here alone; a remote plan nobody else will finish is finished now."""
-        if self.outcome.done():
-            return
-        self.outcome.set_exception(err)
-        if self.dispatch is not None and self.dispatch.plan.combine != LOCAL:
+        _fail(self.outcome, err)
+        if self.dispatch is not None and self.dispatch.plan.combine != LOCAL and not self.plan_released:
+            self.plan_released = True
             self.peers.waits.submit(self.peers.pool.finish, self.dispatch.plan, [])
 
     def _receive(self, check: Callable[[SegmentEntry], None]) -> None:
@@ -242,8 +270,11 @@ class PeerRequest:
         self.built_here = True
         assert self.dispatch is not None
         plan = self.dispatch.plan
+        if self.outcome.done():
+            return  # timed out: the request runs here alone
         if plan.combine != LOCAL:
             shipped = self.loop.engine.store.held(self.peers.local_shipment(plan))
+            self.plan_released = True  # the combine run finishes it
             remote = self.peers.waits.submit(self.peers.prefill_remotely, self.dispatch, self.request, shipped,
                                              self.built)
             self.outcome.set_result((remote, self.built))
@@ -253,7 +284,10 @@ class PeerRequest:
 
     def _arrived(self, entries: list[SegmentEntry], still_coming: int) -> None:
         """A shipment is in: its entries stored (checked), and, while more are to come, the held head
-        combined again (one at a time: the next covers more)."""
+        combined again (one at a time: the next covers more). Once the outcome is done (timed out),
+        late entries are ignored."""
+        if self.outcome.done():
+            return
         if entries:
             install_entries(self.loop.engine, entries, self.loop.mode)
         if still_coming and self.built_here:
@@ -292,6 +326,16 @@ def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def _fail(future: Future, err: BaseException) -> bool:
+    """``future`` fails with ``err`` unless it is done already (another thread may settle it);
+    whether it did."""
+    try:
+        future.set_exception(err)
+    except InvalidStateError:
+        return False
+    return True
 
 
 def _settle(future: Future, done: Future, value: Any) -> None:

@@ -51,10 +51,10 @@ class Plan:
         return {worker: sum(job.tokens for job in jobs) for worker, jobs in self.builds.items()}
 
     def built_for_request(self, home: int) -> BuiltForRequest:
-        """What this plan builds for its request (misses wherever they are built); remote: off ``home``."""
-        remote = [job for worker, jobs in self.builds.items() if worker != home for job in jobs]
-        return BuiltForRequest(frozenset(job.key for jobs in self.builds.values() for job in jobs), len(remote),
-                               sum(job.tokens for job in remote))
+        """What this plan builds for its request (misses wherever they are built); remote: off ``home``
+        (each counted once its entry is taken from ``home``'s pool, see ``BuiltForRequest``)."""
+        remote = tuple((job.key, job.tokens) for worker, jobs in self.builds.items() if worker != home for job in jobs)
+        return BuiltForRequest(frozenset(job.key for jobs in self.builds.values() for job in jobs), remote)
 
 
 MATCH_WEIGHT = 2.0  # how much a cached fraction of the request outweighs a normalised load

@@ -1,5 +1,11 @@
 """Worker actors on Ray and the router's bookkeeping of them: the global segment index, the tokens
-queued on each, and the workers lost."""
+queued on each, and the workers lost.
+
+Every wait on a worker has a deadline (the pool's ``timeout_s``: ``hypic serve --worker-timeout``);
+a worker that misses it is lost: forgotten, killed, and logged with the cause. The pool's lock
+guards bookkeeping only: no Ray call that can wait (a get, a kill, a transfer group's rebuild) runs
+under it, so a thread that plans or dispatches (the server's engine loop) never waits on a slow one."""
+import logging
 import os
 import shutil
 import threading
@@ -25,12 +31,18 @@ from .prefix_index import PrefixIndex
 from .transfer import ReceiveCounts
 from .plan import PROMPT_ORDER_TOKENS, Plan
 from .serialization import register_tensor_serializer
-from .worker import Worker
+from .worker import LoopStalled, Worker
 
 PACKAGE_ROOT = Path(hypic.__file__).resolve().parents[1]  # the folder this process imports hypic from
 TRANSFERS = ("torch", "ray")  # bulk entries over torch.distributed (gloo), or through Ray's object store
 MAX_CALLS = 64  # a worker's calls in flight at once (they wait on its one engine loop)
 START_TIMEOUT_S = 600.0  # a worker still loading its checkpoint after this long fails the start
+# a worker's longest wait on its own engine loop, in pool timeouts: past the pool's longest chain of
+# waits on one call (a remote combine's early combine, builds, installs), so the pool decides first
+WORKER_WAIT_FACTOR = 4.0
+
+
+log = logging.getLogger("hypic.router")
 
 
 class WorkerStartError(RuntimeError):
@@ -117,17 +129,19 @@ class WorkerPool:
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
         self.timeout_s = timeout_s  # a worker that has not answered a wait in this long is lost
+        self.lock = threading.RLock()
         actor = ray.remote(num_cpus=threads, max_restarts=0, max_concurrency=MAX_CALLS)(Worker)
-        self.workers = {w: actor.remote(model, threads, options) for w in ids}
+        # a worker's own waits end later than the pool's (which then has lost and killed it): a backstop
+        self.workers = {w: actor.remote(model, threads, options, WORKER_WAIT_FACTOR * timeout_s) for w in ids}
         self._check_started()
         self.index = SegmentIndex()
         self.prefixes = PrefixIndex()  # prompt prefixes in the workers' private pools
         self.queued = {w: 0 for w in (*local, *ids)}  # tokens of cold documents dispatched, not done
         self.lost: list[int] = []
-        self.lock = threading.RLock()
+        self.build_failures = 0  # peers' builds (and fetches) that raised: their documents were recomputed
         self.group = BulkGroup(local[:1], timeout_s) if transfer == "torch" else None
-        if self.group is not None:
-            self.group.rebuild(self.workers)
+        self._rebuilding = False  # a thread is rebuilding the group (outside the lock)
+        self.rebuild_group_if_needed()
 
     def _check_started(self) -> None:
         """Wait until every worker has loaded its engine; one that cannot (it failed to import, to load
@@ -139,24 +153,21 @@ class WorkerPool:
             raise WorkerStartError(f"a worker could not start: {err}") from err
 
     def fingerprints(self) -> list[str]:
-        return ray.get([worker.fingerprint.remote() for worker in self.workers.values()])
+        return ray.get([worker.fingerprint.remote() for worker in self.workers.values()], timeout=self.timeout_s)
 
     def dispatch(self, plan: Plan, mode: Mode) -> tuple[list[tuple[int, ray.ObjectRef]], list[tuple[int, ray.ObjectRef]]]:
         """One build task per cold document an actor builds (each actor's in LPT order). Returns
         every build's (worker, ref) and what goes to the combine node (peers' builds in the order
         they finish, then the pulls)."""
-        per_worker, priority = {}, sum(plan.build_tokens().values())  # the request's uncached document tokens
+        priority = sum(plan.build_tokens().values())  # the request's uncached document tokens
         with self.lock:
             self._reserve(plan)
-            ship_to = self.destination(plan.combine)
-            for worker, jobs in plan.builds.items():
-                if worker in self.workers:
-                    to = None if worker == plan.combine else ship_to
-                    per_worker[worker] = [self.workers[worker].build.remote([j], mode,
-                                                                            priority + rank * PROMPT_ORDER_TOKENS, to)
-                                          for rank, j in enumerate(jobs)]
-            pulls = [(w, self.workers[w].fetch.remote(keys, ship_to)) for w, keys in plan.pulls.items()
-                     if w in self.workers]
+            ship_to, actors = self.destination(plan.combine), dict(self.workers)
+        per_worker = {worker: [actors[worker].build.remote([j], mode, priority + rank * PROMPT_ORDER_TOKENS,
+                                                           None if worker == plan.combine else ship_to)
+                               for rank, j in enumerate(jobs)]
+                      for worker, jobs in plan.builds.items() if worker in actors}
+        pulls = [(w, actors[w].fetch.remote(keys, ship_to)) for w, keys in plan.pulls.items() if w in actors]
         builds = [(w, ref) for w, refs in per_worker.items() for ref in refs]
         rounds = max(map(len, per_worker.values()), default=0)
         shipments = [(w, refs[i]) for i in range(rounds) for w, refs in per_worker.items()
@@ -177,21 +188,29 @@ class WorkerPool:
         """The remote-combine half of a request, one copy for the router and for the server's peers:
         everything gathered on the combine node (``gather_on_combine``), then ``call(its actor, the
         request's plan in the object store, built with the heads' stats)``, waited for (``timeout_s``:
-        at most that long); the plan is finished either way. The request's plan is pickled once for
-        every call the combine node gets. A combine node lost or timed out is forgotten (killed if it
-        timed out), and the error raised."""
+        at most that long; None: the pool's ``timeout_s``); the plan is finished either way. The
+        request's plan is pickled once for every call the combine node gets. A combine node lost or
+        timed out is forgotten (killed if it timed out), and the error raised."""
         lost: list[int] = []
         combine = self.workers[plan.combine]
         try:
             shared = ray.put(request)
             built, built_at = self.gather_on_combine(plan, shared, mode, dispatched, lost, built, extra)
             gathered_at = time.perf_counter()
-            return RemoteRun(ray.get(call(combine, shared, built), timeout=timeout_s), built_at, gathered_at, lost)
-        except (WorkerLost, GetTimeoutError) as err:
-            self.forget(plan.combine, kill=isinstance(err, GetTimeoutError))
-            raise
+            value = self.get(plan.combine, call(combine, shared, built), timeout_s)
+            return RemoteRun(value, built_at, gathered_at, lost)
         finally:
             self.finish(plan, lost)
+
+    def get(self, worker: int, ref: ray.ObjectRef, timeout_s: float | None = None) -> Any:
+        """``worker``'s answer ``ref``, waited for ``timeout_s`` at most (None: the pool's). A worker
+        lost or late is forgotten (killed if late) and the error raised."""
+        try:
+            return ray.get(ref, timeout=self.timeout_s if timeout_s is None else timeout_s)
+        except RayError as err:
+            if _is_lost(err):
+                self.forget(worker, kill=_is_late(err), cause=err)
+            raise
 
     def gather_on_combine(self, plan: Plan, request: ray.ObjectRef, mode: Mode, dispatched: tuple[list, list],
                           lost: list[int], built: BuiltForRequest,
@@ -204,7 +223,7 @@ class WorkerPool:
         builds, shipments = dispatched
         installs = self.install_on(plan.combine, shipments, mode, extra)
         built = self.combine_early(plan, request, builds, installs, lost, built)
-        self.wait(builds, lost)
+        self.wait(builds, lost, builds=True)
         built_at = time.perf_counter()
         self.wait_installs(installs, lost)
         return built, built_at
@@ -216,7 +235,7 @@ class WorkerPool:
         one call at a time, each after every arrival so far), so its combine pass overlaps the peers'
         last builds. Returns ``built`` with those heads' stats (the request's own count them)."""
         combine, deadline = self.workers.get(plan.combine), time.monotonic() + self.timeout_s
-        self.wait([build for build in builds if build[0] == plan.combine], lost)
+        self.wait([build for build in builds if build[0] == plan.combine], lost, builds=True)
         pending = [ref for _, ref in installs]
         if not pending or combine is None:
             return built
@@ -273,10 +292,10 @@ class WorkerPool:
         workers lost meanwhile."""
         with self.lock:
             self._reserve(plan)
-            refs = [(w, self.workers[w].cache.remote(jobs, mode))
-                    for w, jobs in plan.builds.items() if w in self.workers]
+            actors = dict(self.workers)
+        refs = [(w, actors[w].cache.remote(jobs, mode)) for w, jobs in plan.builds.items() if w in actors]
         lost: list[int] = []
-        self.wait(refs, lost)
+        self.wait(refs, lost, builds=True)
         self.finish(plan, lost)
         return lost
 
@@ -284,46 +303,65 @@ class WorkerPool:
         """Empty every actor's pools and the index (``namespace``: only that cache namespace's entries,
         the index re-read from the actors); returns the entries dropped (lost workers skipped)."""
         with self.lock:
-            refs = [(w, worker.flush.remote(namespace)) for w, worker in self.workers.items()]
+            actors = dict(self.workers)
             if namespace is None:
                 self.index, self.prefixes = SegmentIndex(), PrefixIndex()
-        dropped = sum(self.wait(refs, []))
+        dropped = sum(self.wait([(w, worker.flush.remote(namespace)) for w, worker in actors.items()], []))
         if namespace is not None:
-            for worker in list(self.workers):
+            for worker in actors:
                 self.sync(worker)
         return dropped
 
-    def wait(self, refs: list[tuple[int, ray.ObjectRef]], lost: list[int], forget: bool = True) -> list[Any]:
+    def wait(self, refs: list[tuple[int, ray.ObjectRef]], lost: list[int], forget: bool = True,
+             builds: bool = False) -> list[Any]:
         """The values of the refs that succeeded within ``timeout_s`` of the call. A dead or timed-out
         worker is forgotten (``forget``; a timed-out one is also killed) and added to ``lost``; a task
-        that raised only loses its value (the combine pass recomputes it)."""
+        that raised only loses its value (the combine pass recomputes it; ``builds``: the refs are
+        builds or fetches of documents, and it is logged and counted in ``build_failures``)."""
         values, deadline = [], time.monotonic() + self.timeout_s
         for worker, ref in refs:
             try:
                 values.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-            except (WorkerLost, GetTimeoutError) as err:
-                if forget and worker not in lost:
+            except RayError as err:
+                if not _is_lost(err):
+                    if builds:
+                        self._build_failed(worker, err)
+                elif forget and worker not in lost:
                     lost.append(worker)
-                    self.forget(worker, kill=isinstance(err, GetTimeoutError))
-            except RayError:
-                continue
+                    self.forget(worker, kill=_is_late(err), cause=err)
         return values
 
-    def forget(self, worker: int, kill: bool = False) -> None:
+    def _build_failed(self, worker: int, err: RayError) -> None:
         with self.lock:
-            self._forget(worker, kill)
+            self.build_failures += 1
+        log.warning("worker %d: a build failed (%s); the combine pass recomputes its document", worker, _cause(err))
 
-    def _forget(self, worker: int, kill: bool) -> None:
-        if worker in self.workers:
-            if kill:
-                ray.kill(self.workers[worker])
-            del self.workers[worker]
+    def forget(self, worker: int, kill: bool = False, cause: BaseException | None = None) -> None:
+        """A lost worker leaves the bookkeeping (under the lock), then, if ``kill``, is killed (outside
+        it: a kill may wait on Ray)."""
+        with self.lock:
+            actor = self._forget(worker)
+        if actor is None:
+            return
+        log.warning("worker %d lost (%s)%s", worker, "no cause given" if cause is None else _cause(cause),
+                    "; killed" if kill else "")
+        if kill:
+            try:
+                ray.kill(actor)
+            except Exception as err:  # noqa: BLE001 - it is forgotten either way
+                log.warning("worker %d: kill failed (%s)", worker, _cause(err))
+
+    def _forget(self, worker: int) -> Any:
+        """The worker's bookkeeping dropped; its handle, or None if it was forgotten already."""
+        actor = self.workers.pop(worker, None)
+        if actor is not None:
             del self.queued[worker]
             self.index.forget_worker(worker)
             self.prefixes.forget_worker(worker)
             self.lost.append(worker)
             if self.group is not None:
                 self.group.mark_broken()
+        return actor
 
     def finish(self, plan: Plan, lost: list[int]) -> None:
         """Release the plan's queued tokens and re-read what its actors hold (evictions included)."""
@@ -337,32 +375,69 @@ class WorkerPool:
         self.rebuild_group_if_needed()
 
     def rebuild_group_if_needed(self) -> None:
-        """After a loss or a failed transfer, a new bulk-transfer group over the live members."""
+        """After a loss or a failed transfer, a new bulk-transfer group over the live members: its
+        bookkeeping under the lock, the members' join (slow) outside it; one rebuild at a time (a
+        thread that finds one under way leaves it to that one)."""
         with self.lock:
-            if self.group is not None and self.group.needs_rebuild:
-                self.group.rebuild(self.workers)
+            if self.group is None or not self.group.needs_rebuild or self._rebuilding:
+                return
+            self._rebuilding = True
+            rebuild = self.group.begin(self.workers)
+        joined = None
+        try:
+            joined = self.group.join(rebuild)
+        finally:
+            with self.lock:
+                self.group.adopt(rebuild, joined)
+                self._rebuilding = False
 
     def sync(self, worker: int) -> None:
-        """Re-read what ``worker`` holds into the index (a dead worker is forgotten)."""
+        """Re-read what ``worker`` holds into the index (a dead or late worker is forgotten)."""
+        with self.lock:
+            actor = self.workers.get(worker)
+        if actor is None:
+            return
         try:
-            held = ray.get(self.workers[worker].held.remote())
-        except (WorkerLost, KeyError):
-            self.forget(worker)
+            held = self.get(worker, actor.held.remote())
+        except RayError as err:
+            if not _is_lost(err):  # (a lost one is forgotten)
+                log.warning("worker %d: could not read what it holds (%s)", worker, _cause(err))
             return
         with self.lock:
-            self.index.sync(worker, held)
+            if worker in self.workers:
+                self.index.sync(worker, held)
 
     def status(self) -> dict[str, Any]:
         with self.lock:
             return {"workers": sorted(self.workers), "lost_workers": list(self.lost), "indexed_entries": len(self.index),
                     "indexed_prefix_blocks": len(self.prefixes),
                     "held_entries": {w: len(self.index.keys_of(w)) for w in self.workers}, "queued_tokens": dict(self.queued),
+                    "peer_build_failures": self.build_failures,
                     **(self.group.status() if self.group is not None else {"transfer": "ray object store"})}
 
     def shutdown(self) -> None:
         """Stop the workers, and the Ray runtime with them if ``start_ray`` started it."""
-        for worker in self.workers.values():
+        with self.lock:
+            actors = list(self.workers.values())
+            self.workers.clear()
+        for worker in actors:
             ray.kill(worker)
-        self.workers.clear()
         stop_ray()
+
+
+def _is_lost(err: RayError) -> bool:
+    """Whether the error loses its worker: it died, did not answer in time, or its loop is stuck."""
+    return isinstance(err, WorkerLost) or _is_late(err)
+
+
+def _is_late(err: RayError) -> bool:
+    """Whether the worker did not answer in time (it is killed): here, or its own engine loop."""
+    return isinstance(err, GetTimeoutError) or isinstance(getattr(err, "cause", None), LoopStalled)
+
+
+def _cause(err: BaseException) -> str:
+    """An error as a log line shows it: its type and message (a task's error: its cause's)."""
+    cause = getattr(err, "cause", None)
+    cause = cause if isinstance(cause, BaseException) else err
+    return f"{type(cause).__name__}: {cause}"
 

@@ -73,13 +73,14 @@ class Router:
     def warmup(self, documents: list[str], worker: int, mode: Mode | str = Mode.HYPIC, namespace: str = "") -> list[str]:
         """Cache ``documents`` on one worker (as a PIC segment each, in cache ``namespace``); returns their keys."""
         jobs = document_jobs(self.planner.plan(self.planner.documents(documents, namespace), mode))
-        ray.get(self.workers[worker].build.remote(jobs, mode))
+        self.pool.get(worker, self.workers[worker].build.remote(jobs, mode))
         self.pool.sync(worker)
         return [j.key for j in jobs]
 
     def generate(self, prompt: str, *, mode: Mode | str = Mode.HYPIC, namespace: str = "", **sampling: Any) -> RoutedResult:
         """Run ``prompt`` across the workers in cache ``namespace`` ("": shared); the output equals a
-        single engine's."""
+        single engine's. Each wait on a worker, the combine node's whole answer included, ends by
+        ``timeout_s`` (a late worker is lost)."""
         if not self.workers:
             raise NoLiveWorkers("every worker has died")
         mode = Mode.parse(mode)

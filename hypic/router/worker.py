@@ -2,6 +2,7 @@
 engine loop the server runs too (``hypic.scheduler.loop.EngineLoop``). Requests come planned: a
 combine pass runs on the ``RequestPlan`` made where the request arrived, never on a plan of its own."""
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 import torch
@@ -23,16 +24,24 @@ from .transfer import ReceiveCounts, entries_of, entry_check, install_entries, r
 Result = TypeVar("Result")
 
 
+class LoopStalled(TimeoutError):
+    """A worker's engine loop did not answer a call within the worker's timeout: the worker is stuck."""
+
+
 class Worker:
     """Builds document interiors for peers, installs theirs (checked), and runs combine passes.
     Ray calls its methods concurrently (a threaded actor); all engine work goes through one
     ``EngineLoop``, the server's scheduler: builds and combine passes in chunks, builds by their
     request's uncached tokens (``priority``), combine passes before them (a short request's
     documents overtake a long one's between its chunks); installs, lookups and flushes run between
-    chunks. Shipping entries to peers happens on the caller's thread, off the loop."""
+    chunks. Shipping entries to peers happens on the caller's thread, off the loop. A call waits on
+    the loop ``timeout_s`` at most (the pool sets it past its own deadline, by which it has given
+    up on this worker and killed it: this only keeps a call from waiting forever)."""
 
-    def __init__(self, model: str, threads: int | None = None, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: str, threads: int | None = None, options: dict[str, Any] | None = None,
+                 timeout_s: float | None = None) -> None:
         register_tensor_serializer()
+        self.timeout_s = timeout_s
         start_from_env()
         if threads is not None:
             torch.set_num_threads(threads)
@@ -59,7 +68,7 @@ class Worker:
         stay in this worker's public pool (when they fit) and go back to the caller, or, with
         ``ship_to`` = (rank, generation) of a live group, their bytes go there and parcels come
         back. ``priority``: the tokens the request still needs built (fewer go first)."""
-        return self.ship(self.loop.run_steps(self._build_steps(jobs, mode), priority).result(), ship_to)
+        return self.ship(self._wait(self.loop.run_steps(self._build_steps(jobs, mode), priority)), ship_to)
 
     def ship(self, entries: list[SegmentEntry], ship_to: tuple[int, int] | None) -> list[SegmentEntry | Parcel]:
         """``entries`` sent point-to-point to ``ship_to`` (parcels back), or themselves when there is
@@ -118,19 +127,19 @@ class Worker:
         """The combine pass of the request ``plan`` (this worker is its combine node); the caller
         decodes the state. ``built``: what was computed for the request beforehand (its stats count
         it as computed)."""
-        return self.loop.run_steps(self.engine.prefiller.prefill_steps(plan)).result().for_request(built)
+        return self._wait(self.loop.run_steps(self.engine.prefiller.prefill_steps(plan))).for_request(built)
 
     def precombine(self, plan: RequestPlan, built: BuiltForRequest = BuiltForRequest(),
                    arriving: frozenset[str] = frozenset()) -> PrefillStats | None:
         """Combine the head of the request this worker already holds (``Engine.precombine_steps``; the
         documents keyed in ``arriving`` left out), while its peers' last documents are on their
         way; the head's stats (None: nothing combined)."""
-        return self.loop.run_steps(self.engine.prefiller.precombine_steps(plan, built, arriving)).result()
+        return self._wait(self.loop.run_steps(self.engine.prefiller.precombine_steps(plan, built, arriving)))
 
     def generate(self, plan: RequestPlan, sampling: dict[str, Any],
                  built: BuiltForRequest = BuiltForRequest()) -> GenerationResult:
         """The request ``plan`` prefilled and decoded here (one continuation)."""
-        return self.loop.run_steps(self.engine.generate_plan_steps(plan, built, **sampling)).result()
+        return self._wait(self.loop.run_steps(self.engine.generate_plan_steps(plan, built, **sampling)))
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every cached entry and request state (of cache ``namespace`` only, if given);
@@ -143,4 +152,11 @@ class Worker:
 
     def _on_loop(self, run: Callable[[], Result]) -> Result:
         """``run`` on the loop thread between chunks (one thread owns the engine); its result or error."""
-        return self.loop.call(run).result()
+        return self._wait(self.loop.call(run))
+
+    def _wait(self, future: Future[Result]) -> Result:
+        """``future``'s result, waited for ``timeout_s`` at most (then ``LoopStalled``: the caller
+        treats this worker as lost)."""
+        if not wait([future], self.timeout_s)[0]:
+            raise LoopStalled(f"the worker's engine loop did not answer within {self.timeout_s:g} s")
+        return future.result()

@@ -53,6 +53,9 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
         for path, count in workers.get("received_entries", {}).items():
             metric(f"peer_entries_received_{path}_total", "counter", count,
                    f"peers' document entries this server received ({path.replace('_', ' ')})")
+        if "peer_build_failures" in workers:
+            metric("peer_build_failures_total", "counter", workers["peer_build_failures"],
+                   "peers' document builds that failed (their documents were recomputed)")
         if "group_rebuilds" in workers:
             metric("transfer_group_rebuilds_total", "counter", workers["group_rebuilds"],
                    "torch.distributed transfer groups built (the first one included)")
