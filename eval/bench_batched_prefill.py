@@ -97,7 +97,7 @@ def measure(engine: Engine, prompts: list[str | list[int]], repeats: int) -> dic
     outputs: dict[str, list[list[int]]] = {}
     for repeat in range(repeats + 1):
         for way, (batch, together) in WAYS.items():
-            engine.prefix_cache.clear()
+            engine.cache.private.clear()
             loop = EngineLoop(engine, "hypic", max_prefill_batch=batch)
             loop.start()
             try:
@@ -116,10 +116,9 @@ def measure(engine: Engine, prompts: list[str | list[int]], repeats: int) -> dic
 def _model_path(name: str, folder: Path) -> str:
     if name != "tiny":
         return name
-    from hypic.checkpoints import TINY_VARIANTS, write_random_checkpoint
+    from hypic.checkpoints import write_random_checkpoint
 
-    model_type, overrides = TINY_VARIANTS["qwen3_5_text-ratio2"]
-    return str(write_random_checkpoint(folder / "tiny", model_type, 0, **overrides))
+    return str(write_random_checkpoint(folder / "tiny", "qwen3_5_text", 0))  # the tests' qwen3_5_text-ratio2
 
 
 def make_engine(args: argparse.Namespace, folder: Path) -> Engine:

@@ -41,7 +41,7 @@ import torch
 from hypic import Engine
 from hypic.decode import decode_batch
 from hypic.cache.prefix_cache import cache_key
-from hypic.state import RequestState
+from hypic.models.families import empty_state
 
 TAIL = 16
 
@@ -64,13 +64,13 @@ def resume_cost(args: argparse.Namespace) -> dict[str, Any]:
     for length in args.lengths:
         prefix = _ids(length, length, vocab)
         engine.prefill(engine.parse(prefix + _ids(TAIL, 0, vocab)))
-        template = RequestState.empty(engine.model.config, engine.model.device, engine.model.dtype)
+        template = empty_state(engine.model.config, engine.model.device, engine.model.dtype)
         hits, prefills = [], []
         for repeat in range(args.repeats + 1):  # the first is a warm-up
             prompt = prefix + _ids(TAIL, 1000 + repeat, vocab)
             key = cache_key(prompt, {})
             start = time.perf_counter()
-            hit = engine.prefix_cache.match(tree, key, len(key) - 1, template)
+            hit = engine.cache.private.match(tree, key, len(key) - 1, template)
             hit_s = time.perf_counter() - start
             assert hit is not None and hit.length == length, (hit and hit.length, length)
             del hit
@@ -103,7 +103,7 @@ def concurrent_memory(engine: Engine, prefix_tokens: int, concurrent: int) -> di
     engine.prefill(engine.parse(_ids(prefix_tokens + TAIL, 99, vocab)))  # warm: the allocator's and the model's first use
     prefix = _ids(prefix_tokens, 7, vocab)
     copy = prefix_tokens * sum(config.kv_elements(i) for i in config.attention_layers()) * engine.model.dtype.itemsize
-    before, pool_before = _rss(), engine.prefix_cache.nbytes
+    before, pool_before = _rss(), engine.cache.private.nbytes
     engine.prefill(engine.parse(prefix + _ids(TAIL, 0, vocab)))
     prefills = [engine.prefill(engine.parse(prefix + _ids(TAIL, 100 + r, vocab))) for r in range(concurrent)]
     states = [p.state for p in prefills]
@@ -111,7 +111,7 @@ def concurrent_memory(engine: Engine, prefix_tokens: int, concurrent: int) -> di
         state.reserve(state.length + 1)
     decode_batch(engine.model, states, [int(p.logits.argmax()) for p in prefills])
     assert all(p.stats.prefix_hit_tokens == prefix_tokens for p in prefills)
-    grown, pool = _rss() - before, engine.prefix_cache.nbytes - pool_before
+    grown, pool = _rss() - before, engine.cache.private.nbytes - pool_before
     own = concurrent * engine.state_bytes(TAIL + 1)
     return {"prefix_tokens": prefix_tokens, "concurrent": concurrent, "one_copy_bytes": copy,
             "rss_growth_bytes": grown, "own_state_bytes": own, "private_pool_growth_bytes": pool,

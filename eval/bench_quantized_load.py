@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from hypic.checkpoints import TINY_VARIANTS, write_random_checkpoint
+from hypic.checkpoints import write_random_checkpoint
+from hypic_testing.tiny_models import TINY_VARIANTS
 from hypic_testing.quantized import write_fp8_checkpoint
 
 SHAPES: dict[str, Any] = dict(  # Qwen3.5-35B-A3B's text config, less its depth, experts and vocabulary

@@ -33,7 +33,7 @@ def _document(engine: Engine, tokens: int, seed: int) -> str:
 def entry_breakdown(engine: Engine, document: str) -> dict[str, int]:
     """Bytes of one cached document, by part."""
     engine.warmup([document])
-    entry = next(iter(engine.store.entries.values()))
+    entry = next(iter(engine.cache.public.entries.values()))
     parts = dict.fromkeys(("transition", "zero_start_state", "conv_tail", "kv"), 0)
     for layer in entry.layers:
         if isinstance(layer, LinearInterior):

@@ -68,7 +68,7 @@ def measured(tokens: int, interval: int) -> None:
         engine = Engine.from_pretrained(path, snapshot_interval=interval)
         rng = random.Random(0)
         engine.generate("".join(rng.choice("abcdefgh ") for _ in range(tokens)), max_new_tokens=1, mode="prefix")
-        pool, config = engine.prefix_cache, engine.model.config
+        pool, config = engine.cache.private, engine.model.config
         points = sum(1 for node in pool._nodes() if node.snapshot)
         cached = max(node.depth for node in pool._nodes())
         expected = pool_bytes(config, 4, cached, points, swa_pool=True)

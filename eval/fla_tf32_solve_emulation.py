@@ -21,7 +21,7 @@ import torch
 import hypic.kernels.gated_delta as gated_delta
 import hypic.kernels.gated_delta.chunk as chunk_module
 from hypic import Engine
-from hypic.checkpoints import TINY_VARIANTS, write_random_checkpoint
+from hypic.checkpoints import write_random_checkpoint
 
 BLOCK = 16  # FLA's BC: the diagonal blocks inverted in registers
 
@@ -77,8 +77,7 @@ def main(modes: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.hypic.test_cuda import _layer0_states, _prompt, _rel
     path = Path(tempfile.mkdtemp())
-    model_type, overrides = TINY_VARIANTS["qwen3_5_text-ratio2"]
-    write_random_checkpoint(path, model_type, 0, **overrides)
+    write_random_checkpoint(path, "qwen3_5_text", 0)  # the tests' qwen3_5_text-ratio2
     prompt, docs = _prompt(10)
     states = lambda: _layer0_states(Engine.from_pretrained(path, device="cpu", dtype="float32", seam_width=8),  # noqa: E731
                                     prompt, docs)

@@ -12,7 +12,7 @@ Cases: the fidelity tests' layouts (random text, byte-level tokenizer) on the lo
 of tiny random checkpoints of the dense-T families (where a state error reaches the logits), and
 the shipped default model on three 1k-token windows of docs/ prose behind a question.
 
-    python eval/measure_bf16_transitions.py --out eval/results/decayed_heads/bf16_transitions.jsonl
+    PYTHONPATH=.:tests/helpers python eval/measure_bf16_transitions.py --out eval/results/decayed_heads/bf16_transitions.jsonl
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.cache.store import LinearInterior
-from hypic.checkpoints import TINY_VARIANTS, write_random_checkpoint
+from hypic.checkpoints import write_random_checkpoint
+from hypic_testing.tiny_models import TINY_VARIANTS
 from hypic.default_model import DEFAULT_MODEL_DIR
 from hypic.state import LinearLayerState
 

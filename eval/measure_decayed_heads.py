@@ -41,6 +41,7 @@ from hypic.checkpoints import byte_level_tokenizer
 from hypic.default_model import DEFAULT_MODEL_DIR
 from hypic.models import HybridModel
 from hypic.models.arch import parse_config
+from hypic.models.families import linear_shapes
 from hypic.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +97,7 @@ def full_entry(engine: Engine, ids: tuple[int, ...]) -> SegmentEntry:
         entry = engine.segment_entry(ids, engine.policy("hypic"))[0]
     finally:
         Transition.without_decayed = original  # type: ignore[method-assign]
-    engine.store.clear()
+    engine.cache.public.clear()
     return entry
 
 
@@ -133,7 +134,8 @@ def measure(engine: Engine, label: str, ids: tuple[int, ...]) -> dict[str, Any]:
     started = time.perf_counter()
     full = full_entry(engine, ids)
     flagged = flagged_entry(full)
-    identity = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    identity = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config,
+                             linear_shapes(engine.model.config))
     return {"document": label, "tokens": len(ids), "interior": full.length, "heads": head_rows(full),
             "memory_bytes_before": full.nbytes, "memory_bytes_after": flagged.nbytes,
             "file_bytes_before": len(encode_entry(full, identity)), "file_bytes_after": len(encode_entry(flagged, identity)),

@@ -365,8 +365,8 @@ def _serve(args: argparse.Namespace) -> None:
     if group is not None:
         print(f"hypic: {args.tp_size} tensor-parallel ranks ({args.threads} thread(s) each); ranks 1..{args.tp_size - 1} "
               f"are pids {', '.join(map(str, group.pids))}", flush=True)
-    if engine.store.lower is not None:
-        status = engine.store.lower.describe()
+    status = engine.cache.describe_tiers()
+    if status is not None:
         names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error'] or tier['state']})"
                           for name, tier in status["tiers"].items())
         print(f"hypic: documents below memory: {names}; {status['write_policy']}, prefetch "

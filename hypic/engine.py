@@ -18,7 +18,9 @@ from .grammar import Constraint, GrammarCompiler
 from .loader import DTYPE_NAMES, load_model, model_fingerprint, read_quantization, resolve_dtype
 from .quantization import Quantization
 from .models import HybridModel
+from .models.families import linear_shapes
 from .parallel import TensorParallel
+from .parallel.engine_group import EngineGroup
 from .parallel.group import common_seed
 from .cache.modes import Mode, ModePolicy
 from .model_runner import ModelRunner
@@ -90,15 +92,14 @@ class Engine:
         config = model.config
         self.planner = Planner(tokenizer, fingerprint, seam_width, config.linear_conv_kernel_dim,
                                config.max_position_embeddings, config.vocab_size, pic_separator)
-        self.store = store if store is not None else SegmentStore()
+        store = store if store is not None else SegmentStore()
         parameters = sizing.parameter_count(model)  # the public pool weighs each entry by its rebuild cost
-        self.store.rebuild_cost = lambda entry: sizing.rebuild_flops(config, parameters, len(entry.token_ids))
-        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
-        self.resume = resume  # the private pool's resume points on disk and in Mooncake (None: memory only)
+        store.rebuild_cost = lambda entry: sizing.rebuild_flops(config, parameters, len(entry.token_ids))
+        prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.runner = ModelRunner(model, chunk_tokens, self.state_cache_dtype)
-        resume_points = ResumePoints(self.prefix_cache, resume, snapshot_interval, self.runner.empty_state,
+        resume_points = ResumePoints(prefix_cache, resume, snapshot_interval, self.runner.empty_state,
                                      config.tensor_parallel)
-        self.cache = HybridCache(fingerprint, self.store, self.prefix_cache, resume_points, self.entry_bytes)
+        self.cache = HybridCache(fingerprint, store, prefix_cache, resume_points, self.entry_bytes)
         self.prefiller = Prefiller(self.cache, self.runner)
         self.eos_token_ids = set(model.config.eos_token_ids) | set(tokenizer.eos_token_ids())
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, sorted(self.eos_token_ids))
@@ -123,9 +124,8 @@ class Engine:
         ``hypic.parallel.engine_group.EngineGroup`` is returned, whose ``generate``, ``prefill``,
         ``warmup`` and ``flush`` run on every rank."""
         if tp_size != 1:
-            from .parallel.engine_group import EngineGroup
-            return EngineGroup(path, tp_size, device=device, dtype=dtype, seam_width=seam_width,  # type: ignore[return-value]
-                               pic_separator=pic_separator, public_pool_bytes=public_pool_bytes,
+            return EngineGroup(cls.from_pretrained, path, tp_size,  # type: ignore[return-value]
+                               device=device, dtype=dtype, seam_width=seam_width, pic_separator=pic_separator, public_pool_bytes=public_pool_bytes,
                                private_pool_bytes=private_pool_bytes, private_window_bytes=private_window_bytes,
                                chunk_tokens=chunk_tokens, snapshot_interval=snapshot_interval,
                                state_cache_dtype=state_cache_dtype, tiers=tiers, eviction=eviction)
@@ -137,7 +137,7 @@ class Engine:
         model = load_model(path, device, resolve_dtype(dtype, path, device), tp)
         fingerprint = model_fingerprint(path)
         identity = EntryIdentity(fingerprint, model.dtype, DTYPE_NAMES.get(state_cache_dtype, torch.float32),
-                                 model.config, model.device)
+                                 model.config, linear_shapes(model.config), model.device)
         built = build_tiers(tiers, identity)
         return cls(model, TextTokenizer.from_dir(path), fingerprint, seam_width=seam_width,
                    pic_separator=pic_separator, store=SegmentStore(public_pool_bytes, built.public, eviction, tp),
@@ -224,7 +224,7 @@ class Engine:
         needed = sum(self.entry_bytes(len(ids), mode) for ids in set(encoded))
         if not self.cache.holds_all(needed):  # they would evict each other
             raise InvalidRequest(f"the documents' cache entries take {needed} bytes, more than the public pool holds "
-                                 f"({self.store.budget_bytes} bytes): warm up fewer at once, or raise --public-pool-size")
+                                 f"({self.cache.describe()['public_pool']['budget_bytes']} bytes): warm up fewer at once, or raise --public-pool-size")
         return policy, encoded
 
     def entry_bytes(self, tokens: int, mode: Mode | str = Mode.HYPIC) -> int:

@@ -15,6 +15,7 @@ from .cache.segments import Piece
 from .cache.store import LinearInterior, SegmentEntry
 from .decode import decode_batch
 from .models import HybridModel
+from .models.families import empty_state
 from .segment_prefill import prefill_interior_steps
 from .state import RequestState
 
@@ -29,7 +30,7 @@ class ModelRunner:
 
     def empty_state(self) -> RequestState:
         """A state of no tokens on the model's device (what a prefill from scratch starts from)."""
-        return RequestState.empty(self.model.config, self.model.device, self.model.dtype)
+        return empty_state(self.model.config, self.model.device, self.model.dtype)
 
     def entry_steps(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Steps[SegmentEntry]:
         """Prefill a document alone and return its entry under ``key``: the interior of ``policy``'s

@@ -1,8 +1,8 @@
 """Cache-time prefill: a PIC segment alone from position 0, keeping only its interior."""
 from .assembler import InteriorCapture, Steps, combine_chunked
 from .models import HybridModel
+from .models.families import empty_state
 from .cache.segments import Run, Seams
-from .state import RequestState
 from .cache.store import InteriorLayer
 
 UNCHUNKED = 1 << 62
@@ -18,7 +18,7 @@ def prefill_interior_steps(model: HybridModel, token_ids: tuple[int, ...], seams
     if interior is None:
         raise ValueError(f"a segment of {len(token_ids)} tokens has no interior with {seams}")
     capture = InteriorCapture(*interior, transitions=transitions)
-    empty = RequestState.empty(model.config, model.device, model.dtype)
+    empty = empty_state(model.config, model.device, model.dtype)
     # the tail seam is recomputed at splice time: the prefill stops where the interior ends
     yield from combine_chunked(model, list(token_ids), [Run(0, interior[1])], empty, chunk_tokens=chunk_tokens,
                                capture=capture, need_logits=False)

@@ -256,6 +256,16 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True)
+class LinearShapes:
+    """What a model's linear layers hold, which their family decides (``LinearFamily.shapes``): the
+    recurrent state's shape and dtype, and a cached T_C's shape."""
+
+    state: tuple[int, ...]
+    state_dtype: torch.dtype
+    transition: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StateMark:
     """A ``RequestState``'s length, layer objects and KV lengths at one moment."""
 
@@ -276,15 +286,14 @@ class RequestState:
     marks: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> "RequestState":
-        """The zero state before any token."""
-        from .models.families import family_of  # the families import the mixers, which import this module
-
-        family = family_of(config)
+    def empty(cls, config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+              linear: LinearShapes) -> "RequestState":
+        """The zero state before any token; ``linear``: its linear layers' shapes (``families.empty_state``
+        reads them from the model's family)."""
         layers: list[LayerState] = []
         for kind in config.layer_types:
             if kind == "linear_attention":
-                recurrent = torch.zeros(family.state_shape(config), dtype=family.state_dtype, device=device)
+                recurrent = torch.zeros(linear.state, dtype=linear.state_dtype, device=device)
                 conv = torch.zeros(config.linear_conv_kernel_dim - 1, config.linear_conv_channels, device=device,
                                    dtype=dtype)
                 layers.append(LinearLayerState(recurrent, conv))

@@ -8,7 +8,6 @@ from enum import Enum
 
 import torch
 
-from ..kernels.gated_delta import gated_delta_rule
 from ..state import tensor_bytes
 
 
@@ -108,18 +107,6 @@ def scalar_transition(log_decay: torch.Tensor) -> Transition:
 def diagonal_transition(log_gate: torch.Tensor) -> Transition:
     """Closed form for diagonal families (GLA): log_gate [T, H, K] -> prod g_t per head and channel."""
     return Transition(Family.DIAGONAL, log_gate.float().sum(0).exp())
-
-
-def delta_rule_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          after: Transition | None = None) -> Transition:
-    """Dense T_C = prod_t exp(g_t)(I - b_t k_t k_t^T) of the gated delta rule, from the same kernel:
-    start from the identity with the written values zeroed. k [T, H, K]; g, beta [T, H].
-    ``after``: an earlier segment's transition T_E; then the result is T_C T_E (one pass, no matmul)."""
-    steps, heads, dk = k.shape
-    start = torch.eye(dk, device=k.device).expand(heads, dk, dk).contiguous() if after is None else after.value
-    zeros = torch.zeros(steps, heads, dk, device=k.device)
-    _, value = gated_delta_rule(k, k, zeros, g, beta, start)
-    return Transition(Family.DENSE, value)
 
 
 def compose_states(state: torch.Tensor, segments: list[tuple[Transition, torch.Tensor]]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 a disk file, a shared store) before anything splices it."""
 from ..config import ModelConfig
 from ..errors import HypicError
+from ..state import LinearShapes
 from .store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
 
 
@@ -10,9 +11,10 @@ class EntryMismatch(HypicError):
     what was asked for or what the model can splice."""
 
 
-def check_entry(entry: SegmentEntry, fingerprint: str, role: Role, config: ModelConfig) -> None:
+def check_entry(entry: SegmentEntry, fingerprint: str, role: Role, config: ModelConfig, linear: LinearShapes) -> None:
     """Raise ``EntryMismatch`` unless ``entry`` is the interior of its own token ids for this model
-    (its key is their content address) with every layer's tensors of the model's shapes."""
+    (its key is their content address) with every layer's tensors of the model's shapes (``linear``:
+    its linear layers', which their family decides)."""
     if entry_key(fingerprint, entry.seams, role, entry.token_ids, entry.namespace) != entry.key:
         raise EntryMismatch(f"entry {entry.key[:12]} does not address its token ids for this model")
     interior = entry.seams.interior(len(entry.token_ids))
@@ -22,21 +24,19 @@ def check_entry(entry: SegmentEntry, fingerprint: str, role: Role, config: Model
     if len(entry.layers) != config.num_hidden_layers:
         raise EntryMismatch(f"entry {entry.key[:12]} has {len(entry.layers)} layers, the model {config.num_hidden_layers}")
     for index, layer in enumerate(entry.layers):
-        expected = _shapes(config, index, entry.length, role)
+        expected = _shapes(config, linear, index, entry.length, role)
         if _layer_shapes(layer) != expected:
             raise EntryMismatch(f"entry {entry.key[:12]} layer {index}: shapes {_layer_shapes(layer)}, expected {expected}")
 
 
-def _shapes(config: ModelConfig, index: int, length: int, role: Role) -> tuple:
+def _shapes(config: ModelConfig, linear: LinearShapes, index: int, length: int, role: Role) -> tuple:
     if config.layer_types[index] != "linear_attention":  # a sliding-window layer keeps its last window tokens
         heads, window = config.kv_heads(index), config.window(index)
         kept = length if window is None else min(length, window)
         return ("attention", (heads, kept, config.head_dim), (heads, kept, config.attention_value_dim))
-    from ..models.families import family_of  # the shapes are the family's; read on use, the caches sit below the models
-    family = family_of(config)
-    transition = None if role is Role.NAIVE_SEGMENT else family.transition_shape(config)
+    transition = None if role is Role.NAIVE_SEGMENT else linear.transition
     conv_tail = (config.linear_conv_kernel_dim - 1, config.linear_conv_channels)
-    return ("linear", transition, family.state_shape(config), conv_tail)
+    return ("linear", transition, linear.state, conv_tail)
 
 
 def _layer_shapes(layer: object) -> tuple:

@@ -61,6 +61,20 @@ class HybridCache:
         self.public.put(entry)
         return self.public.peek(entry.key, entry.token_ids) or entry
 
+    def install_document(self, entry: SegmentEntry) -> bool:
+        """Store a document built elsewhere (a peer's shipment, checked by the caller) in the public
+        pool; whether memory kept it."""
+        return self.public.put(entry)
+
+    def document_keys(self) -> frozenset[str]:
+        """The keys of every document memory holds (what a router plans with and its index syncs on)."""
+        return self.public.keys()
+
+    def held_documents(self, keys: list[str]) -> list[SegmentEntry]:
+        """The entries of ``keys`` memory holds, in that order (evicted ones left out), without
+        counting or touching them (what is shipped to a peer)."""
+        return self.public.held(keys)
+
     def holds_all(self, entry_bytes: int) -> bool:
         """Whether the public pool can hold documents' entries of ``entry_bytes`` in all at once;
         with a tier below memory it always can (what memory lets go of stays below)."""
@@ -196,6 +210,23 @@ class HybridCache:
             resume.forget(namespace)
         return dropped
 
+    def tiers_ready(self) -> bool:
+        """Whether every tier below memory answers now (Mooncake connects in the background after a
+        start); True with none."""
+        return self.public.lower is None or self.public.lower.ready()
+
+    def drain(self) -> None:
+        """Wait for the writes under way to the tiers below memory, documents' and resume points'
+        (what was written is then there for the next read)."""
+        if self.public.lower is not None:
+            self.public.lower.drain()
+        if self.resume_points.store is not None:
+            self.resume_points.store.drain()
+
+    def describe_tiers(self) -> dict[str, Any] | None:
+        """The tiers below memory of the public pool, each one's state, and their policies (None: none)."""
+        return self.public.lower.describe() if self.public.lower is not None else None
+
     def describe(self) -> dict[str, Any]:
         """Both pools' numbers and their tiers' (what ``/metrics`` and ``/get_server_info`` report)."""
         public, private, resume = self.public, self.private, self.resume_points.store
@@ -211,7 +242,7 @@ class HybridCache:
                              "snapshot_evictions": private.snapshot_evictions, "pages": private.arenas.used_slots,
                              "page_tokens": private.arenas.page_tokens,
                              "arena_reserved_bytes": private.reserved_bytes},
-            "tiers": public.lower.describe() if public.lower is not None else None,
+            "tiers": self.describe_tiers(),
             "resume_points": resume.describe() if resume is not None else None,
         }
 

@@ -283,7 +283,7 @@ def measure_shape(engine: Engine, shape: Shape, repeats: int, seed: int) -> Shap
     hypic_median, full_median = statistics.median(hypic_ms), statistics.median(full_ms)
     last = hypic_runs[-1]
     lo, hi = engine.seams.interior(shape.doc_tokens) or (0, 0)
-    entry = next(e for e in engine.store.held(list(engine.store.keys())) if e.length == hi - lo)
+    entry = next(e for e in engine.cache.held_documents(list(engine.cache.document_keys())) if e.length == hi - lo)
     return ShapeResult(
         label=shape.label, sweeps=list(shape.sweeps), num_docs=shape.num_docs, doc_tokens=shape.doc_tokens,
         prompt_tokens=last.prompt_tokens, full_ttft_ms=full_median, hypic_ttft_ms=hypic_median,

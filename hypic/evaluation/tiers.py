@@ -45,6 +45,7 @@ import torch
 from hypic import Engine
 from hypic.cache.composition import Family, Transition
 from hypic.models.arch import parse_config
+from hypic.models.families import linear_shapes
 from hypic.cache.eviction import Eviction
 from hypic.cache.segments import Seams
 from hypic.server.launch import free_port
@@ -124,11 +125,8 @@ def _mooncake(enabled: bool, folder: Path) -> Iterator[dict[str, Any]]:
 
 def _connected(engine: Engine, timeout_s: float = 60.0) -> None:
     """Wait until every tier of ``engine`` is usable (Mooncake connects in the background)."""
-    tiers = engine.store.lower
     deadline = time.monotonic() + timeout_s
-    while tiers is not None and time.monotonic() < deadline:
-        if tiers.ready():
-            return
+    while not engine.cache.tiers_ready() and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
@@ -160,22 +158,22 @@ def _qwen35_entry(tokens: int, decayed: float = 0.0) -> tuple[SegmentEntry, Entr
     ids = tuple(range(tokens))
     key = entry_key("qwen3.5-35b-a3b-shapes", seams, Role.SEGMENT, ids)
     entry = SegmentEntry(key, ids, seams, 8, length, layers)
-    return entry, EntryIdentity("qwen3.5-35b-a3b-shapes", torch.bfloat16, torch.float32, config)
+    return entry, EntryIdentity("qwen3.5-35b-a3b-shapes", torch.bfloat16, torch.float32, config, linear_shapes(config))
 
 
 def _default_entry(engine: Engine, tokens: int) -> tuple[SegmentEntry, EntryIdentity, float]:
     """A real entry of a ``tokens``-token document on ``engine``, its identity, and its build time."""
     ids = tuple((i * 7919 + 13) % (engine.model.config.vocab_size - 1) for i in range(tokens))
     policy = engine.policy("hypic")
-    key = engine.cache.document_key(ids, policy)
     def rebuild() -> None:
-        engine.store.clear()
+        engine.flush()
         engine.segment_entry(ids, policy)
 
     build = statistics.median([_timed(rebuild) for _ in range(3)])
-    entry = engine.store.get(key, ids)
+    entry, _ = engine.cache.lookup_document(ids, policy)
     assert entry is not None
-    identity = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    identity = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config,
+                             linear_shapes(engine.model.config))
     return entry, identity, build
 
 
@@ -301,19 +299,19 @@ def _capacity_point(args: argparse.Namespace, label: str, eviction: Eviction, op
     engine = Engine.from_pretrained(args.model, public_pool_bytes=budget, private_pool_bytes=0, tiers=tiers,
                                     eviction=eviction)
     _connected(engine)
-    if engine.store.lower is not None and "mooncake" in label:
+    if engine.cache.describe_tiers() is not None and "mooncake" in label:
         engine.flush(tiers=frozenset({"mooncake"}))
     records = []
     for index, text in enumerate(prompts):
         result = engine.generate(text, max_new_tokens=1)
-        if engine.store.lower is not None:
-            engine.store.lower.drain()  # a sequential replay: what was written is there for the next request
+        engine.cache.drain()  # a sequential replay: what was written is there for the next request
         if index >= args.warm_requests:
+            pool = engine.cache.describe()["public_pool"]
             records.append({"part": "capacity", "config": label, "eviction": eviction.value, "fraction": fraction,
                             "documents": documents, "budget_bytes": budget, "ttft_s": result.ttft_s,
                             "segments_hit": result.segments_hit, "segments_missed": result.segments_missed,
                             "by_tier": result.stats.cached_tokens_by_tier, "prompt_tokens": result.prompt_tokens,
-                            "pool_entries": len(engine.store), "pool_bytes": engine.store.nbytes})
+                            "pool_entries": pool["entries"], "pool_bytes": pool["bytes"]})
     engine.close()
     return records
 
@@ -345,8 +343,7 @@ def _chat(args: argparse.Namespace, engine: Engine, way: str, repeat: int) -> li
             engine.flush()
         written = _shared_bytes(engine)
         result = engine.generate(list(history), max_new_tokens=args.turn_tokens, ignore_eos=True)
-        if engine.resume is not None:
-            engine.resume.drain()  # the next turn comes after this one's resume point is stored
+        engine.cache.drain()  # the next turn comes after this one's resume point is stored
         records.append({"part": "conversation", "way": way, "repeat": repeat, "turn": turn,
                         "prompt_tokens": result.prompt_tokens, "ttft_s": result.ttft_s,
                         "prefix_hit_tokens": result.stats.prefix_hit_tokens,
@@ -359,8 +356,9 @@ def _chat(args: argparse.Namespace, engine: Engine, way: str, repeat: int) -> li
 
 def _shared_bytes(engine: Engine) -> int:
     """Bytes of resume points ``engine`` has put in Mooncake so far."""
-    shared = engine.resume.shared if engine.resume is not None else None
-    return shared.counters.written_bytes if shared is not None else 0
+    resume = engine.cache.describe()["resume_points"]
+    shared = resume["tiers"].get("mooncake") if resume is not None else None
+    return shared["written_bytes"] if shared is not None else 0
 
 
 def run_conversation(args: argparse.Namespace, mooncake: dict[str, Any]) -> list[dict[str, Any]]:

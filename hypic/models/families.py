@@ -4,8 +4,11 @@ Each family's module declares a ``LinearFamily`` (``linear.py``): its mixer, ker
 structure, state shape and checkpoint names. Adding a family is adding its module (and its kernels)
 and its record below; a test may ``register`` one of its own.
 """
+import torch
+
 from ..config import ModelConfig
 from ..errors import UnsupportedModel, as_written
+from ..state import LinearShapes, RequestState
 from . import gated_deltanet, gla, kimi_delta, lightning, mamba2, rotary_linear
 from .linear import LinearFamily
 
@@ -37,9 +40,20 @@ def family_of(config: ModelConfig) -> LinearFamily:
     return linear_family(config.linear_family)
 
 
+def linear_shapes(config: ModelConfig) -> LinearShapes:
+    """What each linear layer of ``config`` holds (its family's ``LinearFamily.shapes``)."""
+    return family_of(config).shapes(config)
+
+
+def empty_state(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> RequestState:
+    """The zero state of a ``config`` model before any token (``RequestState.empty`` with its family's shapes)."""
+    return RequestState.empty(config, device, dtype, linear_shapes(config))
+
+
 def native_families() -> tuple[str, ...]:
     """The families a ``hypic_hybrid`` config may name."""
     return tuple(name for name, family in FAMILIES.items() if family.native is not None)
 
 
-__all__ = ["FAMILIES", "LinearFamily", "family_of", "linear_family", "native_families", "register"]
+__all__ = ["FAMILIES", "LinearFamily", "empty_state", "family_of", "linear_family", "linear_shapes",
+           "native_families", "register"]

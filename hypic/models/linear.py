@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..cache.composition import Family
 from ..config import ModelConfig
 from ..kernels.dispatch import RecurrenceKernels
+from ..state import LinearShapes
 from ..tensor_sources import Direct, Source
 
 Tensors = tuple[torch.Tensor, ...]
@@ -154,6 +155,10 @@ class LinearFamily:
         heads, keys = self.state_shape(config)[:2]
         return {Family.SCALAR: (heads,), Family.DIAGONAL: (heads, keys), Family.DENSE: (heads, keys, keys)}[
             self.structure]
+
+    def shapes(self, config: ModelConfig) -> LinearShapes:
+        """What each linear layer of ``config`` holds: its state's shape and dtype, a T_C's shape."""
+        return LinearShapes(self.state_shape(config), self.state_dtype, self.transition_shape(config))
 
     def state_elements(self, config: ModelConfig) -> int:
         return math.prod(self.state_shape(config))

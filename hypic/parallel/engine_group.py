@@ -1,9 +1,11 @@
 """An engine over N tensor-parallel ranks driven from one process: this process is rank 0, and every
 call made on it is first sent to ranks 1..N-1 (spawned here), which make the same call on their own
-shard of the model and caches. ``Engine.from_pretrained(..., tp_size=N)`` returns one."""
+shard of the model and caches. ``Engine.from_pretrained(..., tp_size=N)`` returns one, handing it
+the loader every rank runs (this package sits below the engine and never imports it)."""
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,16 @@ REPEATED = frozenset({"generate", "prefill", "warmup", "flush"})  # run the mode
 RANK_ZERO = frozenset({"parse", "policy", "entry_bytes", "state_bytes", "check_documents", "segment_key"})  # pure
 
 
-def _follow(rank: int, size: int, address: str, threads: int | None, path: str, options: dict[str, Any]) -> None:
+Load = Callable[..., Any]  # load(path, tp=..., **options) -> that rank's engine (``Engine.from_pretrained``)
+
+
+def _follow(rank: int, size: int, address: str, threads: int | None, load: Load, path: str,
+            options: dict[str, Any]) -> None:
     """A follower rank: load its shard, then repeat every call rank 0 sends until told to stop."""
-    from ..engine import Engine
     if threads is not None:
         torch.set_num_threads(threads)
     tp = join_group(rank, size, address)
-    engine = Engine.from_pretrained(path, tp=tp, **options)
+    engine = load(path, tp=tp, **options)
     try:
         while (call := from_rank_zero()) is not STOP:
             name, args, kwargs = call
@@ -54,18 +59,18 @@ class EngineGroup:
     """Rank 0's ``Engine`` whose calls that run the model or change the caches (``REPEATED``: their
     arguments are plain data) are repeated on every other rank, in the same order; pure ones
     (``RANK_ZERO``) run on rank 0 alone. Attributes are rank 0's. Other methods take or hand back
-    rank 0's own states or stepwise computations, which the other ranks could not follow: refused."""
+    rank 0's own states or stepwise computations, which the other ranks could not follow: refused.
+    ``load``: how each rank loads its engine, importable by name (a spawned follower unpickles it)."""
 
-    def __init__(self, path: str | Path, tp_size: int, threads: int | None = 1, **options: Any) -> None:
-        from ..engine import Engine
+    def __init__(self, load: Load, path: str | Path, tp_size: int, threads: int | None = 1, **options: Any) -> None:
         context, address = mp.get_context("spawn"), free_address()
         self._broken = False
-        self._followers = [context.Process(target=_follow, args=(rank, tp_size, address, threads, str(path), options),
-                                           daemon=True) for rank in range(1, tp_size)]
+        self._followers = [context.Process(target=_follow, args=(rank, tp_size, address, threads, load, str(path),
+                                                                 options), daemon=True) for rank in range(1, tp_size)]
         for process in self._followers:
             process.start()
         try:  # this process keeps its own torch threads: they are the caller's
-            self._engine = Engine.from_pretrained(path, tp=join_group(0, tp_size, address), **options)
+            self._engine = load(path, tp=join_group(0, tp_size, address), **options)
         except BaseException:
             self._stop_followers()
             raise

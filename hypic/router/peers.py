@@ -91,7 +91,7 @@ class PeerPrefill:
         try:
             engine = loop.engine
             request = engine.plan(engine.planner.documents(documents, namespace), loop.mode)
-            plan = self.plan(request, engine.store.keys(), combine=LOCAL)
+            plan = self.plan(request, engine.cache.document_keys(), combine=LOCAL)
             local = self.local_segments(plan)
             building = loop.build(local, namespace) if local else None
         except Exception as err:  # noqa: BLE001 - handed to the caller, who reports it
@@ -210,7 +210,7 @@ class PeerRequest:
         self._expire_after(timeout_s)
         engine, mode = self.loop.engine, self.loop.mode
         loaded = engine.cache.load_from_tiers(self.request)
-        plan = self.peers.plan(self.request, engine.store.keys())
+        plan = self.peers.plan(self.request, engine.cache.document_keys())
         self.built = dataclasses.replace(plan.built_for_request(LOCAL), loaded=loaded)
         local = self.peers.local_segments(plan)
         building = self.loop.build(local, self.request.parts.namespace) if local else _done(None)
@@ -273,7 +273,7 @@ class PeerRequest:
         if self.outcome.done():
             return  # timed out: the request runs here alone
         if plan.combine != LOCAL:
-            shipped = self.loop.engine.store.held(self.peers.local_shipment(plan))
+            shipped = self.loop.engine.cache.held_documents(self.peers.local_shipment(plan))
             self.plan_released = True  # the combine run finishes it
             remote = self.peers.waits.submit(self.peers.prefill_remotely, self.dispatch, self.request, shipped,
                                              self.built)

@@ -8,6 +8,7 @@ from hypic.cache.entry_check import EntryMismatch as TransferError  # the router
 from hypic.cache.entry_check import check_entry
 from hypic.cache.modes import Mode
 from hypic.cache.store import Role, SegmentEntry
+from hypic.models.families import linear_shapes
 
 from .channel import BulkChannel, ChannelError, Parcel
 
@@ -20,21 +21,22 @@ def entries_of(batches: list[list[SegmentEntry]]) -> list[SegmentEntry]:
 def install_entries(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> tuple[list[str], int]:
     """Check and store received entries in ``engine``'s public pool; returns the keys kept and how
     many were refused (dropped: the combine pass recomputes them)."""
-    policy, kept, refused = engine.policy(mode), [], 0
+    check, kept, refused = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config), [], 0
     for entry in entries:
         try:
-            check_entry(entry, engine.fingerprint, policy.role, engine.model.config)
+            check(entry)
         except TransferError:
             refused += 1
             continue
-        if engine.store.put(entry):
+        if engine.cache.install_document(entry):
             kept.append(entry.key)
     return kept, refused
 
 
 def entry_check(fingerprint: str, role: Role, config: ModelConfig) -> Callable[[SegmentEntry], None]:
     """``check_entry`` against one model and role."""
-    return lambda entry: check_entry(entry, fingerprint, role, config)
+    linear = linear_shapes(config)
+    return lambda entry: check_entry(entry, fingerprint, role, config, linear)
 
 
 @dataclass

@@ -97,7 +97,7 @@ class Worker:
 
     def fetch(self, keys: list[str], ship_to: tuple[int, int] | None = None) -> list[SegmentEntry | Parcel]:
         """The entries of ``keys`` this worker still holds (evicted ones are left out), shipped as ``build``'s."""
-        held = self._on_loop(lambda: self.engine.store.held(keys))
+        held = self._on_loop(lambda: self.engine.cache.held_documents(keys))
         return self.ship(held, ship_to)
 
     def install(self, mode: Mode, *batches: list[SegmentEntry | Parcel]) -> ReceiveCounts:
@@ -148,7 +148,7 @@ class Worker:
 
     def held(self) -> list[str]:
         """Every key in this worker's public pool (the router's index syncs on it)."""
-        return self._on_loop(lambda: list(self.engine.store.keys()))
+        return self._on_loop(lambda: list(self.engine.cache.document_keys()))
 
     def _on_loop(self, run: Callable[[], Result]) -> Result:
         """``run`` on the loop thread between chunks (one thread owns the engine); its result or error."""

@@ -1,15 +1,19 @@
-"""Which parts of the code may import which: read from the sources' module-level imports (``ast``;
-imports inside functions are on-demand and not counted), what imports what.
+"""Which parts of the code may import which: read from the sources' imports (``ast``), at module
+level and inside functions and methods alike (an import on demand is a dependency all the same),
+what imports what.
 
 - the serving package never imports the training and data toolkit (``hypic_data``);
 - the router imports nothing from the server (``hypic.server``), not even through the modules it
   imports (checked in a fresh interpreter);
 - the scheduler (``hypic.scheduler``), which the server and the workers both host, imports neither;
-- the caches (``hypic.cache``) import nothing above them: no engine, assembler, model, server;
+- the caches (``hypic.cache``) import nothing above them: no engine, assembler, model, server,
+  and no kernels (they hold and compose tensors; the models run the kernels);
 - the scheduler runs the model only through the model runner (no forward pass of its own), and
   a prefill reaches the pools only through their one interface (``HybridCache``);
-- nothing outside the pools reads a pool's ``entries``;
-- no module-level import cycles.
+- nothing outside the pools reads a pool's ``entries``, and nothing outside the caches reaches the
+  pools behind their one interface (``engine.cache.<method>``): ``HybridCache``'s pools are its own,
+  and an ``Engine`` holds none of its own;
+- no import cycles.
 """
 import ast
 import subprocess
@@ -34,25 +38,26 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
-    """Statements run at import: the module's own, and those inside its ``try`` and ``if`` blocks
-    (but not ``if TYPE_CHECKING``, never run)."""
+def _run(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Every statement that may run, at import or on a call: the module's own and those nested in
+    its blocks, functions and classes (but not under ``if TYPE_CHECKING``, never run)."""
     found = []
     for node in body:
         found.append(node)
-        if isinstance(node, ast.Try):
-            found += _module_level(node.body + node.orelse + node.finalbody
-                                   + [s for handler in node.handlers for s in handler.body])
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-            found += _module_level(node.body + node.orelse)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            found += _run(node.orelse)
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            for child in getattr(node, field, ()):
+                found += _run(child.body) if isinstance(child, (ast.ExceptHandler, ast.match_case)) else _run([child])
     return found
 
 
 def _imports(name: str, path: Path) -> set[str]:
-    """The modules ``name`` imports at module level (relative imports resolved)."""
+    """The modules ``name`` imports, at module level or inside a function (relative imports resolved)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
-    for node in _module_level(ast.parse(path.read_text()).body):
+    for node in _run(ast.parse(path.read_text()).body):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -105,8 +110,32 @@ def test_nothing_outside_the_pools_reads_their_entries() -> None:
     assert readers == []
 
 
+def test_callers_reach_the_pools_only_through_their_interface() -> None:
+    found = [(name, ast.unparse(node)) for name, path in _modules().items()
+             if name.startswith("hypic") and not name.startswith("hypic.cache")
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+             and node.attr in ("public", "private", "resume_points")
+             and isinstance(node.value, ast.Attribute) and node.value.attr == "cache"]
+    assert found == []
+
+
+def test_an_engine_holds_no_pool_of_its_own() -> None:
+    """Its pools are its ``cache``'s: no second handle on them for callers to bypass it with."""
+    from hypic import Engine
+    from hypic.cache.prefix_cache import PrefixCache
+    from hypic.cache.resume_points import ResumePoints
+    from hypic.cache.store import SegmentStore
+    from hypic.cache.tiers.resume import ResumeStore
+
+    pools = (SegmentStore, PrefixCache, ResumePoints, ResumeStore)
+    engine = Engine.from_pretrained("default")
+    assert [name for name, value in vars(engine).items() if isinstance(value, pools)] == []
+    assert any(isinstance(value, pools) for value in vars(engine.cache).values())
+
+
 def test_the_caches_import_nothing_above_them() -> None:
-    above = ("hypic.engine", "hypic.assembler", "hypic.models", "hypic.server", "hypic.decode", "hypic.router")
+    above = ("hypic.engine", "hypic.assembler", "hypic.models", "hypic.server", "hypic.decode", "hypic.router",
+             "hypic.kernels")
     graph = _graph()
     assert [(m, t) for m, targets in graph.items() if m.startswith("hypic.cache") for t in targets
             if t.startswith(above)] == []
@@ -126,7 +155,7 @@ def test_a_prefill_reaches_the_pools_through_their_interface() -> None:
     assert sorted(t for t in found if t.startswith(pools)) == []
 
 
-def test_no_module_level_import_cycles() -> None:
+def test_no_import_cycles() -> None:
     graph = _graph()
     done: set[str] = set()
 

@@ -42,9 +42,9 @@ def test_a_hypic_method_s_public_pool_stores_t_c_and_s_c0_in_its_dtype(engine: E
     """``hypic-bf16``'s engine keeps every cached document's T_C and S_C|0 in bfloat16, ``hypic``'s in
     fp32: the dtypes of the public pool's entries, which a hit composes from."""
     warmed = fresh_engine(engine, SAMPLE, parse_method(name), warm=True)
-    linear = [layer for entry in warmed.store.entries.values() for layer in entry.layers
+    linear = [layer for entry in warmed.cache.public.entries.values() for layer in entry.layers
               if isinstance(layer, LinearInterior)]
-    assert len(warmed.store.entries) >= len(SAMPLE.documents) and linear
+    assert len(warmed.cache.public.entries) >= len(SAMPLE.documents) and linear
     assert {layer.zero_start_state.dtype for layer in linear} == {stored}
     assert {layer.transition.value.dtype for layer in linear if layer.transition is not None} == {stored}
 

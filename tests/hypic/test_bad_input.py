@@ -23,14 +23,14 @@ def engine(tiny_checkpoint: Path) -> Engine:
 def test_bad_prompts_raise_and_cache_nothing(engine: Engine, prompt: object, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         engine.generate(prompt)  # type: ignore[arg-type]
-    assert len(engine.store) == 0
+    assert len(engine.cache.public) == 0
 
 
 def test_prompt_over_max_positions(engine: Engine) -> None:
     limit = engine.model.config.max_position_embeddings
     with pytest.raises(InvalidRequest, match=f"over the model's limit of {limit}"):
         engine.generate("lead" + SEP + "d" * 100 + SEP + "x" * limit)
-    assert len(engine.store) == 0
+    assert len(engine.cache.public) == 0
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -53,7 +53,7 @@ def test_bad_warmup_documents(engine: Engine) -> None:
         engine.warmup("not a list")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="document 0 contains the PIC separator"):
         engine.warmup([f"first half {engine.pic_separator} second half", "a real document"])
-    assert len(engine.store) == 0
+    assert len(engine.cache.public) == 0
 
 
 def test_unknown_model_type(tiny_copy: Path) -> None:

@@ -5,9 +5,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hypic.cache.composition import (Family, Transition, compose_states, delta_rule_transition, diagonal_transition,
-                               naive_addition, scalar_transition)
-from hypic.kernels.gated_delta import naive_gated_delta_rule
+from hypic.cache.composition import (Family, Transition, compose_states, diagonal_transition, naive_addition,
+                                     scalar_transition)
+from hypic.kernels.gated_delta import gated_delta_rule, naive_gated_delta_rule
+
+
+def delta_rule_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> Transition:
+    """Dense T_C = prod_t exp(g_t)(I - b_t k_t k_t^T) of the gated delta rule, from the same kernel:
+    start from the identity with the written values zeroed. k [T, H, K]; g, beta [T, H]."""
+    steps, heads, dk = k.shape
+    start = torch.eye(dk, device=k.device).expand(heads, dk, dk).contiguous()
+    _, value = gated_delta_rule(k, k, torch.zeros(steps, heads, dk, device=k.device), g, beta, start)
+    return Transition(Family.DENSE, value)
 
 
 def _decayed_recurrence(log_decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ def test_requests_prefilled_together_on_cuda_match_each_alone(engines: dict[str,
     cuda, cpu = engines["cuda"], engines["cpu"]
     for engine in (cuda, cpu):
         engine.warmup([doc for seed in (5, 6) for doc in _prompt(seed)[1]])
-        engine.prefix_cache.clear()
+        engine.cache.private.clear()
     batched = drain_together([cuda.prefiller.prefill_steps(cuda.plan(cuda.parse(p))) for p in prompts])
     assert max(widths) == 4
     for prompt, result in zip(prompts, batched):
@@ -128,7 +128,7 @@ def test_host_memory_on_cuda_hands_back_evicted_documents(tiny_checkpoint: Path)
     engine = Engine.from_pretrained(tiny_checkpoint, device="cuda", seam_width=8, public_pool_bytes=max(sizes),
                                     tiers=TierOptions(host_bytes=sum(sizes)))
     engine.warmup(docs)
-    host = engine.store.lower
+    host = engine.cache.public.lower
     assert len(host.entries) == len(docs) - 1
     assert all(t.is_pinned() for entry in host.entries.values() for t in _tensors(entry))
     engine.cache.prefetch(engine.plan(engine.parse(prompt)))
@@ -260,7 +260,7 @@ def test_private_pool_on_cuda_resumes_from_its_arenas_in_place(tiny_checkpoint: 
     prompt = prefix + ids(20)
     resumed = engine.prefill(engine.parse(prompt))
     assert resumed.stats.prefix_hit_tokens == 512
-    pages = {t.data_ptr() for node in engine.prefix_cache._nodes() for blocks in node.pages.values()
+    pages = {t.data_ptr() for node in engine.cache.private._nodes() for blocks in node.pages.values()
              for block in blocks for t in block}
     attention = [layer for layer in resumed.state.layers if isinstance(layer, AttentionLayerState)]
     shared = [t for layer in attention for block in layer.shared for t in block]

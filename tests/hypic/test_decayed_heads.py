@@ -18,12 +18,12 @@ import torch
 from hypic import Engine
 from hypic.cache.composition import Family, Transition, compose_states
 from hypic.cache.store import LinearInterior, SegmentEntry, SegmentStore
-from hypic.cache.tiers.entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry
+from hypic.cache.tiers.entry_file import BadEntryFile, decode_entry, encode_entry
 from hypic.cache.tiers.options import TierOptions
 from hypic_reference import semantics as reference
 from hypic_reference.model import ReferenceModel
 from hypic_testing.checkpoints import make_fast_decay
-from hypic_testing.entry_files import join_entry_file, split_entry_file
+from hypic_testing.entry_files import entry_identity, join_entry_file, split_entry_file
 from tokenizers import Tokenizer
 
 TOLERANCE = 1e-4  # the fidelity tests' bound on logits against the reference
@@ -196,7 +196,7 @@ def test_warm_documents_with_flagged_heads_match_reference(checkpoint: MakeCheck
     path = checkpoint(name, EVEN_HEADS)
     engine = Engine.from_pretrained(path, seam_width=SEAM)
     engine.warmup(DOCUMENTS)
-    flagged = [layer.transition.decayed_heads for e in engine.store.entries.values() for layer in linear_layers(e)]
+    flagged = [layer.transition.decayed_heads for e in engine.cache.public.entries.values() for layer in linear_layers(e)]
     assert sum(flagged) > 0
     assert_matches_reference(path, engine)
 
@@ -212,7 +212,7 @@ def test_flagged_entries_round_trip_through_the_disk_tier(checkpoint: MakeCheckp
     entry = build(first, LONG_DOCUMENT)
     first.warmup(DOCUMENTS)
     first.close()
-    ident = EntryIdentity(first.fingerprint, first.model.dtype, first.state_cache_dtype, first.model.config)
+    ident = entry_identity(first)
     data = encode_entry(entry, ident)
     header, body = split_entry_file(data)
     heads = first.model.config.linear_num_value_heads

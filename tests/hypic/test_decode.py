@@ -13,6 +13,7 @@ from hypic.kernels.gated_delta import naive_gated_delta_rule
 from hypic.models.mlp import SparseMoE
 from hypic.cache.segments import Run
 from hypic.state import RequestState
+from hypic.models.families import empty_state
 
 
 def test_delta_rule_step_matches_token_loop() -> None:
@@ -32,7 +33,7 @@ def test_batched_decode_matches_one_request_at_a_time(tiny_checkpoint: Path) -> 
     engine = Engine.from_pretrained(tiny_checkpoint)
     model, rng = engine.model, random.Random(0)
     def empty() -> RequestState:
-        return RequestState.empty(model.config, "cpu", torch.float32)
+        return empty_state(model.config, "cpu", torch.float32)
 
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 40, 17)]
     states = [combine(model, ids, [Run(0, len(ids))], empty()).state for ids in prompts]

@@ -213,14 +213,14 @@ def test_snapshots_of_requests_run_together_match_reference_states(setup: Setup,
     import hypic.assembler as assembler
     from hypic.assembler import CombineWork, combine_batch
     from hypic.cache.segments import Run
-    from hypic.state import RequestState
+    from hypic.models.families import empty_state
 
     monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
     engine, oracle = setup(name, True, 8)
     rng = random.Random(31)
     prompts = [engine.parse(random_text(rng, n)).token_ids for n in (90, 57)]
     cuts = [[30, 61, len(prompts[0])], [11, len(prompts[1])]]
-    empty = lambda: RequestState.empty(engine.model.config, engine.model.device, engine.model.dtype)  # noqa: E731
+    empty = lambda: empty_state(engine.model.config, engine.model.device, engine.model.dtype)  # noqa: E731
     results = combine_batch([CombineWork(engine.model, ids, [Run(0, len(ids))], empty(), snapshot_at=at)
                              for ids, at in zip(prompts, cuts)])
     for ids, at, result in zip(prompts, cuts, results):

@@ -106,7 +106,7 @@ def test_bailing_loads_from_transformers_names_as_from_lings(tmp_path: Path, che
     from hypic.assembler import combine
     from hypic.cache.segments import Run
     from hypic.checkpoints import reference_classes
-    from hypic.state import RequestState
+    from hypic.models.families import empty_state
 
     original = checkpoint_factory("bailing_hybrid")
     reference = reference_classes("bailing_hybrid")[1].from_pretrained(original).eval()
@@ -121,7 +121,7 @@ def test_bailing_loads_from_transformers_names_as_from_lings(tmp_path: Path, che
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0, -1].float()
     engine = Engine.from_pretrained(renamed)
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    empty = empty_state(engine.model.config, "cpu", torch.float32)
     assert (combine(engine.model, ids, [Run(0, len(ids))], empty).logits - expected).abs().max().item() <= 1e-4
 
 

@@ -7,10 +7,11 @@ import torch
 
 from hypic import Engine
 from hypic.assembler import combine
-from hypic.checkpoints import TINY_VARIANTS, reference_classes
+from hypic.checkpoints import reference_classes
+from hypic_testing.tiny_models import TINY_VARIANTS
 from hypic.models.arch import parse_config
 from hypic.cache.segments import Run
-from hypic.state import RequestState
+from hypic.models.families import empty_state
 
 PROMPT_LENGTH, GREEDY_TOKENS = 150, 32
 
@@ -34,7 +35,7 @@ def test_full_prefill_logits_match_transformers(checkpoint_factory: Callable[...
     ids = _prompt(seed)
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0, -1].float()
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    empty = empty_state(engine.model.config, "cpu", torch.float32)
     ours = combine(engine.model, ids, [Run(0, len(ids))], empty).logits
     assert (ours - expected).abs().max().item() <= 1e-4
 
@@ -65,7 +66,7 @@ def test_greedy_decode_matches_transformers(checkpoint_factory: Callable[..., Pa
 def test_decode_after_prefill_equals_prefill_of_extended_sequence(tiny_checkpoint: Path) -> None:
     engine = Engine.from_pretrained(tiny_checkpoint)
     ids = _prompt(3)
-    empty = lambda: RequestState.empty(engine.model.config, "cpu", torch.float32)  # noqa: E731 - consumed by combine
+    empty = lambda: empty_state(engine.model.config, "cpu", torch.float32)  # noqa: E731 - consumed by combine
     state = combine(engine.model, ids[:100], [Run(0, 100)], empty()).state
     for token in ids[100:110]:
         logits, state = engine.decode_step(state, token)

@@ -47,15 +47,15 @@ def test_naive_entries_hold_no_transition(engine: Engine) -> None:
     capture derives S_C|0 from the run's transition, then drops it)."""
     document = _text(1, 90)
     assert engine.warmup([document], mode="naive") == [90]
-    (entry,) = engine.store.entries.values()
+    (entry,) = engine.cache.public.entries.values()
     assert entry.local_start == 0 and entry.length == 90  # the whole segment, no seams
     assert all(layer.transition is None for layer in entry.layers if isinstance(layer, LinearInterior))
-    assert entry.nbytes == engine.store.nbytes == _entry_bytes(engine.model.config, 90, with_transition=False)
+    assert entry.nbytes == engine.cache.public.nbytes == _entry_bytes(engine.model.config, 90, with_transition=False)
 
 
 def test_hypic_entries_hold_transitions(engine: Engine) -> None:
     engine.warmup([_text(2, 90)])
-    (entry,) = engine.store.entries.values()
+    (entry,) = engine.cache.public.entries.values()
     assert (entry.local_start, entry.length) == (8, 90 - 16)
     assert entry.nbytes == _entry_bytes(engine.model.config, 90 - 16, with_transition=True)
     family = TRANSITION_FAMILY[engine.model.config.linear_family]
@@ -74,7 +74,7 @@ def test_warmed_documents_hit_in_the_same_mode(engine: Engine, mode: str) -> Non
 def test_warmup_refuses_modes_that_cache_no_segments(engine: Engine, mode: str) -> None:
     with pytest.raises(InvalidRequest, match=f"mode {mode} caches no segments"):
         engine.warmup([_text(5, 70)], mode=mode)
-    assert len(engine.store) == 0
+    assert len(engine.cache.public) == 0
 
 
 def test_unknown_mode_is_refused(engine: Engine) -> None:
@@ -96,7 +96,7 @@ def test_narrow_state_cache_halves_entries_and_stays_near_exact(tiny_checkpoint:
     config = wide.model.config
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     state_bytes = len(config.linear_layers()) * hv * dk * (dk + dv)
-    assert wide.store.nbytes - narrow.store.nbytes == 2 * state_bytes * (FP32 - size)
+    assert wide.cache.public.nbytes - narrow.cache.public.nbytes == 2 * state_bytes * (FP32 - size)
     first = config.linear_layers()[0]
     full = wide.prefill(wide.parse(prompt), "full").state.layers[first].recurrent
     errors = {}

@@ -57,19 +57,19 @@ def test_namespaces_are_cached_apart_and_flushed_apart(engine: Engine) -> None:
     docs = [_text(rng, 80) for _ in range(2)]
     for namespace in ("", "team-a", "team-b"):
         engine.warmup(docs, namespace=namespace)
-    assert len(engine.store) == 6 and {e.namespace for e in engine.store.entries.values()} == {"", "team-a", "team-b"}
+    assert len(engine.cache.public) == 6 and {e.namespace for e in engine.cache.public.entries.values()} == {"", "team-a", "team-b"}
     prompt = _prompt(rng, docs)
     for namespace in ("", "team-a", "team-b"):
         assert _counters(engine, prompt, namespace)[0][2] == 2
     public, private, _ = engine.flush("team-a")
-    assert public == 2 and private > 0 and len(engine.store) == 4
+    assert public == 2 and private > 0 and len(engine.cache.public) == 4
     assert _counters(engine, prompt, "team-a")[0][:4] == (0, 0, 0, 2)  # cold again
     for namespace in ("", "team-b"):  # untouched: their request states resume the whole prompt but its last token
         counters, _ = _counters(engine, prompt, namespace)
         assert counters[1] == len(engine.parse(prompt).token_ids) - 1
     engine.flush("")
-    assert {e.namespace for e in engine.store.entries.values()} == {"team-a", "team-b"}
-    assert engine.prefix_cache.nbytes == sum(n.nbytes for n in engine.prefix_cache._nodes())
+    assert {e.namespace for e in engine.cache.public.entries.values()} == {"team-a", "team-b"}
+    assert engine.cache.private.nbytes == sum(n.nbytes for n in engine.cache.private._nodes())
 
 
 def test_a_conversation_resumes_in_its_own_namespace_only(engine: Engine) -> None:
@@ -93,6 +93,6 @@ def test_a_flush_takes_its_own_namespace_only_however_names_nest(engine: Engine)
     for namespace in ("team-a", "x@team-a"):
         engine.prefill(engine.parse(prompt, namespace), "hypic")
     engine.flush("team-a")
-    assert {e.namespace for e in engine.store.entries.values()} == {"x@team-a"}
+    assert {e.namespace for e in engine.cache.public.entries.values()} == {"x@team-a"}
     assert _counters(engine, prompt, "x@team-a")[0][1] == len(engine.parse(prompt).token_ids) - 1
     assert _counters(engine, prompt, "team-a")[0][:4] == (0, 0, 0, 2)

@@ -15,6 +15,7 @@ from hypic.cache.composition import Family, Transition
 from hypic.cache.prefix_cache import PrefixCache, cache_key
 from hypic.cache.segments import PromptParts, Run, Seams
 from hypic.state import AttentionLayerState, LinearLayerState, RequestState
+from hypic.models.families import empty_state
 from hypic.cache.store import AttentionInterior, LinearInterior, SegmentEntry, SegmentStore, entry_tensors
 
 
@@ -140,7 +141,7 @@ def test_a_built_document_is_returned_as_the_pools_copy(engine: Engine) -> None:
     ids = tuple(engine.tokenizer.encode("the heron studied reeds by the river " * 3))
     key = engine.cache.lookup_document(ids, policy)[1]
     built = drain(engine.prefiller.document_steps(key, ids, policy))
-    assert built is engine.store.peek(key, ids)
+    assert built is engine.cache.public.peek(key, ids)
     assert any(isinstance(layer, LinearInterior) and layer.owner is not None for layer in built.layers)
 
 
@@ -306,7 +307,7 @@ def test_requests_and_flushes_leave_nothing_for_the_collector(engine: Engine) ->
             docs = [_text(rng, 80) for _ in range(3)]
             engine.generate(SEP.join([_text(rng, 10), *docs, _text(rng, 10)]), max_new_tokens=3, mode="hypic")
             engine.generate(_text(rng, 60), max_new_tokens=3, mode="prefix")
-            engine.store.clear(), engine.prefix_cache.clear()
+            engine.cache.public.clear(), engine.cache.private.clear()
 
     held = _bytes_only_the_collector_frees(work)
     assert held < 64 * 1024, f"{held / 1e6:.1f} MB of tensors waited for the collector"
@@ -321,7 +322,7 @@ def test_prefix_hit_state_equals_full_prefill(engine: Engine) -> None:
     parts = engine.parse(other)
     resumed = engine.prefill(parts, "prefix")
     assert resumed.stats.prefix_hit_tokens == len(parts.leading) + 120
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    empty = empty_state(engine.model.config, "cpu", torch.float32)
     full = combine(engine.model, parts.token_ids, [Run(0, len(parts.token_ids))], empty)
     assert (resumed.logits - full.logits).abs().max().item() < 1e-4
     for ours, ref in zip(resumed.state.layers, full.state.layers):
@@ -374,7 +375,7 @@ def test_plain_prompts_sharing_a_long_prefix_resume_at_the_last_interval_snapsho
     assert [r.stats.prefix_hit_tokens for r in results] == [0, 256, 256]
     for prompt, result in zip(prompts, results):
         ids = engine.parse(prompt).token_ids
-        full = combine(engine.model, ids, [Run(0, len(ids))], RequestState.empty(engine.model.config, "cpu", torch.float32))
+        full = combine(engine.model, ids, [Run(0, len(ids))], empty_state(engine.model.config, "cpu", torch.float32))
         assert (result.logits - full.logits).abs().max().item() < 1e-4
     again = engine.prefill(engine.parse(prompts[1]), "prefix")  # another namespace: nothing shared
     assert again.stats.prefix_hit_tokens == 0
@@ -428,6 +429,6 @@ def test_a_warmup_larger_than_the_public_pool_is_refused(tiny_checkpoint: Path) 
     engine = Engine.from_pretrained(tiny_checkpoint, public_pool_bytes=sum(sizes) - 1)
     with pytest.raises(InvalidRequest, match="public pool"):
         engine.warmup(docs)
-    assert len(engine.store) == 0
+    assert len(engine.cache.public) == 0
     engine.warmup(docs[:1])
-    assert engine.store.nbytes == sizes[0]
+    assert engine.cache.public.nbytes == sizes[0]

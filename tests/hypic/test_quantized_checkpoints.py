@@ -33,7 +33,7 @@ from hypic.loader import load_model
 from hypic.parallel import TensorParallel
 from hypic.parallel.launch import run_ranks
 from hypic.server.launch import free_port, port_in_use
-from hypic.state import RequestState
+from hypic.models.families import empty_state
 from hypic_reference.model import ReferenceModel
 from hypic_testing import tp as rank_code
 from hypic_testing.fidelity import (TOLERANCE, Layout, Oracle, assert_same_generation, engine_generation,
@@ -142,7 +142,7 @@ def _last_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 def _hypic_logits(path: Path, ids: list[int]) -> torch.Tensor:
     engine = Engine.from_pretrained(path, dtype="float32")
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    empty = empty_state(engine.model.config, "cpu", torch.float32)
     return combine(engine.model, ids, [Run(0, len(ids))], empty).logits
 
 
@@ -197,7 +197,7 @@ def test_pic_hits_give_the_tokens_of_misses(quantized, name: str, form: str) -> 
     documents = [bytes(_prompt(seed)[:90]).decode("latin-1") for seed in (2, 3)]
     prompt = "leading part" + SEP + SEP.join(documents) + SEP + "the question"
     miss = engine.generate(prompt, max_new_tokens=8)
-    engine.prefix_cache.clear()  # else the whole prompt resumes from the private pool, past the documents
+    engine.cache.private.clear()  # else the whole prompt resumes from the private pool, past the documents
     hit = engine.generate(prompt, max_new_tokens=8)
     assert (miss.segments_missed, hit.segments_hit) == (2, 2)
     assert hit.output_ids == miss.output_ids and hit.cached_tokens > 0

@@ -1,6 +1,6 @@
 """Ring-linear-2.0 (``bailing_moe_linear``) against the independent reference of ``tests/reference``:
 there is no ``transformers`` class, so the tiny checkpoint is written in the published tensor names
-(``hypic.checkpoints.write_published_checkpoint``) and the reference's token loop, written from the
+(``hypic_testing.tiny_models.write_published_checkpoint``) and the reference's token loop, written from the
 architecture's definition, is the oracle. Also the published Ring-mini-linear-2.0 config, the slopes'
 closed form, and the RoPE-in-state identity of its Lightning layers."""
 import json
@@ -13,15 +13,14 @@ import torch
 from hypic import Engine
 from hypic.assembler import combine
 from hypic.cache.segments import Run
-from hypic.checkpoints import write_published_checkpoint
 from hypic.errors import UnsupportedModel
 from hypic.loader import parameter_sources
 from hypic.models.arch import parse_config
-from hypic.models.families import family_of
+from hypic.models.families import empty_state, family_of
 from hypic.models.rotary_linear import ring_slopes
 from hypic.safetensors_reader import TensorReader
-from hypic.state import RequestState
 from hypic_reference.model import ReferenceModel
+from hypic_testing.tiny_models import write_published_checkpoint
 
 BOUND = 1e-5  # fp32 logits: the same sums in another order (chunked recurrence, fused projections)
 NAME = "bailing_moe_linear"
@@ -50,7 +49,7 @@ def test_every_positions_logits_equal_the_reference(checkpoint_factory: Callable
     engine, reference = Engine.from_pretrained(path), ReferenceModel(path)
     ids = _prompt(seed)
     expected = reference.run(reference.empty_state(), ids)[0]
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    empty = empty_state(engine.model.config, "cpu", torch.float32)
     ours = combine(engine.model, ids, [Run(0, len(ids))], empty, logits_from=0).row_logits
     assert expected.std() > 100 * BOUND  # logits far from constant: the bound below means something
     assert (ours - expected).abs().max().item() <= BOUND

@@ -81,12 +81,12 @@ def test_an_entry_keeps_w_tokens_per_sliding_layer(checkpoint: Path) -> None:
     engine, rng = Engine.from_pretrained(checkpoint, seam_width=8), random.Random(2)
     document = _text(rng, 90)
     engine.warmup([document])
-    (entry,) = engine.store.entries.values()
+    (entry,) = engine.cache.public.entries.values()
     config = engine.model.config
     window = config.sliding_window.size
     assert (entry.local_start, entry.length) == (8, 74)
     expected = sum((74 if config.window(i) is None else window) * _token_bytes(config, i) for i in config.attention_layers())
-    assert entry.nbytes == engine.store.nbytes == expected
+    assert entry.nbytes == engine.cache.public.nbytes == expected
     alone = engine.prefill(engine.parse(document[:82]), "full").state  # the document's first 8 + 74 tokens
     for index in config.window_layers():
         keys, values, positions = alone.layers[index].held()
@@ -119,7 +119,7 @@ def test_a_resume_point_without_its_window_tail_is_no_hit(checkpoint: Path, wind
     other = shared + _text(rng, 25)
     resumed = engine.generate(other, max_new_tokens=6, mode="prefix")
     assert resumed.output_ids == engine.generate(other, max_new_tokens=6, mode="full").output_ids
-    pool = engine.prefix_cache
+    pool = engine.cache.private
     if window_budget == 0:
         assert resumed.cached_tokens == 0 and pool.window_nbytes == 0 and pool.window_evictions > 0
         assert len(pool) > 0  # the edges' full-attention KV is still there
@@ -146,13 +146,13 @@ def test_the_window_budget_drops_the_least_recently_used_tails_first(checkpoint:
     first, second = _text(rng, 100), _text(rng, 100)
     probe = Engine.from_pretrained(checkpoint, snapshot_interval=32)
     probe.generate(first + _text(rng, 10), max_new_tokens=1, mode="prefix")
-    first_bytes = probe.prefix_cache.window_nbytes
+    first_bytes = probe.cache.private.window_nbytes
     probe.generate(second + _text(rng, 10), max_new_tokens=1, mode="prefix")
-    budget = probe.prefix_cache.window_nbytes - first_bytes
+    budget = probe.cache.private.window_nbytes - first_bytes
     engine = Engine.from_pretrained(checkpoint, snapshot_interval=32, private_window_bytes=budget)
     engine.generate(first + _text(rng, 10), max_new_tokens=1, mode="prefix")
     engine.generate(second + _text(rng, 10), max_new_tokens=1, mode="prefix")
-    assert engine.prefix_cache.window_evictions > 0
+    assert engine.cache.private.window_evictions > 0
     for shared, resumes in ((second, True), (first, False)):
         prompt = shared + _text(rng, 12)
         result = engine.generate(prompt, max_new_tokens=4, mode="prefix")

@@ -22,7 +22,7 @@ from hypic.cache.tiers.entry_file import BadEntryFile, EntryIdentity, decode_ent
 from hypic.cache.tiers.hierarchy import WritePolicy
 from hypic.cache.tiers.host import HostTier
 from hypic.cache.tiers.options import TierOptions
-from hypic_testing.entry_files import join_entry_file, split_entry_file
+from hypic_testing.entry_files import entry_identity, join_entry_file, split_entry_file
 
 DOCUMENTS = [f"document {i}: " + " ".join(f"fact{i}-{j}" for j in range(25)) for i in range(6)]
 MakeEngine = Callable[..., Engine]
@@ -54,8 +54,8 @@ def files(root: Path) -> list[Path]:
 
 
 def tiers_of(engine: Engine):
-    assert engine.store.lower is not None
-    return engine.store.lower
+    assert engine.cache.public.lower is not None
+    return engine.cache.public.lower
 
 
 def disk_counters(engine: Engine) -> dict:
@@ -140,7 +140,7 @@ SPOILS = ["truncated", "header cut", "flipped byte", "zeroes", "foreign model", 
 def test_a_spoiled_file_is_refused_by_the_decoder(make: MakeEngine, how: str) -> None:
     engine = make(cache_dir=None)
     entry = built_entry(engine, DOCUMENTS[0])
-    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    ident = entry_identity(engine)
     data = encode_entry(entry, ident)
     decoded = decode_entry(data, ident, entry.key, entry.token_ids)
     assert all(torch.equal(a, b) for a, b in zip(_tensors(decoded), _tensors(entry)))
@@ -153,7 +153,7 @@ def test_the_checksum_is_xxh3_128_of_the_header_and_the_tensors(make: MakeEngine
     the data section's bytes; a byte flipped anywhere in the data section is refused for it."""
     engine = make(cache_dir=None)
     entry = built_entry(engine, DOCUMENTS[0])
-    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    ident = entry_identity(engine)
     data = encode_entry(entry, ident)
     header, body = split_entry_file(data)
     stated = header["__metadata__"].pop("checksum")
@@ -174,7 +174,7 @@ def test_tensors_larger_than_the_copy_chunk_come_back_whole(make: MakeEngine, mo
 
     engine = make(cache_dir=None)
     entry = built_entry(engine, DOCUMENTS[0])
-    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    ident = entry_identity(engine)
     data = encode_entry(entry, ident)
     monkeypatch.setattr(entry_file, "COPY_CHUNK", 1001)
     assert max(t.numel() * t.element_size() for t in _tensors(entry)) > 10 * 1001
@@ -190,7 +190,7 @@ def test_a_header_damaged_where_only_the_checksum_can_tell_is_refused(make: Make
     dtype, the data section untouched): every other check passes, the checksum does not."""
     engine = make(cache_dir=None)
     entry = built_entry(engine, DOCUMENTS[0])
-    ident = EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, engine.model.config)
+    ident = entry_identity(engine)
     header, body = split_entry_file(encode_entry(entry, ident))
     index = next(i for i, layer in enumerate(entry.layers) if hasattr(layer, "keys"))
     keys, values = header[f"{index}.keys"], header[f"{index}.values"]
@@ -301,17 +301,17 @@ def test_a_lower_tier_hit_is_decoded_straight_into_the_pools_slots(tiny_checkpoi
     if source == "disk, prefetched":
         load, _ = tiers_of(second).prefetch(built.key, built.token_ids, "", built.nbytes)
         assert load.result(timeout=30) is not None
-    loaded, tier = second.store.fetch(built.key, built.token_ids)
-    assert tier == source.partition(",")[0] and loaded is second.store.entries[built.key]
+    loaded, tier = second.cache.public.fetch(built.key, built.token_ids)
+    assert tier == source.partition(",")[0] and loaded is second.cache.public.entries[built.key]
     pairs = list(zip(entry_tensors(loaded), entry_tensors(built), strict=True))
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs)
     (from_file,) = decoded
-    assert second.store.arenas.used_slots == len(_linear(built)) > 0
+    assert second.cache.public.arenas.used_slots == len(_linear(built)) > 0
     for ours, written, theirs in zip(_linear(loaded), _linear(from_file), _linear(built), strict=True):
         assert ours.transition.kept == theirs.transition.kept
         assert ours.owner.arena.fields == theirs.owner.arena.fields
         for tensor, decoded_tensor in zip(_pool_tensors(ours), _pool_tensors(written), strict=True):
-            assert tensor.data_ptr() == decoded_tensor.data_ptr() and _in_a_slab(tensor, second.store)
+            assert tensor.data_ptr() == decoded_tensor.data_ptr() and _in_a_slab(tensor, second.cache.public)
     second.close()
 
 
@@ -324,9 +324,9 @@ def test_a_damaged_file_is_a_miss_that_gives_its_slots_back(make: MakeEngine, tm
     (path,) = files(tmp_path / "cache")
     path.write_bytes(spoil(path.read_bytes(), "flipped byte", first))
     restarted = make()
-    pool = restarted.store.arenas
+    pool = restarted.cache.public.arenas
     assert pool.used_slots == 0 and not pool.arenas
-    assert restarted.store.fetch(*_key(restarted, 0)) == (None, "")
+    assert restarted.cache.public.fetch(*_key(restarted, 0)) == (None, "")
     assert disk_counters(restarted)["bad_files"] == 1 and pool.arenas  # slots were taken for the load ...
     assert pool.used_slots == 0  # ... and given back
     freed = next(iter(pool.arenas.values()))._slabs
@@ -340,11 +340,11 @@ def test_a_loaded_entry_the_pool_cannot_keep_holds_its_slots_only_while_in_use(m
     first.warmup(DOCUMENTS[:1])
     first.close()
     restarted = make(public_pool_bytes=1)
-    loaded, tier = restarted.store.fetch(*_key(restarted, 0))
-    assert tier == "disk" and loaded is not None and not restarted.store.entries and restarted.store.rejected == 1
-    assert restarted.store.arenas.used_slots == len(_linear(loaded)) > 0
+    loaded, tier = restarted.cache.public.fetch(*_key(restarted, 0))
+    assert tier == "disk" and loaded is not None and not restarted.cache.public.entries and restarted.cache.public.rejected == 1
+    assert restarted.cache.public.arenas.used_slots == len(_linear(loaded)) > 0
     del loaded
-    assert restarted.store.arenas.used_slots == 0
+    assert restarted.cache.public.arenas.used_slots == 0
 
 
 # ----- persistence, policies, namespaces ----------------------------------------------------------
@@ -442,7 +442,7 @@ def test_a_working_set_larger_than_memory_is_served_from_disk(make: MakeEngine) 
         engine.generate(prompt([index]), max_new_tokens=1)
     second = [engine.generate(prompt([index], "again?", "another system prompt"), max_new_tokens=1) for index in range(6)]
     assert all(r.segments_hit == 1 for r in second)
-    assert sum(r.stats.disk_cached_tokens > 0 for r in second) >= 4 and engine.store.nbytes <= 2 * size
+    assert sum(r.stats.disk_cached_tokens > 0 for r in second) >= 4 and engine.cache.public.nbytes <= 2 * size
 
 
 def test_the_disk_budget_keeps_the_most_recently_used_files(tmp_path: Path) -> None:
@@ -614,6 +614,36 @@ def test_loads_nobody_takes_are_forgotten_beyond_the_byte_bound(make: MakeEngine
     assert tiers.take("key-2", (2,), "") is None and tiers.prefetched_bytes == 400  # nothing stored: a miss
 
 
+@pytest.mark.parametrize("first", ["documents", "resume points"])
+def test_the_cache_drains_the_writes_of_documents_and_resume_points(make: MakeEngine, tmp_path: Path, first: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HybridCache.drain`` returns once every write under way below memory is done, documents' and
+    resume points' alike: with both kinds held back, it waits for the ``first`` released and then
+    for the other; their files are all on disk when it returns."""
+    held = {"documents": threading.Event(), "resume points": threading.Event()}
+    write = DiskTier.write
+
+    def held_back(tier: DiskTier, address: str, data: bytes) -> None:
+        held["resume points" if Path(address).name[0] in "rk" else "documents"].wait(30)
+        write(tier, address, data)
+
+    monkeypatch.setattr(DiskTier, "write", held_back)
+    engine = make()
+    engine.generate(prompt([0, 1]), max_new_tokens=2)
+    drained = threading.Thread(target=engine.cache.drain, daemon=True)
+    drained.start()
+    try:
+        for kind in (first, *(k for k in held if k != first)):
+            drained.join(0.5)
+            assert drained.is_alive(), f"drained with the {kind} still held back"
+            held[kind].set()
+    finally:  # the engine's close finishes its writes
+        for event in held.values():
+            event.set()
+    drained.join(30)
+    assert not drained.is_alive() and len(files(tmp_path / "cache")) == 2 and _resume_files(tmp_path / "cache")
+
+
 def test_a_document_waiting_in_the_write_queue_is_still_a_hit(make: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under write_back, memory evicts a document and its write waits in the queue (the disk held up
     here): a request for it meanwhile takes it from the queue, as a disk hit, instead of rebuilding it."""
@@ -623,7 +653,7 @@ def test_a_document_waiting_in_the_write_queue_is_still_a_hit(make: MakeEngine, 
     engine = make(public_pool_bytes=max(sizes[:2]), write_policy=WritePolicy.WRITE_BACK)
     try:
         engine.warmup(DOCUMENTS[:2])  # the first is evicted by the second: queued, not written
-        assert files(engine.store.lower.tiers[0].root) == []
+        assert files(engine.cache.public.lower.tiers[0].root) == []
         result = engine.generate(prompt([0]), max_new_tokens=8)
         assert result.segments_hit == 1 and result.stats.disk_cached_tokens == result.cached_tokens > 0
     finally:
@@ -649,7 +679,7 @@ def test_host_memory_keeps_what_the_device_pool_evicts(make: MakeEngine) -> None
     engine = make(public_pool_bytes=max(sizes[:3]), cache_dir=None, host_bytes=sum(sizes))
     engine.warmup(DOCUMENTS[:3])
     host = tiers_of(engine)
-    assert len(engine.store) == 1 and len(host.entries) == 2 and host.nbytes == sizes[0] + sizes[1]
+    assert len(engine.cache.public) == 1 and len(host.entries) == 2 and host.nbytes == sizes[0] + sizes[1]
     text = prompt([1, 0, 2])
     assert engine.cache.prefetch(engine.plan(engine.parse(text))) == [] and len(host.staged) == 2  # copies: nothing to wait for
     result = engine.generate(text, max_new_tokens=8)
@@ -701,9 +731,9 @@ def _resume_files(root: Path, kind: str = "r") -> list[Path]:
 def _full_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     from hypic.assembler import combine
     from hypic.cache.segments import Run
-    from hypic.state import RequestState
+    from hypic.models.families import empty_state
 
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    empty = empty_state(engine.model.config, "cpu", torch.float32)
     return combine(engine.model, ids, [Run(0, len(ids))], empty).logits
 
 
@@ -770,7 +800,7 @@ def test_a_spoiled_or_foreign_resume_file_is_a_miss_and_deleted(make: MakeEngine
     path.write_bytes(bytes(data))
     restarted = make()
     resumed = restarted.prefill(restarted.parse(turn2))
-    assert resumed.stats.prefix_hit_tokens == 0 and not path.exists() and restarted.resume.counters.bad_files == 1
+    assert resumed.stats.prefix_hit_tokens == 0 and not path.exists() and restarted.cache.resume_points.store.counters.bad_files == 1
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
@@ -794,7 +824,7 @@ def test_resume_points_of_a_previous_format_are_misses_then_written_anew(make: M
     monkeypatch.undo()
     second = make()
     reply = second.generate(turn2, max_new_tokens=3, ignore_eos=True)
-    assert reply.stats.prefix_hit_tokens == 0 and second.resume.counters.bad_files == 1
+    assert reply.stats.prefix_hit_tokens == 0 and second.cache.resume_points.store.counters.bad_files == 1
     second.close()
     turn3 = turn2 + reply.output_ids + [67]
     third = make()
@@ -820,10 +850,10 @@ def test_a_conversation_writes_each_kv_chunk_once_and_resumes_from_chunks_of_eve
     first.close()
     assert ends[0] > CHUNK_TOKENS and ends[-1] > 2 * CHUNK_TOKENS
     chunks = ends[-1] // CHUNK_TOKENS + sum(end % CHUNK_TOKENS != 0 for end in ends)
-    assert len(_resume_files(tmp_path / "cache", "k")) == first.resume.disk_writes.chunks_written == chunks
+    assert len(_resume_files(tmp_path / "cache", "k")) == first.cache.resume_points.store.disk_writes.chunks_written == chunks
     from hypic.server.stats import _resume_lines
 
-    metrics = _resume_lines(first.resume.describe())
+    metrics = _resume_lines(first.cache.resume_points.store.describe())
     assert f'hypic_resume_chunks_written_total{{tier="disk"}} {float(chunks)}' in metrics
     assert 'hypic_resume_points_written_total{tier="disk"} 3.0' in metrics and "hypic_resume_write_queue 0.0" in metrics
     assert len(_resume_files(tmp_path / "cache")) == 3
@@ -847,7 +877,7 @@ def test_a_resume_point_whose_chunk_is_gone_is_a_miss_and_deleted(make: MakeEngi
     restarted = make()
     turn2 = list(prompt) + reply.output_ids + [65, 66]
     resumed = restarted.prefill(restarted.parse(turn2))
-    assert resumed.stats.prefix_hit_tokens == 0 and not head.exists() and restarted.resume.counters.bad_files == 1
+    assert resumed.stats.prefix_hit_tokens == 0 and not head.exists() and restarted.cache.resume_points.store.counters.bad_files == 1
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
 
@@ -891,7 +921,7 @@ def test_a_prefix_with_a_colliding_hash_never_lends_its_kv(make: MakeEngine, tmp
     longer = a + c + [40]  # at 1,324 its hash is B + C's: that head is another prompt's, a miss left in place
     probe = make()
     resumed = probe.prefill(probe.parse(longer))
-    assert resumed.stats.disk_cached_tokens == len(a) + 280 and probe.resume.counters.bad_files == 0
+    assert resumed.stats.disk_cached_tokens == len(a) + 280 and probe.cache.resume_points.store.counters.bad_files == 0
     assert all(head.exists() for head in heads) and len(heads) == 3
 
 
@@ -913,21 +943,21 @@ def test_a_resume_point_is_looked_up_as_its_request_arrives(make: MakeEngine, tm
     first.close()
     restarted = make()
     readers: list[str] = []
-    reading = restarted.resume.disk.reading
+    reading = restarted.cache.resume_points.store.disk.reading
 
     def recorded(address: str):
         readers.append(threading.current_thread().name)
         return reading(address)
 
-    restarted.resume.disk.reading = recorded
+    restarted.cache.resume_points.store.disk.reading = recorded
     parts = restarted.parse(turn2)
     restarted.cache.prefetch(restarted.plan(parts))
-    (lookup,) = restarted.resume.prefetches.values()
+    (lookup,) = restarted.cache.resume_points.store.prefetches.values()
     lookup.result(timeout=30)
     for path in (tmp_path / "cache").rglob("*.safetensors"):
         path.unlink()
     resumed = restarted.prefill(parts)
-    assert resumed.stats.disk_cached_tokens == len(prompt) + 4 and restarted.resume.prefetches == {}
+    assert resumed.stats.disk_cached_tokens == len(prompt) + 4 and restarted.cache.resume_points.store.prefetches == {}
     assert readers and all(name.startswith("hypic-resume-prefetch") for name in readers)
     assert (resumed.logits - _full_logits(restarted, turn2)).abs().max().item() < 1e-4
 
@@ -946,10 +976,10 @@ def test_a_lookup_prefetched_for_one_key_never_serves_another(make: MakeEngine) 
     other = [k + (2**61 - 1) if i == 10 else k for i, k in enumerate(key)]
     assert hash(tuple(other)) == hash(tuple(key)) and other != key
     empty = engine.cache.resume_points.empty_state()
-    lookup, _ = engine.resume.prefetch(tree, namespace, key, 0, len(key) - 1, empty)
+    lookup, _ = engine.cache.resume_points.store.prefetch(tree, namespace, key, 0, len(key) - 1, empty)
     assert lookup.result(timeout=30).state.length == len(prompt) + 4
-    assert engine.resume.take(tree, namespace, other, 0, len(other) - 1, empty) is None
-    assert engine.resume.take(tree, namespace, key, 0, len(key) - 1, empty).state.length == len(prompt) + 4
+    assert engine.cache.resume_points.store.take(tree, namespace, other, 0, len(other) - 1, empty) is None
+    assert engine.cache.resume_points.store.take(tree, namespace, key, 0, len(key) - 1, empty).state.length == len(prompt) + 4
 
 
 def test_a_prefetched_resume_point_gives_way_to_a_longer_one_memory_made_meanwhile(make: MakeEngine) -> None:
@@ -963,7 +993,7 @@ def test_a_prefetched_resume_point_gives_way_to_a_longer_one_memory_made_meanwhi
     engine = make()
     parts = engine.parse(turn3)
     engine.cache.prefetch(engine.plan(parts))
-    (lookup,) = engine.resume.prefetches.values()
+    (lookup,) = engine.cache.resume_points.store.prefetches.values()
     assert lookup.result(timeout=30).state.length == len(prompt) + 4
     engine.generate(list(turn2), max_new_tokens=5, ignore_eos=True)
     resumed = engine.prefill(parts)
@@ -976,7 +1006,7 @@ def test_write_through_selective_keeps_a_resume_point_once_memory_resumes_from_i
     turn resumes from it in memory; a restarted engine resumes there from the disk."""
     first = make(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
     prompt, turn2 = _conversation(first, DOCUMENTS[0] + DOCUMENTS[1])
-    first.resume.drain()
+    first.cache.resume_points.store.drain()
     assert _resume_files(tmp_path / "cache") == []
     assert first.prefill(first.parse(turn2)).stats.prefix_hit_tokens == len(prompt) + 4
     first.close()
@@ -996,17 +1026,17 @@ def test_write_back_keeps_a_resume_point_when_memory_evicts_it_and_at_a_stop(tin
     texts = [DOCUMENTS[0] + DOCUMENTS[1], DOCUMENTS[2] + DOCUMENTS[3] + DOCUMENTS[4]]
     sizing = Engine.from_pretrained(tiny_checkpoint)  # the private pool's bytes of the second, then of both
     _conversation(sizing, texts[1])
-    alone = sizing.prefix_cache.nbytes
+    alone = sizing.cache.private.nbytes
     _conversation(sizing, texts[0])
-    both = sizing.prefix_cache.nbytes
+    both = sizing.cache.private.nbytes
     tiers = TierOptions(str(tmp_path / "cache"), write_policy=WritePolicy.WRITE_BACK)
     engine = Engine.from_pretrained(tiny_checkpoint, private_pool_bytes=alone + (both - alone) // 2, tiers=tiers)
     prompt, turn2 = _conversation(engine, texts[0])
-    engine.resume.drain()
+    engine.cache.resume_points.store.drain()
     assert _resume_files(tmp_path / "cache") == []
     _conversation(engine, texts[1])  # its insertion evicts the first conversation's deepest nodes
-    engine.resume.drain()
-    assert engine.prefix_cache.evictions > 0 and _resume_files(tmp_path / "cache")
+    engine.cache.resume_points.store.drain()
+    assert engine.cache.private.evictions > 0 and _resume_files(tmp_path / "cache")
     other = Engine.from_pretrained(tiny_checkpoint, tiers=TierOptions(str(tmp_path / "cache")))
     resumed = other.prefill(other.parse(turn2))
     assert resumed.stats.disk_cached_tokens == len(prompt) + 4
@@ -1208,7 +1238,7 @@ def test_resume_points_in_mooncake_are_found_by_markers_in_two_batched_probes(ma
 
     from hypic.cache.tiers.shared_resume import BLOCK
 
-    shared = _server(make).resume.shared
+    shared = _server(make).cache.resume_points.store.shared
     hashes = np.arange(1000, 1261, dtype=np.uint64)  # h_0 .. h_260
     for position in (5, 64, 130, 200):
         shared.write("ns", hashes[: position + 1], b"state", [])
@@ -1226,7 +1256,7 @@ def test_a_conversation_continues_on_another_server_through_mooncake(make: MakeE
     first = _server(make)
     turn1 = first.parse("you are a helpful assistant. " + DOCUMENTS[0] + DOCUMENTS[1])
     reply = first.generate(list(turn1.token_ids), max_new_tokens=6, ignore_eos=True)
-    first.resume.drain()
+    first.cache.resume_points.store.drain()
     turn2 = list(turn1.token_ids) + reply.output_ids + first.parse(" and then?").token_ids
     assert len(turn1.token_ids) > 64
     other = _server(make)
@@ -1234,10 +1264,10 @@ def test_a_conversation_continues_on_another_server_through_mooncake(make: MakeE
     assert resumed.stats.prefix_hit_tokens == len(turn1.token_ids) + 5
     assert resumed.stats.cached_tokens_by_tier["mooncake"] == len(turn1.token_ids) + 5
     assert (resumed.logits - _full_logits(other, turn2)).abs().max().item() < 1e-4
-    assert other.resume.describe()["hits"] == 1 and first.resume.describe()["tiers"]["mooncake"]["written"] == 1
+    assert other.cache.resume_points.store.describe()["hits"] == 1 and first.cache.resume_points.store.describe()["tiers"]["mooncake"]["written"] == 1
     from hypic.server.stats import _resume_lines
 
-    assert "hypic_resume_hits_total 1.0" in _resume_lines(other.resume.describe())
+    assert "hypic_resume_hits_total 1.0" in _resume_lines(other.cache.resume_points.store.describe())
     assert make(cache_dir=None).prefill(other.parse(turn2)).stats.prefix_hit_tokens == 0
 
 
@@ -1247,7 +1277,7 @@ def test_a_system_prompt_resumes_on_another_server_through_mooncake(make: MakeEn
     system = "You answer from the documents only. " * 6
     first = _server(make)
     first.generate(SEP.join([system, DOCUMENTS[0], DOCUMENTS[1], "which fact?"]), max_new_tokens=1)
-    first.resume.drain()
+    first.cache.resume_points.store.drain()
     other = _server(make)
     text = SEP.join([system, DOCUMENTS[2], DOCUMENTS[3], "which other fact?"])
     resumed = other.prefill(other.parse(text))
@@ -1264,13 +1294,13 @@ def test_a_damaged_resume_object_or_a_lost_master_is_a_miss(make: MakeEngine, st
     first = _server(make)
     prompt = first.parse(DOCUMENTS[1]).token_ids
     reply = first.generate(list(prompt), max_new_tokens=4, ignore_eos=True)
-    first.resume.drain()
+    first.cache.resume_points.store.drain()
     turn2 = list(prompt) + reply.output_ids + [65, 66]
     (name,) = [key for key in store.objects if key.startswith(PREFIX) and "/r" in key]
     store.objects[name] = store.objects[name][:-3] + bytes(b ^ 0xFF for b in store.objects[name][-3:])
     other = _server(make)
     resumed = other.prefill(other.parse(turn2))
-    assert resumed.stats.prefix_hit_tokens == 0 and name not in store.objects and other.resume.counters.bad_files == 1
+    assert resumed.stats.prefix_hit_tokens == 0 and name not in store.objects and other.cache.resume_points.store.counters.bad_files == 1
     assert (resumed.logits - _full_logits(other, turn2)).abs().max().item() < 1e-4
 
     def down(keys: list[str]) -> list[int]:

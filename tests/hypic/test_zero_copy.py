@@ -18,6 +18,7 @@ from hypic.cache.prefix_cache import PAGE_TOKENS, PrefixCache, cache_key
 from hypic.cache.segments import Run
 from hypic.cache.tiers.resume_objects import resume_parts
 from hypic.state import AttentionLayerState, LinearLayerState, RequestState, WindowLayerState
+from hypic.models.families import empty_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,12 +28,12 @@ def _ids(rng: random.Random, count: int, vocab: int) -> list[int]:
 
 
 def _full(engine: Engine, ids: list[int]) -> torch.Tensor:
-    empty = RequestState.empty(engine.model.config, "cpu", torch.float32)
+    empty = empty_state(engine.model.config, "cpu", torch.float32)
     return combine(engine.model, ids, [Run(0, len(ids))], empty).logits
 
 
 def _pool_pages(engine: Engine) -> set[int]:
-    return {t.data_ptr() for node in engine.prefix_cache._nodes() for pages in node.pages.values()
+    return {t.data_ptr() for node in engine.cache.private._nodes() for pages in node.pages.values()
             for block in pages for t in block}
 
 

@@ -124,7 +124,7 @@ def test_a_lost_peer_of_the_server_costs_only_its_documents(engine: Engine, pic_
     try:
         local = Engine.from_pretrained("default")
         prompt = pic_prompt(list(range(9)), "Where was the ibis born?")
-        plan = peers.plan(local.plan(local.parse(prompt)), local.store.keys())
+        plan = peers.plan(local.plan(local.parse(prompt)), local.cache.document_keys())
         assert set(plan.builds) == {0, 1, 2} and plan.combine == 0
         ray.kill(peers.pool.workers[1])
         check = entry_check(local.fingerprint, local.policy("hypic").role, local.model.config)

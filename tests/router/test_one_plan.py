@@ -158,7 +158,7 @@ def test_peers_build_only_what_a_logprob_request_splices(served, pic_prompt: Pro
     start = parts.segment_starts[2]
     result = _generate(client, prompt, return_logprob=True, logprob_start_len=start)
     keys = {i: key for i, key, _ in loop.engine.plan(parts).documents()}  # every document's key, unsliced
-    built = set(loop.engine.store.keys()) | set(ray.get(peers.pool.workers[1].held.remote()))
+    built = set(loop.engine.cache.document_keys()) | set(ray.get(peers.pool.workers[1].held.remote()))
     assert built == {keys[0], keys[1]}
     alone = Engine.from_pretrained("default")
     expected = alone.prefill(parts, logits_from=start)

@@ -150,7 +150,7 @@ def test_planning_and_dispatch_do_not_wait_on_a_group_rebuild_or_a_kill(
     request = engine.plan(engine.parse(pic_prompt([0, 1, 2, 3, 4, 5], "Who studied herons?")), "hypic")
 
     def loop_calls() -> None:
-        plan = peers.plan(request, engine.store.keys())
+        plan = peers.plan(request, engine.cache.document_keys())
         peers.dispatch(plan, "hypic")
         peers.status()
 

@@ -69,7 +69,7 @@ def test_the_peer_holding_most_documents_combines(served, pic_prompt: Prompt, do
     assert meta["segments_built_remotely"] == 0  # document 4 was built by this server
     parts = loop.engine.parse(prompt)  # the peer combined the head it held while document 4 was on its way
     assert meta["combined_early_tokens"] == len(parts.leading) + sum(len(s) for s in parts.segments[:4])
-    assert len(loop.engine.store) == 1  # only its own build is here: it was shipped, not spliced here
+    assert len(loop.engine.cache.document_keys()) == 1  # only its own build is here: it was shipped, not spliced here
     counts = ray.get(peers.pool.workers[1].receive_counts.remote())  # ... from this process over gloo
     assert (counts.point_to_point, counts.object_store, counts.failed) == (1, 0, 0)
     assert plan.builds[0][0].key in peers.pool.index.keys_of(1)
@@ -99,7 +99,7 @@ def test_the_server_combines_its_held_head_while_the_peer_builds(served, pic_pro
     engine = Engine.from_pretrained("default")
     engine.warmup(docs[:2])  # what the system held when the request came
     expected = engine.generate(prompt, max_new_tokens=8)
-    plan = peers.plan(loop.engine.plan(loop.engine.parse(prompt)), loop.engine.store.keys())
+    plan = peers.plan(loop.engine.plan(loop.engine.parse(prompt)), loop.engine.cache.document_keys())
     assert plan.combine == 0 and list(plan.builds) == [1]
     result = _generate(client, prompt)
     ray.get(busy)
@@ -122,7 +122,7 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_is_built(served
     assert loop.engine.state_bytes(len(parts.token_ids) + 8) > 1.25 * 2**20
     response = client.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 8}})
     assert response.status_code == 400 and "--max-state-memory" in response.json()["error"]["message"]
-    assert len(loop.engine.store) == 0 and ray.get(peers.pool.workers[1].held.remote()) == []
+    assert len(loop.engine.cache.document_keys()) == 0 and ray.get(peers.pool.workers[1].held.remote()) == []
     counts = ray.get(peers.pool.workers[1].receive_counts.remote())
     assert (counts.point_to_point, counts.object_store, counts.failed) == (0, 0, 0)
     fits = pic_prompt([0], "Who?")  # a small one still runs

@@ -7,6 +7,7 @@ import torch
 from hypic import Engine
 from hypic.router import TransferError, check_entry
 from hypic.cache.store import AttentionInterior, Role
+from hypic.models.families import linear_shapes
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +18,7 @@ def built() -> tuple[Engine, object]:
 
 
 def _check(engine: Engine, entry: object, role: Role = Role.SEGMENT) -> None:
-    check_entry(entry, engine.fingerprint, role, engine.model.config)
+    check_entry(entry, engine.fingerprint, role, engine.model.config, linear_shapes(engine.model.config))
 
 
 def test_an_intact_entry_passes(built) -> None:

@@ -315,7 +315,7 @@ def _decode_beside(engine: Engine, text: str | list[int]) -> tuple[list[float], 
 
 def _slowed(engine: Engine, kind: str) -> None:
     """Reads of the disk tier's files of ``kind`` (resume heads "r", or documents "") take 1 s more."""
-    disk = engine.resume.disk
+    disk = engine.cache.resume_points.store.disk
     reading = disk.reading
 
     def slow(address: str):
@@ -387,13 +387,13 @@ def test_a_request_whose_documents_load_too_slowly_starts_when_its_wait_runs_out
     first.warmup(documents)
     first.close()
     engine = Engine.from_pretrained(tiny_checkpoint, tiers=TierOptions(str(tmp_path / "cache")))
-    reading = engine.resume.disk.reading
+    reading = engine.cache.resume_points.store.disk.reading
 
     def slow(address: str):
         time.sleep(2.0 if address.rpartition("/")[2][0] not in "rkm" else 0)
         return reading(address)
 
-    engine.resume.disk.reading = slow
+    engine.cache.resume_points.store.disk.reading = slow
     loop, collector = EngineLoop(engine, "hypic"), Collector()
     loop.start()
     try:
@@ -428,12 +428,12 @@ def test_a_request_cancelled_while_its_resume_point_is_read_leaves_nothing_held(
         deadline = time.monotonic() + 30
         while not job.loads and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert len(engine.resume.prefetches) == 1
+        assert len(engine.cache.resume_points.store.prefetches) == 1
         job.cancel()
         collector.wait(1)
     finally:
         loop.stop()
-    assert job.prefill is None and engine.resume.prefetches == {} and loop.stats.requests_cancelled == 1
+    assert job.prefill is None and engine.cache.resume_points.store.prefetches == {} and loop.stats.requests_cancelled == 1
 
 
 def test_samples_of_one_prompt_are_admitted_holding_it_once(engine: Engine) -> None:
@@ -615,7 +615,7 @@ def test_the_counters_a_client_reads_after_its_answer_include_it(running: Engine
         time.sleep(0.01)
     assert seen and seen[0][0] == before + 1 and seen[0][1] >= 40
     flushed: list[int] = []
-    command = running.call(lambda: running.engine.store.clear() + running.engine.prefix_cache.clear())
+    command = running.call(running.engine.flush)
     command.add_done_callback(lambda _: flushed.append(running.snapshot["private_pool"]["bytes"]))
     command.result(timeout=60)
     assert flushed == [0]

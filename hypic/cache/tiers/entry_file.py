@@ -30,6 +30,7 @@ from ..composition import Family, Transition
 from ...config import ModelConfig
 from ..entry_check import EntryMismatch, check_entry
 from ...errors import HypicError
+from ...state import LinearShapes
 from ..segments import Seams
 from ..store import AttentionInterior, InteriorLayer, LinearInterior, Role, SegmentEntry
 
@@ -47,12 +48,14 @@ class BadEntryFile(HypicError):
 
 @dataclass(frozen=True)
 class EntryIdentity:
-    """What a stored entry must have been made with to be spliced by this engine."""
+    """What a stored entry must have been made with to be spliced by this engine (``linear``: its
+    linear layers' shapes, ``families.linear_shapes(config)``)."""
 
     fingerprint: str
     model_dtype: torch.dtype
     state_dtype: torch.dtype
     config: ModelConfig
+    linear: LinearShapes
     device: torch.device = torch.device("cpu")  # where decoded tensors go
 
     @property
@@ -231,7 +234,7 @@ def _checked(meta: dict, tensors: dict[str, torch.Tensor], token_ids: tuple[int,
     """The entry of a file's verified tensors, if this model can splice it; raises ``BadEntryFile``."""
     try:
         entry = _entry(meta, tensors, token_ids, slots)
-        check_entry(entry, identity.fingerprint, Role(meta["role"]), identity.config)
+        check_entry(entry, identity.fingerprint, Role(meta["role"]), identity.config, identity.linear)
     except (EntryMismatch, KeyError, ValueError, AttributeError) as err:
         raise BadEntryFile(f"not an entry this model can splice: {err}") from err
     return entry

@@ -16,12 +16,13 @@ class Architecture:
     it names chooses the token mixer), where its checkpoint names differ from ours (``rename``: a
     tensor's name, before layers are grouped; ``sources``: a last rewrite of the parameters' sources,
     where one checkpoint tensor fills several parameters (Ring-linear's fused attention projections);
-    ``fused_experts``: gpt-oss's interleaved expert tensors), and for tests a tiny random config (``tiny``: fields of its ``transformers`` config
+    ``fused_experts``: gpt-oss's interleaved expert tensors), and a tiny random config (``tiny``: fields of its ``transformers`` config
     class, ``reference``: that class and its causal-LM class, under ``transformers``) whose
     zero-initialised sinks and biases may want noise (``noisy_biases``) and whose initial decays are
     kept as they are where they already remember long (``keeps_decay``: Bailing's bounded gate); ``study``: the fields of a
     random model of this architecture at a hidden size and layer count, its per-head linear state
-    as the Qwen3.5 study model's (64 x 64), for ``hypic eval scaling``."""
+    as the Qwen3.5 study model's (64 x 64), for ``hypic eval scaling`` (over ``tiny``'s other fields:
+    ``checkpoints.write_random_checkpoint`` writes both, for the tests and the study alike)."""
 
     model_types: tuple[str, ...]
     parse: Parse

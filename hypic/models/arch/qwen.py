@@ -83,4 +83,4 @@ QWEN3_5 = Architecture(("qwen3_5_text",), qwen_config, TINY, wraps=("qwen3_5",),
                        reference=("models.qwen3_5.Qwen3_5TextConfig", "models.qwen3_5.Qwen3_5ForCausalLM"))
 QWEN3_5_MOE = Architecture(("qwen3_5_moe_text",), qwen_config, TINY, wraps=("qwen3_5_moe",),
                            reference=("models.qwen3_5_moe.Qwen3_5MoeTextConfig", "models.qwen3_5_moe.Qwen3_5MoeForCausalLM"))
-NATIVE = Architecture(("hypic_hybrid",), qwen_config, TINY)  # no transformers class: checkpoints.write_native_checkpoint
+NATIVE = Architecture(("hypic_hybrid",), qwen_config, TINY)  # no transformers class: its checkpoints are ours

@@ -1,7 +1,18 @@
 """Entry files taken apart and put back together, for tests that damage or rewrite a header: an
-8-byte little-endian header length, the JSON header (padded with spaces to 8 bytes), the tensors."""
+8-byte little-endian header length, the JSON header (padded with spaces to 8 bytes), the tensors;
+and the identity an engine's entry files carry."""
 import json
 import struct
+
+from hypic import Engine
+from hypic.cache.tiers.entry_file import EntryIdentity
+from hypic.models.families import linear_shapes
+
+
+def entry_identity(engine: Engine) -> EntryIdentity:
+    """What ``engine``'s entry files are made with (what encodes and decodes them)."""
+    config = engine.model.config
+    return EntryIdentity(engine.fingerprint, engine.model.dtype, engine.state_cache_dtype, config, linear_shapes(config))
 
 
 def split_entry_file(data: bytes) -> tuple[dict, bytes]:

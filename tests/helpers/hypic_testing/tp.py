@@ -83,7 +83,7 @@ def pool_bytes_after_warmup(tp: TensorParallel, path: str, document: str) -> int
     """The public pool's bytes on this rank once ``document`` is cached."""
     engine = Engine.from_pretrained(path, dtype="float32", tp=tp)
     engine.warmup([document])
-    return engine.store.nbytes
+    return engine.cache.describe()["public_pool"]["bytes"]
 
 
 def pic_after_rank_one_lost_its_shards(tp: TensorParallel, path: str, cache_root: str) -> tuple[str, int, int, int]:
