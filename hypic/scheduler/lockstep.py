@@ -11,7 +11,6 @@ tokens left, admission, in order); before each pass through the model, on its ba
 iteration, on what failed and an ordered digest of the tokens sampled. A disagreement, a pass that
 fails on one rank (its peers would wait in a collective it never reaches) or a collective that fails
 ends the group (``RanksOutOfStep``, a ``GroupFailure``) in seconds, not at gloo's timeout."""
-import itertools
 import logging
 import math
 import random
@@ -26,7 +25,8 @@ import xxhash
 from ..cache.plan import RequestPlan
 from ..errors import HypicError
 from ..parallel.group import GroupFailure, TensorParallel, from_rank_zero, same_on_every_rank
-from .loop import Command, EngineLoop, Event, Job, Pending, Solo, WarmupTask, wake_only
+from .loop import Command, EngineLoop, Event, Job, Pending, WarmupTask, wake_only
+from .sync import Solo
 from .requests import Request
 
 log = logging.getLogger("hypic.server")
@@ -126,14 +126,19 @@ def stable_hash(value: Any) -> int:
 
 
 class RankSync(Solo):
-    """How a rank's loop stays in step with the others: before each pass through the model the ranks agree on its batch (serials and sizes, in order), so
-    none enters a collective its peers skip; after the iteration they agree on what failed and what
-    each sample took (an ordered digest). A disagreement, or a pass that fails on one rank, ends the
-    group (``RanksOutOfStep``)."""
+    """How a rank's loop stays in step with the others. Before an iteration the ranks agree on the requests
+    it starts from (each one's serial, identity, tokens left and admission, in order); before each pass
+    through the model on its batch (serials and sizes, in order), so none enters a collective its peers
+    skip; after the iteration on what failed and what each sample took (an ordered digest). What the
+    loop reads from outside is rank 0's, from the iteration's record. A disagreement, or a pass that
+    fails on one rank, ends the group (``RanksOutOfStep``)."""
 
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
         self.failures = self.digest = 0  # this iteration's failed requests and warm-ups, and sampled tokens
+        self.digests: dict[int, int] = {}  # serial -> what each waiting request or warm-up is, hashed
+        self.cancelled_now: frozenset[int] = frozenset()
+        self.held: frozenset[int] | None = None  # the requests rank 0 holds back this iteration (None: live)
 
     def model_call(self, run: Callable[[], Any], batch: list[int]) -> Any:
         self.agree("a batch", [ordered_hash(batch), len(batch)])
@@ -149,6 +154,36 @@ class RankSync(Solo):
     def sampled(self, serial: int, index: int, token: int) -> None:
         self.digest = ordered_hash((serial, index, token), self.digest)
 
+    def admitted(self, item: Pending) -> None:
+        self.digests[item.serial] = stable_hash(_identity(item))
+
+    def left(self, item: Pending) -> None:
+        self.digests.pop(item.serial, None)
+
+    def cancelled(self, pending: Pending) -> bool:
+        return pending.serial in self.cancelled_now
+
+    def held_back(self, job: Job) -> bool:
+        """Rank 0's decision for this iteration, as its record says (live: this rank's own)."""
+        if self.held is None:
+            return super().held_back(job)
+        return not job.admitted and job.serial in self.held
+
+    def freeze(self, record: Iteration) -> None:
+        """What the loop reads from outside during this iteration: rank 0's, from ``record``."""
+        self.cancelled_now, self.held = record.cancelled, record.held
+
+    def agree_on_start(self, waiting: list[Pending], running: list[Job]) -> None:
+        self.agree("the iteration's requests", [ordered_hash(self._fingerprint(waiting, running))])
+
+    def _fingerprint(self, waiting: list[Pending], running: list[Job]) -> Iterator[int]:
+        for pending in waiting:
+            left = int(pending.remaining) if math.isfinite(pending.remaining) else -1
+            admitted = isinstance(pending, Job) and pending.admitted
+            yield from (pending.serial, self.digests.get(pending.serial, 0), left, admitted)
+        for job in running:
+            yield from (job.serial, sum(not s.finished for s in job.sequences))
+
     def agree(self, what: str, values: list[int]) -> None:
         """Every rank holds the same ``values`` for ``what``, or the group ends."""
         if not same_on_every_rank(values, self.tp, what):
@@ -162,49 +197,20 @@ class RankSync(Solo):
 
 
 class _Lockstep(EngineLoop):
-    """What rank 0 and the followers run alike: the record's cancellations and holds, and the
-    ranks' agreement on the requests each iteration starts from."""
+    """The engine loop with a ``RankSync``: each iteration runs between the ranks' agreements."""
 
     def __init__(self, engine: Any, mode: Any, **options: Any) -> None:
         self.rank_sync = RankSync(engine.model.config.tensor_parallel)
         super().__init__(engine, mode, sync=self.rank_sync, **options)
         self.tp: TensorParallel = self.rank_sync.tp
-        self.cancelled_now: frozenset[int] = frozenset()
-        self.digests: dict[int, int] = {}  # serial -> what each admitted request or warm-up is, hashed
 
-    def _freeze(self, record: Iteration) -> None:
-        self.cancelled_now = record.cancelled
-        for pending in self.waiting:
-            if isinstance(pending, Job) and not pending.admitted:
-                pending.held_back = pending.serial in record.held
-
-    def _admit(self, item: Pending) -> None:
-        self.digests[item.serial] = stable_hash(_identity(item))
-        super()._admit(item)
-
-    def _run_iteration(self) -> None:
-        """This iteration, between the ranks' two agreements: on what it starts from, and on its outcome."""
-        self.rank_sync.agree("the iteration's requests", [ordered_hash(self._fingerprint())])
+    def _run_iteration(self, record: Iteration) -> None:
+        """The iteration ``record`` starts, between the ranks' two agreements: on what it starts from,
+        and on its outcome."""
+        self.rank_sync.freeze(record)
+        self.rank_sync.agree_on_start(self.waiting, self.running)
         self._iterate()
         self.rank_sync.check()
-
-    def _fingerprint(self) -> Iterator[int]:
-        """Each waiting item's serial, identity, tokens left and admission, and each running one's samples
-        left, in the loop's order."""
-        for pending in self.waiting:
-            left = int(pending.remaining) if math.isfinite(pending.remaining) else -1
-            admitted = isinstance(pending, Job) and pending.admitted
-            yield from (pending.serial, self.digests.get(pending.serial, 0), left, admitted)
-        for job in self.running:
-            yield from (job.serial, sum(not s.finished for s in job.sequences))
-
-    def _drop_cancelled(self) -> None:
-        for pending in [p for p in (*self.waiting, *self.running) if p.serial in self.cancelled_now]:
-            self._drop(pending)
-
-    def _leave_queue(self, item: Pending) -> None:
-        self.digests.pop(item.serial, None)
-        super()._leave_queue(item)
 
 
 def _identity(item: Pending) -> Any:
@@ -222,11 +228,11 @@ class LeaderLoop(_Lockstep):
 
     def __init__(self, engine: Any, mode: Any, ranks: Ranks, **options: Any) -> None:
         super().__init__(engine, mode, on_fatal=ranks.fail, **options)
-        self.ranks, self.serials = ranks, itertools.count()
+        self.ranks = ranks
 
     @property
     def failure(self) -> str | None:
-        return self.ranks.failed or self.stopped
+        return self.ranks.failed or self.inbox.stopped
 
     def sample_seed(self) -> int | None:
         return random.getrandbits(62)
@@ -237,7 +243,7 @@ class LeaderLoop(_Lockstep):
 
     def flush(self, namespace: str | None, tiers: frozenset[str]) -> Any:
         command = FlushCommand(lambda: self.engine.flush(namespace, tiers), namespace=namespace, tiers=tiers)
-        self.inbox.put(command)
+        self.inbox.command(command)
         return command.future
 
     def _die(self, err: BaseException) -> None:
@@ -249,23 +255,20 @@ class LeaderLoop(_Lockstep):
 
     def _turn(self) -> bool:
         """One iteration: drain, broadcast what it took, run it; False once stopped."""
-        for pending in self.waiting:
-            if isinstance(pending, Job):
-                pending.held_back = None  # live: whether the loop is idle
+        self.rank_sync.held = None  # live: whether the loop is idle
         items, stop = self._take_inbox(self._idle_wait() if self._idle() else None)
         record = self._record(items, stop)
         from_rank_zero(record)
         if stop:
             return False
-        self._freeze(record)
-        self._run_iteration()
+        self._run_iteration(record)
         return True
 
     def _take_inbox(self, wait_s: float | None) -> tuple[list[Item], bool]:
         """What the inbox holds (waiting up to ``wait_s`` for the first item), admitted or run here, as
         records; and whether the loop stops."""
         items: list[Item] = []
-        for item in self._inbox_items(wait_s):
+        for item in self.inbox.items(wait_s):
             if item is None:
                 return items, True
             record = self._take(item)
@@ -284,11 +287,9 @@ class LeaderLoop(_Lockstep):
                 item.future.set_exception(HypicError("not served under tensor parallelism"))
             return None
         if isinstance(item, WarmupTask) and item.source is None:  # a peer's steps: no other rank could make them
-            with self._queued_lock:
-                self._queued -= 1
+            self.inbox.gone()
             item.future.set_exception(HypicError("precombined or peer steps are not served under tensor parallelism"))
             return None
-        item.serial = next(self.serials)
         self._admit(item)
         if isinstance(item, WarmupTask):
             assert item.source is not None
@@ -314,8 +315,7 @@ class FollowerLoop(_Lockstep):
         torch.set_grad_enabled(False)
         while not (record := from_rank_zero()).stop:
             self._apply(record)
-            self._freeze(record)
-            self._run_iteration()
+            self._run_iteration(record)
 
     def _apply(self, record: Iteration) -> None:
         for item in record.items:
