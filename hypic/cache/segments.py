@@ -8,7 +8,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import IntFlag
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Callable
 
 from ..errors import InvalidRequest, as_written
@@ -29,9 +29,10 @@ class PromptParts:
     namespace: str = ""
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
-    @property
+    @cached_property
     def token_ids(self) -> list[int]:
-        """The request's ids: the concatenation of its parts (what full recompute also sees)."""
+        """The request's ids: the concatenation of its parts (what full recompute also sees); made once,
+        shared by every reader (never change it)."""
         ids = list(self.leading)
         for segment in self.segments:
             ids.extend(segment)

@@ -51,6 +51,10 @@ def default_prefill_batch(device: str) -> int:
     return 16 if device.startswith("cuda") else 1
 
 
+def _unheard(_: Event) -> None:
+    """A job's events before it is queued: none are sent."""
+
+
 def _nobody_told(message: str) -> None:
     """The default ``on_fatal``: the loop's clients heard of it already; nothing else is told."""
 
@@ -92,16 +96,29 @@ class EngineLoop(Batching):
     def submit(self, parts: PromptParts, request: Request, sequences: list[Sequence],
                emit: Callable[[Event], None], arrived: float | None = None,
                peer_work: PeerWork | None = None) -> Job:
-        """Queue a validated request whose samples (``Engine.sequences``) are ready to run.
-        ``arrived``: when it reached the server (``time.perf_counter``; its TTFT and latency count
-        from there); ``peer_work``: with peers, what starts its documents' builds there, called once
-        the request is admitted (a slot and room for its state), so nothing is built or shipped
-        for a request that must wait; if that work fails, the request is prefilled here alone."""
-        plan = self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))  # off the loop thread
-        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences, emit, plan)
+        """Queue a validated request whose samples (``Engine.sequences``) are ready to run: ``job_for``,
+        then ``enqueue``."""
+        job = self.job_for(parts, request, sequences)
         if arrived is not None:
             job.start = arrived
+        return self.enqueue(job, emit, peer_work)
+
+    def job_for(self, parts: PromptParts, request: Request, sequences: list[Sequence]) -> Job:
+        """A validated request as the loop runs it, planned once (``Engine.plan``: its keys and layout)
+        and its state footprint checked (``check_state_fits``); pure, so its caller may make it on any
+        thread. Its TTFT counts from now (set ``start`` to when it reached the server)."""
+        plan = self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))
+        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences,
+                  _unheard, plan)
         job.footprint = self.check_state_fits(parts, request, len(sequences))
+        return job
+
+    def enqueue(self, job: Job, emit: Callable[[Event], None], peer_work: PeerWork | None = None) -> Job:
+        """Queue ``job`` (``job_for``), its events to ``emit``. ``peer_work``: with peers, what starts its
+        documents' builds there, called once the request is admitted (a slot and room for its state),
+        so nothing is built or shipped for a request that must wait; if that work fails, the request
+        is prefilled here alone."""
+        job.emit = emit
         if peer_work is not None:
             self.peers.add(job, peer_work)
         try:

@@ -17,10 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import HypicError, InvalidRequest
-from ..cache.segments import PromptParts
 from ..cache.modes import Mode
 from ..cache.plan import RequestPlan
-from ..sequence import Sequence
 from .chat import chat_renderer
 from ..scheduler.loop import (
     DoneEvent, EngineLoop, ErrorEvent, Event, Job, LoopStopped, PeerWork, ProgressEvent, QueueFull)
@@ -108,7 +106,7 @@ class Peers(Protocol):
     def close(self) -> None: ...
 
 
-Prepared = tuple[GenerationRequest, PromptParts, list[Sequence]]
+Prepared = tuple[GenerationRequest, Job]  # a request as checked, and its job (planned, not queued yet)
 Shape = Callable[[int, Event], list[Any]]
 
 
@@ -150,8 +148,7 @@ class Server:
             request.logprobs.input_from(len(parts.token_ids))
         top = request.logprobs.top if request.logprobs is not None else None
         sequences = self.loop.engine.sequences(request.params, parts.token_ids, top, seed=self.loop.sample_seed())
-        self.loop.check_state_fits(parts, request, len(sequences))  # before peers build or ship anything
-        return request, parts, sequences
+        return request, self.loop.job_for(parts, request, sequences)  # planned here, off the event loop
 
     async def _submit(self, http: Request, requests: list[GenerationRequest],
                       arrived: float) -> tuple[list[GenerationRequest], list[Job], asyncio.Queue[tuple[int, Event]]]:
@@ -165,13 +162,13 @@ class Server:
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         jobs = []
-        for position, (request, parts, sequences) in enumerate(prepared):
+        for position, (request, job) in enumerate(prepared):
             def emit(event: Event, position: int = position) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, (position, event))
 
-            jobs.append(self.loop.submit(parts, request, sequences, emit, arrived=arrived,
-                                         peer_work=self._peer_work()))
-        return [request for request, _, _ in prepared], jobs, events
+            job.start = arrived
+            jobs.append(self.loop.enqueue(job, emit, self._peer_work()))
+        return [request for request, _ in prepared], jobs, events
 
     def _peer_work(self) -> PeerWork | None:
         """With peers (and a mode that caches documents): what starts a request's documents' builds on
