@@ -209,8 +209,9 @@ def _parser() -> argparse.ArgumentParser:
                             "torch.distributed (gloo), rebuilt without a lost worker; ray = Ray's object store "
                             "(default: torch)")
     serve.add_argument("--worker-timeout", type=float, default=300.0,
-                       help="seconds a worker may take to ship a request's documents before it is declared lost, "
-                            "killed and its documents recomputed here (default: 300)")
+                       help="seconds a worker may take to answer any call (build or ship a request's documents, "
+                            "report what it holds, combine a request) before it is declared lost and killed; a "
+                            "request whose peer work takes longer is prefilled here (default: 300)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
     _tier_options(serve)
     access = serve.add_argument_group("access and limits")
