@@ -61,5 +61,8 @@ class Planner:
         return plan_request(parts, self.policy(mode, parts.namespace), self.fingerprint, logits_from)
 
     def documents(self, documents: list[str], namespace: str = "") -> PromptParts:
-        """Documents to cache, parsed as the segments of one prompt (nothing before or after them)."""
-        return self.parse(self.separator.join(["", *documents, ""]), namespace)
+        """Documents to cache, each tokenized on its own, as the segments of one prompt with nothing
+        before or after them. No request sends that prompt, so the context does not bound its length
+        (it bounds each document's: ``Engine.check_documents``)."""
+        parts = PromptParts((), tuple(tuple(self.tokenizer.encode(document)) for document in documents), ())
+        return replace(parts, namespace=namespace) if namespace else parts

@@ -193,3 +193,17 @@ def test_a_clean_stop_removes_the_ray_session_folder(tiny_checkpoint: Path, tmp_
         server.process.wait(timeout=60)
     assert server.process.returncode == 0, (tmp_path / "server.log").read_text()
     assert not sessions[0].exists()
+
+
+def test_warmup_takes_documents_that_fit_the_context_alone_though_not_together(server: ServerProcess) -> None:
+    """With peers as without: each document is checked against the context on its own (they are never one
+    prompt), so three that each fit, and do not fit together, are warmed, each with its own token count."""
+    context = server.get("/get_model_info")["max_position_embeddings"]
+    tokenizer = TextTokenizer.from_dir(default_model_path())
+    documents = [f"report {tag}: the heron waits by the {tag} river for the fish, " * (context // 60)
+                 for tag in ("north", "south", "east")]
+    counts = [len(tokenizer.encode(document)) for document in documents]
+    assert all(count <= context for count in counts) and sum(counts) > context
+    server.post("/flush_cache", {})
+    warmed = server.post("/warmup", {"documents": documents})
+    assert warmed["documents"] == 3 and warmed["token_counts"] == counts
