@@ -147,3 +147,32 @@ class RankGroup:
         self.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+
+def run_as_rank_zero(fn: Follow, size: int, *args: Any, threads: int | None = 1, device: str = "cpu") -> Any:
+    """``fn(tp, *args)`` on every rank of a new group: ranks 1..N-1 started here (``RankGroup``, a
+    library's failure rule), rank 0 in this process; returns rank 0's result. A rank that dies, hangs
+    or stops on an error fails rank 0's collective: this raises ``GroupFailure`` naming that rank and
+    its cause. Rank 0's own error is raised as it is, the other ranks killed."""
+    group = RankGroup(size, fn, args, threads, device)
+    try:
+        result = fn(group.tp, *args)
+    except (Exception, GroupFailure) as err:
+        cause = _named_failure(group, err) if isinstance(err, GroupFailure) else None
+        group.kill()  # followers waiting for rank 0 in a collective would wait for gloo's timeout
+        group.close()
+        if cause is None:
+            raise
+        raise GroupFailure(cause) from err
+    group.close()
+    return result
+
+
+def _named_failure(group: RankGroup, err: GroupFailure) -> str:
+    """Why rank 0's collective failed: the watchdog's cause (a rank that died or hangs; given a moment,
+    since the collective may fail before the watchdog's next look), else the collective's own error."""
+    deadline = time.monotonic() + 4 * POLL_S
+    while group.failed is None and time.monotonic() < deadline:
+        time.sleep(POLL_S / 5)
+    return group.failed or str(err)

@@ -21,6 +21,22 @@ def test_a_rank_killed_mid_collective_fails_the_group_quickly_and_leaves_no_proc
     assert not _live_children()
 
 
+@pytest.mark.parametrize(("follow", "cause"), [(rank_code.dies_on_rank_one, r"rank 1 \(pid \d+\) died"),
+                                              (rank_code.stops_on_rank_one, r"rank 1 \(pid \d+\) hangs")])
+def test_a_rank_that_dies_or_hangs_under_rank_zero_here_fails_the_group_naming_it(follow, cause: str) -> None:
+    """This process as rank 0 (``hypic eval --tp-size``): a follower killed or stopped while rank 0
+    waits for it in a collective fails the group within 30 s, naming the rank; no process is left."""
+    import time
+    from hypic.parallel.group import GroupFailure
+    from hypic.parallel.ranks import run_as_rank_zero
+    start = time.monotonic()
+    with pytest.raises(GroupFailure, match=cause):
+        run_as_rank_zero(follow, 2)
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)
+    assert not _live_children()
+
+
 def _live_children() -> list[int]:
     """Processes (not zombies) whose parent is this test process, but multiprocessing's resource tracker
     (one per parent, kept for its whole life)."""
