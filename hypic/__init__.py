@@ -8,6 +8,7 @@ from .default_model import default_model_path
 from .engine import Engine, GenerationResult, Prefill, PrefillStats
 from .errors import CheckpointError, HypicError, InvalidRequest, UnsupportedModel
 from .cache.segments import DEFAULT_SEPARATOR
+from .scheduler import engine_group as _engine_group  # noqa: F401 - Engine.from_pretrained(tp_size=N)'s driver
 
 __all__ = [
     "CheckpointError", "DEFAULT_SEPARATOR", "Engine", "GenerationResult", "HypicError", "InvalidRequest",

@@ -1,5 +1,6 @@
 """``hypic`` command line: serve over HTTP, or generate from the shell, with position-independent caching."""
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -391,10 +392,13 @@ def _stop_gracefully(signum: int, _: Any) -> None:
 
 def _rank_group(args: argparse.Namespace, choice: ModelChoice, serving: dict[str, Any],
                 loop_options: dict[str, Any]) -> Any:
-    """Ranks 1..N-1 started, each loading its shard with this process's options; this process joins as rank 0."""
-    from .scheduler.rank_group import RankGroup
+    """Ranks 1..N-1 started, each loading its shard with this process's options; this process joins as rank 0.
+    A rank that dies or hangs ends the server (non-zero exit status, the cause on stderr)."""
+    from .scheduler.fatal import exit_soon
+    from .scheduler.rank_group import start_ranks
 
-    return RankGroup(args.tp_size, str(choice.path), args.threads, {**_model_settings(args), **serving}, loop_options)
+    return start_ranks(args.tp_size, str(choice.path), args.threads, {**_model_settings(args), **serving},
+                       loop_options, on_failure=exit_soon)
 
 
 def _gate_limits(args: argparse.Namespace) -> Any:
@@ -456,17 +460,13 @@ def _generate(args: argparse.Namespace) -> None:
     if args.threads is None:  # torch's own default counts hyper-threads and ignores the affinity mask
         args.threads = max(1, physical_cores() // max(args.tp_size, 1))
     if args.tp_size == 1:
-        for line in _generate_lines(args, choice):
+        for line in _generate_lines(args, _engine(args, choice)):
             print(line)
         return
-    from .parallel.launch import run_ranks
     check_tp_size(choice.path, args.tp_size)
-    try:
-        outputs = run_ranks(_generate_on_rank, args.tp_size, args, choice, threads=args.threads or 1)
-    except RuntimeError as err:
-        raise HypicError(str(err)) from None
-    for line in outputs[0]:  # every rank computed the same tokens; rank 0 speaks for them
-        print(line)
+    with contextlib.closing(_engine(args, choice, tp_size=args.tp_size, threads=args.threads, mode=args.mode)) as group:
+        for line in _generate_lines(args, group):
+            print(line)
 
 
 def check_tp_size(path: Path, tp_size: int) -> None:
@@ -480,16 +480,10 @@ def check_tp_size(path: Path, tp_size: int) -> None:
     rank_config(read_config(path), TensorParallel(0, tp_size))
 
 
-def _generate_on_rank(tp: Any, args: argparse.Namespace, choice: ModelChoice) -> list[str]:
-    return _generate_lines(args, choice, tp=tp)
-
-
-def _generate_lines(args: argparse.Namespace, choice: ModelChoice, **options: Any) -> list[str]:
-    """Each prompt's answer and counts (warm-up first, on stderr, from rank 0 alone)."""
-    engine = _engine(args, choice, **options)
+def _generate_lines(args: argparse.Namespace, engine: Engine) -> list[str]:
+    """Each prompt's answer and counts (warm-up first, on stderr)."""
     warm_up_s = _warm_up(engine, args.mode)
-    if engine.model.config.tensor_parallel.rank == 0:
-        print(f"(warm-up: {warm_up_s:.1f} s, one time, not in the timings below)", file=sys.stderr)
+    print(f"(warm-up: {warm_up_s:.1f} s, one time, not in the timings below)", file=sys.stderr)
     lines = []
     for prompt in args.prompt:
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, mode=args.mode)

@@ -6,6 +6,7 @@ parts one step at a time."""
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,6 @@ from .quantization import Quantization
 from .models import HybridModel
 from .models.families import linear_shapes
 from .parallel import TensorParallel
-from .parallel.engine_group import EngineGroup
 from .parallel.group import common_seed
 from .cache.modes import Mode, ModePolicy
 from .model_runner import ModelRunner
@@ -41,6 +41,15 @@ from .cache.tiers.entry_file import EntryIdentity
 from .cache.tiers.options import TierOptions, build_tiers
 from .cache.tiers.resume import ResumeStore
 from .tokenizer import TextTokenizer
+
+StartGroup = Callable[..., Any]  # (path, tp_size, threads=..., mode=..., **options) -> a tensor-parallel group's rank 0
+_start_group: list[StartGroup] = []
+
+
+def serve_groups_with(start: StartGroup) -> None:
+    """How ``Engine.from_pretrained(..., tp_size=N)`` starts a group: ``hypic.scheduler.engine_group``
+    registers its driver when imported (with the package), since the engine sits below the scheduler."""
+    _start_group[:] = [start]
 
 @dataclass
 class GenerationResult:
@@ -111,7 +120,7 @@ class Engine:
                         chunk_tokens: int = 2048, snapshot_interval: int | None = None,
                         state_cache_dtype: str = "float32", tiers: TierOptions = TierOptions(),
                         eviction: Eviction = Eviction.LRU, tp: TensorParallel = TensorParallel(),
-                        tp_size: int = 1) -> "Engine":
+                        tp_size: int = 1, threads: int | None = 1, mode: Mode | str = Mode.HYPIC) -> "Engine":
         """Load a local HF-format checkpoint directory (config.json, *.safetensors, tokenizer.json).
         ``"default"`` loads the model shipped in the package (``hypic.default_model_path()``).
         ``dtype``: float32, bfloat16, float16, or auto (the checkpoint's; float32 on a CPU that does
@@ -120,15 +129,17 @@ class Engine:
         public pool's disk and Mooncake tiers (none by default); ``eviction``: the public pool's order
         (``hypic.cache.eviction``). ``tp``: this process is one rank of a tensor-parallel group and
         holds that rank's share of the model and of every cache (``hypic.parallel``). ``tp_size`` N > 1:
-        this process becomes rank 0 of N, the others are started here, and an
-        ``hypic.parallel.engine_group.EngineGroup`` is returned, whose ``generate``, ``prefill``,
-        ``warmup`` and ``flush`` run on every rank."""
+        this process becomes rank 0 of N, the others are started here (``threads`` torch threads each),
+        and an ``hypic.scheduler.engine_group.EngineGroup`` is returned, whose ``generate``, ``warmup``
+        and ``flush`` run on every rank in ``mode`` (one mode per group, as a server's loop serves).
+        Without ``tp_size``, ``threads`` and ``mode`` are unused."""
         if tp_size != 1:
-            return EngineGroup(cls.from_pretrained, path, tp_size,  # type: ignore[return-value]
-                               device=device, dtype=dtype, seam_width=seam_width, pic_separator=pic_separator, public_pool_bytes=public_pool_bytes,
-                               private_pool_bytes=private_pool_bytes, private_window_bytes=private_window_bytes,
-                               chunk_tokens=chunk_tokens, snapshot_interval=snapshot_interval,
-                               state_cache_dtype=state_cache_dtype, tiers=tiers, eviction=eviction)
+            return _start_group[0](path, tp_size, threads=threads, mode=mode, device=device, dtype=dtype,
+                                   seam_width=seam_width, pic_separator=pic_separator,
+                                   public_pool_bytes=public_pool_bytes, private_pool_bytes=private_pool_bytes,
+                                   private_window_bytes=private_window_bytes, chunk_tokens=chunk_tokens,
+                                   snapshot_interval=snapshot_interval, state_cache_dtype=state_cache_dtype,
+                                   tiers=tiers, eviction=eviction)
         if dtype not in (*DTYPE_NAMES, "auto"):
             raise InvalidRequest(f"dtype must be auto or one of {', '.join(sorted(DTYPE_NAMES))}, got {as_written(dtype)}")
         path = default_model_path() if str(path) == "default" else Path(path)

@@ -174,8 +174,10 @@ def _run_study(args: argparse.Namespace, target: Target, methods: list[Method], 
 def _run_on_ranks(args: argparse.Namespace, methods: list[Method], samples: list) -> dict:
     """The study run by ``--tp-size`` ranks in step, each on its shard of the model. Every rank runs
     every request (the ranks compute each one together); the others start from a copy of the
-    records already written, so that all resume at the same sample, and write to folders thrown away."""
-    from hypic.parallel.launch import run_ranks
+    records already written, so that all resume at the same sample, and write to folders thrown away.
+    This process is rank 0; a rank that dies or hangs ends the run, named (``RankGroup``)."""
+    from hypic.parallel.group import GroupFailure
+    from hypic.parallel.ranks import run_as_rank_zero
     if args.url is not None:
         raise DataError("--tp-size runs the in-process engine over several ranks; a server's ranks are set where it "
                         "starts (hypic serve --tp-size)")
@@ -185,7 +187,11 @@ def _run_on_ranks(args: argparse.Namespace, methods: list[Method], samples: list
     _check_tp_size(args.model, args.tp_size)
     with tempfile.TemporaryDirectory(prefix="hypic-eval-ranks-") as scratch:
         outs = [args.out] + [_copy_records(args, Path(scratch) / f"rank{rank}") for rank in range(1, args.tp_size)]
-        return run_ranks(_study_on_rank, args.tp_size, args, outs, methods, samples, threads=args.threads or 1)[0]
+        try:
+            return run_as_rank_zero(_study_on_rank, args.tp_size, args, outs, methods, samples,
+                                    threads=args.threads or 1, device=args.device)
+        except GroupFailure as err:
+            raise HypicError(f"the tensor-parallel run cannot go on: {err}") from err
 
 
 def _check_tp_size(model: str, tp_size: int) -> None:

@@ -100,7 +100,7 @@ class FlushCommand(Command):
 
 
 class Ranks(Protocol):
-    """The group rank 0 leads (``hypic.scheduler.rank_group.RankGroup``)."""
+    """The group rank 0 leads (``hypic.parallel.ranks.RankGroup``)."""
 
     failed: str | None
 

@@ -1,6 +1,7 @@
 """``hypic eval`` end to end on the shipped model: each study writes its JSONL, summary and PNG,
 a rerun redoes nothing, and bad input is a clear error that keeps finished samples."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,24 @@ def test_two_ranks_give_one_ranks_records(synthetic: Path, tmp_path: Path) -> No
         for key in ("prediction", "output_ids", "score", "cached_tokens", "recomputed_tokens", "segments_hit",
                     "agrees_with_full"):
             assert a[key] == b[key], key
+
+
+def test_a_rank_that_dies_mid_study_is_a_clear_error_naming_it(synthetic: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 1 of ``--tp-size 2`` exits at its first request: the run ends with status 2 within 30 s,
+    naming the rank, and this process (rank 0) goes on."""
+    import os
+    import time
+    helpers = Path(__file__).resolve().parents[1] / "helpers"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "faults"), str(helpers.parents[1]),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYPIC_TEST_FAULT", "follower_generate_exit")
+    start = time.monotonic()
+    assert main(["eval", "pareto", "--data", str(synthetic), "--limit", "1", "--methods", "hypic:8", "--tp-size", "2",
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert time.monotonic() - start < 30
+    assert re.search(r"tensor-parallel rank 1 \(pid \d+\) died \(exit code 7\)", capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,6 +1,8 @@
 """Tensor parallelism around the model (every family's model: test_tensor_parallel_families.py): a rank
 that dies, refused sizes, stored shards per rank, and an engine group driven from one process, each
 against one process (TP=1)."""
+import re
+
 import pytest
 
 from hypic.parallel import TensorParallel
@@ -14,6 +16,22 @@ def test_a_rank_killed_mid_collective_fails_the_group_quickly_and_leaves_no_proc
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 died"):
         run_ranks(rank_code.dies_on_rank_one, 2)
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)
+    assert not _live_children()
+
+
+@pytest.mark.parametrize(("follow", "cause"), [(rank_code.dies_on_rank_one, r"rank 1 \(pid \d+\) died"),
+                                              (rank_code.stops_on_rank_one, r"rank 1 \(pid \d+\) hangs")])
+def test_a_rank_that_dies_or_hangs_under_rank_zero_here_fails_the_group_naming_it(follow, cause: str) -> None:
+    """This process as rank 0 (``hypic eval --tp-size``): a follower killed or stopped while rank 0
+    waits for it in a collective fails the group within 30 s, naming the rank; no process is left."""
+    import time
+    from hypic.parallel.group import GroupFailure
+    from hypic.parallel.ranks import run_as_rank_zero
+    start = time.monotonic()
+    with pytest.raises(GroupFailure, match=cause):
+        run_as_rank_zero(follow, 2)
     assert time.monotonic() - start < 30
     time.sleep(0.5)
     assert not _live_children()
@@ -72,6 +90,8 @@ def test_an_engine_group_driven_from_one_process_answers_as_one_engine(checkpoin
         got = [group.generate(prompt, max_new_tokens=6) for _ in range(2)]
         with pytest.raises(HypicError, match="decode_step is not served"):
             group.decode_step(None, 0)
+        with pytest.raises(HypicError, match="serves mode hypic, not full"):  # one mode per group, as a server's
+            group.generate(prompt, mode="full", max_new_tokens=6)
     assert [(r.output_ids, r.cached_tokens, r.segments_hit, r.segments_missed) for r in got] == \
         [(r.output_ids, r.cached_tokens, r.segments_hit, r.segments_missed) for r in expected]
     assert got[0].segments_missed > 0 and got[1].cached_tokens > 0  # built, then reused, on both ranks
@@ -101,6 +121,52 @@ def test_a_failure_on_a_follower_alone_fails_the_engine_group_fast(checkpoint_fa
     with pytest.raises(HypicError, match="out of step"):
         group.generate("next", max_new_tokens=2)
     group.close()
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)
+    assert not _live_children()
+
+
+def _group_raises_within(call, seconds: float) -> Exception | None:
+    """What ``call()`` raised, run on a thread given ``seconds`` to end (None: it returned; it must end)."""
+    import threading
+    raised: list[Exception | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            raised.append(None)
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            raised.append(err)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert raised, f"the call neither returned nor raised within {seconds} s"
+    return raised[0]
+
+
+@pytest.mark.parametrize(("stop", "cause"), [("SIGKILL", r"rank 1 \(pid \d+\) died"),
+                                            ("SIGSTOP", r"rank 1 \(pid \d+\) hangs")])
+def test_a_follower_killed_or_stopped_fails_the_engine_group_naming_it_and_leaves_no_process(
+        checkpoint_factory, stop: str, cause: str) -> None:
+    """The next call after a follower is killed, or a call pending while it is stopped, raises within 30 s
+    naming the rank; so does every later one; this process goes on, and no rank is left."""
+    import os
+    import signal
+    import time
+    from hypic.engine import Engine
+    from hypic.errors import HypicError
+    group = Engine.from_pretrained(checkpoint_factory("qwen3_5_text-ratio2"), dtype="float32", tp_size=2)
+    try:
+        assert group.generate("before", max_new_tokens=2).output_ids  # the group runs
+        start = time.monotonic()
+        os.kill(group.ranks.pids[0], getattr(signal, stop))
+        raised = _group_raises_within(lambda: group.generate("after", max_new_tokens=2), 30)
+        assert isinstance(raised, HypicError), raised
+        assert re.search(cause, str(raised)) and "cannot go on" in str(raised)
+        with pytest.raises(HypicError, match=cause):
+            group.warmup(["a document long enough to be cached on every rank " * 2])
+    finally:
+        group.close()
     assert time.monotonic() - start < 30
     time.sleep(0.5)
     assert not _live_children()

@@ -10,6 +10,8 @@ which. A follower rank is a process started by multiprocessing's spawn (its comm
   row order (its samples take each other's tokens).
 - ``follower_flush``: a follower's ``Engine.flush`` fails.
 - ``follower_clock``: a follower's ``time.perf_counter`` runs 1000 times fast.
+- ``follower_generate_exit``: a follower's process exits (status 7) at its first ``Engine.generate``, as
+  a rank killed mid-run would.
 - ``loop``: in the server, ranking the waiting work raises once a request whose prompt holds
   ``BREAK-THE-LOOP`` waits: a fault of the engine loop itself, owned by no request."""
 import os
@@ -71,6 +73,15 @@ def _follower_clock() -> None:
     time.perf_counter = lambda: 1000.0 * real()
 
 
+def _follower_generate_exit() -> None:
+    import hypic.engine
+
+    def generate(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        os._exit(7)
+
+    hypic.engine.Engine.generate = generate
+
+
 def _loop() -> None:
     from hypic.scheduler import loop
 
@@ -85,7 +96,8 @@ def _loop() -> None:
 
 
 FOLLOWER_FAULTS = {"follower_warmup": _follower_warmup, "follower_record": _follower_record,
-                   "follower_rows": _follower_rows, "follower_flush": _follower_flush, "follower_clock": _follower_clock}
+                   "follower_rows": _follower_rows, "follower_flush": _follower_flush, "follower_clock": _follower_clock,
+                   "follower_generate_exit": _follower_generate_exit}
 if FAULT in FOLLOWER_FAULTS and ON_FOLLOWER:
     FOLLOWER_FAULTS[FAULT]()
 elif FAULT == "loop" and not ON_FOLLOWER:

@@ -60,6 +60,17 @@ def dies_on_rank_one(tp: TensorParallel) -> None:
     all_reduce(torch.ones(4), tp)
 
 
+def stops_on_rank_one(tp: TensorParallel) -> None:
+    """Rank 1 stops itself (SIGSTOP: it hangs) while rank 0 waits for it in an all-reduce."""
+    import os
+    import signal
+
+    from hypic.parallel import all_reduce
+    if tp.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    all_reduce(torch.ones(4), tp)
+
+
 def pic_through_disk(tp: TensorParallel, path: str, cache_dir: str) -> tuple[str, int, int]:
     """The PIC test prompt on an engine whose public pool writes to and reads from ``cache_dir``:
     (text, segments hit, segments missed); the engine is closed (its writes finished) before returning."""
