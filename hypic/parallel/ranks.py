@@ -6,7 +6,9 @@ process exited, or whose heartbeat is ``HANG_S`` old (each follower beats from a
 which goes on while the rank computes or waits in a collective: both release the interpreter), and
 hands the cause to the group's ``on_failure`` rule: a server exits (``hypic.scheduler.fatal``), a
 library's process kills the other ranks and goes on (``end_ranks``). A follower exits when rank 0
-goes away (its parent process is gone, or the collective it waits in fails)."""
+goes away (its parent process is gone, or the collective it waits in fails) or hangs (rank 0's watchdog
+beats a heartbeat the followers read: one ``HANG_S`` old means rank 0 is stopped or stuck holding the
+interpreter)."""
 import logging
 import os
 import signal
@@ -41,12 +43,13 @@ def end_ranks(message: str, kill: Kill) -> None:
 
 
 def _follower(rank: int, size: int, address: str, threads: int | None, device: str, follow: Follow, args: tuple,
-              parent: int, heartbeat: Any, last_words: Any) -> None:
+              parent: int, heartbeat: Any, last_words: Any, leader_beat: Any) -> None:
     """A follower rank: beat, watch the parent, join the group, run ``follow`` until it returns; if that
     raises, the error goes to ``last_words`` (rank 0's watchdog names it) and the rank exits."""
     for stop in (signal.SIGINT, signal.SIGTERM):  # rank 0 ends the group (a terminal's Ctrl-C reaches every rank)
         signal.signal(stop, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent,), name="hypic-parent-watch", daemon=True).start()
+    threading.Thread(target=_watch_rank_zero, args=(parent, leader_beat), name="hypic-rank-zero-watch",
+                     daemon=True).start()
     threading.Thread(target=_beat, args=(heartbeat,), name="hypic-heartbeat", daemon=True).start()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -68,8 +71,14 @@ def _beat(heartbeat: Any) -> None:
         time.sleep(POLL_S)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _watch_rank_zero(parent: int, leader_beat: Any) -> None:
+    """Exit once rank 0 (this process's parent) is gone, or its heartbeat is ``HANG_S`` old."""
     while os.getppid() == parent:
+        silent = time.monotonic() - leader_beat.value
+        if silent > HANG_S:
+            print(f"hypic: tensor-parallel rank 0 (pid {parent}) hangs (no heartbeat for {silent:.0f} s): "
+                  "this rank stops", file=sys.stderr, flush=True)
+            break
         time.sleep(POLL_S)
     os._exit(1)
 
@@ -86,11 +95,14 @@ class RankGroup:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one host talk over loopback
         self.failed: str | None = None
         self.closing, self._lock, self.on_failure = False, threading.Lock(), on_failure
+        self.closed = False
         self.heartbeats = [context.Value("d", 0.0) for _ in range(1, size)]  # 0: not beating yet
         self.last_words = [context.Array("c", LAST_WORDS_BYTES) for _ in range(1, size)]
+        self.leader_beat = context.Value("d", time.monotonic())  # rank 0's, stamped by its watchdog
         self.processes = [context.Process(target=_follower, args=(rank, size, address, threads, device, follow, args,
                                                                   os.getpid(), self.heartbeats[rank - 1],
-                                                                  self.last_words[rank - 1]), daemon=True)
+                                                                  self.last_words[rank - 1], self.leader_beat),
+                                          daemon=True)
                           for rank in range(1, size)]
         for process in self.processes:
             process.start()
@@ -103,8 +115,9 @@ class RankGroup:
         return [process.pid for process in self.processes if process.pid is not None]
 
     def _watch(self) -> None:
-        while not self.closing and self.failed is None:
-            cause = self._cause()
+        while not self.closed and self.failed is None:
+            self.leader_beat.value = time.monotonic()  # while closing too: the followers finish their writes
+            cause = None if self.closing else self._cause()
             if cause is not None:
                 self.fail(cause)
                 return
@@ -145,6 +158,7 @@ class RankGroup:
         for process in self.processes:
             process.join(timeout=30)
         self.kill()
+        self.closed = True
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -383,3 +383,22 @@ def test_a_follower_whose_clock_runs_fast_serves_as_one_process(pair: Pair, chec
         assert server.request("GET", "/health")[0] == 200
     finally:
         server.stop()
+
+
+def test_a_follower_whose_rank_zero_hangs_stops(checkpoint: Path, tmp_path: Path) -> None:
+    """Rank 0 stopped (SIGSTOP: alive, but silent): its followers see its heartbeat age and exit within
+    30 s, naming it, instead of waiting in a collective for gloo's 300 s."""
+    server = _serve(checkpoint, tmp_path / "rank0.log", "--tp-size", "2")
+    follower = server.get("/get_server_info")["tensor_parallel"]["rank_pids"][1]
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while not _gone(follower) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(follower)
+    finally:
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+        if not _gone(follower):
+            os.kill(follower, signal.SIGKILL)
+    assert "tensor-parallel rank 0" in server.log.read_text() and "hangs" in server.log.read_text()
