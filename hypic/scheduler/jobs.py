@@ -113,7 +113,8 @@ class Job:
 
     @property
     def logits_from(self) -> int | None:
-        return input_logits_from(self.request, len(self.parts.token_ids))
+        """The first prompt position whose logits it needs (input logprobs), as its plan worked out once."""
+        return self.plan.logits_from
 
     @property
     def finished(self) -> bool:
