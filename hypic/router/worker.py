@@ -159,4 +159,4 @@ class Worker:
         treats this worker as lost)."""
         if not wait([future], self.timeout_s)[0]:
             raise LoopStalled(f"the worker's engine loop did not answer within {self.timeout_s:g} s")
-        return future.result()
+        return future.result(timeout=0)  # done: the wait above saw it

@@ -43,14 +43,8 @@ class Batching:
 
     # ----- what waits -------------------------------------------------------------------------
     def _awaiting(self, job: Job) -> bool:
-        """Whether it waits on work elsewhere: its reads below memory, or its peers."""
-        return self._looking_up(job) or self.peers.busy(job)
-
-    def _looking_up(self, job: Job) -> bool:
-        """Whether it still waits, before it starts, for what it reads below memory: its documents as
-        long as the prefetch policy says, its resume point ``resume.LOOKUP_WAIT_S`` at most (then it
-        starts, and its prefill takes what is in, as without the wait)."""
-        return self.sync.held_back(job)
+        """Whether it waits on work elsewhere: its reads below memory (``Solo.held_back``), or its peers."""
+        return self.sync.held_back(job) or self.peers.busy(job)
 
     def _leave_queue(self, item: Pending) -> None:
         if item in self.waiting:
@@ -65,7 +59,7 @@ class Batching:
             return True
         if pending.admitted:
             return not self._awaiting(pending)
-        return not self._looking_up(pending) and self._fits(pending)
+        return not self.sync.held_back(pending) and self._fits(pending)
 
     def _fits(self, job: Job, slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
         """Whether a new job gets a running slot and room for its state beside the running and admitted
@@ -73,8 +67,8 @@ class Batching:
         if self.flushes.holds(job.parts.namespace):
             return False  # its namespace's entries are being deleted below memory
         started = sum(1 for p in self.waiting if isinstance(p, Job) and p.admitted)
-        return self.policy.admits(len(self.running) + started + slots_ahead, held_bytes(self.waiting, self.running) + bytes_ahead,
-                                  job.footprint)
+        held = held_bytes(self.waiting, self.running) + bytes_ahead
+        return self.policy.admits(len(self.running) + started + slots_ahead, held, job.footprint)
 
     def _start_peer_work(self) -> None:
         """Admit every job with peer work that fits now, in priority order, so its peers build while
@@ -82,7 +76,7 @@ class Batching:
         room a job ahead of it will take here stays that job's."""
         slots_ahead = bytes_ahead = 0
         for pending in self._by_priority():
-            if not isinstance(pending, Job) or pending.admitted or self._looking_up(pending):
+            if not isinstance(pending, Job) or pending.admitted or self.sync.held_back(pending):
                 continue
             if not self._fits(pending, slots_ahead, bytes_ahead):
                 continue

@@ -68,12 +68,12 @@ class EngineLoop(Batching):
     def __init__(self, engine: Engine, mode: Mode | str, max_running: int = 64, max_queued: int = 256,
                  max_state_bytes: int | None = None, max_prefill_batch: int = 16,
                  on_fatal: Callable[[str], None] = _nobody_told, sync: "Solo | None" = None) -> None:
-        self.engine, self.mode, self.max_running = engine, Mode.parse(mode), max_running
+        self.engine, self.mode = engine, Mode.parse(mode)
         self.sync = sync or Solo()  # how its model passes and outcomes are kept alike with other ranks
         self.policy = SchedulingPolicy(max_running, max_state_bytes)
         self.on_fatal = on_fatal  # told why, once, if the loop cannot go on (a server exits non-zero)
         self.max_prefill_batch = max_prefill_batch  # prefill passes run together in one step, at most
-        self.max_queued, self.max_state_bytes = max_queued, max_state_bytes
+        self.max_queued = max_queued
         self.stats = LoopStats()
         self.inbox = Inbox(max_queued, self.stats)
         self.flushes = BackgroundFlushes(engine.cache, self.inbox.put)
@@ -195,6 +195,11 @@ class EngineLoop(Batching):
         """The seed an unseeded request's samples draw from (None: torch's generator; a lockstep loop
         draws one, so every rank samples alike)."""
         return None
+
+    @property
+    def max_state_bytes(self) -> int | None:
+        """The memory running and prefilling requests' states may take together (the policy's bound)."""
+        return self.policy.max_state_bytes
 
     @property
     def alive(self) -> bool:

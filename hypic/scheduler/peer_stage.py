@@ -78,7 +78,7 @@ class PeerStage:
         building, task.building = task.building, None
         assert building is not None
         try:
-            task.remote, task.built = building.result()
+            task.remote, task.built = building.result(timeout=0)  # done: ``built_now`` found it so
         except Exception as err:  # noqa: BLE001 - a broken peer path must not fail the request
             self.stats.peer_prefill_failures += 1
             log.warning("peer prefill of %s failed (%s: %s); it runs on this worker alone", job.rid,
