@@ -65,6 +65,8 @@ class EngineLoop(Batching):
     together (None: no bound); ``max_queued``: requests that may wait (more are refused);
     ``max_prefill_batch``: the most prefill passes one step runs together."""
 
+    idle_tick_s = 0.5  # an idle loop looks at its waiting jobs at least this often
+
     def __init__(self, engine: Engine, mode: Mode | str, max_running: int = 64, max_queued: int = 256,
                  max_state_bytes: int | None = None, max_prefill_batch: int = 16,
                  on_fatal: Callable[[str], None] = _nobody_told, sync: "Solo | None" = None) -> None:
@@ -267,10 +269,10 @@ class EngineLoop(Batching):
 
     def _idle_wait(self) -> float:
         """How long an idle loop waits for news: until the first hold on a waiting job's reads runs
-        out (it starts then, loaded or not), 0.5 s at most."""
+        out (it starts then, loaded or not), ``idle_tick_s`` at most."""
         now = time.monotonic()
         holds = [until - now for p in self.waiting if isinstance(p, Job) for until in p.holds(now)]
-        return max(0.001, min([0.5, *holds]))
+        return max(0.001, min([self.idle_tick_s, *holds]))
 
     def _drain(self, wait_s: float | None) -> bool:
         """Take everything queued (waiting up to ``wait_s`` for the first item; None: not at all);
