@@ -19,6 +19,8 @@ from .cache.modes import Mode
 from .cache.tiers.hierarchy import PrefetchPolicy, WritePolicy
 from .cache.tiers.options import DEFAULT_SEGMENT_BYTES, TierOptions
 
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "prefix")  # --router-policy (SGLang's spellings)
+
 RANDOM_MODEL_SEED = 0
 
 
@@ -204,7 +206,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="engines prefilling a request's cold documents in parallel: this process and N-1 Ray "
                             "worker processes (the CPU threads are split between them; --threads sets each one's); "
                             "1: no Ray (default: 1)")
-    serve.add_argument("--ray-address", help="join this Ray cluster for the workers instead of starting a local one")
+    serve.add_argument("--ray-address", help="join this Ray cluster for the workers or the replicas instead of starting "
+                                              "a local one")
+    serve.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=positive, default=1,
+                       help="data-parallel replicas: N whole instances (each its own pools, tiers, scheduler and "
+                            "decode; with --tp-size M each a group of M ranks) served as one on Ray Serve, a request "
+                            "routed to the replica that holds its documents (--router-policy); --threads and the "
+                            "pool sizes are per replica; 1: no Ray (default: 1)")
+    serve.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
+                       help="how --dp-size routes a request: cache_aware = the replica with the fewest tokens to "
+                            "prefill given the documents and prefix it holds, plus its queued work, skipping one far "
+                            "above the mean; prefix = by the leading prefix only (what other routers do); "
+                            "round_robin; power_of_two = the less loaded of two at random (default: cache_aware)")
     serve.add_argument("--transfer", choices=["torch", "ray"], default="torch",
                        help="how documents' cache entries travel between workers: torch = point-to-point over "
                             "torch.distributed (gloo), rebuilt without a lost worker; ray = Ray's object store "
@@ -307,32 +320,53 @@ def _engine(args: argparse.Namespace, choice: ModelChoice, **options: Any) -> En
     return Engine.from_pretrained(choice.path, **_model_settings(args), **options)
 
 
-def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
+@dataclass
+class Instance:
+    """One serving instance: its engine, the loop that drives it, what it says about itself, and
+    the processes it started (tensor-parallel ranks, Ray workers)."""
 
-    from .server.app import ServerInfo, build_app
-    from .server.chat import load_chat_template
-    from .scheduler.lockstep import LeaderLoop
-    from .scheduler.fatal import exit_soon
-    from .scheduler.loop import EngineLoop, default_prefill_batch
-    from .heap import limit_arenas
-    from .memory_trace import start_from_env
+    engine: Engine
+    loop: Any
+    info: Any
+    choice: ModelChoice
+    group: Any = None
+    peers: Any = None
 
-    limit_arenas()  # before the threads that would each take an arena, here and in Ray's workers
-    start_from_env()
-    if args.max_prefill_batch is None:
-        args.max_prefill_batch = default_prefill_batch(args.device)
+    def close(self) -> None:
+        self.loop.stop()  # with ranks: the stop is broadcast to them
+        self.engine.close()  # the lower tiers' pending writes (write_back: memory's entries) finish
+        if self.group is not None:
+            self.group.close()
+        if self.peers is not None:
+            self.peers.shutdown()
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse a bad ``hypic serve`` command line, naming the flag, before anything starts."""
     for name in ("max_running_requests", "max_segments", "chunked_prefill_size", "max_warmup_documents",
                  "max_prefill_batch"):
         if getattr(args, name) < 1:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
-    limits = _gate_limits(args)
     if args.workers < 1:
         raise HypicError("--workers must be >= 1")
     if args.tp_size > 1 and args.workers > 1:
         raise HypicError("--tp-size above 1 with --workers above 1 is not served: each peer worker would need its "
                          "own group of tensor-parallel ranks, and the documents it builds would have to travel shard "
                          "by shard to the matching rank here; use one or the other")
+    if args.dp_size > 1 and args.workers > 1:
+        raise HypicError("--dp-size above 1 with --workers above 1 is not served: replicas already build each "
+                         "other's documents; use --dp-size")
+
+
+def start_instance(args: argparse.Namespace, on_fatal: Any = None) -> Instance:
+    """The engine (with its ranks and workers) and its started loop, as ``hypic serve ARGS`` runs
+    them: the whole server, or one replica of a ``--dp-size`` cluster. ``on_fatal``: told if the
+    loop cannot go on (default: the process exits non-zero)."""
+    from .scheduler.lockstep import LeaderLoop
+    from .scheduler.fatal import exit_soon
+    from .scheduler.loop import EngineLoop
+
+    on_fatal = on_fatal or exit_soon
     if args.workers > 1 and not args.threads:
         args.threads = max(1, (os.cpu_count() or 1) // args.workers)
     choice = choose_model(args.model)
@@ -345,45 +379,106 @@ def _serve(args: argparse.Namespace) -> None:
     loop_options = {"mode": args.mode, "max_running": args.max_running_requests,
                     "max_queued": args.max_queued_requests, "max_state_bytes": args.max_state_memory,
                     "max_prefill_batch": args.max_prefill_batch}
-    group = _rank_group(args, choice, serving, loop_options) if args.tp_size > 1 else None
+    group = _rank_group(args, choice, serving, loop_options, on_fatal) if args.tp_size > 1 else None
     try:
         engine = _engine(args, choice, **serving, **({"tp": group.tp} if group is not None else {}))
     except BaseException:
         if group is not None:
             group.kill()
         raise
-    template, from_model = load_chat_template(choice.path)
-    info = ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description, choice.random_weights,
-                      from_model, template, args.mode, args.seam_width, args.pic_separator, args.max_segments,
-                      args.max_running_requests, args.public_pool_size, args.private_pool_size, args.device,
-                      str(engine.model.dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents,
-                      tp_size=args.tp_size, rank_pids=tuple(group.pids) if group is not None else ())
+    info = server_info(args, choice, engine.model.dtype, tuple(group.pids) if group is not None else ())
     peers = _peers(args, choice) if args.workers > 1 else None
-    loop = (EngineLoop(engine, on_fatal=exit_soon, **loop_options) if group is None
+    loop = (EngineLoop(engine, on_fatal=on_fatal, **loop_options) if group is None
             else LeaderLoop(engine, ranks=group, **loop_options))
     loop.start()
-    print(f"hypic: serving {info.served_model_name} ({choice.description}) in {args.mode} mode "
+    return Instance(engine, loop, info, choice, group, peers)
+
+
+def server_info(args: argparse.Namespace, choice: ModelChoice, dtype: Any, rank_pids: tuple[int, ...] = ()) -> Any:
+    """What ``hypic serve ARGS`` says about itself (``/get_model_info``, ``/get_server_info``)."""
+    from .server.app import ServerInfo
+    from .server.chat import load_chat_template
+
+    template, from_model = load_chat_template(choice.path)
+    return ServerInfo(str(choice.path), args.served_model_name or choice.name, choice.description,
+                      choice.random_weights, from_model, template, args.mode, args.seam_width, args.pic_separator,
+                      args.max_segments, args.max_running_requests, args.public_pool_size, args.private_pool_size,
+                      args.device, str(dtype).removeprefix("torch."), args.isolate_by_key, args.max_warmup_documents,
+                      tp_size=args.tp_size, rank_pids=rank_pids)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .server.app import build_app
+    from .scheduler.loop import default_prefill_batch
+    from .heap import limit_arenas
+    from .memory_trace import start_from_env
+
+    limit_arenas()  # before the threads that would each take an arena, here and in Ray's workers
+    start_from_env()
+    if args.max_prefill_batch is None:
+        args.max_prefill_batch = default_prefill_batch(args.device)
+    check_serve_args(args)
+    limits = _gate_limits(args)
+    if args.dp_size > 1:
+        return _serve_replicas(args, limits)
+    instance = start_instance(args)
+    _announce(args, instance)
+    if instance.group is not None or instance.peers is not None:  # uvicorn re-raises SIGTERM after its graceful
+        signal.signal(signal.SIGTERM, _stop_gracefully)  # stop: end here, the ranks or Ray stopped in turn
+    try:
+        uvicorn.run(build_app(instance.loop, instance.info, instance.peers, limits), host=args.host, port=args.port,
+                    log_level=args.log_level)
+    finally:
+        instance.close()
+
+
+def _serve_replicas(args: argparse.Namespace, limits: Any) -> None:
+    """``--dp-size N``: N instances as one service on Ray Serve (``hypic.cluster``)."""
+    from .cluster.launch import serve_cluster
+    from .loader import resolve_dtype
+
+    choice = choose_model(args.model)
+    if args.tp_size != 1:
+        check_tp_size(choice.path, args.tp_size)
+    serve_cluster(args, start_instance, limits, server_info(args, choice, resolve_dtype(args.dtype, choice.path,
+                                                                                        args.device)))
+
+
+def serve_application(options: dict[str, str]) -> Any:
+    """The ``--dp-size`` service as a Ray Serve application, for those who deploy with Ray Serve
+    themselves: ``serve run hypic.cli:serve_application args="--dp-size 2 --model DIR"`` (or the
+    same import path and ``args`` in a Serve config file). ``args``: ``hypic serve``'s flags; the
+    host and port are Ray Serve's."""
+    from .cluster.launch import application
+    from .loader import resolve_dtype
+    from .scheduler.loop import default_prefill_batch
+
+    args = _parser().parse_args(["serve", *str(options.get("args", "")).split()])
+    if args.max_prefill_batch is None:
+        args.max_prefill_batch = default_prefill_batch(args.device)
+    check_serve_args(args)
+    args.threads = args.threads or 1
+    choice = choose_model(args.model)
+    return application(args, start_instance, _gate_limits(args),
+                       server_info(args, choice, resolve_dtype(args.dtype, choice.path, args.device)))
+
+
+def _announce(args: argparse.Namespace, instance: Instance) -> None:
+    """What the server prints as it starts: the model, the mode, its ranks, its tiers."""
+    info, group = instance.info, instance.group
+    print(f"hypic: serving {info.served_model_name} ({instance.choice.description}) in {args.mode} mode "
           f"with {args.workers} worker(s) on http://{args.host}:{args.port}", flush=True)
     if group is not None:
         print(f"hypic: {args.tp_size} tensor-parallel ranks ({args.threads} thread(s) each); ranks 1..{args.tp_size - 1} "
               f"are pids {', '.join(map(str, group.pids))}", flush=True)
-    status = engine.cache.describe_tiers()
+    status = instance.engine.cache.describe_tiers()
     if status is not None:
         names = ", ".join(f"{name} ({'ready' if tier['healthy'] else tier['error'] or tier['state']})"
                           for name, tier in status["tiers"].items())
         print(f"hypic: documents below memory: {names}; {status['write_policy']}, prefetch "
               f"{status['prefetch_policy']}", flush=True)
-    if group is not None or peers is not None:  # uvicorn re-raises SIGTERM after its graceful stop: end here,
-        signal.signal(signal.SIGTERM, _stop_gracefully)  # the ranks, or Ray and its session folder, stopped in turn
-    try:
-        uvicorn.run(build_app(loop, info, peers, limits), host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        loop.stop()  # with ranks: the stop is broadcast to them
-        engine.close()  # the lower tiers' pending writes (write_back: memory's entries) finish
-        if group is not None:
-            group.close()
-        if peers is not None:
-            peers.shutdown()
 
 
 def _stop_gracefully(signum: int, _: Any) -> None:
@@ -391,14 +486,13 @@ def _stop_gracefully(signum: int, _: Any) -> None:
 
 
 def _rank_group(args: argparse.Namespace, choice: ModelChoice, serving: dict[str, Any],
-                loop_options: dict[str, Any]) -> Any:
+                loop_options: dict[str, Any], on_failure: Any) -> Any:
     """Ranks 1..N-1 started, each loading its shard with this process's options; this process joins as rank 0.
     A rank that dies or hangs ends the server (non-zero exit status, the cause on stderr)."""
-    from .scheduler.fatal import exit_soon
     from .scheduler.rank_group import start_ranks
 
     return start_ranks(args.tp_size, str(choice.path), args.threads, {**_model_settings(args), **serving},
-                       loop_options, on_failure=exit_soon)
+                       loop_options, on_failure=on_failure)
 
 
 def _gate_limits(args: argparse.Namespace) -> Any:

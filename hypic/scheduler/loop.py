@@ -105,11 +105,13 @@ class EngineLoop(Batching):
             job.start = arrived
         return self.enqueue(job, emit, peer_work)
 
-    def job_for(self, parts: PromptParts, request: Request, sequences: list[Sequence]) -> Job:
-        """A validated request as the loop runs it, planned once (``Engine.plan``: its keys and layout)
-        and its state footprint checked (``check_state_fits``); pure, so its caller may make it on any
-        thread. Its TTFT counts from now (set ``start`` to when it reached the server)."""
-        plan = self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))
+    def job_for(self, parts: PromptParts, request: Request, sequences: list[Sequence],
+                plan: RequestPlan | None = None) -> Job:
+        """A validated request as the loop runs it, planned once (``Engine.plan``: its keys and layout;
+        or ``plan``, made where the request arrived) and its state footprint checked
+        (``check_state_fits``); pure, so its caller may make it on any thread. Its TTFT counts from
+        now (set ``start`` to when it reached the server)."""
+        plan = plan or self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))
         job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences,
                   _unheard, plan)
         job.footprint = self.check_state_fits(parts, request, len(sequences))

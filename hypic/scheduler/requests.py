@@ -50,6 +50,7 @@ class Completion:
     e2e_s: float
     mode: Mode
     input_logprobs: list[TokenLogprob | None] | None = None  # from the requested start; None first
+    replica: str | None = None  # which data-parallel replica served it (None: a single instance)
 
     @property
     def prompt_tokens(self) -> int:

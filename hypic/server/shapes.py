@@ -65,6 +65,8 @@ class Shaper:
             "combine_tokens": stats.combine_tokens, "cached_tokens_by_tier": stats.cached_tokens_by_tier, "mode": c.mode}
         if sample.finish_reason is not None:
             meta["e2e_latency"] = c.e2e_s
+        if c.replica is not None:
+            meta["replica"] = c.replica
         if request.warnings:
             meta["warnings"] = list(request.warnings)
         if request.logprobs is not None:

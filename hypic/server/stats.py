@@ -47,6 +47,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="+Inf"}} {snapshot["requests_finished"]}')
     lines.append(f"hypic_time_to_first_token_seconds_sum {snapshot['ttft_sum_s']}")
     lines.append(f"hypic_time_to_first_token_seconds_count {snapshot['requests_finished']}")
+    if "data_parallel" in snapshot:
+        lines += _replica_lines(snapshot["data_parallel"], snapshot["routing"])
     if workers is not None:
         metric("workers_live", "gauge", len(workers["workers"]), "workers serving (this process included)")
         metric("workers_lost_total", "counter", len(workers["lost_workers"]), "workers lost (died or timed out)")
@@ -60,6 +62,16 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
             metric("transfer_group_rebuilds_total", "counter", workers["group_rebuilds"],
                    "torch.distributed transfer groups built (the first one included)")
     return "\n".join(lines) + "\n"
+
+
+def _replica_lines(replicas: dict[str, Any], routing: dict[str, int]) -> list[str]:
+    """A replicated service's replicas and its router's decisions (``hypic serve --dp-size``)."""
+    lines = _metric_lines("replicas_live", "gauge", "replicas serving", {"": replicas["dp_size"]})
+    for name, count in routing.items():
+        lines += _metric_lines(f"{name}_total", "counter", f"requests {name.replace('_', ' ')}", {"": count})
+    lines += _metric_lines("replica_documents_held", "gauge", "documents each replica's memory holds",
+                           {f'{{replica="{r["replica"]}"}}': r["documents_held"] for r in replicas["replicas"]})
+    return lines
 
 
 TIER_METRICS = (  # (name, kind, field of a tier's status, help)

@@ -1,0 +1,297 @@
+"""The ingress of a replicated service: HYPIC's HTTP application over ``ReplicaLoop``, which
+stands where a single server's engine loop stands. It checks and plans each request once
+(``FrontEngine``), hands it to the replica its router picks (``ReplicaRouter``) and relays the
+replica's events; each replica's answer ends with what it holds, which keeps the index right."""
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from ..cache.modes import Mode
+from ..errors import HypicError
+from ..scheduler.loop import EngineLoop, ErrorEvent, Event, Job
+from .front import FrontEngine
+from .index import Announcement
+from .replica import ReplicaWork
+from .routing import ReplicaLoad, RouteRequest, spread_documents
+from .state import ClusterState, RouteTo, state_named
+
+log = logging.getLogger("hypic.cluster")
+STATUS_EVERY_S = 1.0  # how often the ingress refreshes the replicas' counters (/metrics, /get_server_info)
+ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried")
+CALL_TIMEOUT_S = 300.0  # the most a call to a replica (warm-up, flush, status) may take
+ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
+
+
+def route_request(job: Job) -> RouteRequest:
+    """What the router needs of a planned request: its documents' keys and the tokens splicing each saves."""
+    plan = job.plan
+    documents = tuple((key, plan.interior_tokens(index)) for index, key, _ in plan.documents())
+    return RouteRequest(job.parts.namespace, documents, len(job.parts.token_ids), tuple(job.parts.token_ids))
+
+
+def _own_call(call: Callable[[], Any]) -> Any:
+    """Make a handle call outside the HTTP request's context: Ray Serve names a call by the request
+    it is made in and routes calls by that name, so two calls of one request (a warm-up's shares, a
+    batch's prompts) would be taken for one and one of them never sent."""
+    return contextvars.Context().run(call)
+
+
+def summed(values: list[Any]) -> Any:
+    """The replicas' counters as one service's: numbers added, lists element by element, dicts key
+    by key; anything else (a name, a policy) is the first replica's."""
+    first = values[0]
+    if isinstance(first, bool) or first is None or isinstance(first, str):
+        return first
+    if isinstance(first, (int, float)):
+        return sum(v for v in values if isinstance(v, (int, float)))
+    if isinstance(first, dict):
+        return {key: summed([v[key] for v in values if isinstance(v, dict) and key in v]) for key in first}
+    if isinstance(first, (list, tuple)) and all(isinstance(v, (list, tuple)) and len(v) == len(first) for v in values):
+        return [summed(list(column)) for column in zip(*values)]
+    return first
+
+
+class ReplicaLoop:
+    """An engine loop's face over replicas: ``job_for``, ``enqueue``, ``warmup``, ``flush``,
+    ``snapshot`` as ``EngineLoop`` offers them, each request run on the replica its router picks."""
+
+    job_for, check_state_fits = EngineLoop.job_for, EngineLoop.check_state_fits
+
+    def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
+                 max_state_bytes: int | None) -> None:
+        self.engine, self.mode, self.state = front, Mode.parse(mode), state
+        self.replicas, self.max_state_bytes = replicas, max_state_bytes
+        self.tasks: set[asyncio.Task] = set()
+        self.statuses: dict[str, dict[str, Any]] = {}
+        self.running: asyncio.AbstractEventLoop | None = None
+
+    def sample_seed(self) -> int | None:
+        return None  # each replica's own generator (a tensor-parallel replica draws one for its ranks)
+
+    # ----- requests ----------------------------------------------------------------------------
+    def enqueue(self, job: Job, emit: Callable[[Event], None], peer_work: Any = None) -> Job:
+        """Start ``job`` on a replica; its events reach ``emit``. Called on the ingress's event loop."""
+        task = asyncio.get_running_loop().create_task(self._run(job, emit))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return job
+
+    async def _run(self, job: Job, emit: Callable[[Event], None]) -> None:
+        """Run ``job`` on a replica; if that replica fails before the client was sent anything (a
+        stream's first token, or any answer at all), once more on another."""
+        heard = False
+
+        def relay(event: Event) -> None:
+            nonlocal heard
+            heard = heard or job.request.stream
+            emit(event)
+
+        try:
+            for attempt in range(1, ATTEMPTS + 1):
+                try:
+                    return await self._attempt(job, relay)
+                except Exception as err:  # noqa: BLE001 - the replica died or failed
+                    self.state.finished(job.rid)
+                    if heard or attempt == ATTEMPTS or job.cancelled.is_set():
+                        raise
+                    log.warning("request %s: its replica failed before answering (%s); retried on another", job.rid, err)
+                    self.state.count("retried")
+        except Exception as err:  # noqa: BLE001 - the client hears why
+            log.error("request %s failed on its replica: %s", job.rid, err)
+            emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
+
+    async def _attempt(self, job: Job, emit: Callable[[Event], None]) -> None:
+        route = RouteTo(job.rid, route_request(job), decode_tokens=job.request.params.max_new_tokens * len(job.sequences))
+        work = ReplicaWork(job.rid, job.parts, job.request, job.plan, time.perf_counter() - job.start)
+        stream = _own_call(lambda: self.replicas.options(method_name="run", stream=True).remote(route, work))
+        watcher = asyncio.get_running_loop().create_task(self._cancel_when_asked(job, stream))
+        try:
+            async for item in stream:
+                await self._relay(item, emit)
+        finally:
+            watcher.cancel()
+            self.state.finished(job.rid)
+
+    async def _relay(self, item: Event | Announcement, emit: Callable[[Event], None]) -> None:
+        if isinstance(item, Announcement):
+            await self.announce(item)
+        else:
+            emit(item)
+
+    @staticmethod
+    async def _cancel_when_asked(job: Job, stream: Any) -> None:
+        """A client that left cancels its job here; the replica's stream is cancelled with it."""
+        while not job.cancelled.is_set():
+            await asyncio.sleep(0.25)
+        stream.cancel()
+
+    # ----- the index -----------------------------------------------------------------------------
+    async def announce(self, announcement: Announcement) -> None:
+        """Apply a replica's news; when it does not follow on, its dump replaces what was known."""
+        if not self.state.announce(announcement):
+            dump = await self._call(announcement.replica, "dump")
+            self.state.announce(dump)
+
+    async def _call(self, replica: str, method: str, *args: Any) -> Any:
+        route = RouteTo(f"{method}-{replica}", replica=replica)
+        call = _own_call(lambda: self.replicas.options(method_name=method).remote(route, *args))
+        return await asyncio.wait_for(call, CALL_TIMEOUT_S)
+
+    def serve_on(self, running: asyncio.AbstractEventLoop) -> None:
+        """The event loop the HTTP requests run on: warm-ups and flushes run there, and the replicas'
+        counters are refreshed there (from the first request on)."""
+        if self.running is not running:
+            self.running = running
+            self.tasks.add(running.create_task(self.keep_fresh()))
+
+    async def wait_for_replicas(self, count: int, timeout_s: float) -> list[str]:
+        """Start the router (one status call) and wait until it lists ``count`` replicas."""
+        await asyncio.wait_for(_own_call(lambda: self.replicas.options(method_name="status").remote(RouteTo("start"))),
+                               timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while len(self.state.replicas) < count:
+            if time.monotonic() > deadline:
+                raise HypicError(f"only {len(self.state.replicas)} of {count} replicas started in {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+        await self.refresh()
+        return list(self.state.replicas)
+
+    # ----- warm-up, flush, counters --------------------------------------------------------------
+    def warmup(self, documents: list[str], namespace: str = "") -> Future:
+        """Spread ``documents`` over the replicas (longest first, each to the least loaded) and cache
+        each share there; the future holds the token counts in the documents' order. Called off the
+        event loop."""
+        self.engine.check_documents(documents)
+        return asyncio.run_coroutine_threadsafe(self._warmup(documents, namespace), self._loop())
+
+    async def _warmup(self, documents: list[str], namespace: str) -> list[int]:
+        tokens = [len(self.engine.tokenizer.encode(d)) for d in documents]
+        with self.state.lock:
+            loads = [self.state.loads.setdefault(r, ReplicaLoad(r)) for r in self.state.replicas]
+        where = spread_documents(tokens, loads)
+        shares = {r: [i for i, w in enumerate(where) if w == r] for r in set(where)}
+        answers = await asyncio.gather(*(self._call(r, "warmup", [documents[i] for i in idx], namespace)
+                                         for r, idx in shares.items()))
+        counts = [0] * len(documents)
+        for (replica, indices), (share_counts, announcement) in zip(shares.items(), answers):
+            await self.announce(announcement)
+            for i, count in zip(indices, share_counts):
+                counts[i] = count
+        await self.refresh()
+        return counts
+
+    def flush(self, namespace: str | None, tiers: frozenset[str]) -> Future:
+        """Flush every replica; the future holds the summed counts (public, private, lower tiers)."""
+        return asyncio.run_coroutine_threadsafe(self._flush(namespace, tiers), self._loop())
+
+    async def _flush(self, namespace: str | None, tiers: frozenset[str]) -> tuple[int, int, int]:
+        answers = await asyncio.gather(*(self._call(r, "flush", namespace, tiers) for r in self.state.replicas))
+        for _, announcement in answers:
+            await self.announce(announcement)
+        await self.refresh()
+        return tuple(summed([flushed[i] for flushed, _ in answers]) for i in range(3))  # type: ignore[return-value]
+
+    async def refresh(self) -> None:
+        """Every replica's status (its counters, pools and documents), kept for ``snapshot``."""
+        replicas = list(self.state.replicas)
+        answers = await asyncio.gather(*(self._call(r, "status") for r in replicas), return_exceptions=True)
+        self.statuses = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
+
+    async def keep_fresh(self) -> None:
+        while True:
+            await asyncio.sleep(STATUS_EVERY_S)
+            try:
+                await self.refresh()
+            except Exception as err:  # noqa: BLE001 - counters a second old are better than none
+                log.warning("could not refresh the replicas' status: %s", err)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self.running is None:
+            raise HypicError("the ingress has not started")
+        return self.running
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        """The replicas' counters summed (numbers only), with the routing counters and each replica's status."""
+        statuses = [self.statuses[r] for r in sorted(self.statuses)]
+        total = summed([status["counters"] for status in statuses]) if statuses else {}
+        with self.state.lock:
+            routing = {name: self.state.counters[name] for name in ROUTING_COUNTERS}
+        replicas = [{"index": i, **{k: v for k, v in self.statuses[r].items() if k != "counters"},
+                     "queued": self.statuses[r]["counters"].get("waiting_requests", 0),
+                     "running": self.statuses[r]["counters"].get("running_requests", 0)}
+                    for i, r in enumerate(sorted(self.statuses))]
+        return {**total, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas),
+                                                               "policy": self.state.policy.name, "replicas": replicas}}
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.state.replicas)
+
+    @property
+    def failure(self) -> str | None:
+        return None if self.state.replicas else "no replica is serving"
+
+    def stop(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+
+
+class ReplicaRouter(RequestRouter):
+    """Ray Serve's request router for HYPIC's replicas: each request to the replica its policy
+    scores best (then the others, best first, in case that one is full); a call for one replica
+    to that replica only."""
+
+    def initialize_state(self, state: str = "") -> None:
+        self.state_name = state
+
+    def _state(self) -> ClusterState:
+        state = state_named(self.state_name)
+        if state is None:
+            raise HypicError(f"no cluster state named {self.state_name!r} in this process")
+        return state
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        route = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if pending_request is not None:  # without it Ray Serve retries at once, starving its own probes
+            pending_request.routing_context.should_backoff = True
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if not isinstance(route, RouteTo) or (route.request is None and route.replica is None):
+            return [candidate_replicas]
+        if route.replica is not None:
+            return [[by_id[route.replica]]] if route.replica in by_id else []
+        decision = self._state().choose(route.request, list(by_id))
+        route_reasons[route.rid] = decision.reason
+        ranked = sorted(by_id, key=lambda r: (r != decision.replica, decision.costs.get(r, 0.0), r))
+        return [[by_id[r]] for r in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        route = pending_request.args[0] if pending_request.args else None
+        if isinstance(route, RouteTo) and route.request is not None:
+            self._state().routed(route.rid, replica_id.unique_id, route.request, route.decode_tokens,
+                                 route_reasons.pop(route.rid, "load"))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._tell_state()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A dead replica leaves the index at once (not when the controller notices)."""
+        super().on_replica_actor_died(replica_id)
+        self._tell_state()
+
+    def _tell_state(self) -> None:
+        state = state_named(getattr(self, "state_name", ""))
+        if state is not None:
+            state.set_replicas([r.replica_id.unique_id for r in self._replicas.values()])
+
+
+route_reasons: dict[str, str] = {}  # rid -> why its replica was chosen, from choose_replicas to on_request_routed

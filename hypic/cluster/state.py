@@ -1,0 +1,105 @@
+"""What the ingress knows of its replicas: which documents each holds (the index, kept by their
+announcements), how much work each has been given, and the policy that picks one per request.
+The request router and the ingress run in one process and share it by name."""
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from .index import Announcement, DocumentIndex
+from .routing import Decision, ReplicaLoad, RouteRequest, RoutingPolicy
+
+log = logging.getLogger("hypic.cluster")
+
+
+@dataclass(frozen=True)
+class RouteTo:
+    """The first argument of every call to a replica: what its router decides by. ``replica``: a
+    call for that replica alone (its share of a warm-up, a flush, a dump); else ``request`` is
+    routed by the policy."""
+
+    rid: str
+    request: RouteRequest | None = None
+    replica: str | None = None
+    decode_tokens: int = 0  # the tokens it may decode (max_new_tokens times its samples)
+
+
+@dataclass
+class InFlight:
+    replica: str
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class ClusterState:
+    """The index, the replicas' loads and the routing counters, safe from the router's and the
+    ingress's threads."""
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy, self.index = policy, DocumentIndex()
+        self.replicas: list[str] = []
+        self.gone: set[str] = set()
+        self.loads: dict[str, ReplicaLoad] = {}
+        self.inflight: dict[str, InFlight] = {}
+        self.counters: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def choose(self, request: RouteRequest, candidates: list[str]) -> Decision:
+        with self.lock:
+            loads = [self.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(candidates)]
+            return self.policy.choose(request, loads, self.index)
+
+    def routed(self, rid: str, replica: str, request: RouteRequest, decode_tokens: int, reason: str) -> None:
+        """``request`` went to ``replica``: its cold tokens and decode budget count as that replica's load."""
+        with self.lock:
+            cold = request.prompt_tokens - sum(t for key, t in request.documents
+                                               if replica in self.index.holders(request.namespace, key))
+            load = self.loads.setdefault(replica, ReplicaLoad(replica))
+            load.queued_prefill_tokens += cold
+            load.running += 1
+            load.decode_tokens += decode_tokens
+            self.inflight[rid] = InFlight(replica, cold, decode_tokens)
+            self.counters[f"routed_by_{reason}"] += 1
+
+    def count(self, name: str) -> None:
+        with self.lock:
+            self.counters[name] += 1
+
+    def finished(self, rid: str) -> None:
+        with self.lock:
+            done = self.inflight.pop(rid, None)
+            load = self.loads.get(done.replica) if done is not None else None
+            if load is not None:
+                load.queued_prefill_tokens -= done.prefill_tokens
+                load.running -= 1
+                load.decode_tokens -= done.decode_tokens
+
+    def announce(self, announcement: Announcement) -> bool:
+        """Apply a replica's announcement; False: it does not follow on, ask that replica for a dump."""
+        with self.lock:
+            if announcement.replica in self.gone:
+                return True  # late news of a replica already gone: nothing to keep
+            return self.index.apply(announcement)
+
+    def set_replicas(self, replicas: list[str]) -> list[str]:
+        """The replicas now running; those gone are forgotten (their documents, their load). Returns the new ones."""
+        with self.lock:
+            gone, new = set(self.replicas) - set(replicas), [r for r in replicas if r not in self.replicas]
+            self.gone |= gone
+            for replica in gone:
+                log.warning("replica %s is gone: dropped from the document index", replica)
+                self.index.forget(replica)
+                self.loads.pop(replica, None)
+            self.replicas = sorted(replicas)
+            return new
+
+
+_states: dict[str, ClusterState] = {}
+
+
+def register_state(name: str, state: ClusterState) -> None:
+    _states[name] = state
+
+
+def state_named(name: str) -> ClusterState | None:
+    return _states.get(name)

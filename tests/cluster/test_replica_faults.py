@@ -1,0 +1,79 @@
+"""A replica of ``hypic serve --dp-size 2`` SIGKILLed while it serves: a request that had sent its
+client nothing is answered by the other replica (as one engine answers it), a stream already
+flowing ends with an error naming the failure, the dead replica leaves the index and the service's
+report within seconds, ``/health`` stays 200, and Ray Serve starts a replacement that joins."""
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from hypic import DEFAULT_SEPARATOR, Engine
+from hypic.server.launch import ServerProcess, start_server
+
+PROMPT = DEFAULT_SEPARATOR.join(["Answer from the records.", "Record: the otter of Tarsk was born in 1900.",
+                                 "Question: who was born?"])
+LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+def _replicas(cluster: ServerProcess) -> list[dict[str, Any]]:
+    return cluster.get("/get_server_info")["data_parallel"]["replicas"]
+
+
+def _wait(condition: Any, timeout_s: float, what: str) -> float:
+    """Seconds until ``condition()`` holds (polled every 0.1 s); fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what} did not happen in {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _busy_replica(cluster: ServerProcess) -> dict[str, Any]:
+    found: list[dict[str, Any]] = []
+    _wait(lambda: bool(found.extend(r for r in _replicas(cluster) if r["running"]) or found), 60, "a request to start")
+    return found[0]
+
+
+def test_a_killed_replica_costs_no_request_that_had_not_answered(tmp_path: Any) -> None:
+    cluster = start_server(["--dp-size", "2", "--dtype", "float32", "--log-level", "warning"], tmp_path / "server.log",
+                           threads=1, timeout_s=300)
+    try:
+        answers: list[Any] = []
+        waiting = threading.Thread(target=lambda: answers.append(
+            cluster.request("POST", "/generate", {"text": PROMPT, "sampling_params": LONG}, timeout=120)))
+        waiting.start()
+        victim = _busy_replica(cluster)
+        os.kill(victim["pid"], signal.SIGKILL)
+        gone_s = _wait(lambda: victim["replica"] not in {r["replica"] for r in _replicas(cluster)}, 10, "the replica to leave")
+        assert cluster.request("GET", "/health")[0] == 200
+        waiting.join(timeout=120)
+        status, answer = answers[0]
+        assert status == 200, answer
+        expected = Engine.from_pretrained("default", dtype="float32").generate(PROMPT, **{
+            k: v for k, v in LONG.items() if k != "temperature"})
+        assert answer["output_ids"] == expected.output_ids and answer["meta_info"]["replica"] != victim["replica"]
+        assert cluster.get("/get_server_info")["routing"]["retried"] == 1
+        print(f"the killed replica left the service's report {gone_s:.2f} s after the kill")
+        _wait(lambda: len(_replicas(cluster)) == 2, 180, "a replacement replica to join")
+        _a_stream_cut_mid_way_ends_in_an_error(cluster)
+    finally:
+        cluster.stop()
+
+
+def _a_stream_cut_mid_way_ends_in_an_error(cluster: ServerProcess) -> None:
+    body = json.dumps({"text": PROMPT, "stream": True, "sampling_params": LONG}).encode()
+    request = urllib.request.Request(cluster.url + "/generate", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    chunks: list[dict] = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if not line.startswith(b"data: {"):
+                continue
+            chunks.append(json.loads(line[len(b"data: "):]))
+            if len(chunks) == 3:
+                os.kill(_busy_replica(cluster)["pid"], signal.SIGKILL)
+    assert "error" in chunks[-1] and "replica" in chunks[-1]["error"]["message"], chunks[-1]
+    assert len(chunks[-2]["output_ids"]) < LONG["max_new_tokens"]

@@ -1,0 +1,139 @@
+"""``hypic serve --dp-size 2``: two replicas on Ray Serve behind the document-aware router. Each
+replica is a whole instance, so the oracle of a replica is one engine that ran the same requests in
+the same order: every answer, and every hit and miss, must equal that engine's. The router must send a
+request to the replica that holds its documents, in whatever order the prompt names them."""
+import json
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from hypic import DEFAULT_SEPARATOR, Engine
+from hypic.server.launch import ServerProcess, start_server
+
+ANIMALS = ["otter", "heron", "badger", "lynx", "marten", "ibis", "stoat", "crane"]
+PLACES = ["Tarsk", "Welby", "Oxmoor", "Quill", "Dunmere", "Pellow", "Ravia", "Scoll"]
+DOCS = [f"Record {i}: the {a} of {p} was born in {1900 + 7 * i} and studied {a}s near the river of {p}. "
+        f"It was known for a red coat and a loud call at dawn." for i, (a, p) in enumerate(zip(ANIMALS, PLACES))]
+
+
+def _prompt(indices: list[int], question: str = "Who was born first?") -> str:
+    return DEFAULT_SEPARATOR.join(["Answer from the records.", *(DOCS[i] for i in indices), f"Question: {question}"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("replicas") / "server.log"
+    # float32: answers are compared with in-process engines (bf16 rounds a resumed state differently)
+    process = start_server(["--dp-size", "2", "--dtype", "float32", "--log-level", "warning"], log, threads=1,
+                           timeout_s=300)
+    yield process
+    process.stop()
+
+
+class Replay:
+    """One engine per replica, running what the cluster ran there, in order (the oracle)."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+
+    def generate(self, replica: str, prompt: str, **sampling) -> object:
+        if replica not in self.engines:
+            self.engines[replica] = Engine.from_pretrained("default", dtype="float32")
+        return self.engines[replica].generate(prompt, **sampling)
+
+
+def _generate(cluster: ServerProcess, prompt: str, **extra) -> dict:
+    return cluster.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+                                      **extra})
+
+
+def _held(cluster: ServerProcess) -> dict[str, int]:
+    return {r["replica"]: r["documents_held"] for r in cluster.get("/get_server_info")["data_parallel"]["replicas"]}
+
+
+def test_a_reordered_request_follows_its_documents_and_answers_as_one_engine(cluster: ServerProcess) -> None:
+    """Two requests on documents 0-2 and two on 3-5, the second of each pair naming them in another
+    order: the second goes where the first left its documents and hits all three, and every answer,
+    hit and miss equals that of an engine that served what that replica served."""
+    cluster.post("/flush_cache", {})
+    replay, served = Replay(), {}
+    for first, again in (([0, 1, 2], [2, 0, 1]), ([3, 4, 5], [5, 3, 4])):
+        for indices in (first, again):
+            answer = _generate(cluster, _prompt(indices))
+            meta = answer["meta_info"]
+            expected = replay.generate(meta["replica"], _prompt(indices), max_new_tokens=6)
+            assert answer["output_ids"] == expected.output_ids
+            assert (meta["segments_hit"], meta["segments_missed"]) == (expected.segments_hit, expected.segments_missed)
+            served[tuple(indices)] = meta
+        assert served[tuple(again)]["replica"] == served[tuple(first)]["replica"]
+        assert served[tuple(again)]["segments_hit"] == 3
+
+
+def test_warmed_documents_are_spread_and_each_request_finds_its_holder(cluster: ServerProcess) -> None:
+    """A warm-up of four documents of about equal length puts two on each replica; a request for any
+    one of them is routed to the replica holding it (a hit every time: a router blind to documents
+    would miss about half)."""
+    cluster.post("/flush_cache", {})
+    warmed = cluster.post("/warmup", {"documents": DOCS[:4]})
+    assert warmed["documents"] == 4
+    assert sorted(_held(cluster).values()) == [2, 2]
+    for i in (3, 0, 2, 1):
+        meta = _generate(cluster, _prompt([i], "Where was it born?"))["meta_info"]
+        assert (meta["segments_hit"], meta["segments_missed"]) == (1, 0), (i, meta)
+    routing = cluster.get("/get_server_info")["routing"]
+    assert routing["routed_by_cache"] >= 4
+
+
+def test_flush_empties_every_replica_and_the_index(cluster: ServerProcess) -> None:
+    """After /flush_cache no replica holds a document, and a request for a warmed one misses."""
+    cluster.post("/warmup", {"documents": DOCS[4:8]})
+    flushed = cluster.post("/flush_cache", {})
+    assert flushed["public_entries_dropped"] >= 4
+    assert set(_held(cluster).values()) == {0}
+    meta = _generate(cluster, _prompt([4, 5]))["meta_info"]
+    assert (meta["segments_hit"], meta["segments_missed"]) == (0, 2)
+
+
+def test_a_batch_streams_and_samples_as_one_engine(cluster: ServerProcess) -> None:
+    """A streamed request with n = 2 and a batch of two prompts in one call: every sample equals one
+    engine's greedy answer (the batch's two prompts are two calls to the replicas from one request)."""
+    cluster.post("/flush_cache", {})
+    body = json.dumps({"text": _prompt([6, 7]), "stream": True,
+                       "sampling_params": {"max_new_tokens": 6, "temperature": 0, "n": 2}}).encode()
+    request = urllib.request.Request(cluster.url + "/generate", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    last: dict[int, dict] = {}
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[len(b"data: "):])
+                last[chunk["index"]] = chunk
+    expected = Engine.from_pretrained("default", dtype="float32").generate(_prompt([6, 7]), max_new_tokens=6)
+    assert sorted(last) == [0, 1] and all(c["output_ids"] == expected.output_ids for c in last.values())
+    batch = cluster.post("/generate", {"text": [_prompt([0]), _prompt([1])],
+                                       "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    engine = Engine.from_pretrained("default", dtype="float32")
+    assert [b["output_ids"] for b in batch] == [engine.generate(_prompt([i]), max_new_tokens=6).output_ids for i in (0, 1)]
+
+
+def test_a_namespace_never_reuses_another_namespaces_documents(cluster: ServerProcess) -> None:
+    """Documents cached in the shared namespace are a miss for a request with a cache_salt; the
+    salted request's own documents are then hits for its next request, on the same replica."""
+    cluster.post("/flush_cache", {})
+    cluster.post("/warmup", {"documents": DOCS[:2]})
+    salted = _generate(cluster, _prompt([0, 1]), cache_salt="tenant-a")["meta_info"]
+    assert (salted["segments_hit"], salted["segments_missed"]) == (0, 2)
+    again = _generate(cluster, _prompt([1, 0]), cache_salt="tenant-a")["meta_info"]
+    assert again["segments_hit"] == 2 and again["replica"] == salted["replica"]
+
+
+def test_the_service_reports_its_replicas(cluster: ServerProcess) -> None:
+    """/get_server_info lists both replicas with their processes; /metrics sums their counters."""
+    info = cluster.get("/get_server_info")
+    replicas = info["data_parallel"]["replicas"]
+    assert info["data_parallel"]["dp_size"] == 2 and info["data_parallel"]["policy"] == "cache_aware"
+    assert len({r["pid"] for r in replicas}) == 2 and all(r["healthy"] for r in replicas)
+    metrics = cluster.get("/metrics")
+    assert "hypic_replicas_live 2" in metrics
+    assert f"hypic_requests_finished_total {info['requests_finished']}" in metrics
