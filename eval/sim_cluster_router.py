@@ -7,11 +7,15 @@ Each run:
 2. serve: ``--requests`` requests, each of 3-8 documents of one tenant in a random order plus a
    question, with its token ids (prefix matching included); each is routed (timed: the decision, in
    wall time and in the thread's CPU time, which a busy shared box does not inflate),
-   its replica's queue grows by what it prefills and drains at a fixed rate, the replica records
-   the prompt's prefix and announces storing the documents it missed, and a random replica evicts
-   one document a request (the churn is timed as events applied per second too);
-3. memory (first run only, under tracemalloc): the index's bytes after the fill over its
-   (document, holder) pairs and over its documents.
+   its replica's queue grows by what it prefills for it (every queue drains each step by 1.25 x the
+   recent mean prompt over the replica count), the replica records the prompt's prefix and
+   announces storing the documents it missed, and a random replica evicts one document a request
+   (the churn is timed as events applied per second too);
+3. memory (once, under tracemalloc): the index's bytes after the fill over its (document, holder)
+   pairs and over its documents.
+
+Then the same requests served by the other policies (``--compare``, one run each), for what each
+leaves to prefill.
 
     python eval/sim_cluster_router.py --json eval/results/cluster_router_sim.json
 """
@@ -27,7 +31,7 @@ import time
 import tracemalloc
 
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
-from hypic.cluster.routing import ReplicaLoad, RouteRequest, policy_named
+from hypic.cluster.routing import CacheAware, ReplicaLoad, RouteRequest, policy_named
 
 QUESTION_TOKENS = 64
 TOKEN_SPAN = 1 << 13  # document d's token ids are d * TOKEN_SPAN + 0 .. tokens - 1
@@ -42,6 +46,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=256, help="events per announcement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare", default="prefix,power_of_two,round_robin",
+                        help="other policies to serve the same requests with, one run each (empty: none)")
     parser.add_argument("--json", help="write the per-run data here")
     return parser.parse_args()
 
@@ -130,13 +136,14 @@ def make_request(corpus: Corpus, documents: list[int], rng: random.Random) -> tu
 
 
 def serve(corpus: Corpus, index: DocumentIndex, announcer: Announcer, args: argparse.Namespace,
-          rng: random.Random) -> dict:
+          rng: random.Random, policy_name: str) -> dict:
     """Route ``args.requests`` requests, with the replicas' stores and evictions announced between them."""
-    policy = policy_named("cache_aware")
+    policy, work = policy_named(policy_name, rng=rng) if policy_name == "power_of_two" else policy_named(policy_name), CacheAware()
     loads = {r: ReplicaLoad(r) for r in corpus.replicas}
     by_tenant = tenant_documents(corpus, args.tenants)
     drain = 0.0
     latencies, cpu, reasons, events, event_s, held_tokens, doc_tokens = [], [], {}, 0, 0.0, 0, 0
+    prefilled, queues = 0, []
     for _ in range(args.requests):
         request, picked = make_request(corpus, by_tenant[rng.randrange(args.tenants)], rng)
         start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
@@ -148,11 +155,13 @@ def serve(corpus: Corpus, index: DocumentIndex, announcer: Announcer, args: argp
         held_tokens += sum(t for (_, t), h in zip(request.documents, holders) if decision.replica in h)
         doc_tokens += request.document_tokens()
         load = loads[decision.replica]
-        prefill = decision.costs[load.replica] - load.queued_prefill_tokens - policy.decode_weight * load.decode_tokens
-        load.queued_prefill_tokens += int(prefill)
+        prefill = int(work.prefill_tokens(request, [decision.replica], index)[decision.replica])  # what it must do
+        load.queued_prefill_tokens += prefill
+        prefilled += prefill
         drain = 0.8 * drain + 0.2 * request.prompt_tokens / len(loads) * 1.25  # serve ~80 % busy
         for each in loads.values():
             each.queued_prefill_tokens = max(0, each.queued_prefill_tokens - int(drain))
+        queues.append(max(each.queued_prefill_tokens for each in loads.values()))
         index.record_prefix(decision.replica, request.token_ids, request.namespace)
         stores = [corpus.stored(d, Tier.MEMORY) for d, h in zip(picked, holders) if h.get(decision.replica) != Tier.MEMORY]
         victim_replica, victim = rng.choice(corpus.replicas), rng.randrange(len(corpus.keys))
@@ -167,7 +176,8 @@ def serve(corpus: Corpus, index: DocumentIndex, announcer: Announcer, args: argp
     cpu.sort()
     return {"requests": len(latencies), "decision_us": percentiles(latencies), "decision_cpu_us": percentiles(cpu),
             "reasons": reasons,
-            "memory_hit_token_share": held_tokens / doc_tokens, "churn_events": events,
+            "held_token_share": held_tokens / doc_tokens, "prefill_tokens_per_request": prefilled / len(latencies),
+            "mean_longest_queue": statistics.fmean(queues), "churn_events": events,
             "churn_events_per_s": events / event_s}
 
 
@@ -205,7 +215,7 @@ def machine() -> dict:
             "cpus": fields.get("CPU(s)", "").strip(), "simd": simd, "python": platform.python_version()}
 
 
-def one_run(corpus: Corpus, args: argparse.Namespace, run: int) -> dict:
+def one_run(corpus: Corpus, args: argparse.Namespace, run: int, policy_name: str = "cache_aware") -> dict:
     rng = random.Random(args.seed * 1000 + run)
     announcer = Announcer(corpus.replicas)
     announcements = fill_announcements(corpus, announcer, args.batch)
@@ -214,12 +224,12 @@ def one_run(corpus: Corpus, args: argparse.Namespace, run: int) -> dict:
     announcer.start(index)
     seconds = fill(index, announcements)
     del announcements
-    result = {"run": run, "fill_events": events, "fill_s": seconds, "fill_events_per_s": events / seconds}
+    result = {"run": run, "policy": policy_name, "fill_events": events, "fill_s": seconds, "fill_events_per_s": events / seconds}
     forget_start = time.perf_counter()
     index.forget(corpus.replicas[-1])
     result["forget_ms"] = (time.perf_counter() - forget_start) * 1000
     announcer.restart(corpus.replicas[-1], index)  # it comes back empty
-    result |= serve(corpus, index, announcer, args, rng)
+    result |= serve(corpus, index, announcer, args, rng, policy_name)
     return result
 
 
@@ -238,7 +248,13 @@ def main() -> None:
         print(f"run {run}: fill {r['fill_events_per_s']:,.0f} events/s, churn {r['churn_events_per_s']:,.0f} events/s, "
               f"decision p50 {r['decision_us']['p50']:.0f} us p99 {r['decision_us']['p99']:.0f} us "
               f"(CPU p50 {r['decision_cpu_us']['p50']:.0f} us p99 {r['decision_cpu_us']['p99']:.0f} us), "
-              f"forget {r['forget_ms']:.0f} ms, reasons {r['reasons']}")
+              f"forget {r['forget_ms']:.0f} ms, reasons {r['reasons']}, held share {r['held_token_share']:.3f}, "
+              f"prefill {r['prefill_tokens_per_request']:,.0f} tokens/request, longest queue {r['mean_longest_queue']:,.0f}")
+    for name in filter(None, args.compare.split(",")):
+        runs.append(one_run(corpus, args, 0, name))
+        r = runs[-1]
+        print(f"{name}: held share {r['held_token_share']:.3f}, prefill {r['prefill_tokens_per_request']:,.0f} "
+              f"tokens/request, longest queue {r['mean_longest_queue']:,.0f}, decision p50 {r['decision_us']['p50']:.0f} us")
     report = {"args": vars(args), "machine": machine(), "memory": memory, "runs": runs,
               "wall_s": time.perf_counter() - started}
     print(json.dumps(report["machine"]))

@@ -281,13 +281,13 @@ class DocumentIndex:
         self.prefixes.forget_worker(replica)
 
     # ----- prefixes -----------------------------------------------------------------------------
-    def record_prefix(self, replica: str, token_ids: Iterable[int], namespace: str = "") -> None:
+    def record_prefix(self, replica: str, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> None:
         """``replica`` served a prompt of ``token_ids``: its private pool holds its prefix."""
-        self.prefixes.record(replica, tuple(token_ids), namespace)
+        self.prefixes.record(replica, token_ids, namespace)
 
-    def prefix_matched(self, token_ids: Iterable[int], namespace: str = "") -> dict[str, int]:
+    def prefix_matched(self, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> dict[str, int]:
         """Replica -> how many leading tokens of ``token_ids`` it is believed to hold (whole blocks)."""
-        return self.prefixes.matched(tuple(token_ids), namespace)
+        return self.prefixes.matched(token_ids, namespace)
 
     # ----- interning ----------------------------------------------------------------------------
     def _slot(self, replica: str) -> int:
