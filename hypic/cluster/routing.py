@@ -1,17 +1,44 @@
-"""STUB (replaced by the real policies at merge)."""
+"""Which replica serves a request: routing policies over the replicas' loads and what the
+``DocumentIndex`` believes they hold, and the spread of warm-up documents.
+
+Policies are pure: they read the request, the loads the ingress keeps and the index, and name a
+replica; the ingress applies the choice and updates its own bookkeeping.
+
+- ``cache_aware`` (default): the replica with the least work for this request, counting what it
+  would prefill given what it holds, the prefill queued on it and its decode load; a replica far
+  above the mean queue is skipped.
+- ``prefix``: the longest leading-prefix match (what single-server routers do), then load.
+- ``power_of_two``: the less busy of two random replicas. ``round_robin``: each in turn.
+"""
+import random
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from hypic.router.lpt import lpt_assign
+
+from .index import DocumentIndex, Tier
 
 
 @dataclass(frozen=True)
 class RouteRequest:
+    """What the router needs of a request, computed once at the ingress: ``documents``: (entry key,
+    tokens) of each PIC document in prompt order; ``prompt_tokens``: the whole prompt's length;
+    ``token_ids``: the prompt's ids, for prefix matching (may be empty)."""
+
     namespace: str
     documents: tuple[tuple[str, int], ...]
     prompt_tokens: int
     token_ids: tuple[int, ...] = ()
 
+    def document_tokens(self) -> int:
+        return sum(tokens for _, tokens in self.documents)
+
 
 @dataclass
 class ReplicaLoad:
+    """What the ingress has sent a replica and it has not finished: prefill tokens not yet prefilled,
+    requests, and tokens left to decode (the requests' max_new_tokens budgets)."""
+
     replica: str
     queued_prefill_tokens: int = 0
     running: int = 0
@@ -19,33 +46,171 @@ class ReplicaLoad:
 
 
 @dataclass(frozen=True)
+class TierCosts:
+    """The cost of loading one token's entry from a tier, in prefill-token units (1 = as dear as
+    prefilling it; memory is free)."""
+
+    memory: float = 0.0
+    host: float = 0.05
+    disk: float = 0.2
+
+    @classmethod
+    def from_rates(cls, prefill_tokens_per_s: float, host_tokens_per_s: float,
+                   disk_tokens_per_s: float) -> "TierCosts":
+        """From measured rates: a tier's credit is the time to load a token from it over the time to
+        prefill one (capped at 1: a load slower than prefill is never better than a miss)."""
+        if min(prefill_tokens_per_s, host_tokens_per_s, disk_tokens_per_s) <= 0:
+            raise ValueError("rates must be > 0 tokens/s")
+        return cls(0.0, min(1.0, prefill_tokens_per_s / host_tokens_per_s),
+                   min(1.0, prefill_tokens_per_s / disk_tokens_per_s))
+
+    def of(self, tier: Tier) -> float:
+        return (self.memory, self.host, self.disk)[tier]
+
+
+@dataclass(frozen=True)
 class Decision:
+    """The chosen replica; ``reason``: "cache" (chosen for what it holds), "load" (nothing held
+    decided it, or the imbalance guard overrode the cheapest), "round_robin" or "random";
+    ``costs``: replica -> the cost the policy scored (for logs and tests)."""
+
     replica: str
     reason: str
-    costs: dict = field(default_factory=dict)
+    costs: dict[str, float]
 
 
-POLICIES = ("cache_aware", "round_robin", "power_of_two", "prefix")
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision: ...
 
 
-class _CacheAware:
-    name = "cache_aware"
-
-    def choose(self, request, loads, index):
-        costs = {}
-        for load in loads:
-            missing = sum(t for k, t in request.documents if load.replica not in index.holders(request.namespace, k))
-            costs[load.replica] = missing + load.queued_prefill_tokens
-        best = min(loads, key=lambda l: (costs[l.replica], l.running, l.replica))
-        return Decision(best.replica, "cache", costs)
+def _check_loads(loads: list[ReplicaLoad]) -> None:
+    if not loads:
+        raise ValueError("no replicas to route to")
 
 
-def policy_named(name: str, **options):
-    return _CacheAware()
+def _by_load(load: ReplicaLoad) -> tuple[int, int, str]:
+    """Least queued prefill first, then fewer requests, then the lowest id."""
+    return load.queued_prefill_tokens, load.running, load.replica
 
 
-def spread_documents(tokens, loads):
-    return [loads[i % len(loads)].replica for i in range(len(tokens))]
+DECODE_WEIGHT = 0.1  # prefill tokens' worth of a replica's time one token it still has to decode takes
+IMBALANCE_FACTOR = 2.0  # a replica queued above this times the mean queue is skipped...
+IMBALANCE_FLOOR = 8192  # ...if its queue is also above this many tokens
 
 
-RoutingPolicy = _CacheAware
+@dataclass
+class CacheAware:
+    """cost(replica) = the tokens it would prefill for this request given what it holds (a document held
+    in memory: 0; in host or disk: its tokens x that tier's credit; not held: its tokens; the rest of
+    the prompt: its tokens; or, if less, the prompt past the prefix it is believed to hold) + its queued
+    prefill tokens + ``decode_weight`` x its tokens left to decode. Cheapest wins (ties: fewer running,
+    then the lowest id), except that a replica queued above ``imbalance_factor`` x the mean queue and
+    above ``imbalance_floor`` tokens is skipped unless every replica is."""
+
+    tier_costs: TierCosts = field(default_factory=TierCosts)
+    decode_weight: float = DECODE_WEIGHT
+    imbalance_factor: float = IMBALANCE_FACTOR
+    imbalance_floor: int = IMBALANCE_FLOOR
+    name: str = "cache_aware"
+
+    def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
+        _check_loads(loads)
+        prefill = self.prefill_tokens(request, [load.replica for load in loads], index)
+        costs = {load.replica: prefill[load.replica] + load.queued_prefill_tokens
+                 + self.decode_weight * load.decode_tokens for load in loads}
+        rank = {load.replica: (costs[load.replica], load.running, load.replica) for load in loads}
+        cheapest = min(rank, key=rank.__getitem__)
+        allowed = self._not_swamped(loads) or [load.replica for load in loads]
+        chosen = min(allowed, key=rank.__getitem__)
+        if chosen != cheapest:
+            return Decision(chosen, "load", costs)
+        held = prefill[chosen] < request.prompt_tokens
+        return Decision(chosen, "cache" if held else "load", costs)
+
+    def prefill_tokens(self, request: RouteRequest, replicas: list[str], index: DocumentIndex) -> dict[str, float]:
+        """Replica -> the tokens it would prefill for ``request``, given what the index says it holds."""
+        document_tokens = request.document_tokens()
+        saved = dict.fromkeys(replicas, 0.0)
+        for key, tokens in request.documents:
+            for replica, tier in index.holders(request.namespace, key).items():
+                if replica in saved:
+                    saved[replica] += tokens * (1.0 - self.tier_costs.of(tier))
+        rest = max(0, request.prompt_tokens - document_tokens)
+        matched = index.prefix_matched(request.token_ids, request.namespace) if request.token_ids else {}
+        return {replica: min(document_tokens - saved[replica] + rest,
+                             max(0, request.prompt_tokens - matched.get(replica, 0))) for replica in replicas}
+
+    def _not_swamped(self, loads: list[ReplicaLoad]) -> list[str]:
+        mean = sum(load.queued_prefill_tokens for load in loads) / len(loads)
+        limit = max(self.imbalance_factor * mean, self.imbalance_floor)
+        return [load.replica for load in loads if load.queued_prefill_tokens <= limit]
+
+
+@dataclass
+class PrefixMatch:
+    """The replica believed to hold the longest leading prefix of the prompt (documents count only as
+    far as they are in it); ties and no match: the least loaded."""
+
+    name: str = "prefix"
+
+    def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
+        _check_loads(loads)
+        matched = index.prefix_matched(request.token_ids, request.namespace) if request.token_ids else {}
+        costs = {load.replica: float(max(0, request.prompt_tokens - matched.get(load.replica, 0))) for load in loads}
+        chosen = min(loads, key=lambda load: (costs[load.replica], *_by_load(load)))
+        return Decision(chosen.replica, "cache" if matched.get(chosen.replica) else "load", costs)
+
+
+@dataclass
+class RoundRobin:
+    """Each replica in turn, in id order."""
+
+    name: str = "round_robin"
+    turn: int = 0
+
+    def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
+        _check_loads(loads)
+        replicas = sorted(load.replica for load in loads)
+        chosen = replicas[self.turn % len(replicas)]
+        self.turn += 1
+        return Decision(chosen, "round_robin", {})
+
+
+@dataclass
+class PowerOfTwo:
+    """Two replicas drawn at random (``rng``), the one with fewer requests (then less queued prefill,
+    then the lower id)."""
+
+    rng: random.Random = field(default_factory=random.Random)
+    name: str = "power_of_two"
+
+    def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
+        _check_loads(loads)
+        drawn = self.rng.sample(loads, min(2, len(loads)))
+        costs = {load.replica: float(load.running) for load in drawn}
+        chosen = min(drawn, key=lambda load: (load.running, load.queued_prefill_tokens, load.replica))
+        return Decision(chosen.replica, "random", costs)
+
+
+_POLICIES = {"cache_aware": CacheAware, "round_robin": RoundRobin, "power_of_two": PowerOfTwo, "prefix": PrefixMatch}
+POLICIES: tuple[str, ...] = tuple(_POLICIES)
+
+
+def policy_named(name: str = "cache_aware", **options) -> RoutingPolicy:
+    """The routing policy called ``name``, built with ``options`` (its fields)."""
+    if name not in _POLICIES:
+        raise ValueError(f"unknown routing policy {name}: expected one of {', '.join(POLICIES)}")
+    try:
+        return _POLICIES[name](**options)
+    except TypeError as error:
+        raise ValueError(f"bad options for routing policy {name}: {error}") from None
+
+
+def spread_documents(tokens: list[int], loads: list[ReplicaLoad]) -> list[str]:
+    """Warm-up: the replica of each document, longest first to the least queued so far (LPT over the
+    replicas' queued prefill tokens)."""
+    _check_loads(loads)
+    assignment = lpt_assign(tokens, [load.queued_prefill_tokens for load in loads])
+    return [loads[slot].replica for slot in assignment]

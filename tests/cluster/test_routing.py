@@ -1,0 +1,182 @@
+"""Routing policies on small hand-built clusters, each expected choice and cost worked out by hand."""
+import random
+
+import pytest
+
+from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
+from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, policy_named,
+                                   spread_documents)
+
+
+def cluster(holdings: dict[str, list[tuple[str, Tier]]], namespace: str = "t") -> DocumentIndex:
+    """An index told by a dump from each replica what it holds."""
+    index = DocumentIndex()
+    for replica, held in holdings.items():
+        events = tuple(HoldingEvent("stored", key, namespace, tier, 1) for key, tier in held)
+        assert index.apply(Announcement(replica, "i", len(events), events, full=True))
+    return index
+
+
+def idle(*replicas: str) -> list[ReplicaLoad]:
+    return [ReplicaLoad(replica) for replica in replicas]
+
+
+DOCS = (("d1", 1000), ("d2", 2000))
+REQUEST = RouteRequest("t", DOCS, prompt_tokens=3100)  # 100 tokens besides the documents
+
+
+def test_the_replica_holding_the_documents_wins_at_the_tokens_it_would_prefill() -> None:
+    index = cluster({"r0": [], "r1": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)], "r2": [("d2", Tier.MEMORY)]})
+    decision = policy_named("cache_aware").choose(REQUEST, idle("r0", "r1", "r2"), index)
+    assert (decision.replica, decision.reason) == ("r1", "cache")
+    assert decision.costs == {"r0": 3100, "r1": 100, "r2": 1100}
+
+
+def test_tier_credits_order_memory_before_host_before_disk_before_a_miss() -> None:
+    index = cluster({"disk": [("d2", Tier.DISK)], "host": [("d2", Tier.HOST)], "mem": [("d2", Tier.MEMORY)], "miss": []})
+    policy = policy_named("cache_aware", tier_costs=TierCosts(host=0.05, disk=0.2))
+    loads = idle("disk", "host", "mem", "miss")
+    decision = policy.choose(REQUEST, loads, index)
+    assert decision.costs == {"mem": 1100, "host": 1100 + 0.05 * 2000, "disk": 1100 + 0.2 * 2000, "miss": 3100}
+    assert decision.replica == "mem"
+    index.forget("mem")
+    assert policy.choose(REQUEST, loads, index).replica == "host"
+    index.forget("host")
+    assert policy.choose(REQUEST, loads, index).replica == "disk"
+    index.forget("disk")
+    assert policy.choose(REQUEST, loads, index).replica == "disk"  # nobody holds it: lowest id
+
+
+def test_a_holder_pays_for_its_queue_and_its_decoding() -> None:
+    """r1 holds both documents (100 to prefill), r0 nothing (3100): r1 wins until its queue and decode
+    load pass 3000 tokens; decode counts 0.1 prefill token a token."""
+    index = cluster({"r0": [], "r1": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)]})
+    policy = policy_named("cache_aware", imbalance_floor=10**9)
+    loads = [ReplicaLoad("r0"), ReplicaLoad("r1", queued_prefill_tokens=2000, decode_tokens=9000)]
+    decision = policy.choose(REQUEST, loads, index)
+    assert decision.costs == {"r0": 3100, "r1": 100 + 2000 + 900} and decision.replica == "r1"  # 3000 < 3100
+    loads[1].decode_tokens = 11000
+    decision = policy.choose(REQUEST, loads, index)
+    assert decision.costs["r1"] == 3200 and (decision.replica, decision.reason) == ("r0", "load")
+
+
+def test_ties_go_to_fewer_running_then_the_lowest_id() -> None:
+    index = cluster({})
+    policy = policy_named("cache_aware")
+    loads = [ReplicaLoad("r2", running=1), ReplicaLoad("r1", running=3), ReplicaLoad("r3", running=1)]
+    assert policy.choose(REQUEST, loads, index).replica == "r2"
+    loads[0].running = 5
+    assert policy.choose(REQUEST, loads, index).replica == "r3"
+
+
+def test_an_overloaded_holder_is_skipped_even_when_it_is_cheapest() -> None:
+    """r1 holds 30000 document tokens and has 25000 queued (mean queue 8333): cheapest at 25100, but
+    above 2 x the mean and the 8192 floor, so r0 and r2 (30100 each) are left; the tie goes to r0."""
+    big = RouteRequest("t", (("d1", 10000), ("d2", 20000)), prompt_tokens=30100)
+    index = cluster({"r0": [], "r1": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)], "r2": []})
+    policy = policy_named("cache_aware")
+    loads = [ReplicaLoad("r0"), ReplicaLoad("r1", queued_prefill_tokens=25000), ReplicaLoad("r2")]
+    decision = policy.choose(big, loads, index)
+    assert (decision.replica, decision.reason) == ("r0", "load")
+    assert decision.costs == {"r0": 30100, "r1": 25100, "r2": 30100}
+    loads[1].queued_prefill_tokens = 8000  # above 2 x the mean (5333) but under the floor: kept
+    decision = policy.choose(big, loads, index)
+    assert (decision.replica, decision.reason) == ("r1", "cache")
+    assert policy_named("cache_aware", imbalance_floor=4000).choose(big, loads, index).replica == "r0"
+
+
+def test_when_every_replica_is_over_the_guard_the_cheapest_still_wins() -> None:
+    index = cluster({"r0": [], "r1": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)]})
+    policy = policy_named("cache_aware", imbalance_factor=0.5, imbalance_floor=0)
+    loads = [ReplicaLoad("r0", queued_prefill_tokens=9000), ReplicaLoad("r1", queued_prefill_tokens=9000)]
+    decision = policy.choose(REQUEST, loads, index)
+    assert (decision.replica, decision.reason) == ("r1", "cache")
+
+
+def test_a_held_prefix_counts_when_it_saves_more_than_the_documents() -> None:
+    """A 640-token prompt without documents: r1 served it (ten whole blocks), r0 holds nothing."""
+    prompt = tuple(range(640))
+    index = cluster({})
+    index.record_prefix("r1", prompt[:512], "t")
+    request = RouteRequest("t", (), prompt_tokens=640, token_ids=prompt)
+    decision = policy_named("cache_aware").choose(request, idle("r0", "r1"), index)
+    assert decision.costs == {"r0": 640, "r1": 128} and (decision.replica, decision.reason) == ("r1", "cache")
+
+
+def _prompt_of(order: list[str], tokens: dict[str, list[int]]) -> tuple[int, ...]:
+    return tuple(t for name in order for t in tokens[name]) + tuple(range(9000, 9064))
+
+
+def test_prefix_routing_misses_reordered_documents_that_cache_aware_finds() -> None:
+    """r1 served [a, b, question] and keeps a and b in its public pool; the same documents come back as
+    [b, a, question]. Only the leading prefix counts for ``prefix``: no match, so the tie goes to r0."""
+    tokens = {"a": list(range(0, 640)), "b": list(range(1000, 1640))}
+    index = cluster({"r0": [], "r1": [("a", Tier.MEMORY), ("b", Tier.MEMORY)]})
+    first = _prompt_of(["a", "b"], tokens)
+    index.record_prefix("r1", first, "t")
+    again = RouteRequest("t", (("a", 640), ("b", 640)), len(first), first)
+    reordered = RouteRequest("t", (("b", 640), ("a", 640)), len(first), _prompt_of(["b", "a"], tokens))
+    prefix, cache_aware = policy_named("prefix"), policy_named("cache_aware")
+    assert prefix.choose(again, idle("r0", "r1"), index).replica == "r1"
+    decision = prefix.choose(reordered, idle("r0", "r1"), index)
+    assert (decision.replica, decision.reason, decision.costs) == ("r0", "load", {"r0": 1344, "r1": 1344})
+    decision = cache_aware.choose(reordered, idle("r0", "r1"), index)
+    assert (decision.replica, decision.reason) == ("r1", "cache") and decision.costs["r1"] == 64
+
+
+def test_prefix_routing_breaks_ties_by_the_queue() -> None:
+    prompt = tuple(range(200))
+    index = cluster({})
+    index.record_prefix("r0", prompt, "t")
+    index.record_prefix("r2", prompt, "t")
+    loads = [ReplicaLoad("r0", queued_prefill_tokens=50), ReplicaLoad("r1"), ReplicaLoad("r2", queued_prefill_tokens=10)]
+    decision = policy_named("prefix").choose(RouteRequest("t", (), 200, prompt), loads, index)
+    assert (decision.replica, decision.reason) == ("r2", "cache")
+    assert policy_named("prefix").choose(RouteRequest("t", (), 200, ()), loads, index).replica == "r1"
+
+
+def test_round_robin_cycles_in_id_order_whatever_order_the_loads_come_in() -> None:
+    policy = policy_named("round_robin")
+    loads = idle("r2", "r0", "r1")
+    chosen = [policy.choose(REQUEST, loads, DocumentIndex()).replica for _ in range(7)]
+    assert chosen == ["r0", "r1", "r2", "r0", "r1", "r2", "r0"]
+
+
+def test_power_of_two_takes_the_less_busy_of_its_two_draws() -> None:
+    draws = random.Random(5)
+    loads = [ReplicaLoad(f"r{i}", queued_prefill_tokens=draws.randrange(100), running=draws.randrange(4))
+             for i in range(6)]
+    policy, mirror = policy_named("power_of_two", rng=random.Random(42)), random.Random(42)
+    for _ in range(200):
+        first, second = mirror.sample(loads, 2)
+        better = first if (first.running, first.queued_prefill_tokens) < (second.running, second.queued_prefill_tokens) else second
+        if (first.running, first.queued_prefill_tokens) == (second.running, second.queued_prefill_tokens):
+            better = min(first, second, key=lambda load: load.replica)
+        decision = policy.choose(REQUEST, loads, DocumentIndex())
+        assert (decision.replica, decision.reason) == (better.replica, "random")
+    assert policy_named("power_of_two").choose(REQUEST, idle("only"), DocumentIndex()).replica == "only"
+
+
+def test_policies_are_named_and_a_wrong_name_or_option_says_which_are_valid() -> None:
+    assert POLICIES == ("cache_aware", "round_robin", "power_of_two", "prefix")
+    assert [policy_named(name).name for name in POLICIES] == list(POLICIES)
+    with pytest.raises(ValueError, match="unknown routing policy fastest: expected one of cache_aware, round_robin, power_of_two, prefix"):
+        policy_named("fastest")
+    with pytest.raises(ValueError, match="bad options for routing policy prefix"):
+        policy_named("prefix", imbalance_factor=3)
+    with pytest.raises(ValueError, match="no replicas"):
+        policy_named("cache_aware").choose(REQUEST, [], DocumentIndex())
+
+
+def test_tier_costs_are_prefill_time_over_load_time() -> None:
+    costs = TierCosts.from_rates(prefill_tokens_per_s=10_000, host_tokens_per_s=200_000, disk_tokens_per_s=50_000)
+    assert (costs.memory, costs.host, costs.disk) == (0.0, 0.05, 0.2)
+    assert TierCosts.from_rates(10_000, 200_000, 5_000).disk == 1.0  # slower than prefilling it: a miss
+    with pytest.raises(ValueError, match="> 0"):
+        TierCosts.from_rates(10_000, 0, 1)
+
+
+def test_warm_up_spreads_documents_longest_first_to_the_least_queued() -> None:
+    """5 -> r0 (0 vs 4), 3 -> r1 (5 vs 4), 3 -> r0 (5 vs 7), 2 -> r1 (8 vs 7)."""
+    loads = [ReplicaLoad("r0"), ReplicaLoad("r1", queued_prefill_tokens=4)]
+    assert spread_documents([3, 5, 2, 3], loads) == ["r1", "r0", "r1", "r0"]
