@@ -18,8 +18,7 @@ from .cache.eviction import Eviction
 from .cache.modes import Mode
 from .cache.tiers.hierarchy import PrefetchPolicy, WritePolicy
 from .cache.tiers.options import DEFAULT_SEGMENT_BYTES, TierOptions
-
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "prefix")  # --router-policy (SGLang's spellings)
+from .cluster.routing import POLICIES as ROUTER_POLICIES
 
 RANDOM_MODEL_SEED = 0
 

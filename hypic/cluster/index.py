@@ -202,8 +202,9 @@ class DocumentIndex:
                 self._store(replica, event)
             elif event.kind == "evicted":
                 self._evict(replica, event)
-            elif event.kind == "cleared":
+            elif event.kind == "cleared":  # a flush: its private pool's prefixes went too
                 self._clear(replica, event.namespace)
+                self.prefixes.forget_worker(replica)
             else:
                 raise ValueError(f"unknown holding event kind {event.kind} from replica {replica}: "
                                  f"expected one of {', '.join(KINDS)}")

@@ -41,18 +41,22 @@ class HoldingsFeed:
     def __init__(self, cache: HybridCache, replica: str) -> None:
         self.cache, self.replica = cache, replica
         self.incarnation = uuid.uuid4().hex  # a restarted replica starts a new numbering
-        self.known: dict[str, int] = {}  # key -> tokens, as last told
+        self.known: dict[str, tuple[str, int]] = {}  # key -> (namespace, tokens), as last told
         self.seq = 0
         self.lock = threading.Lock()
 
-    def changes(self) -> Announcement:
-        """What changed since the last announcement (stored, evicted), numbered on from it."""
+    def changes(self, cleared: tuple[str | None, ...] = ()) -> Announcement:
+        """What changed since the last announcement (``cleared``: the namespaces a flush emptied, None
+        for all; then what was stored and evicted), numbered on from it."""
         with self.lock:
             held = self.cache.document_keys()
-            stored = sorted(held - self.known.keys())
-            events = [HoldingEvent("evicted", key, "", Tier.MEMORY) for key in sorted(self.known.keys() - held)]
-            events += [HoldingEvent("stored", key, "", Tier.MEMORY, tokens) for key, tokens in self._tokens(stored)]
-            self.known = {key: self.known.get(key, 0) for key in held} | dict(self._tokens(stored))
+            stored = self._entries(sorted(held - self.known.keys()))
+            events = [HoldingEvent("cleared", "", namespace) for namespace in cleared]
+            events += [HoldingEvent("evicted", key, namespace, Tier.MEMORY)
+                       for key, (namespace, _) in sorted(self.known.items()) if key not in held]
+            events += [HoldingEvent("stored", key, namespace, Tier.MEMORY, tokens)
+                       for key, (namespace, tokens) in stored.items()]
+            self.known = {key: self.known[key] for key in held if key in self.known} | stored
             self.seq += len(events)
             return Announcement(self.replica, self.incarnation, self.seq, tuple(events))
 
@@ -60,11 +64,13 @@ class HoldingsFeed:
         """Everything held now, replacing what the ingress believed."""
         self.changes()
         with self.lock:
-            events = tuple(HoldingEvent("stored", key, "", Tier.MEMORY, tokens) for key, tokens in self.known.items())
+            events = tuple(HoldingEvent("stored", key, namespace, Tier.MEMORY, tokens)
+                           for key, (namespace, tokens) in self.known.items())
             return Announcement(self.replica, self.incarnation, self.seq, events, full=True)
 
-    def _tokens(self, keys: list[str]) -> list[tuple[str, int]]:
-        return [(entry.key, len(entry.token_ids)) for entry in self.cache.held_documents(keys)]
+    def _entries(self, keys: list[str]) -> dict[str, tuple[str, int]]:
+        """Key -> (namespace, tokens) of those of ``keys`` memory still holds."""
+        return {entry.key: (entry.namespace, len(entry.token_ids)) for entry in self.cache.held_documents(keys)}
 
 
 class Replica:
@@ -125,7 +131,7 @@ class Replica:
 
     async def flush(self, route: Any, namespace: str | None, tiers: frozenset[str]) -> tuple[Any, Announcement]:
         flushed = await asyncio.wrap_future(self.instance.loop.flush(namespace, tiers))
-        return flushed, self.feed.changes()
+        return flushed, self.feed.changes(cleared=(namespace,))
 
     async def dump(self, route: Any) -> Announcement:
         return self.feed.dump()

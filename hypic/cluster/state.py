@@ -59,6 +59,7 @@ class ClusterState:
             load.running += 1
             load.decode_tokens += decode_tokens
             self.inflight[rid] = InFlight(replica, cold, decode_tokens)
+            self.index.record_prefix(replica, request.token_ids, request.namespace)  # its private pool keeps it
             self.counters[f"routed_by_{reason}"] += 1
 
     def count(self, name: str) -> None:
