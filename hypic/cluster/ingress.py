@@ -7,6 +7,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from concurrent.futures import Future
 from typing import Any
 
@@ -19,7 +20,8 @@ from ..scheduler.loop import EngineLoop, ErrorEvent, Event, Job
 from .front import FrontEngine
 from .index import Announcement
 from .replica import ReplicaWork
-from .routing import ReplicaLoad, RouteRequest, spread_documents
+from ..router.plan import SegmentJob
+from .routing import ReplicaLoad, RouteRequest, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
 
 log = logging.getLogger("hypic.cluster")
@@ -65,8 +67,10 @@ class ReplicaLoop:
     job_for, check_state_fits = EngineLoop.job_for, EngineLoop.check_state_fits
 
     def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
-                 max_state_bytes: int | None) -> None:
+                 max_state_bytes: int | None, spreads: bool = True) -> None:
         self.engine, self.mode, self.state = front, Mode.parse(mode), state
+        # a replica of several ranks holds shards: its documents are not built by another replica
+        self.spreads = spreads and front.policy(self.mode).caches_segments
         self.replicas, self.max_state_bytes = replicas, max_state_bytes
         self.tasks: set[asyncio.Task] = set()
         self.statuses: dict[str, dict[str, Any]] = {}
@@ -96,7 +100,7 @@ class ReplicaLoop:
         try:
             for attempt in range(1, ATTEMPTS + 1):
                 try:
-                    return await self._attempt(job, relay)
+                    return await self._attempt(job, relay, spread=attempt == 1)
                 except Exception as err:  # noqa: BLE001 - the replica died or failed
                     self.state.finished(job.rid)
                     if heard or attempt == ATTEMPTS or job.cancelled.is_set():
@@ -107,10 +111,13 @@ class ReplicaLoop:
             log.error("request %s failed on its replica: %s", job.rid, err)
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
 
-    async def _attempt(self, job: Job, emit: Callable[[Event], None]) -> None:
+    async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool) -> None:
+        """One try at ``job``; with ``spread``, its cold documents may be built on other replicas
+        (``spread_cold_documents``) while the chosen one takes the request."""
         route = RouteTo(job.rid, route_request(job), decode_tokens=job.request.params.max_new_tokens * len(job.sequences))
         work = ReplicaWork(job.rid, job.parts, job.request, job.plan, time.perf_counter() - job.start)
-        stream = _own_call(lambda: self.replicas.options(method_name="run", stream=True).remote(route, work))
+        route, builds = self._spread(job, route) if spread and self.spreads else (route, [])
+        stream = _own_call(lambda: self.replicas.options(method_name="run", stream=True).remote(route, work, *builds))
         watcher = asyncio.get_running_loop().create_task(self._cancel_when_asked(job, stream))
         try:
             async for item in stream:
@@ -118,6 +125,27 @@ class ReplicaLoop:
         finally:
             watcher.cancel()
             self.state.finished(job.rid)
+
+    def _spread(self, job: Job, route: RouteTo) -> tuple[RouteTo, list[Any]]:
+        """The replica the policy picks for ``job``, pinned, and the build calls of the documents
+        others build for it (none: the router picks as usual)."""
+        assert route.request is not None
+        replicas = list(self.state.replicas)
+        decision = self.state.choose(route.request, replicas)
+        with self.state.lock:
+            loads = [self.state.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(replicas)]
+            shares = spread_cold_documents(route.request, decision.replica, loads, self.state.index)
+        if not shares:
+            return route, []
+        documents = list(job.plan.documents())
+        route_reasons[job.rid] = decision.reason
+        builds = []
+        for replica, indices in shares.items():
+            jobs = [SegmentJob(documents[i][1], documents[i][2], job.parts.namespace) for i in indices]
+            self.state.building(job.rid, replica, sum(route.request.documents[i][1] for i in indices))
+            pinned = RouteTo(f"{job.rid}-build", replica=replica)
+            builds.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
+        return replace(route, replica=decision.replica), builds
 
     async def _relay(self, item: Event | Announcement, emit: Callable[[Event], None]) -> None:
         if isinstance(item, Announcement):
@@ -266,7 +294,7 @@ class ReplicaRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if not isinstance(route, RouteTo) or (route.request is None and route.replica is None):
             return [candidate_replicas]
-        if route.replica is not None:
+        if route.replica is not None:  # a call for one replica, or a request the ingress placed itself
             return [[by_id[route.replica]]] if route.replica in by_id else []
         decision = self._state().choose(route.request, list(by_id))
         route_reasons[route.rid] = decision.reason

@@ -8,12 +8,19 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..cache.hybrid_cache import HybridCache
 from ..cache.plan import RequestPlan
 from ..cache.segments import PromptParts
+from ..cache.store import SegmentEntry
+from ..prefill_stats import BuiltForRequest
+from ..router.plan import SegmentJob
+from ..router.serialization import register_tensor_serializer
+from ..router.transfer import install_entries
+from ..router.worker import document_build_steps
 from ..scheduler.loop import DoneEvent, ErrorEvent, Event, ProgressEvent
 from ..server.protocol import GenerationRequest
 from .index import Announcement, HoldingEvent, Tier
@@ -78,18 +85,22 @@ class Replica:
     serve ARGS`` would (its loop started); ``replica``: this replica's id (Ray Serve's)."""
 
     def __init__(self, args: Any, start_instance: Callable[[Any], Any], replica: str | None = None) -> None:
+        register_tensor_serializer()  # entries between replicas travel as numpy arrays, not pickled tensors
         self.instance = start_instance(args)
         self.replica = replica or _serve_replica_id()
         self.feed = HoldingsFeed(self.instance.engine.cache, self.replica)
         self.started = time.time()
 
-    async def run(self, route: Any, work: ReplicaWork) -> AsyncIterator[Event | Announcement]:
+    async def run(self, route: Any, work: ReplicaWork, *built: list[SegmentEntry]) -> AsyncIterator[Event | Announcement]:
         """The request's events, as its loop emits them, then what the replica holds now. ``route``
-        is for the router (which replica); the replica ignores it."""
+        is for the router (which replica); the replica ignores it. ``built``: documents other
+        replicas built for it (each one's list), stored here, checked, before its prefill."""
         job = self._job(work)
+        peer_work = await self._installed(built) if built else None
         events: asyncio.Queue[Event] = asyncio.Queue()
         running = asyncio.get_running_loop()
-        self.instance.loop.enqueue(job, lambda event: running.call_soon_threadsafe(events.put_nowait, event))
+        self.instance.loop.enqueue(job, lambda event: running.call_soon_threadsafe(events.put_nowait, event),
+                                   peer_work)
         try:
             while True:
                 event = await self._next(events)
@@ -99,6 +110,24 @@ class Replica:
         finally:
             job.cancel()  # no-op once finished; a client that left stops the work here
         yield self.feed.changes()
+
+    async def build(self, route: Any, jobs: list[SegmentJob]) -> list[SegmentEntry]:
+        """Documents for another replica's request: each held here or built among this replica's
+        other work (the entries stay here too)."""
+        loop = self.instance.loop
+        steps = document_build_steps(self.instance.engine, jobs, loop.mode)
+        return await asyncio.wrap_future(loop.run_steps(steps, sum(len(job.token_ids) for job in jobs)))
+
+    async def _installed(self, built: tuple[list[SegmentEntry], ...]) -> Any:
+        """Store other replicas' entries (a refused one is recomputed); what the request's prefill is
+        told was built for it elsewhere, as peer work already done."""
+        engine, loop = self.instance.engine, self.instance.loop
+        entries = [entry for batch in built for entry in batch]
+        await asyncio.wrap_future(loop.call(lambda: install_entries(engine, entries, loop.mode)))
+        done: Future = Future()
+        done.set_result((None, BuiltForRequest(frozenset(e.key for e in entries),
+                                                tuple((e.key, len(e.token_ids)) for e in entries))))
+        return lambda plan: done
 
     def _job(self, work: ReplicaWork) -> Any:
         loop, request = self.instance.loop, work.request

@@ -214,3 +214,26 @@ def spread_documents(tokens: list[int], loads: list[ReplicaLoad]) -> list[str]:
     _check_loads(loads)
     assignment = lpt_assign(tokens, [load.queued_prefill_tokens for load in loads])
     return [loads[slot].replica for slot in assignment]
+
+
+MIN_SPREAD_TOKENS = 128  # a shorter document is built where it is needed: shipping it costs about what building it saves
+
+
+def spread_cold_documents(request: RouteRequest, combine: str, loads: list[ReplicaLoad], index: DocumentIndex,
+                          min_tokens: int = MIN_SPREAD_TOKENS) -> dict[str, list[int]]:
+    """Which of ``request``'s documents other replicas build for it, in parallel with ``combine``
+    (the replica that serves it): replica -> the indices (into ``request.documents``) it builds.
+    The documents ``combine`` does not hold (of at least ``min_tokens``) are placed longest first,
+    each on the replica least loaded so far (LPT), ``combine``'s load counting the rest of the
+    prompt it computes anyway; those it keeps, and any other replica's empty share, are left out."""
+    _check_loads(loads)
+    held = {i for i, (key, _) in enumerate(request.documents) if combine in index.holders(request.namespace, key)}
+    cold = [i for i, (_, tokens) in enumerate(request.documents) if i not in held and tokens >= min_tokens]
+    rest = request.prompt_tokens - sum(request.documents[i][1] for i in cold)
+    queued = [load.queued_prefill_tokens + (rest if load.replica == combine else 0) for load in loads]
+    assignment = lpt_assign([request.documents[i][1] for i in cold], queued)
+    shares: dict[str, list[int]] = {}
+    for document, slot in zip(cold, assignment):
+        if loads[slot].replica != combine:
+            shares.setdefault(loads[slot].replica, []).append(document)
+    return shares

@@ -41,6 +41,7 @@ class ClusterState:
         self.gone: set[str] = set()
         self.loads: dict[str, ReplicaLoad] = {}
         self.inflight: dict[str, InFlight] = {}
+        self.builds: dict[str, list[tuple[str, int]]] = {}  # request -> (replica, tokens) others build for it
         self.counters: Counter[str] = Counter()
         self.lock = threading.Lock()
 
@@ -66,8 +67,17 @@ class ClusterState:
         with self.lock:
             self.counters[name] += 1
 
+    def building(self, rid: str, replica: str, tokens: int) -> None:
+        """``replica`` builds ``tokens`` of documents for request ``rid``: load until it finishes."""
+        with self.lock:
+            self.loads.setdefault(replica, ReplicaLoad(replica)).queued_prefill_tokens += tokens
+            self.builds.setdefault(rid, []).append((replica, tokens))
+
     def finished(self, rid: str) -> None:
         with self.lock:
+            for replica, tokens in self.builds.pop(rid, []):
+                if replica in self.loads:
+                    self.loads[replica].queued_prefill_tokens -= tokens
             done = self.inflight.pop(rid, None)
             load = self.loads.get(done.replica) if done is not None else None
             if load is not None:

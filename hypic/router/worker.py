@@ -28,6 +28,21 @@ class LoopStalled(TimeoutError):
     """A worker's engine loop did not answer a call within the worker's timeout: the worker is stuck."""
 
 
+def document_build_steps(engine: Engine, jobs: list[SegmentJob], mode: Mode) -> Steps[list[SegmentEntry]]:
+    """The jobs' entries, held or built (each build's combine passes asked of the loop that runs
+    these steps): what a peer or a replica builds for another's request."""
+    entries = []
+    for job in jobs:
+        policy = engine.policy(mode, job.namespace)
+        entry, found = engine.cache.lookup_document(job.token_ids, policy)
+        if found != job.key:
+            raise ValueError(f"job key {job.key[:12]} does not address its tokens on this engine")
+        if entry is None:
+            entry = yield from engine.prefiller.document_steps(job.key, job.token_ids, policy)
+        entries.append(entry)
+    return entries
+
+
 class Worker:
     """Builds document interiors for peers, installs theirs (checked), and runs combine passes.
     Ray calls its methods concurrently (a threaded actor); all engine work goes through one
@@ -79,17 +94,7 @@ class Worker:
         return channel.ship(entries, ship_to[0])
 
     def _build_steps(self, jobs: list[SegmentJob], mode: Mode) -> Steps[list[SegmentEntry]]:
-        """The jobs' entries, held or built (each build's combine passes asked of the loop)."""
-        entries = []
-        for job in jobs:
-            policy = self.engine.policy(mode, job.namespace)
-            entry, found = self.engine.cache.lookup_document(job.token_ids, policy)
-            if found != job.key:
-                raise ValueError(f"job key {job.key[:12]} does not address its tokens on this worker")
-            if entry is None:
-                entry = yield from self.engine.prefiller.document_steps(job.key, job.token_ids, policy)
-            entries.append(entry)
-        return entries
+        return document_build_steps(self.engine, jobs, mode)
 
     def cache(self, jobs: list[SegmentJob], mode: Mode, priority: float = 0) -> list[str]:
         """``build`` for a warm-up: the entries stay here; only their keys go back."""

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
-from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, policy_named,
+from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, policy_named, spread_cold_documents,
                                    spread_documents)
 
 
@@ -180,3 +180,27 @@ def test_warm_up_spreads_documents_longest_first_to_the_least_queued() -> None:
     """5 -> r0 (0 vs 4), 3 -> r1 (5 vs 4), 3 -> r0 (5 vs 7), 2 -> r1 (8 vs 7)."""
     loads = [ReplicaLoad("r0"), ReplicaLoad("r1", queued_prefill_tokens=4)]
     assert spread_documents([3, 5, 2, 3], loads) == ["r1", "r0", "r1", "r0"]
+
+
+def _spread_request(tokens: list[int], rest: int) -> RouteRequest:
+    return RouteRequest("", tuple((f"d{i}", t) for i, t in enumerate(tokens)), sum(tokens) + rest)
+
+
+def test_cold_documents_are_spread_longest_first_to_the_least_loaded() -> None:
+    """Idle replicas a, b, c; a serves a prompt of 40 tokens besides four cold documents of 400, 300,
+    200 and 100 tokens. By hand, longest first to the least loaded (a starts at 40): 400 -> b,
+    300 -> c, 200 -> a (240), 100 -> a (340): b builds document 0, c document 1, a keeps 2 and 3."""
+    loads = [ReplicaLoad("a"), ReplicaLoad("b"), ReplicaLoad("c")]
+    shares = spread_cold_documents(_spread_request([400, 300, 200, 100], 40), "a", loads, DocumentIndex())
+    assert shares == {"b": [0], "c": [1]}
+
+
+def test_documents_the_serving_replica_holds_or_short_ones_stay_with_it() -> None:
+    """Documents the serving replica holds are never built elsewhere, nor ones under the minimum;
+    a busy replica gets nothing (its queue already exceeds what the documents cost)."""
+    index = DocumentIndex()
+    loads = [ReplicaLoad("a"), ReplicaLoad("b"), ReplicaLoad("c", queued_prefill_tokens=10_000)]
+    assert index.apply(Announcement("a", "i", 1, (HoldingEvent("stored", "d0", "", Tier.MEMORY, 400),), full=True))
+    shares = spread_cold_documents(_spread_request([400, 300, 100, 300], 0), "a", loads, index, min_tokens=128)
+    # d0 held by a, d2 too short; a computes the other 500 tokens anyway: d1 -> b (0), d3 -> b (300 < 500)
+    assert shares == {"b": [1, 3]}
