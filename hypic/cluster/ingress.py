@@ -5,6 +5,7 @@ replica's events; each replica's answer ends with what it holds, which keeps the
 import asyncio
 import contextvars
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -188,6 +189,8 @@ class ReplicaLoop:
             if time.monotonic() > deadline:
                 raise HypicError(f"only {len(self.state.replicas)} of {count} replicas started in {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
+        for replica in list(self.state.replicas):  # a restarted ingress learns what each already holds
+            self.state.announce(await self._call(replica, "dump"))
         await self.refresh()
         return list(self.state.replicas)
 
@@ -256,7 +259,7 @@ class ReplicaLoop:
                      "queued": self.statuses[r]["counters"].get("waiting_requests", 0),
                      "running": self.statuses[r]["counters"].get("running_requests", 0)}
                     for i, r in enumerate(sorted(self.statuses))]
-        return {**total, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas),
+        return {**total, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas), "ingress_pid": os.getpid(),
                                                                "policy": self.state.policy.name, "replicas": replicas}}
 
     @property

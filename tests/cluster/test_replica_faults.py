@@ -59,6 +59,7 @@ def test_a_killed_replica_costs_no_request_that_had_not_answered(tmp_path: Any) 
         print(f"the killed replica left the service's report {gone_s:.2f} s after the kill")
         _wait(lambda: len(_replicas(cluster)) == 2, 180, "a replacement replica to join")
         _a_stream_cut_mid_way_ends_in_an_error(cluster)
+        _a_restarted_ingress_learns_what_the_replicas_hold(cluster)
     finally:
         cluster.stop()
 
@@ -77,3 +78,26 @@ def _a_stream_cut_mid_way_ends_in_an_error(cluster: ServerProcess) -> None:
                 os.kill(_busy_replica(cluster)["pid"], signal.SIGKILL)
     assert "error" in chunks[-1] and "replica" in chunks[-1]["error"]["message"], chunks[-1]
     assert len(chunks[-2]["output_ids"]) < LONG["max_new_tokens"]
+
+
+def _a_restarted_ingress_learns_what_the_replicas_hold(cluster: ServerProcess) -> None:
+    """Documents warmed before the ingress is SIGKILLed are hits after Ray Serve restarts it: the new
+    ingress asks every replica for what it holds before it serves."""
+    _wait(lambda: len(_replicas(cluster)) == 2, 180, "a replacement replica to join")
+    documents = [f"Record {i}: the heron of Welby was born in {1900 + i} and fished the river at dawn." for i in range(2)]
+    cluster.post("/flush_cache", {})
+    cluster.post("/warmup", {"documents": documents})
+    os.kill(cluster.get("/get_server_info")["data_parallel"]["ingress_pid"], signal.SIGKILL)
+    time.sleep(1)
+    _wait(lambda: _healthy(cluster), 120, "a new ingress to serve")
+    for document in documents:
+        prompt = DEFAULT_SEPARATOR.join(["Answer from the records.", document, "Question: when?"])
+        meta = cluster.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 2}})["meta_info"]
+        assert (meta["segments_hit"], meta["segments_missed"]) == (1, 0), meta
+
+
+def _healthy(cluster: ServerProcess) -> bool:
+    try:
+        return cluster.request("GET", "/health", timeout=5)[0] == 200
+    except OSError:
+        return False
