@@ -70,6 +70,11 @@ class HybridCache:
         """The keys of every document memory holds (what a router plans with and its index syncs on)."""
         return self.public.keys()
 
+    def lower_tiers_of(self, key: str, namespace: str) -> list[str]:
+        """The tiers below memory ("host", "disk", "mooncake") whose index holds document ``key``
+        (no I/O: what a router credits a replica with)."""
+        return self.public.lower.tiers_holding(key, namespace) if self.public.lower is not None else []
+
     def held_documents(self, keys: list[str]) -> list[SegmentEntry]:
         """The entries of ``keys`` memory holds, in that order (evicted ones left out), without
         counting or touching them (what is shipped to a peer)."""

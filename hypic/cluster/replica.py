@@ -40,30 +40,42 @@ class ReplicaWork:
     waited_s: float = 0.0
 
 
+TIER_OF = {"host": Tier.HOST, "disk": Tier.DISK, "mooncake": Tier.DISK}  # a lower tier's name -> its index tier
+
+
+@dataclass(frozen=True)
+class Holding:
+    namespace: str
+    tokens: int
+    tiers: frozenset[Tier]
+
+
 class HoldingsFeed:
-    """What a replica's memory holds, told as numbered changes since the last telling (or in full,
-    when the ingress lost track). Calls come from the replica's request threads; a lock keeps the
-    numbering whole."""
+    """Where a replica holds its documents (memory, and the tiers below it whose index has them),
+    told as numbered changes since the last telling, or in full when the ingress lost track. A
+    document is followed from when memory first holds it until no tier does. Calls come from the
+    replica's request threads; a lock keeps the numbering whole."""
 
     def __init__(self, cache: HybridCache, replica: str) -> None:
         self.cache, self.replica = cache, replica
         self.incarnation = uuid.uuid4().hex  # a restarted replica starts a new numbering
-        self.known: dict[str, tuple[str, int]] = {}  # key -> (namespace, tokens), as last told
+        self.known: dict[str, Holding] = {}  # as last told
         self.seq = 0
         self.lock = threading.Lock()
 
     def changes(self, cleared: tuple[str | None, ...] = ()) -> Announcement:
         """What changed since the last announcement (``cleared``: the namespaces a flush emptied, None
-        for all; then what was stored and evicted), numbered on from it."""
+        for all, after which what they still hold below memory is told again), numbered on from it."""
         with self.lock:
-            held = self.cache.document_keys()
-            stored = self._entries(sorted(held - self.known.keys()))
+            now = self._holdings()
             events = [HoldingEvent("cleared", "", namespace) for namespace in cleared]
-            events += [HoldingEvent("evicted", key, namespace, Tier.MEMORY)
-                       for key, (namespace, _) in sorted(self.known.items()) if key not in held]
-            events += [HoldingEvent("stored", key, namespace, Tier.MEMORY, tokens)
-                       for key, (namespace, tokens) in stored.items()]
-            self.known = {key: self.known[key] for key in held if key in self.known} | stored
+            for key, holding in now.items():
+                before = self.known.get(key)
+                told = frozenset() if before is None or _emptied(before.namespace, cleared) else before.tiers
+                events += [HoldingEvent("evicted", key, holding.namespace, tier) for tier in sorted(told - holding.tiers)]
+                events += [HoldingEvent("stored", key, holding.namespace, tier, holding.tokens)
+                           for tier in sorted(holding.tiers - told)]
+            self.known = {key: holding for key, holding in now.items() if holding.tiers}
             self.seq += len(events)
             return Announcement(self.replica, self.incarnation, self.seq, tuple(events))
 
@@ -71,13 +83,26 @@ class HoldingsFeed:
         """Everything held now, replacing what the ingress believed."""
         self.changes()
         with self.lock:
-            events = tuple(HoldingEvent("stored", key, namespace, Tier.MEMORY, tokens)
-                           for key, (namespace, tokens) in self.known.items())
+            events = tuple(HoldingEvent("stored", key, holding.namespace, tier, holding.tokens)
+                           for key, holding in self.known.items() for tier in sorted(holding.tiers))
             return Announcement(self.replica, self.incarnation, self.seq, events, full=True)
 
-    def _entries(self, keys: list[str]) -> dict[str, tuple[str, int]]:
-        """Key -> (namespace, tokens) of those of ``keys`` memory still holds."""
-        return {entry.key: (entry.namespace, len(entry.token_ids)) for entry in self.cache.held_documents(keys)}
+    def _holdings(self) -> dict[str, Holding]:
+        """Every document followed (told before, or in memory now) and the tiers that hold it now."""
+        memory = self.cache.document_keys()
+        fresh = {entry.key: (entry.namespace, len(entry.token_ids))
+                 for entry in self.cache.held_documents(sorted(memory - self.known.keys()))}
+        followed = {key: (h.namespace, h.tokens) for key, h in self.known.items()} | fresh
+        return {key: Holding(namespace, tokens, self._tiers(key, namespace, memory))
+                for key, (namespace, tokens) in followed.items()}
+
+    def _tiers(self, key: str, namespace: str, memory: frozenset[str]) -> frozenset[Tier]:
+        lower = {TIER_OF[name] for name in self.cache.lower_tiers_of(key, namespace) if name in TIER_OF}
+        return frozenset(lower | ({Tier.MEMORY} if key in memory else set()))
+
+
+def _emptied(namespace: str, cleared: tuple[str | None, ...]) -> bool:
+    return any(c is None or c == namespace for c in cleared)
 
 
 class Replica:

@@ -184,6 +184,11 @@ class StorageTiers:
         address = self.identity.address(key, namespace)
         return any(tier.indexed(address) for tier in self.tiers if self.counters[tier.name].healthy)
 
+    def tiers_holding(self, key: str, namespace: str) -> list[str]:
+        """The names of the usable tiers whose local index holds entry ``key`` of ``namespace`` (no I/O)."""
+        address = self.identity.address(key, namespace)
+        return [tier.name for tier in self.tiers if self.counters[tier.name].healthy and tier.indexed(address)]
+
     def prefetch(self, key: str, token_ids: tuple[int, ...], namespace: str, expected_bytes: int) -> Load | None:
         """Start loading entry ``key`` in the background (a request that needs it just arrived); returns
         the load and until when (``time.monotonic``) the prefetch policy has the request wait for it
