@@ -33,6 +33,7 @@ class Tier(IntEnum):
     MEMORY = 0
     HOST = 1
     DISK = 2
+    SHARED = 3  # a store every replica loads from (Mooncake): one replica's report stands for them all
 
 
 TIERS = tuple(Tier)
@@ -254,6 +255,14 @@ class DocumentIndex:
                 for slot in _set_bits(table.bits.item(row, tier, word)):
                     out.setdefault(self._replica_of[word * WORD + slot], tier)
         return out
+
+    def shared(self, namespace: str, key: str) -> bool:
+        """Whether any replica reports the entry of ``key`` (in ``namespace``) in the shared store."""
+        table = self._table
+        row = table.find(key_hash(key))
+        if row < 0 or self._namespace_names[table.namespaces.item(row)] != namespace:
+            return False
+        return any(table.bits.item(row, Tier.SHARED, word) for word in range(table.words))
 
     def replicas(self) -> list[str]:
         """Replicas the index has heard from (an announcement or a served prompt), by id."""

@@ -40,7 +40,7 @@ class ReplicaWork:
     waited_s: float = 0.0
 
 
-TIER_OF = {"host": Tier.HOST, "disk": Tier.DISK, "mooncake": Tier.DISK}  # a lower tier's name -> its index tier
+TIER_OF = {"host": Tier.HOST, "disk": Tier.DISK, "mooncake": Tier.SHARED}  # a lower tier's name -> its index tier
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class TierCosts:
     memory: float = 0.0
     host: float = 0.05
     disk: float = 0.2
+    shared: float = 0.3  # a shared store (Mooncake), over the network
 
     @classmethod
     def from_rates(cls, prefill_tokens_per_s: float, host_tokens_per_s: float,
@@ -65,7 +66,7 @@ class TierCosts:
                    min(1.0, prefill_tokens_per_s / disk_tokens_per_s))
 
     def of(self, tier: Tier) -> float:
-        return (self.memory, self.host, self.disk)[tier]
+        return (self.memory, self.host, self.disk, self.shared)[tier]
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,11 @@ class CacheAware:
         document_tokens = request.document_tokens()
         saved = dict.fromkeys(replicas, 0.0)
         for key, tokens in request.documents:
-            for replica, tier in index.holders(request.namespace, key).items():
-                if replica in saved:
-                    saved[replica] += tokens * (1.0 - self.tier_costs.of(tier))
+            holders = index.holders(request.namespace, key)
+            everyone = tokens * (1.0 - self.tier_costs.shared) if index.shared(request.namespace, key) else 0.0
+            for replica in saved:
+                tier = holders.get(replica)
+                saved[replica] += max(everyone, tokens * (1.0 - self.tier_costs.of(tier)) if tier is not None else 0.0)
         rest = max(0, request.prompt_tokens - document_tokens)
         matched = index.prefix_matched(request.token_ids, request.namespace) if request.token_ids else {}
         return {replica: min(document_tokens - saved[replica] + rest,

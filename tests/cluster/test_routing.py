@@ -204,3 +204,15 @@ def test_documents_the_serving_replica_holds_or_short_ones_stay_with_it() -> Non
     shares = spread_cold_documents(_spread_request([400, 300, 100, 300], 0), "a", loads, index, min_tokens=128)
     # d0 held by a, d2 too short; a computes the other 500 tokens anyway: d1 -> b (0), d3 -> b (300 < 500)
     assert shares == {"b": [1, 3]}
+
+
+def test_a_document_in_the_shared_store_is_every_replicas_at_its_load_cost() -> None:
+    """A document one replica reports in the shared store (Mooncake) saves every replica all but the
+    shared tier's credit of its tokens (by hand: 400 x 0.3 = 120 left to pay), and one that holds it
+    in memory pays nothing."""
+    index, policy = DocumentIndex(), policy_named("cache_aware", tier_costs=TierCosts(shared=0.3))
+    request = RouteRequest("", (("d0", 400),), 400)
+    assert index.apply(Announcement("a", "i", 1, (HoldingEvent("stored", "d0", "", Tier.SHARED, 400),), full=True))
+    assert policy.prefill_tokens(request, ["a", "b"], index) == {"a": 120.0, "b": 120.0}
+    assert index.apply(Announcement("b", "j", 1, (HoldingEvent("stored", "d0", "", Tier.MEMORY, 400),), full=True))
+    assert policy.prefill_tokens(request, ["a", "b", "c"], index) == {"a": 120.0, "b": 0.0, "c": 120.0}
