@@ -40,7 +40,7 @@ class Ingress:
                             args.snapshot_interval)
         self.state = ClusterState(policy_named(args.router_policy))
         register_state(STATE_NAME, self.state)
-        self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory, 
+        self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,
                                 spreads=args.tp_size == 1 and args.router_policy == "cache_aware")
         await self.loop.wait_for_replicas(args.dp_size, START_TIMEOUT_S)
         self.args, self.limits, self.info = args, limits, info
