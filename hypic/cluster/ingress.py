@@ -148,11 +148,12 @@ class ReplicaLoop:
             builds.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
         return replace(route, replica=decision.replica), builds
 
-    async def _relay(self, item: Event | Announcement, emit: Callable[[Event], None]) -> None:
+    async def _relay(self, item: list[Event] | Announcement, emit: Callable[[Event], None]) -> None:
         if isinstance(item, Announcement):
             await self.announce(item)
-        else:
-            emit(item)
+            return
+        for event in item:
+            emit(event)
 
     @staticmethod
     async def _cancel_when_asked(job: Job, stream: Any) -> None:

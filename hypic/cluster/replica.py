@@ -101,6 +101,21 @@ class HoldingsFeed:
         return frozenset(lower | ({Tier.MEMORY} if key in memory else set()))
 
 
+def told(events: list[Event], streamed: bool) -> list[Event]:
+    """What of ``events`` the ingress needs: of a run of progress, each sample's latest (its client
+    is sent what is new since the last one it got); none at all for a request that is not streamed."""
+    out: list[Event] = []
+    latest: dict[int, Event] = {}
+    for event in events:
+        if isinstance(event, ProgressEvent):
+            latest[event.index] = event
+            continue
+        out += latest.values() if streamed else []
+        latest = {}
+        out.append(event)
+    return out + (list(latest.values()) if streamed else [])
+
+
 def _emptied(namespace: str, cleared: tuple[str | None, ...]) -> bool:
     return any(c is None or c == namespace for c in cleared)
 
@@ -128,13 +143,21 @@ class Replica:
                                    peer_work)
         try:
             while True:
-                event = await self._next(events)
-                yield self._stamped(event)
-                if isinstance(event, (DoneEvent, ErrorEvent)):
+                batch = told(await self._batch(events), work.request.stream)
+                yield [self._stamped(event) for event in batch]
+                if batch and isinstance(batch[-1], (DoneEvent, ErrorEvent)):
                     break
         finally:
             job.cancel()  # no-op once finished; a client that left stops the work here
         yield self.feed.changes()
+
+    async def _batch(self, events: asyncio.Queue[Event]) -> list[Event]:
+        """The next event and every one already queued behind it (a slow reader gets them in one
+        message, not one each)."""
+        batch = [await self._next(events)]
+        while not events.empty() and not isinstance(batch[-1], (DoneEvent, ErrorEvent)):
+            batch.append(events.get_nowait())
+        return batch
 
     async def build(self, route: Any, jobs: list[SegmentJob]) -> list[SegmentEntry]:
         """Documents for another replica's request: each held here or built among this replica's
