@@ -20,7 +20,6 @@ runs' p50/p99.
     python eval/bench_serve_overhead.py --requests 300 --runs 3 --json eval/results/serve_overhead.json
 """
 import argparse
-import asyncio
 import hashlib
 import json
 import multiprocessing
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 import httpx
 from fastapi import FastAPI
@@ -348,10 +347,10 @@ def wait_for_quiet_box(max_wait_s: float) -> dict:
 
 
 def find_direct_ingress(low: int, high: int, deadline_s: float) -> str:
-    """With direct ingress the ingress replica itself listens on a port in [low, high]."""
+    """With direct ingress the ingress replica itself listens on a port in [low, high)."""
     start = time.perf_counter()
     while time.perf_counter() - start < deadline_s:
-        for port in range(low, high + 1):
+        for port in range(low, high):
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/noop", timeout=0.5).status_code == 200:
                     return f"http://127.0.0.1:{port}"
@@ -442,9 +441,9 @@ def measure_serve(name: str, env: dict, custom_router: bool, args: argparse.Name
 # ---------------------------------------------------------------- configurations and report
 
 def serve_configs() -> list[tuple[str, dict, bool]]:
-    low = 30000 + free_port() % 900
-    direct_ports = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(low),
-                    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(low + 20)}
+    port = free_port()  # direct ingress: the single ingress replica gets exactly this port (MAX is exclusive)
+    direct_ports = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+                    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1)}
     return [
         ("serve-default", {}, False),
         ("serve-custom-router", {}, True),
