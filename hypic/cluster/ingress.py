@@ -29,6 +29,7 @@ log = logging.getLogger("hypic.cluster")
 STATUS_EVERY_S = 1.0  # how often the ingress refreshes the replicas' counters (/metrics, /get_server_info)
 ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried")
 CALL_TIMEOUT_S = 300.0  # the most a call to a replica (warm-up, flush, status) may take
+STATUS_TIMEOUT_S = 10.0  # a replica whose status takes longer (its host cut off) is left out of that refresh
 ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
 
 
@@ -233,7 +234,8 @@ class ReplicaLoop:
     async def refresh(self) -> None:
         """Every replica's status (its counters, pools and documents), kept for ``snapshot``."""
         replicas = list(self.state.replicas)
-        answers = await asyncio.gather(*(self._call(r, "status") for r in replicas), return_exceptions=True)
+        answers = await asyncio.gather(*(asyncio.wait_for(self._call(r, "status"), STATUS_TIMEOUT_S) for r in replicas),
+                                       return_exceptions=True)
         self.statuses = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
 
     async def keep_fresh(self) -> None:

@@ -218,7 +218,7 @@ class Replica:
         ``/metrics`` sums."""
         loop, cache = self.instance.loop, self.instance.engine.cache
         pools = cache.describe()
-        return {"replica": self.replica, "pid": os.getpid(), "node": socket.gethostname(),
+        return {"replica": self.replica, "pid": os.getpid(), "node": socket.gethostname(), "node_ip": _node_ip(),
                 "counters": loop.snapshot, "documents_held": len(cache.document_keys()),
                 "public_pool_bytes": pools["public_pool"]["bytes"], "private_pool_bytes": pools["private_pool"]["bytes"],
                 "uptime_s": time.time() - self.started, "healthy": loop.alive and loop.failure is None}
@@ -240,3 +240,10 @@ def _serve_replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+def _node_ip() -> str:
+    """The address of the Ray node this replica runs on (hosts may share a name; nodes have their own address)."""
+    import ray
+
+    return ray.util.get_node_ip_address()

@@ -78,20 +78,23 @@ def port_in_use(port: int) -> bool:
 
 
 def start_server(args: list[str], log: Path, threads: int | None = 1, timeout_s: float = 180,
-                 port: int | None = None) -> ServerProcess:
+                 port: int | None = None, host: str | None = None, prefix: list[str] | None = None) -> ServerProcess:
     """``hypic serve ARGS --port PORT`` (a free port if None); returns once /health answers 200.
-    A ``port`` something already listens on is refused (its /health would answer for it)."""
+    A ``port`` something already listens on is refused (its /health would answer for it).
+    ``host``: passed as ``--host`` and called there (else 127.0.0.1); ``prefix``: the command runs
+    under it (``["ip", "netns", "exec", NAME]`` starts the server on another network)."""
     if port is not None and port_in_use(port):
         raise RuntimeError(f"port {port} is in use")
     port = free_port() if port is None else port
-    command = [shutil.which("hypic") or sys.executable, *([] if shutil.which("hypic") else ["-m", "hypic.cli"]),
-               "serve", "--port", str(port), *args]
+    command = [*(prefix or []), shutil.which("hypic") or sys.executable,
+               *([] if shutil.which("hypic") else ["-m", "hypic.cli"]), "serve", "--port", str(port),
+               *(["--host", host] if host else []), *args]
     env = dict(os.environ)
     if threads is not None:
         command += ["--threads", str(threads)]
         env["OMP_NUM_THREADS"] = str(threads)
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
+    server = ServerProcess(f"http://{host or '127.0.0.1'}:{port}", process, log)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
