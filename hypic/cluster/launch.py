@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import HTTPOptions, RequestRouterConfig
+from ray.serve.config import HTTPOptions, ProxyLocation, RequestRouterConfig
 
 from ..errors import HypicError
 from ..router.pool import start_ray, stop_ray
@@ -83,7 +83,9 @@ def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], 
     args.threads = threads
     start_ray(args.dp_size * threads * args.tp_size + 1, args.ray_address)
     try:
-        serve.start(http_options=HTTPOptions(host=args.host, port=args.port), logging_config={"log_level": "WARNING"})
+        # one proxy, on this node: --host is this machine's address (another node's proxy could not bind it)
+        serve.start(http_options=HTTPOptions(host=args.host, port=args.port), proxy_location=ProxyLocation.HeadOnly,
+                    logging_config={"log_level": "WARNING"})
         serve.run(application(args, start_instance, limits, info), name=APP_NAME, route_prefix="/", blocking=False)
         print(f"hypic: serving {info.served_model_name} with {args.dp_size} replicas ({args.router_policy} "
               f"routing) on http://{args.host}:{args.port}", flush=True)
