@@ -24,7 +24,7 @@ class TenantConfig:
     tenants: int = 8
     docs_per_tenant: int = 6
     docs_per_request: int = 3
-    doc_words: int = 300
+    doc_words: int = 160
     tenant_zipf: float = 0.0
     seed: int = 0
 

@@ -99,7 +99,9 @@ def test_the_summary_is_the_raw_records(study: Path) -> None:
     for row in summary["rows"]:
         mine = [r for r in records if r["method"] == row["method"]]
         hit, missed = sum(r["segments_hit"] for r in mine), sum(r["segments_missed"] for r in mine)
-        assert hit + missed == 6 * 2 and row["segment_hit_rate"] == pytest.approx(hit / (hit + missed))
+        # a document inside a prompt prefix resumed from the private pool is neither hit nor missed
+        assert all(r["segments_hit"] + r["segments_missed"] <= 2 for r in mine) and hit + missed > 0
+        assert row["segment_hit_rate"] == pytest.approx(hit / (hit + missed))
         assert row["hit_rate"] == pytest.approx(sum(r["cached_tokens"] for r in mine) /
                                                 sum(r["prompt_tokens"] for r in mine))
         assert row["ttft_p50_s"] == pytest.approx(statistics.median(r["server_ttft_s"] for r in mine))
