@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -185,11 +186,22 @@ def measure_working_set(workload: TenantWorkload, args: argparse.Namespace, logs
     with serving(["--public-pool-size", str(MEASURE_POOL)], args, logs / "server-measure.log") as target:
         for start in range(0, len(documents), 64):
             target.warmup(documents[start:start + 64])
-        pool = target.info()["public_pool"]
+        pool = _settled_pool(target, len(documents))
     if pool["entries"] != len(documents):
         raise DataError(f"{len(documents)} documents warmed, {pool['entries']} cached: documents of --doc-words "
                         f"{args.doc_words} must be longer than the seams")
     return {"bytes": int(pool["bytes"]), "entries": int(pool["entries"])}
+
+
+def _settled_pool(target: ServerTarget, entries: int, deadline_s: float = 10.0) -> dict[str, Any]:
+    """The public pool as ``/get_server_info`` reports it once it counts ``entries`` (its counters are
+    published by the engine loop a moment after a warm-up answers), or at the deadline."""
+    end = time.monotonic() + deadline_s
+    pool = target.info()["public_pool"]
+    while pool["entries"] < entries and time.monotonic() < end:
+        time.sleep(0.2)
+        pool = target.info()["public_pool"]
+    return pool
 
 
 def pool_size(working_set: dict[str, int], args: argparse.Namespace) -> int:
