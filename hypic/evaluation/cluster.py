@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -277,13 +278,20 @@ def segment_hit_rate(records: Sequence[dict[str, Any]]) -> float:
     return hit / max(hit + sum(r.get("segments_missed", 0) for r in done), 1)
 
 
+def per_replica(records: Sequence[dict[str, Any]]) -> list[int]:
+    """How many of the answered ``records`` each replica served, most first (empty for a plain server)."""
+    served = Counter(r["replica"] for r in records if r["ok"] and "replica" in r)
+    return sorted(served.values(), reverse=True)
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``load``'s rows per configuration and QPS (TTFT: the server's), with the segment hit rate; in
     the records' order of configurations, then by QPS."""
     rows = summarize_load(records)
     for row in rows:
         mine = [r for r in records if r["method"] == row["method"] and r["qps"] == row["qps"]]
-        row.update(segment_hit_rate=segment_hit_rate(mine), timed=mine[0]["timed"], dp_size=mine[0]["dp_size"])
+        row.update(segment_hit_rate=segment_hit_rate(mine), timed=mine[0]["timed"], dp_size=mine[0]["dp_size"],
+                   per_replica=per_replica(mine))
     order = list(dict.fromkeys(r["method"] for r in records))
     return sorted(rows, key=lambda r: (order.index(r["method"]), r["qps"]))
 
@@ -366,11 +374,12 @@ def _ratio_text(goal: dict[str, Any]) -> str:
 
 def format_cluster(summary: dict[str, Any]) -> str:
     """The summary as markdown: per configuration and level, then capacities and targets."""
-    lines = ["| configuration | QPS | requests | failed | segment hit rate | token hit rate | TTFT p50 (s) | "
-             "TTFT p90 (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| configuration | QPS | requests | failed | per replica | segment hit rate | token hit rate | "
+             "TTFT p50 (s) | TTFT p90 (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
         label = r["method"] if r["timed"] else f"{r['method']} (untimed)"
         lines.append(f"| {label} | {r['qps']:g} | {r['requests']} | {r['failed']} | "
+                     f"{' / '.join(map(str, r['per_replica'])) or '-'} | "
                      f"{_percent(r['segment_hit_rate'])} | {_percent(r['hit_rate'])} | {r['ttft_p50_s']:.3f} | "
                      f"{r['ttft_p90_s']:.3f} |")
     lines.append("")
