@@ -47,6 +47,9 @@ SERVICE_STUDIES = {
     "tiers": "the public pool's disk and Mooncake tiers: load latency per tier, time to the first hit after a "
              "restart, hit rate and TTFT as the document set outgrows memory (lru vs cost eviction), a chat continued "
              "on another server through Mooncake",
+    "cluster": "replicas behind the document-aware router (hypic serve --dp-size, each --router-policy) against one "
+               "server and one pool as large as all of theirs, on a multi-tenant RAG workload: hit rate, TTFT, QPS "
+               "at the SLO",
 }
 
 
@@ -74,7 +77,8 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     scaling = studies.add_parser("scaling", add_help=False, help="TTFT of hypic and full recompute as document "
                                  "length and count grow, every document cached (paper Fig. 12); --help for its options")
     scaling.set_defaults(options=[])  # hypic.cli hands it every argument after the study's name
-    for name, module in (("load", "load"), ("parallel", "parallel"), ("soak", "soak"), ("tiers", "tiers")):
+    for name, module in (("load", "load"), ("parallel", "parallel"), ("soak", "soak"), ("tiers", "tiers"),
+                         ("cluster", "cluster")):
         study = studies.add_parser(name, help=SERVICE_STUDIES[name], description=_doc(module),
                                    formatter_class=_HelpFormatter)
         _module(module).add_arguments(study)

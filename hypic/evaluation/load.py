@@ -92,6 +92,10 @@ def _check(args: argparse.Namespace) -> None:
         raise DataError("--port must be in 1..65535")
 
 
+# meta_info fields a record keeps as they came (those a server sends): per-segment hits, the serving replica
+PASSED_ON = ("segments_hit", "segments_missed", "prefix_hit_tokens", "replica")
+
+
 def sample_id(qps: float, index: int) -> str:
     return f"qps={qps:g}/{index:05d}"
 
@@ -121,7 +125,8 @@ async def _request(client: httpx.AsyncClient, prompt: str, delay: float, output_
     meta = last["meta_info"]
     return {"ok": True, "ttft_s": first - start, "ttft_source": "client", "server_ttft_s": meta.get("ttft"),
             "latency_s": time.perf_counter() - start, "prompt_tokens": int(meta["prompt_tokens"]),
-            "completion_tokens": int(meta["completion_tokens"]), "cached_tokens": int(meta.get("cached_tokens", 0))}
+            "completion_tokens": int(meta["completion_tokens"]), "cached_tokens": int(meta.get("cached_tokens", 0)),
+            "output_ids": last.get("output_ids"), **{key: meta[key] for key in PASSED_ON if key in meta}}
 
 
 async def replay(url: str, prompts: Sequence[str], arrivals: Sequence[float],
@@ -134,14 +139,21 @@ async def replay(url: str, prompts: Sequence[str], arrivals: Sequence[float],
     return list(outcomes), time.perf_counter() - start
 
 
+def warm_and_replay(target: ServerTarget, warm_prompts: Sequence[str], prompts: Sequence[str],
+                    arrivals: Sequence[float], output_tokens: int) -> tuple[list[dict[str, Any]], float]:
+    """Flush the server's pools, send ``warm_prompts`` one by one (untimed), then ``replay`` the rest."""
+    target.flush()
+    for prompt in warm_prompts:
+        target.generate(prompt, 1)
+    return asyncio.run(replay(target.url, prompts, arrivals, output_tokens))
+
+
 def run_level(target: ServerTarget, method: Method, trace: Trace, qps: float, args: argparse.Namespace,
               results: ResultLog) -> list[dict[str, Any]]:
     """Flush, warm, replay one QPS level; its records, appended to ``results``."""
-    target.flush()
-    for prompt in trace.prompts(args.warm_requests, 0, target.separator):
-        target.generate(prompt, 1)
-    outcomes, wall = asyncio.run(replay(target.url, trace.prompts(args.requests, 1, target.separator),
-                                        trace.arrivals(args.requests, qps), args.output_tokens))
+    outcomes, wall = warm_and_replay(target, trace.prompts(args.warm_requests, 0, target.separator),
+                                     trace.prompts(args.requests, 1, target.separator),
+                                     trace.arrivals(args.requests, qps), args.output_tokens)
     records = []
     for index, outcome in enumerate(outcomes):
         record = {"dataset": trace.config.workload, "sample": sample_id(qps, index), "method": method.label,

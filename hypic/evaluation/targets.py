@@ -82,7 +82,7 @@ class ServerTarget:
             raise MethodError(f"the server at {self.url} serves {self.method.label}, not {method.label}")
         self.flush()
         if warm and method.mode in ("hypic", "naive"):
-            self._call("POST", "/warmup", {"documents": list(sample.documents)})
+            self.warmup(list(sample.documents))
         elif warm and method.mode == "prefix":
             for earlier in sample.earlier_prompts(self.separator):
                 self.generate(earlier, 1)
@@ -97,6 +97,14 @@ class ServerTarget:
     def flush(self) -> None:
         """Empty the server's pools (``/flush_cache``)."""
         self._call("POST", "/flush_cache")
+
+    def warmup(self, documents: list[str]) -> dict[str, Any]:
+        """Cache ``documents`` in the server's public pool (``/warmup``)."""
+        return self._call("POST", "/warmup", {"documents": documents})
+
+    def info(self) -> dict[str, Any]:
+        """The server's ``/get_server_info``."""
+        return self._call("GET", "/get_server_info")
 
     def generate(self, text: str, max_new_tokens: int) -> dict[str, Any]:
         """One greedy ``/generate`` call: its JSON answer."""

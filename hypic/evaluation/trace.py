@@ -53,7 +53,7 @@ class TraceConfig:
             raise TraceError("--zipf must be >= 0 and --burstiness > 0")
 
 
-def _words(rng: random.Random, count: int) -> str:
+def random_words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
@@ -64,9 +64,9 @@ class Trace:
         self.config = config
         rng = random.Random(config.seed)
         mean_doc = config.mean_input_words / config.docs_per_request
-        self.documents = [f"Note {i}: " + _words(rng, max(1, round(mean_doc * rng.uniform(0.5, 1.5)) - 2)) + "."
+        self.documents = [f"Note {i}: " + random_words(rng, max(1, round(mean_doc * rng.uniform(0.5, 1.5)) - 2)) + "."
                           for i in range(config.documents)]
-        self.systems = [f"System prompt {g}: " + _words(rng, config.system_words) + "." for g in range(config.groups)]
+        self.systems = [f"System prompt {g}: " + random_words(rng, config.system_words) + "." for g in range(config.groups)]
         self.leading = [f"System prompt variant {v}: answer from the notes below." for v in range(4)]
         self.popularity = [1 / (rank + 1) ** config.zipf for rank in range(config.documents)]
 
