@@ -43,6 +43,7 @@ class ReplicaLoad:
     queued_prefill_tokens: int = 0
     running: int = 0
     decode_tokens: int = 0
+    pool_fill: float = 0.0  # its public pool's bytes over its budget (0: empty or unbounded, 1: full)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def _by_load(load: ReplicaLoad) -> tuple[int, int, str]:
 
 
 DECODE_WEIGHT = 0.1  # prefill tokens' worth of a replica's time one token it still has to decode takes
+EVICTION_WEIGHT = 1.0  # a new document's tokens stored in a full pool push out about as many, missed later
 IMBALANCE_FACTOR = 2.0  # a replica queued above this times the mean queue is skipped...
 IMBALANCE_FLOOR = 8192  # ...if its queue is also above this many tokens
 
@@ -106,12 +108,16 @@ class CacheAware:
     """cost(replica) = the tokens it would prefill for this request given what it holds (a document held
     in memory: 0; in host or disk: its tokens x that tier's credit; not held: its tokens; the rest of
     the prompt: its tokens; or, if less, the prompt past the prefix it is believed to hold) + its queued
-    prefill tokens + ``decode_weight`` x its tokens left to decode. Cheapest wins (ties: fewer running,
+    prefill tokens + ``decode_weight`` x its tokens left to decode + ``eviction_weight`` x the
+    documents' tokens it would newly store x how full its pool is (storing into a full pool evicts as
+    much, so new documents go where there is room and the working set spreads over the replicas).
+    Cheapest wins (ties: fewer running,
     then the lowest id), except that a replica queued above ``imbalance_factor`` x the mean queue and
     above ``imbalance_floor`` tokens is skipped unless every replica is."""
 
     tier_costs: TierCosts = field(default_factory=TierCosts)
     decode_weight: float = DECODE_WEIGHT
+    eviction_weight: float = EVICTION_WEIGHT
     imbalance_factor: float = IMBALANCE_FACTOR
     imbalance_floor: int = IMBALANCE_FLOOR
     name: str = "cache_aware"
@@ -120,7 +126,9 @@ class CacheAware:
         _check_loads(loads)
         prefill = self.prefill_tokens(request, [load.replica for load in loads], index)
         costs = {load.replica: prefill[load.replica] + load.queued_prefill_tokens
-                 + self.decode_weight * load.decode_tokens for load in loads}
+                 + self.decode_weight * load.decode_tokens
+                 + self.eviction_weight * load.pool_fill * self.new_tokens(request, load.replica, index)
+                 for load in loads}
         rank = {load.replica: (costs[load.replica], load.running, load.replica) for load in loads}
         cheapest = min(rank, key=rank.__getitem__)
         allowed = self._not_swamped(loads) or [load.replica for load in loads]
@@ -129,6 +137,11 @@ class CacheAware:
             return Decision(chosen, "load", costs)
         held = prefill[chosen] < request.prompt_tokens
         return Decision(chosen, "cache" if held else "load", costs)
+
+    @staticmethod
+    def new_tokens(request: RouteRequest, replica: str, index: DocumentIndex) -> int:
+        """The tokens of ``request``'s documents ``replica`` would store anew (it holds them nowhere)."""
+        return sum(tokens for key, tokens in request.documents if replica not in index.holders(request.namespace, key))
 
     def prefill_tokens(self, request: RouteRequest, replicas: list[str], index: DocumentIndex) -> dict[str, float]:
         """Replica -> the tokens it would prefill for ``request``, given what the index says it holds."""
@@ -184,7 +197,7 @@ class RoundRobin:
 @dataclass
 class PowerOfTwo:
     """Two replicas drawn at random (``rng``), the one with fewer requests (then less queued prefill,
-    then the lower id)."""
+    then the first drawn: with two replicas both are always drawn, and the lower id must not always win)."""
 
     rng: random.Random = field(default_factory=random.Random)
     name: str = "power_of_two"
@@ -193,7 +206,7 @@ class PowerOfTwo:
         _check_loads(loads)
         drawn = self.rng.sample(loads, min(2, len(loads)))
         costs = {load.replica: float(load.running) for load in drawn}
-        chosen = min(drawn, key=lambda load: (load.running, load.queued_prefill_tokens, load.replica))
+        chosen = min(drawn, key=lambda load: (load.running, load.queued_prefill_tokens))
         return Decision(chosen.replica, "random", costs)
 
 

@@ -63,6 +63,12 @@ class ClusterState:
             self.index.record_prefix(replica, request.token_ids, request.namespace)  # its private pool keeps it
             self.counters[f"routed_by_{reason}"] += 1
 
+    def pools_filled(self, fills: dict[str, float]) -> None:
+        """How full each replica's public pool is now (from its status)."""
+        with self.lock:
+            for replica, fill in fills.items():
+                self.loads.setdefault(replica, ReplicaLoad(replica)).pool_fill = min(1.0, fill)
+
     def count(self, name: str) -> None:
         with self.lock:
             self.counters[name] += 1
