@@ -8,8 +8,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
@@ -17,11 +17,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from ..cache.modes import Mode
 from ..errors import HypicError
+from ..router.plan import SegmentJob
 from ..scheduler.loop import EngineLoop, ErrorEvent, Event, Job
 from .front import FrontEngine
 from .index import Announcement
 from .replica import ReplicaWork
-from ..router.plan import SegmentJob
 from .routing import ReplicaLoad, RouteRequest, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
 

@@ -21,3 +21,15 @@ def test_a_request_that_is_not_streamed_hears_only_how_it_ended() -> None:
     error = ErrorEvent("the loop stopped")
     assert told([_progress(0, "a"), _progress(1, "b")], streamed=False) == []
     assert told([_progress(0, "a"), error], streamed=False) == [error]
+
+
+def test_the_replicas_counters_add_up_as_one_services() -> None:
+    """Numbers add, lists add element by element, dicts key by key; a name is the first replica's."""
+    from hypic.cluster.ingress import summed
+
+    first = {"requests_finished": 3, "ttft_buckets": [1, 2], "public_pool": {"bytes": 10, "budget_bytes": None},
+             "mode": "hypic"}
+    second = {"requests_finished": 4, "ttft_buckets": [0, 5], "public_pool": {"bytes": 7, "budget_bytes": None},
+              "mode": "hypic"}
+    assert summed([first, second]) == {"requests_finished": 7, "ttft_buckets": [1, 7],
+                                       "public_pool": {"bytes": 17, "budget_bytes": None}, "mode": "hypic"}
