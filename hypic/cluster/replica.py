@@ -132,7 +132,8 @@ class Replica:
         self.started = time.time()
 
     async def run(self, route: Any, work: ReplicaWork, *built: list[SegmentEntry]) -> AsyncIterator[Event | Announcement]:
-        """The request's events, as its loop emits them, then what the replica holds now. ``route``
+        """The request's events, as its loop emits them, what the replica holds just before the last
+        of them. ``route``
         is for the router (which replica); the replica ignores it. ``built``: documents other
         replicas built for it (each one's list), stored here, checked, before its prefill."""
         job = self._job(work)
@@ -144,12 +145,14 @@ class Replica:
         try:
             while True:
                 batch = told(await self._batch(events), work.request.stream)
+                ended = bool(batch) and isinstance(batch[-1], (DoneEvent, ErrorEvent))
+                if ended:  # what it holds now reaches the index before its client hears the end
+                    yield self.feed.changes()
                 yield [self._stamped(event) for event in batch]
-                if batch and isinstance(batch[-1], (DoneEvent, ErrorEvent)):
+                if ended:
                     break
         finally:
             job.cancel()  # no-op once finished; a client that left stops the work here
-        yield self.feed.changes()
 
     async def _batch(self, events: asyncio.Queue[Event]) -> list[Event]:
         """The next event and every one already queued behind it (a slow reader gets them in one
