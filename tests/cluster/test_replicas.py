@@ -137,14 +137,30 @@ def test_a_namespace_never_reuses_another_namespaces_documents(cluster: ServerPr
 
 
 def test_the_service_reports_its_replicas(cluster: ServerProcess) -> None:
-    """/get_server_info lists both replicas with their processes; /metrics sums their counters."""
+    """/get_server_info lists both replicas with their processes; its counters and /metrics sum the
+    replicas': two more requests (each a fresh namespace's, so they spread) count two more."""
     info = cluster.get("/get_server_info")
     replicas = info["data_parallel"]["replicas"]
     assert info["data_parallel"]["dp_size"] == 2 and info["data_parallel"]["policy"] == "cache_aware"
     assert len({r["pid"] for r in replicas}) == 2 and all(r["healthy"] for r in replicas)
+    before = _settled_finished(cluster)
+    for salt in ("count-a", "count-b"):
+        _generate(cluster, _prompt([0]), cache_salt=salt)
+    finished = _settled_finished(cluster)
+    assert finished == before + 2
     metrics = cluster.get("/metrics")
-    assert "hypic_replicas_live 2" in metrics
-    assert f"hypic_requests_finished_total {info['requests_finished']}" in metrics
+    assert "hypic_replicas_live 2" in metrics and f"hypic_requests_finished_total {finished}" in metrics
+
+
+def _settled_finished(cluster: ServerProcess) -> int:
+    """requests_finished once two reports a second and a half apart agree (the report refreshes every second)."""
+    deadline, last = time.monotonic() + 15, None
+    while True:
+        now = cluster.get("/get_server_info")["requests_finished"]
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(1.5)
 
 
 def test_cold_documents_are_built_on_both_replicas_and_answer_as_one_engine(cluster: ServerProcess) -> None:
