@@ -275,10 +275,6 @@ class ReplicaLoop:
     def failure(self) -> str | None:
         return None if self.state.replicas else "no replica is serving"
 
-    def stop(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-
 
 class ReplicaRouter(RequestRouter):
     """Ray Serve's request router for HYPIC's replicas: each request to the replica its policy
