@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+
 from . import DEFAULT_SEPARATOR, Engine, HypicError
 from .cpus import physical_cores
 from .errors import CheckpointError, as_written
@@ -313,8 +315,6 @@ def _model_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _engine(args: argparse.Namespace, choice: ModelChoice, **options: Any) -> Engine:
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     return Engine.from_pretrained(choice.path, **_model_settings(args), **options)
 
@@ -355,6 +355,18 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.dp_size > 1 and args.workers > 1:
         raise HypicError("--dp-size above 1 with --workers above 1 is not served: replicas already build each "
                          "other's documents; use --dp-size")
+    check_device(args.device, args.tp_size)
+
+
+def check_device(device: str, tp_size: int) -> None:
+    """Refuse a ``--device`` this machine lacks, or more CUDA ranks than it has GPUs (rank r runs on GPU r),
+    before any model is loaded or rank started."""
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise HypicError(f"--device {device!r} is not served: use cpu or cuda")
+    if kind == "cuda" and tp_size > torch.cuda.device_count():
+        raise HypicError(f"--device cuda with --tp-size {tp_size} needs {tp_size} GPU(s), one per rank; this machine "
+                         f"has {torch.cuda.device_count()}")
 
 
 def start_instance(args: argparse.Namespace, on_fatal: Any = None) -> Instance:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP
 from hypic.engine import Engine
@@ -312,6 +313,8 @@ def test_the_lockstep_loop_trims_the_heap_as_often_as_the_environment_says(check
 @pytest.mark.parametrize("args, message", [
     (["--tp-size", "2", "--workers", "2"], "--tp-size above 1 with --workers above 1 is not served"),
     (["--tp-size", "3"], "is not divisible by the tensor-parallel size 3"),
+    (["--device", "tpu"], "--device 'tpu' is not served"),
+    (["--device", "cuda", "--tp-size", str(torch.cuda.device_count() + 1)], "GPU(s), one per rank; this machine has"),
 ])
 def test_what_cannot_be_served_is_refused_before_any_rank_starts(checkpoint: Path, args: list[str],
                                                                  message: str) -> None:
