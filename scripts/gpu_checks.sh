@@ -1,5 +1,5 @@
 #!/bin/bash
-# The checks that need a GPU, in one device call (carry .whl: FLA's wheels, the device has no network).
+# The checks that need a GPU, in one device call (carry .whl, made by scripts/gpu_wheels.sh: the device has no network).
 # Stage "tests": every CUDA-only test, in parallel processes since Triton's compilation of FLA's kernels
 # is what costs (single-threaded per process; the device has 16 cores):
 #   exact-<family>  layer-0 exactness with FLA's kernels as shipped, one family per process, IEEE fp32
