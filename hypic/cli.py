@@ -195,6 +195,11 @@ def _parser() -> argparse.ArgumentParser:
                             "within --chunked-prefill-size tokens; 1: one at a time (default: 16 on a GPU, 1 on a "
                             "CPU, where prefill is compute-bound and batching measured no gain: "
                             "eval/results/batched_prefill.md)")
+    serve.add_argument("--watchdog-timeout", type=float, default=300.0,
+                       help="seconds the engine loop may spend in one step; past it the server tells every waiting "
+                            "client why and exits non-zero (a --dp-size replica is replaced), instead of hanging "
+                            "on a stuck kernel or a tensor-parallel rank that never answers; 0: no watchdog "
+                            "(default: 300)")
     serve.add_argument("--snapshot-interval", type=non_negative, default=None,
                        help="keep the linear layers' states (sliding-window layers' last window) every this many "
                             "prompt tokens in the private pool, so prompts sharing a long plain prefix (a system "
@@ -348,6 +353,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise HypicError(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers < 1:
         raise HypicError("--workers must be >= 1")
+    if args.watchdog_timeout < 0:
+        raise HypicError("--watchdog-timeout must be >= 0 (0: no watchdog)")
     if args.tp_size > 1 and args.workers > 1:
         raise HypicError("--tp-size above 1 with --workers above 1 is not served: each peer worker would need its "
                          "own group of tensor-parallel ranks, and the documents it builds would have to travel shard "
@@ -389,7 +396,7 @@ def start_instance(args: argparse.Namespace, on_fatal: Any = None) -> Instance:
                "snapshot_interval": args.snapshot_interval, "tiers": _tiers(args), "eviction": Eviction(args.eviction)}
     loop_options = {"mode": args.mode, "max_running": args.max_running_requests,
                     "max_queued": args.max_queued_requests, "max_state_bytes": args.max_state_memory,
-                    "max_prefill_batch": args.max_prefill_batch}
+                    "max_prefill_batch": args.max_prefill_batch, "watchdog_s": args.watchdog_timeout or None}
     group = _rank_group(args, choice, serving, loop_options, on_fatal) if args.tp_size > 1 else None
     try:
         engine = _engine(args, choice, **serving, **({"tp": group.tp} if group is not None else {}))

@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from ..cache.modes import Mode
 from ..errors import HypicError
 from ..router.plan import SegmentJob
-from ..scheduler.loop import EngineLoop, ErrorEvent, Event, Job
+from ..scheduler.loop import EngineLoop, ErrorEvent, Event, Job, QueueFull
 from .front import FrontEngine
 from .index import Announcement
 from .replica import ReplicaWork
@@ -62,6 +62,14 @@ def summed(values: list[Any]) -> Any:
     return first
 
 
+def refused_for_room(err: BaseException) -> QueueFull | None:
+    """The ``QueueFull`` a replica raised, as Ray hands it back (the error itself or its cause), or None."""
+    for candidate in (err, getattr(err, "cause", None), err.__cause__):
+        if isinstance(candidate, QueueFull):
+            return candidate
+    return None
+
+
 class ReplicaLoop:
     """An engine loop's face over replicas: ``job_for``, ``enqueue``, ``warmup``, ``flush``,
     ``snapshot`` as ``EngineLoop`` offers them, each request run on the replica its router picks."""
@@ -99,24 +107,31 @@ class ReplicaLoop:
             heard = heard or job.request.stream
             emit(event)
 
+        tried: set[str] = set()
         try:
             for attempt in range(1, ATTEMPTS + 1):
                 try:
-                    return await self._attempt(job, relay, spread=attempt == 1)
-                except Exception as err:  # noqa: BLE001 - the replica died or failed
-                    self.state.finished(job.rid)
+                    return await self._attempt(job, relay, spread=attempt == 1, avoid=frozenset(tried))
+                except Exception as err:  # noqa: BLE001 - the replica died, failed or was full
+                    tried.add(self.state.finished(job.rid) or "")
                     if heard or attempt == ATTEMPTS or job.cancelled.is_set():
                         raise
                     log.warning("request %s: its replica failed before answering (%s); retried on another", job.rid, err)
                     self.state.count("retried")
         except Exception as err:  # noqa: BLE001 - the client hears why
+            full = refused_for_room(err)
+            if full is not None:
+                log.warning("request %s refused: every replica tried was full (%s)", job.rid, full)
+                return emit(ErrorEvent(f"every replica tried is full: {full}", busy=True))
             log.error("request %s failed on its replica: %s", job.rid, err)
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
 
-    async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool) -> None:
-        """One try at ``job``; with ``spread``, its cold documents may be built on other replicas
-        (``spread_cold_documents``) while the chosen one takes the request."""
-        route = RouteTo(job.rid, route_request(job), decode_tokens=job.request.params.max_new_tokens * len(job.sequences))
+    async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool, avoid: frozenset[str]) -> None:
+        """One try at ``job``, on a replica not in ``avoid`` while there is one; with ``spread``, its cold
+        documents may be built on other replicas (``spread_cold_documents``) while the chosen one
+        takes the request."""
+        route = RouteTo(job.rid, route_request(job), decode_tokens=job.request.params.max_new_tokens * len(job.sequences),
+                        avoid=avoid)
         work = ReplicaWork(job.rid, job.parts, job.request, job.plan, time.perf_counter() - job.start)
         route, builds = self._spread(job, route) if spread and self.spreads else (route, [])
         stream = _own_call(lambda: self.replicas.options(method_name="run", stream=True).remote(route, work, *builds))
@@ -298,6 +313,7 @@ class ReplicaRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if not isinstance(route, RouteTo) or (route.request is None and route.replica is None):
             return [candidate_replicas]
+        by_id = {r: replica for r, replica in by_id.items() if r not in route.avoid} or by_id
         if route.replica is not None:  # a call for one replica, or a request the ingress placed itself
             return [[by_id[route.replica]]] if route.replica in by_id else []
         decision = self._state().choose(route.request, list(by_id))

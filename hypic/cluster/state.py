@@ -22,6 +22,7 @@ class RouteTo:
     request: RouteRequest | None = None
     replica: str | None = None
     decode_tokens: int = 0  # the tokens it may decode (max_new_tokens times its samples)
+    avoid: frozenset[str] = frozenset()  # replicas that already failed or refused it: others first
 
 
 @dataclass
@@ -79,7 +80,8 @@ class ClusterState:
             self.loads.setdefault(replica, ReplicaLoad(replica)).queued_prefill_tokens += tokens
             self.builds.setdefault(rid, []).append((replica, tokens))
 
-    def finished(self, rid: str) -> None:
+    def finished(self, rid: str) -> str | None:
+        """Request ``rid`` left its replica (which it names; None: it never reached one)."""
         with self.lock:
             for replica, tokens in self.builds.pop(rid, []):
                 if replica in self.loads:
@@ -90,6 +92,7 @@ class ClusterState:
                 load.queued_prefill_tokens -= done.prefill_tokens
                 load.running -= 1
                 load.decode_tokens -= done.decode_tokens
+            return done.replica if done is not None else None
 
     def announce(self, announcement: Announcement) -> bool:
         """Apply a replica's announcement; False: it does not follow on, ask that replica for a dump."""

@@ -46,7 +46,11 @@ class DoneEvent:
 
 @dataclass
 class ErrorEvent:
+    """The request ended without an answer: ``message`` says why. ``busy``: it was refused for lack of
+    room, not failed (a client is told 503 and to retry)."""
+
     message: str
+    busy: bool = False
 
 
 Event = ProgressEvent | DoneEvent | ErrorEvent

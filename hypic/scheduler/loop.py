@@ -41,6 +41,7 @@ from .policy import URGENT, WAIT_CREDIT_TOKENS_PER_S, SchedulingPolicy  # noqa: 
 from .requests import Request
 from .stats import LoopStats
 from .sync import Solo
+from .watchdog import Watchdog
 
 log = logging.getLogger("hypic.server")
 
@@ -69,7 +70,8 @@ class EngineLoop(Batching):
 
     def __init__(self, engine: Engine, mode: Mode | str, max_running: int = 64, max_queued: int = 256,
                  max_state_bytes: int | None = None, max_prefill_batch: int = 16,
-                 on_fatal: Callable[[str], None] = _nobody_told, sync: "Solo | None" = None) -> None:
+                 on_fatal: Callable[[str], None] = _nobody_told, sync: "Solo | None" = None,
+                 watchdog_s: float | None = None) -> None:
         self.engine, self.mode = engine, Mode.parse(mode)
         self.sync = sync or Solo()  # how its model passes and outcomes are kept alike with other ranks
         self.policy = SchedulingPolicy(max_running, max_state_bytes)
@@ -85,11 +87,14 @@ class EngineLoop(Batching):
         self.running: list[Job] = []
         self.heap = HeapTrimmer(heap_trim_interval())  # freed memory handed back now and then (see hypic.heap)
         self.snapshot: dict[str, Any] = self._publish()
+        self.watchdog = Watchdog(watchdog_s)  # a turn longer than this ends the loop (None: no deadline)
         self._thread = threading.Thread(target=self._main, name="hypic-engine-loop", daemon=True)
 
     # ----- other threads --------------------------------------------------------------------
     def start(self) -> None:
+        self.watchdog.beat()
         self._thread.start()
+        self.watchdog.watch(self._overdue, lambda: self.alive and self.failure is None)
 
     def stop(self) -> None:
         self.inbox.put(None)
@@ -220,7 +225,7 @@ class EngineLoop(Batching):
         torch.set_grad_enabled(False)
         try:
             while self._turn():
-                pass
+                self.watchdog.beat()
         except BaseException as err:  # noqa: BLE001 - whatever ends the loop, its clients hear of it
             self._die(err)
 
@@ -263,7 +268,15 @@ class EngineLoop(Batching):
     def _die(self, err: BaseException) -> None:
         """The loop cannot go on: later submissions are refused, every client still waiting hears why
         at once, and ``on_fatal`` is told (a server exits non-zero)."""
-        message = f"the engine loop stopped ({type(err).__name__}: {err})"
+        self._end(f"the engine loop stopped ({type(err).__name__}: {err})", err)
+
+    def _overdue(self, message: str) -> None:
+        """The watchdog's word (on its thread) that a turn hangs: the loop's thread is stuck, so its
+        clients are told from here, and the process ends as if the loop had died."""
+        self._end(message)
+
+    def _end(self, message: str, err: BaseException | None = None) -> None:
+        """Stop serving with ``message``: refuse what comes, tell every client in the loop, tell ``on_fatal``."""
         log.critical("%s", message, exc_info=err)
         for item in [*self.waiting, *self.running, *self.inbox.close(message)]:
             abandon(item, message)

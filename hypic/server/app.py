@@ -188,7 +188,7 @@ class Server:
                 if isinstance(event, DoneEvent):
                     done[position] = event.completion
                 elif isinstance(event, ErrorEvent):
-                    raise HypicError(event.message)
+                    raise (QueueFull if event.busy else HypicError)(event.message)
         finally:
             watcher.cancel()
             for job in jobs:

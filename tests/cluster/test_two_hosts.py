@@ -338,7 +338,9 @@ def test_the_service_goes_on_from_host_a_when_the_link_is_cut(hosts: Hosts, clus
     status, answer = answers[0]
     assert status == 200, answer
     assert answer["meta_info"]["replica"] == on_a
-    assert cluster.get("/get_server_info")["routing"]["retried"] == 1
+    # retried by the ingress, or re-sent by Ray Serve itself once host B's node is declared dead (seen
+    # once); the ingress's own retry is what test_replica_faults guards
+    assert cluster.get("/get_server_info")["routing"]["retried"] <= 1
     assert cluster.request("GET", "/health", timeout=10)[0] == 200
     replay.check(answer, prompt, max_new_tokens=400, ignore_eos=True)
     again = _prompt([found.holders[on_b][0]], "Where was it born?")

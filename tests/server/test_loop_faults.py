@@ -191,16 +191,67 @@ def test_a_loop_that_cannot_go_on_tells_every_client_at_once(loop: EngineLoop, m
         loop.call(lambda: None)
 
 
+def test_a_loop_stuck_in_one_turn_past_its_watchdog_tells_every_client_and_stops_taking_work(
+        tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn that never ends (here: ranking the waiting work blocks on an event nobody sets): within
+    the watchdog's 1 s and its polling, every request in the loop gets an error event naming the stall,
+    whoever started the loop is told once, and later submissions are refused; ``/health``'s
+    ``failure`` says why."""
+    fatal: list[str] = []
+    loop = EngineLoop(Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64), "hypic",
+                      on_fatal=fatal.append, watchdog_s=1.0)
+    loop.start()
+    events, never = Events(), threading.Event()
+    try:
+        for name in "ab":
+            _submit(loop, events, name, _prompt(ord(name)), tokens=400)
+        _until(lambda: len(loop.running) == 2)
+        monkeypatch.setattr(loop, "_by_priority", lambda: [never.wait(DEADLINE_S)])
+        stuck = time.monotonic()
+        for name in "ab":
+            ended = events.wait_end(name)
+            assert isinstance(ended, ErrorEvent) and "watchdog" in ended.message
+        assert time.monotonic() - stuck < 3.0
+        assert len(fatal) == 1 and "inside one turn" in fatal[0] and "watchdog" in (loop.failure or "")
+        with pytest.raises(LoopStopped, match="watchdog"):
+            _submit(loop, events, "late", _prompt(5))
+    finally:
+        never.set()
+
+
+def test_a_busy_loop_within_its_watchdog_is_left_alone(loop: EngineLoop, oracle: Callable[[str], list[int]],
+                                                       tiny_checkpoint: Path) -> None:
+    """Requests served one after another, and an idle wait many times longer than the deadline's
+    polling, never trip a watchdog of 1 s: it counts a turn's work, not the time between requests."""
+    fatal: list[str] = []
+    watched = EngineLoop(Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64), "hypic",
+                         on_fatal=fatal.append, watchdog_s=1.0)
+    watched.fatal = fatal  # type: ignore[attr-defined]
+    watched.start()
+    try:
+        _goes_on(watched, oracle, seed=7)
+        time.sleep(2.5)
+        _goes_on(watched, oracle, seed=8)
+    finally:
+        watched.stop()
+
+
+@pytest.mark.parametrize(("fault", "trigger", "cause", "flags"), [
+    ("loop", "BREAK-THE-LOOP", "a fault injected into the engine loop", []),
+    ("loop_stall", "STALL-THE-LOOP", "past the watchdog's 2 s", ["--watchdog-timeout", "2"]),
+])
 def test_a_server_whose_loop_cannot_go_on_answers_its_clients_and_exits_non_zero(
-        tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``hypic serve`` with a fault injected into its engine loop (``tests/helpers/faults``): the request
-    that trips it and one already streaming both get an error naming the fault within seconds (not a hang),
-    and the process exits non-zero within 10 s, the cause in its log."""
+        tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str, trigger: str, cause: str,
+        flags: list[str]) -> None:
+    """``hypic serve`` with a fault injected into its engine loop (``tests/helpers/faults``): the loop
+    raises, or one of its turns blocks for good. The request that trips it and one already streaming
+    both get an error naming the cause within seconds (not a hang), and the process exits non-zero
+    within 10 s, the cause in its log."""
     helpers = Path(hypic_testing.__file__).parents[1]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helpers / "faults"), str(helpers.parents[1]),
                                                       os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("HYPIC_TEST_FAULT", "loop")
-    server = start_server(["--model", str(tiny_checkpoint), "--log-level", "warning"], tmp_path / "server.log")
+    monkeypatch.setenv("HYPIC_TEST_FAULT", fault)
+    server = start_server(["--model", str(tiny_checkpoint), "--log-level", "warning", *flags], tmp_path / "server.log")
     try:
         assert server.post("/generate", {"text": "a request before the fault",
                                          "sampling_params": {"max_new_tokens": 2}})["meta_info"]
@@ -208,12 +259,19 @@ def test_a_server_whose_loop_cannot_go_on_answers_its_clients_and_exits_non_zero
             "text": "a long stream", "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}},
             timeout=30)
         time.sleep(0.5)
-        status, body = server.request("POST", "/generate", {"text": "BREAK-THE-LOOP"}, timeout=30)
-        assert status == 500 and "a fault injected into the engine loop" in body["error"]["message"]
+        status, body = server.request("POST", "/generate", {"text": trigger}, timeout=30)
+        assert status == 500 and cause in body["error"]["message"]
         stream_status, stream_body = streaming.result(timeout=30)[:2]
-        assert stream_status == 200 and "a fault injected into the engine loop" in str(stream_body)
+        assert stream_status == 200 and cause in str(stream_body)
     except BaseException:
         server.stop()
         raise
     exits_within(server, 10)
-    assert "a fault injected into the engine loop" in server.log.read_text()
+    assert cause in server.log.read_text()
+
+
+def test_a_negative_watchdog_timeout_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from hypic.cli import main
+
+    assert main(["serve", "--watchdog-timeout", "-1"]) == 2
+    assert "--watchdog-timeout must be >= 0" in capsys.readouterr().err

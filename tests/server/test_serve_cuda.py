@@ -4,7 +4,6 @@ plain and streamed /generate, /warmup and the OpenAI route; needs a CUDA GPU."""
 import json
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -13,7 +13,9 @@ which. A follower rank is a process started by multiprocessing's spawn (its comm
 - ``follower_generate_exit``: a follower's process exits (status 7) at its first ``Engine.generate``, as
   a rank killed mid-run would.
 - ``loop``: in the server, ranking the waiting work raises once a request whose prompt holds
-  ``BREAK-THE-LOOP`` waits: a fault of the engine loop itself, owned by no request."""
+  ``BREAK-THE-LOOP`` waits: a fault of the engine loop itself, owned by no request.
+- ``loop_stall``: in the server, ranking the waiting work blocks for good once a request whose prompt
+  holds ``STALL-THE-LOOP`` waits: a turn of the loop that never ends (a hung kernel or collective)."""
 import os
 import sys
 
@@ -95,6 +97,21 @@ def _loop() -> None:
     loop.EngineLoop._by_priority = _by_priority
 
 
+def _loop_stall() -> None:
+    import threading
+
+    from hypic.scheduler import loop
+
+    real, never = loop.EngineLoop._by_priority, threading.Event()
+
+    def _by_priority(self):  # type: ignore[no-untyped-def]
+        if any(isinstance(p, loop.Job) and "STALL-THE-LOOP" in str(p.request.prompt) for p in self.waiting):
+            never.wait()
+        return real(self)
+
+    loop.EngineLoop._by_priority = _by_priority
+
+
 FOLLOWER_FAULTS = {"follower_warmup": _follower_warmup, "follower_record": _follower_record,
                    "follower_rows": _follower_rows, "follower_flush": _follower_flush, "follower_clock": _follower_clock,
                    "follower_generate_exit": _follower_generate_exit}
@@ -102,3 +119,5 @@ if FAULT in FOLLOWER_FAULTS and ON_FOLLOWER:
     FOLLOWER_FAULTS[FAULT]()
 elif FAULT == "loop" and not ON_FOLLOWER:
     _loop()
+elif FAULT == "loop_stall" and not ON_FOLLOWER:
+    _loop_stall()
