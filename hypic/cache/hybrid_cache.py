@@ -232,6 +232,11 @@ class HybridCache:
         """The tiers below memory of the public pool, each one's state, and their policies (None: none)."""
         return self.public.lower.describe() if self.public.lower is not None else None
 
+    def public_fill(self) -> float:
+        """How full the public pool is: its bytes over its budget (0 when it has none)."""
+        budget = self.public.budget_bytes
+        return self.public.nbytes / budget if budget else 0.0
+
     def describe(self) -> dict[str, Any]:
         """Both pools' numbers and their tiers' (what ``/metrics`` and ``/get_server_info`` report)."""
         public, private, resume = self.public, self.private, self.resume_points.store

@@ -64,6 +64,7 @@ class Announcement:
     seq: int
     events: tuple[HoldingEvent, ...] = ()
     full: bool = False
+    pool_fill: float | None = None  # its public pool's bytes over its budget as it announced (None: not said)
 
 
 def key_hash(key: str) -> int:

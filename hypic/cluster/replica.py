@@ -77,7 +77,7 @@ class HoldingsFeed:
                            for tier in sorted(holding.tiers - told)]
             self.known = {key: holding for key, holding in now.items() if holding.tiers}
             self.seq += len(events)
-            return Announcement(self.replica, self.incarnation, self.seq, tuple(events))
+            return Announcement(self.replica, self.incarnation, self.seq, tuple(events), pool_fill=self.cache.public_fill())
 
     def dump(self) -> Announcement:
         """Everything held now, replacing what the ingress believed."""
@@ -85,7 +85,8 @@ class HoldingsFeed:
         with self.lock:
             events = tuple(HoldingEvent("stored", key, holding.namespace, tier, holding.tokens)
                            for key, holding in self.known.items() for tier in sorted(holding.tiers))
-            return Announcement(self.replica, self.incarnation, self.seq, events, full=True)
+            return Announcement(self.replica, self.incarnation, self.seq, events, full=True,
+                                pool_fill=self.cache.public_fill())
 
     def _holdings(self) -> dict[str, Holding]:
         """Every document followed (told before, or in memory now) and the tiers that hold it now."""

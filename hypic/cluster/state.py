@@ -95,10 +95,14 @@ class ClusterState:
             return done.replica if done is not None else None
 
     def announce(self, announcement: Announcement) -> bool:
-        """Apply a replica's announcement; False: it does not follow on, ask that replica for a dump."""
+        """Apply a replica's announcement (its holdings, and how full its pool is: news with each answer,
+        where its status comes once a second); False: it does not follow on, ask that replica for a dump."""
         with self.lock:
             if announcement.replica in self.gone:
                 return True  # late news of a replica already gone: nothing to keep
+            if announcement.pool_fill is not None:
+                load = self.loads.setdefault(announcement.replica, ReplicaLoad(announcement.replica))
+                load.pool_fill = min(1.0, announcement.pool_fill)
             return self.index.apply(announcement)
 
     def set_replicas(self, replicas: list[str]) -> list[str]:

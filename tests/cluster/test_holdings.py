@@ -1,7 +1,8 @@
 """A replica's holdings feed against the truth: an engine (a real one, with a pool small enough to
 evict) caches, evicts and flushes documents in several namespaces while its feed's announcements,
 some of them lost, are applied to a ``DocumentIndex``; after every step the index says the replica
-holds a document exactly when the engine's memory holds it."""
+holds a document exactly when the engine's memory holds it, and each announcement says how full the
+pool is as the replica's status would."""
 import random
 
 from hypic import Engine
@@ -31,6 +32,8 @@ def test_the_index_follows_what_memory_holds_through_eviction_flush_and_lost_ann
         for entry in engine.cache.held_documents(sorted(engine.cache.document_keys())):
             seen[entry.key] = entry.namespace
         announcement = feed.changes(cleared)
+        pool = engine.cache.describe()["public_pool"]  # what the replica's status reports, once a second
+        assert announcement.pool_fill == pool["bytes"] / pool["budget_bytes"], step
         if rng.random() < 0.2:
             continue  # lost on the way: the next one does not follow on, and a dump replaces it
         if not index.apply(announcement):

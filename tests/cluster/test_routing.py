@@ -6,6 +6,7 @@ import pytest
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
 from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, policy_named, spread_cold_documents,
                                    spread_documents)
+from hypic.cluster.state import ClusterState
 
 
 def cluster(holdings: dict[str, list[tuple[str, Tier]]], namespace: str = "t") -> DocumentIndex:
@@ -230,3 +231,17 @@ def test_new_documents_go_where_the_pool_has_room_unless_another_holds_them() ->
     assert index.apply(Announcement("a", "i", 1, (HoldingEvent("stored", "d0", "", Tier.MEMORY, 300),), full=True))
     decision = policy.choose(request, [ReplicaLoad("a", pool_fill=1.0), ReplicaLoad("b", pool_fill=0.1)], index)
     assert decision.replica == "a" and decision.costs == pytest.approx({"a": 20.0, "b": 350.0})
+
+
+def test_an_announced_pool_fill_steers_the_next_new_document_at_once() -> None:
+    """The replicas' status comes once a second, but each answer's announcement says how full the pool
+    is: right after replica a announces a 90 %-full pool (no status in between), a cold 300-token
+    document goes to b. Costs by hand: a 320 + 300 x 0.9 = 590, b 320 + 300 x 0 = 320; before the
+    announcement both cost 320 and the tie goes to a."""
+    state = ClusterState(policy_named("cache_aware", eviction_weight=1.0, decode_weight=0.0))
+    state.set_replicas(["a", "b"])
+    request = RouteRequest("", (("d0", 300),), 320)
+    assert state.choose(request, ["a", "b"]).replica == "a"
+    assert state.announce(Announcement("a", "i", 0, (), full=True, pool_fill=0.9))
+    decision = state.choose(request, ["a", "b"])
+    assert decision.replica == "b" and decision.costs == pytest.approx({"a": 590.0, "b": 320.0})
