@@ -51,11 +51,12 @@ class Prefiller:
     def __init__(self, cache: HybridCache, runner: ModelRunner) -> None:
         self.cache, self.runner = cache, runner
 
-    def document_steps(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy) -> Steps[SegmentEntry]:
+    def document_steps(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy,
+                       keep: bool = True) -> Steps[SegmentEntry]:
         """Build a document's entry alone and offer it to the public pool; returns the pool's copy
-        (or the entry, if it did not fit)."""
+        (or the entry, if it did not fit). ``keep=False``: built for someone else, not offered."""
         entry = yield from self.runner.entry_steps(key, token_ids, policy)
-        return self.cache.insert_document(entry)
+        return self.cache.insert_document(entry) if keep else entry
 
     def documents_steps(self, policy: ModePolicy, documents: list[tuple[int, ...]]) -> Steps[list[int]]:
         """Cache each tokenized document memory lacks (those too short to have an interior are

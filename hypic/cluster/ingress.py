@@ -113,7 +113,9 @@ class ReplicaLoop:
                 try:
                     return await self._attempt(job, relay, spread=attempt == 1, avoid=frozenset(tried))
                 except Exception as err:  # noqa: BLE001 - the replica died, failed or was full
-                    tried.add(self.state.finished(job.rid) or "")
+                    replica = self.state.finished(job.rid)
+                    if replica is not None:
+                        tried.add(replica)
                     if heard or attempt == ATTEMPTS or job.cancelled.is_set():
                         raise
                     log.warning("request %s: its replica failed before answering (%s); retried on another", job.rid, err)
@@ -122,7 +124,8 @@ class ReplicaLoop:
             full = refused_for_room(err)
             if full is not None:
                 log.warning("request %s refused: every replica tried was full (%s)", job.rid, full)
-                return emit(ErrorEvent(f"every replica tried is full: {full}", busy=True))
+                emit(ErrorEvent(f"every replica tried is full: {full}", busy=True))
+                return
             log.error("request %s failed on its replica: %s", job.rid, err)
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
 

@@ -165,9 +165,10 @@ class Replica:
 
     async def build(self, route: Any, jobs: list[SegmentJob]) -> list[SegmentEntry]:
         """Documents for another replica's request: each held here or built among this replica's
-        other work (the entries stay here too)."""
+        other work. What is built is not kept here: the replica serving the request stores it, and a
+        copy here would fill this pool with documents its own requests do not ask for."""
         loop = self.instance.loop
-        steps = document_build_steps(self.instance.engine, jobs, loop.mode)
+        steps = document_build_steps(self.instance.engine, jobs, loop.mode, keep=False)
         return await asyncio.wrap_future(loop.run_steps(steps, sum(len(job.token_ids) for job in jobs)))
 
     async def _installed(self, built: tuple[list[SegmentEntry], ...]) -> Any:

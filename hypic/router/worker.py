@@ -28,9 +28,11 @@ class LoopStalled(TimeoutError):
     """A worker's engine loop did not answer a call within the worker's timeout: the worker is stuck."""
 
 
-def document_build_steps(engine: Engine, jobs: list[SegmentJob], mode: Mode) -> Steps[list[SegmentEntry]]:
+def document_build_steps(engine: Engine, jobs: list[SegmentJob], mode: Mode,
+                         keep: bool = True) -> Steps[list[SegmentEntry]]:
     """The jobs' entries, held or built (each build's combine passes asked of the loop that runs
-    these steps): what a peer or a replica builds for another's request."""
+    these steps): what a peer or a replica builds for another's request. ``keep=False``: what is
+    built is shipped only, not stored here too."""
     entries = []
     for job in jobs:
         policy = engine.policy(mode, job.namespace)
@@ -38,7 +40,7 @@ def document_build_steps(engine: Engine, jobs: list[SegmentJob], mode: Mode) -> 
         if found != job.key:
             raise ValueError(f"job key {job.key[:12]} does not address its tokens on this engine")
         if entry is None:
-            entry = yield from engine.prefiller.document_steps(job.key, job.token_ids, policy)
+            entry = yield from engine.prefiller.document_steps(job.key, job.token_ids, policy, keep)
         entries.append(entry)
     return entries
 
