@@ -166,8 +166,9 @@ def _settled_finished(cluster: ServerProcess) -> int:
 def test_cold_documents_are_built_on_both_replicas_and_answer_as_one_engine(cluster: ServerProcess) -> None:
     """Four cold documents long enough to be worth shipping: the other replica builds some of them
     (longest first to the least loaded) while the chosen one builds the rest, and the answer, hits and
-    misses equal one engine's that built all four itself; the builder keeps what it built, and the
-    replica that served the request holds all four (a reordered request hits them all there)."""
+    misses equal one engine's that built all four itself; the builder ships what it built and keeps
+    none of it (its pool is for its own requests), and the replica that served the request holds all
+    four (a reordered request hits them all there)."""
     cluster.post("/flush_cache", {})
     long_docs = [" ".join(DOCS[i:i + 3]) for i in (0, 2, 4, 5)]
     prompt = DEFAULT_SEPARATOR.join(["Answer from the records.", *long_docs, "Question: who was born first?"])
@@ -178,7 +179,7 @@ def test_cold_documents_are_built_on_both_replicas_and_answer_as_one_engine(clus
     assert (meta["segments_hit"], meta["segments_missed"]) == (0, 4) == (expected.segments_hit, expected.segments_missed)
     assert 1 <= meta["segments_built_remotely"] <= 3 and meta["remote_prefill_tokens"] > 0
     held = _held(cluster, lambda held: held[meta["replica"]] == 4)
-    assert held[meta["replica"]] == 4 and min(held.values()) == meta["segments_built_remotely"]
+    assert sorted(held.values()) == [0, 4] and held[meta["replica"]] == 4
     reordered = DEFAULT_SEPARATOR.join(["Answer from the records.", *reversed(long_docs), "Question: who?"])
     again = _generate(cluster, reordered)["meta_info"]
     assert (again["replica"], again["segments_hit"]) == (meta["replica"], 4)
