@@ -198,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--watchdog-timeout", type=float, default=300.0,
                        help="seconds the engine loop may spend in one step; past it the server tells every waiting "
                             "client why and exits non-zero (a --dp-size replica is replaced), instead of hanging "
-                            "on a stuck kernel or a tensor-parallel rank that never answers; 0: no watchdog "
+                            "on a stuck kernel or a tensor-parallel rank that never answers; raise it where one "
+                            "--chunked-prefill-size chunk can take longer (a large model on a CPU); 0: no watchdog "
                             "(default: 300)")
     serve.add_argument("--snapshot-interval", type=non_negative, default=None,
                        help="keep the linear layers' states (sliding-window layers' last window) every this many "

@@ -16,11 +16,13 @@
 # call a 600 s limit. Each stage or process has its own limit so a slow one cannot starve the rest.
 # Everything lands in $OUT: summary.log (exit codes and tails), machine.txt, bench_real_shapes.json,
 # profile_16x1k.txt/.json and results.tar.gz (all logs), refreshed after every stage.
+# Stage "baseline" (named in STAGES, with BASELINE=<commit>): the sweeps again with that commit's code.
 # Environment: TESTS_S, PROFILE_S, BENCH_S (limits); STAGES (default tests,profile,bench); LAYERS keeps
 # fewer of the model's 40 layers; REPEATS sets the timed runs per mode and shape.
 # One 15-minute lease does not fit every stage with a cold Triton cache: on 2026-11-27 the tests stage's
 # 13 processes, compiling and autotuning FLA's kernels at once on one GPU, left 8 unfinished at 250 s.
-# Give a lease to STAGES=tests with TESTS_S=520, and another to STAGES=profile,bench with PROFILE_S=240.
+# Give a lease to STAGES=tests with TESTS_S=520, and another to STAGES=profile,bench,baseline with
+# PROFILE_S=240 BASELINE=873f498 (the code of the 2026-11-26 sweeps).
 # A CPU dry run of the whole script: DEVICE=cpu PRESET=tiny-moe PROFILE_SHAPE=4x128 BENCH_ARGS=--quick.
 set -u
 OUT=${OUT:-/tmp/gpu_out}; RES=${RES:-/tmp/gpu_results}; SITE=${SITE:-/tmp/site}; mkdir -p "$OUT" "$RES"
@@ -77,5 +79,13 @@ export TRITON_CACHE_DIR=/tmp/triton_bench
 BENCH="python3 eval/bench_real_shapes.py --device $DEVICE --preset $PRESET --layers $LAYERS --dtype bfloat16"
 want profile && stage profile "${PROFILE_S:-150}" $BENCH --profile-only "$PROFILE_SHAPE" --profile "$RES"
 want bench && stage bench "${BENCH_S:-150}" $BENCH --repeats "$REPEATS" --no-progress --json "$RES/bench_real_shapes.json" $BENCH_ARGS
+if want baseline; then  # the same sweeps with BASELINE's code, on this machine: an A/B, not two leases
+  git worktree add -f /tmp/baseline "${BASELINE:?STAGES=baseline needs BASELINE=<commit>}" >"$RES/baseline-checkout.log" 2>&1
+  ( cd /tmp/baseline && PYTHONPATH=/tmp/baseline:/tmp/baseline/datasets:$SITE:$PWD/scripts/ray_stub \
+      stage baseline "${BENCH_S:-150}" python3 eval/bench_real_shapes.py --device "$DEVICE" --preset "$PRESET" \
+      --layers "$LAYERS" --dtype bfloat16 --repeats "$REPEATS" --no-progress --json "$RES/baseline_real_shapes.json" $BENCH_ARGS )
+  cp -f "$RES/baseline_real_shapes.json" "$OUT/" 2>/dev/null
+  git worktree remove --force /tmp/baseline >>"$RES/baseline-checkout.log" 2>&1
+fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$RES/machine.txt" 2>&1; pack
 echo "done in $SECONDS s" | tee -a "$OUT/summary.log"
