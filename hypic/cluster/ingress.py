@@ -255,8 +255,7 @@ class ReplicaLoop:
         answers = await asyncio.gather(*(asyncio.wait_for(self._call(r, "status"), STATUS_TIMEOUT_S) for r in replicas),
                                        return_exceptions=True)
         self.statuses = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
-        self.state.pools_filled({r: a["public_pool_bytes"] / a["public_pool_budget_bytes"]
-                                 for r, a in self.statuses.items() if a.get("public_pool_budget_bytes")})
+        self.state.pools_filled({r: a["public_pool_fill"] for r, a in self.statuses.items()})
 
     async def keep_fresh(self) -> None:
         while True:

@@ -219,7 +219,7 @@ def test_a_loop_stuck_in_one_turn_past_its_watchdog_tells_every_client_and_stops
         never.set()
 
 
-def test_a_busy_loop_within_its_watchdog_is_left_alone(loop: EngineLoop, oracle: Callable[[str], list[int]],
+def test_a_busy_loop_within_its_watchdog_is_left_alone(oracle: Callable[[str], list[int]],
                                                        tiny_checkpoint: Path) -> None:
     """Requests served one after another, and an idle wait many times longer than the deadline's
     polling, never trip a watchdog of 1 s: it counts a turn's work, not the time between requests."""
