@@ -2,6 +2,7 @@
 kernel on CUDA when installed, else the PyTorch chunked form. A family's kernels are one
 ``RecurrenceKernels`` record; its inputs are a tuple (q, k, v, g, then any more, e.g. beta), each
 [T, H, ...], and its state [H, K, V] fp32."""
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,11 +102,20 @@ def run_varlen(kernels: RecurrenceKernels, inputs: Tensors, lengths: list[int], 
     return torch.cat(outputs), torch.stack(finals)
 
 
+@functools.lru_cache(maxsize=16)
+def run_bounds(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens of runs of these lengths, on the host and on ``device``: the same two tensors for
+    every layer of a pass. FLA memoizes its chunk indices by the identity of these tensors, so it
+    builds them (a host op that wakes every CPU thread, and a copy) once per shape, not per layer."""
+    ends = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
+    return ends, ends.to(device)
+
+
 def _fla_varlen(chunk: Callable, inputs: Tensors, lengths: list[int], initial_states: torch.Tensor,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """FLA's kernel over runs laid end to end: one batch row, the runs' bounds in cu_seqlens."""
-    ends = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long)
     q, k, v, g, *rest = (x[None] for x in inputs)
+    host_ends, ends = run_bounds(tuple(lengths), q.device)
     out, finals = chunk(q, k, v, g.float(), *rest, scale=scale, initial_state=initial_states.float(),
-                        output_final_state=True, cu_seqlens=ends.to(q.device), cu_seqlens_cpu=ends)
+                        output_final_state=True, cu_seqlens=ends, cu_seqlens_cpu=host_ends)
     return out[0].float(), finals.float()

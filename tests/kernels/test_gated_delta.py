@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hypic.kernels.dispatch import run_bounds
 from hypic.kernels.gated_delta import (SHORT_RUN, chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first,
                                       chunk_gated_delta_rule_with_transition, gated_delta_rule,
                                       gated_delta_rule_varlen,
@@ -124,6 +125,15 @@ def test_varlen_runs_match_each_run_alone(lengths: list[int]) -> None:
     inputs, out_ref, finals_ref = _varlen_case(lengths)
     out, finals = gated_delta_rule_varlen(*inputs[:5], lengths, inputs[5])
     assert _rel(out, out_ref) < 1e-5 and _rel(finals, finals_ref) < 1e-5
+
+
+def test_varlen_bounds_are_built_once_per_shape() -> None:
+    """Every layer of a pass hands FLA the same cu_seqlens tensors (FLA memoizes its chunk indices by
+    their identity): the runs' bounds, on the host and the device, one pair per lengths."""
+    host, device = run_bounds((5, 64, 1), torch.device("cpu"))
+    assert host.tolist() == device.tolist() == [0, 5, 69, 70] and host.dtype == torch.long
+    assert run_bounds((5, 64, 1), torch.device("cpu"))[1] is device
+    assert run_bounds((5, 65), torch.device("cpu"))[1].tolist() == [0, 5, 70]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FLA's Triton kernels need a GPU")
