@@ -5,10 +5,12 @@ Where a docstring or comment cites an equation, section, figure or table of "the
 et al.). How a request flows through the modules: docs/architecture.md.
 """
 from .default_model import default_model_path
-from .engine import Engine, GenerationResult, Prefill, PrefillStats
+from .engine import Engine, GenerationResult, Prefill, PrefillStats, serve_groups_with
 from .errors import CheckpointError, HypicError, InvalidRequest, UnsupportedModel
 from .cache.segments import DEFAULT_SEPARATOR
-from .scheduler import engine_group as _engine_group  # noqa: F401 - Engine.from_pretrained(tp_size=N)'s driver
+from .scheduler.engine_group import EngineGroup
+
+serve_groups_with(EngineGroup)  # Engine.from_pretrained(tp_size=N)'s driver: the engine sits below the scheduler
 
 __all__ = [
     "CheckpointError", "DEFAULT_SEPARATOR", "Engine", "GenerationResult", "HypicError", "InvalidRequest",

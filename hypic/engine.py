@@ -47,8 +47,8 @@ _start_group: list[StartGroup] = []
 
 
 def serve_groups_with(start: StartGroup) -> None:
-    """How ``Engine.from_pretrained(..., tp_size=N)`` starts a group: ``hypic.scheduler.engine_group``
-    registers its driver when imported (with the package), since the engine sits below the scheduler."""
+    """How ``Engine.from_pretrained(..., tp_size=N)`` starts a group: the package registers
+    ``hypic.scheduler.engine_group.EngineGroup`` here when imported, since the engine sits below the scheduler."""
     _start_group[:] = [start]
 
 @dataclass

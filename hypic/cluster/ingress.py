@@ -19,6 +19,7 @@ from ..cache.modes import Mode
 from ..errors import HypicError
 from ..router.plan import SegmentJob
 from ..scheduler.loop import EngineLoop, ErrorEvent, Event, Job, QueueFull
+from ..scheduler.policy import SchedulingPolicy
 from .front import FrontEngine
 from .index import Announcement
 from .replica import ReplicaWork
@@ -74,14 +75,14 @@ class ReplicaLoop:
     """An engine loop's face over replicas: ``job_for``, ``enqueue``, ``warmup``, ``flush``,
     ``snapshot`` as ``EngineLoop`` offers them, each request run on the replica its router picks."""
 
-    job_for, check_state_fits = EngineLoop.job_for, EngineLoop.check_state_fits
+    job_for = EngineLoop.job_for
 
     def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
                  max_state_bytes: int | None, spreads: bool = True) -> None:
         self.engine, self.mode, self.state = front, Mode.parse(mode), state
         # a replica of several ranks holds shards: its documents are not built by another replica
         self.spreads = spreads and front.policy(self.mode).caches_segments
-        self.replicas, self.max_state_bytes = replicas, max_state_bytes
+        self.replicas, self.policy = replicas, SchedulingPolicy(max_state_bytes=max_state_bytes)  # refuses what never fits
         self.tasks: set[asyncio.Task] = set()
         self.statuses: dict[str, dict[str, Any]] = {}
         self.running: asyncio.AbstractEventLoop | None = None

@@ -23,15 +23,35 @@ def free_address() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-def join_group(rank: int, size: int, address: str, device: str = "cpu", timeout_s: float = 300) -> TensorParallel:
-    """Join this process to the group as ``rank`` of ``size`` (blocks until every rank has joined)."""
+def join_group(rank: int, size: int, address: str, device: str = "cpu", timeout_s: float = 300,
+               check: Callable[[], None] = lambda: None) -> TensorParallel:
+    """Join this process to the group as ``rank`` of ``size`` (blocks until every rank has joined).
+    Rank 0 hosts the rendezvous and waits for the others in polls, calling ``check`` between them (it
+    raises to give up: a rank that died before joining would hold the rendezvous for ``timeout_s``);
+    once all are there, the group forms at once."""
     import datetime
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        _await_ranks(store, size, time.monotonic() + timeout_s, check)
+    else:
+        store.set(f"hypic/joined/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TensorParallel(rank, size)
+
+
+def _await_ranks(store: Any, size: int, deadline: float, check: Callable[[], None]) -> None:
+    """Rank 0: poll until ranks 1..size-1 have reached the rendezvous, or ``check`` raises, or ``deadline``."""
+    keys = [f"hypic/joined/{rank}" for rank in range(1, size)]
+    while not store.check(keys):
+        check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not all reach the rendezvous in time ({size} expected)")
+        time.sleep(POLL_S / 5)
 
 
 def _rank_main(rank: int, size: int, address: str, threads: int | None, fn: Callable[..., Any], args: tuple,

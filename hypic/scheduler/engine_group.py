@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..cache.modes import Mode
-from ..engine import Engine, GenerationResult, serve_groups_with
+from ..engine import Engine, GenerationResult
 from ..errors import HypicError, InvalidRequest, as_written
 from ..parallel.group import TensorParallel
 from ..prefill_stats import BuiltForRequest
@@ -177,6 +177,3 @@ def _result(completion: Completion) -> GenerationResult:
     return GenerationResult(sample.output_ids, sample.text, stats.prompt_tokens, stats.cached_tokens,
                             stats.recomputed_tokens, completion.ttft_s, completion.e2e_s, sample.finish_reason or "",
                             completion.mode, stats.segments_hit, stats.segments_missed, stats)
-
-
-serve_groups_with(EngineGroup)

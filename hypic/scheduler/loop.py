@@ -60,6 +60,20 @@ def _nobody_told(message: str) -> None:
     """The default ``on_fatal``: the loop's clients heard of it already; nothing else is told."""
 
 
+def state_footprint(engine: Engine, policy: SchedulingPolicy, parts: PromptParts, request: Request,
+                    samples: int) -> int:
+    """The state bytes a request may hold (KV of the prompt, which its samples share, and of
+    max_new_tokens and linear states per sample); raises ``InvalidRequest`` if that can never fit the
+    policy's ``max_state_bytes`` (checked before any of its work starts, here or on peers)."""
+    prompt = len(parts.token_ids)
+    footprint = engine.state_bytes(prompt + request.params.max_new_tokens, samples, shared_tokens=prompt)
+    if not policy.ever_fits(footprint):
+        raise InvalidRequest(f"the request's state may take {footprint} bytes (KV of prompt + max_new_tokens "
+                             f"and linear states, times n), over the server's --max-state-memory of "
+                             f"{policy.max_state_bytes} bytes")
+    return footprint
+
+
 class EngineLoop(Batching):
     """Owns ``engine`` on a background thread; ``submit``, ``warmup`` and ``call`` are safe from any
     thread. ``max_state_bytes``: the memory running and prefilling requests' states may take
@@ -94,7 +108,7 @@ class EngineLoop(Batching):
     def start(self) -> None:
         self.watchdog.beat()
         self._thread.start()
-        self.watchdog.watch(self._overdue, lambda: self.alive and self.failure is None)
+        self.watchdog.watch(self._end, lambda: self.alive and self.failure is None)  # on its thread: the loop's is stuck
 
     def stop(self) -> None:
         self.inbox.put(None)
@@ -114,12 +128,12 @@ class EngineLoop(Batching):
                 plan: RequestPlan | None = None) -> Job:
         """A validated request as the loop runs it, planned once (``Engine.plan``: its keys and layout;
         or ``plan``, made where the request arrived) and its state footprint checked
-        (``check_state_fits``); pure, so its caller may make it on any thread. Its TTFT counts from
+        (``state_footprint``); pure, so its caller may make it on any thread. Its TTFT counts from
         now (set ``start`` to when it reached the server)."""
         plan = plan or self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))
         job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences,
                   _unheard, plan)
-        job.footprint = self.check_state_fits(parts, request, len(sequences))
+        job.footprint = state_footprint(self.engine, self.policy, parts, request, len(sequences))
         return job
 
     def enqueue(self, job: Job, emit: Callable[[Event], None], peer_work: PeerWork | None = None) -> Job:
@@ -136,18 +150,6 @@ class EngineLoop(Batching):
             self.peers.forget(job)
             raise
         return job
-
-    def check_state_fits(self, parts: PromptParts, request: Request, samples: int) -> int:
-        """The state bytes a request may hold (KV of the prompt, which its samples share, and of
-        max_new_tokens and linear states per sample); raises ``InvalidRequest`` if that can never
-        fit ``max_state_bytes`` (checked before any of its work starts, here or on peers)."""
-        prompt = len(parts.token_ids)
-        footprint = self.engine.state_bytes(prompt + request.params.max_new_tokens, samples, shared_tokens=prompt)
-        if self.max_state_bytes is not None and footprint > self.max_state_bytes:
-            raise InvalidRequest(f"the request's state may take {footprint} bytes (KV of prompt + max_new_tokens "
-                                 f"and linear states, times n), over the server's --max-state-memory of "
-                                 f"{self.max_state_bytes} bytes")
-        return footprint
 
     def warmup(self, documents: list[str], namespace: str = "") -> Future:
         """Cache documents in the server's mode and cache ``namespace``, in chunks; the future holds
@@ -204,11 +206,6 @@ class EngineLoop(Batching):
         """The seed an unseeded request's samples draw from (None: torch's generator; a lockstep loop
         draws one, so every rank samples alike)."""
         return None
-
-    @property
-    def max_state_bytes(self) -> int | None:
-        """The memory running and prefilling requests' states may take together (the policy's bound)."""
-        return self.policy.max_state_bytes
 
     @property
     def alive(self) -> bool:
@@ -270,11 +267,6 @@ class EngineLoop(Batching):
         at once, and ``on_fatal`` is told (a server exits non-zero)."""
         self._end(f"the engine loop stopped ({type(err).__name__}: {err})", err)
 
-    def _overdue(self, message: str) -> None:
-        """The watchdog's word (on its thread) that a turn hangs: the loop's thread is stuck, so its
-        clients are told from here, and the process ends as if the loop had died."""
-        self._end(message)
-
     def _end(self, message: str, err: BaseException | None = None) -> None:
         """Stop serving with ``message``: refuse what comes, tell every client in the loop, tell ``on_fatal``."""
         log.critical("%s", message, exc_info=err)
@@ -335,7 +327,7 @@ class EngineLoop(Batching):
         return {
             **self.stats.as_dict(), **self.heap.as_dict(), "waiting_requests": len(self.waiting),
             "running_requests": len(self.running),
-            "held_state_bytes": held_bytes(self.waiting, self.running), "max_state_bytes": self.max_state_bytes,
+            "held_state_bytes": held_bytes(self.waiting, self.running), "max_state_bytes": self.policy.max_state_bytes,
             "requests_by_phase": by_phase((*self.running, *self.waiting)),
             "running_state_bytes": state_bytes(self.running), "running_shared_bytes": shared_bytes(self.running),
             **self.engine.cache.describe(),

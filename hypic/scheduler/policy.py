@@ -47,3 +47,7 @@ class SchedulingPolicy:
         if slots_taken >= self.max_running:
             return False
         return self.max_state_bytes is None or bytes_held + footprint <= self.max_state_bytes
+
+    def ever_fits(self, footprint: int) -> bool:
+        """Whether a request whose state may take ``footprint`` bytes could start on an empty loop."""
+        return self.max_state_bytes is None or footprint <= self.max_state_bytes

@@ -364,7 +364,7 @@ class Server:
                 "quantization": quantization.describe() if quantization is not None else None}
 
     def server_info(self) -> dict[str, Any]:
-        engine, budget = self.loop.engine, self.loop.max_state_bytes
+        engine, budget = self.loop.engine, self.loop.policy.max_state_bytes
         limit, per_token = engine.model.config.max_position_embeddings, engine.state_bytes(2) - engine.state_bytes(1)
         tokens = budget // max(per_token, 1) if budget is not None else limit * self.info.max_running_requests
         skipped = ("chat_template", "rank_pids")

@@ -37,6 +37,20 @@ def test_a_rank_that_dies_or_hangs_under_rank_zero_here_fails_the_group_naming_i
     assert not _live_children()
 
 
+def test_a_follower_that_dies_before_joining_fails_the_group_in_seconds_not_at_the_rendezvous_timeout() -> None:
+    """A follower that exits before it joins (here: refused thread count; in life an import error, an
+    out-of-memory kill while loading) no longer holds rank 0 in the rendezvous for 300 s."""
+    import time
+    from hypic.parallel.group import GroupFailure
+    from hypic.parallel.ranks import run_as_rank_zero
+    start = time.monotonic()
+    with pytest.raises(GroupFailure, match=r"rank 1 \(pid \d+\) died \(exit code 1\)"):
+        run_as_rank_zero(rank_code.dies_on_rank_one, 2, threads=0)  # torch.set_num_threads(0) raises
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)
+    assert not _live_children()
+
+
 def _live_children() -> list[int]:
     """Processes (not zombies) whose parent is this test process, but multiprocessing's resource tracker
     (one per parent, kept for its whole life)."""

@@ -53,3 +53,11 @@ def test_a_request_starts_while_a_slot_is_free_and_its_state_fits(slots: int, he
 def test_without_a_memory_bound_only_slots_limit() -> None:
     assert SchedulingPolicy(max_running=2).admits(1, 10**15, 10**15)
     assert not SchedulingPolicy(max_running=2).admits(2, 0, 0)
+
+
+@pytest.mark.parametrize("bound, footprint, fits", [(None, 10**12, True), (1000, 1000, True), (1000, 1001, False)])
+def test_a_request_ever_fits_when_its_state_is_within_the_bound_alone(bound: int | None, footprint: int,
+                                                                    fits: bool) -> None:
+    policy = SchedulingPolicy(max_running=1, max_state_bytes=bound)
+    assert policy.ever_fits(footprint) is fits
+    assert policy.admits(0, 0, footprint) is fits  # the same question, asked of an empty loop

@@ -1,0 +1,49 @@
+"""Ray Serve's request router for the replicas (``ReplicaRouter``), called as Ray Serve calls it, on
+stand-in replicas: the order it offers them in, against the routing policy's own choice."""
+import asyncio
+from types import SimpleNamespace
+
+from hypic.cluster.index import Announcement, HoldingEvent, Tier
+from hypic.cluster.ingress import ReplicaRouter
+from hypic.cluster.routing import RouteRequest, policy_named
+from hypic.cluster.state import ClusterState, RouteTo, register_state
+
+REQUEST = RouteRequest("t", (("d1", 1000), ("d2", 2000)), prompt_tokens=3100)
+
+
+def _router(holder: str) -> ReplicaRouter:
+    """A router over a cluster where ``holder`` holds both documents (Ray Serve's own state left out:
+    ``choose_replicas`` reads only the cluster state and its arguments)."""
+    state = ClusterState(policy_named("cache_aware"))
+    events = tuple(HoldingEvent("stored", key, "t", Tier.MEMORY, 1) for key, _ in REQUEST.documents)
+    assert state.announce(Announcement(holder, "i", len(events), events, full=True))
+    register_state("test-request-router", state)
+    router = object.__new__(ReplicaRouter)
+    router.initialize_state("test-request-router")
+    return router
+
+
+def _offered(router: ReplicaRouter, route: RouteTo, replicas: list[str]) -> list[list[str]]:
+    candidates = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in replicas]
+    pending = SimpleNamespace(args=(route,), routing_context=SimpleNamespace(should_backoff=False))
+    ranks = asyncio.run(router.choose_replicas(candidates, pending))
+    assert pending.routing_context.should_backoff  # Ray Serve's retries back off instead of spinning
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_a_request_is_offered_to_the_holder_first_then_the_others_by_cost() -> None:
+    offered = _offered(_router("r1"), RouteTo("a", REQUEST), ["r0", "r1", "r2"])
+    assert offered == [["r1"], ["r0"], ["r2"]]  # r1 prefills 100 tokens, r0 and r2 3100 each (then by id)
+
+
+def test_a_replica_that_refused_the_request_is_not_offered_it_again_while_another_is_left() -> None:
+    router = _router("r1")
+    assert _offered(router, RouteTo("b", REQUEST, avoid=frozenset({"r1"})), ["r0", "r1", "r2"]) == [["r0"], ["r2"]]
+    assert _offered(router, RouteTo("c", REQUEST, avoid=frozenset({"r0", "r1", "r2"})), ["r0", "r1", "r2"]) == [
+        ["r1"], ["r0"], ["r2"]]  # every one refused: all are offered again, the holder first
+
+
+def test_a_call_for_one_replica_goes_to_it_alone_or_nowhere() -> None:
+    router = _router("r1")
+    assert _offered(router, RouteTo("d", replica="r2"), ["r0", "r1", "r2"]) == [["r2"]]
+    assert _offered(router, RouteTo("e", replica="r9"), ["r0", "r1", "r2"]) == []  # not running (yet)
