@@ -107,14 +107,12 @@ class RankGroup:
         for process in self.processes:
             process.start()
         threading.Thread(target=self._watch, name="hypic-rank-watchdog", daemon=True).start()
-        self.tp: TensorParallel = self._join(size, address, device)
-
-    def _join(self, size: int, address: str, device: str) -> TensorParallel:
-        """Join as rank 0; the watchdog's word ends the wait for the others (``GroupFailure``): a follower
-        that died before joining would otherwise hold the rendezvous for its whole timeout (300 s)."""
-        return join_group(0, size, address, device, check=self._raise_if_failed)
+        # the watchdog's word ends rank 0's wait for the others: a follower that died before joining
+        # would otherwise hold the rendezvous for its whole timeout (300 s)
+        self.tp: TensorParallel = join_group(0, size, address, device, check=self._raise_if_failed)
 
     def _raise_if_failed(self) -> None:
+        """``GroupFailure`` once the group failed (a follower died or hangs)."""
         if self.failed is not None:
             raise GroupFailure(self.failed)
 

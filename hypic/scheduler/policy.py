@@ -44,10 +44,8 @@ class SchedulingPolicy:
     def admits(self, slots_taken: int, bytes_held: int, footprint: int) -> bool:
         """Whether a request whose state may take ``footprint`` bytes starts beside ``slots_taken`` running
         or starting requests that may hold ``bytes_held``."""
-        if slots_taken >= self.max_running:
-            return False
-        return self.max_state_bytes is None or bytes_held + footprint <= self.max_state_bytes
+        return slots_taken < self.max_running and self.ever_fits(bytes_held + footprint)
 
     def ever_fits(self, footprint: int) -> bool:
-        """Whether a request whose state may take ``footprint`` bytes could start on an empty loop."""
+        """Whether ``footprint`` bytes of state fit ``max_state_bytes`` (alone: whether a request could ever start)."""
         return self.max_state_bytes is None or footprint <= self.max_state_bytes
