@@ -98,7 +98,10 @@ def _by_load(load: ReplicaLoad) -> tuple[int, int, str]:
 
 
 DECODE_WEIGHT = 0.1  # prefill tokens' worth of a replica's time one token it still has to decode takes
-EVICTION_WEIGHT = 1.0  # a new document's tokens stored in a full pool push out about as many, missed later
+# A new document's tokens stored in a full pool push out as many of documents still in use, each missed
+# later and pushing out more when stored again: 4 had the best worst case of the weights tried in replays
+# of the cluster study's tenant workload against stand-in pools (eval/sim_cluster_pools.py).
+EVICTION_WEIGHT = 4.0
 IMBALANCE_FACTOR = 2.0  # a replica queued above this times the mean queue is skipped...
 IMBALANCE_FLOOR = 8192  # ...if its queue is also above this many tokens
 
@@ -108,11 +111,12 @@ class CacheAware:
     """cost(replica) = the tokens it would prefill for this request given what it holds (a document held
     in memory: 0; in host or disk: its tokens x that tier's credit; not held: its tokens; the rest of
     the prompt: its tokens; or, if less, the prompt past the prefix it is believed to hold) + its queued
-    prefill tokens + ``decode_weight`` x its tokens left to decode + ``eviction_weight`` x the
-    documents' tokens it would newly store x how full its pool is (storing into a full pool evicts as
-    much, so new documents go where there is room and the working set spreads over the replicas).
-    Cheapest wins (ties: fewer running,
-    then the lowest id), except that a replica queued above ``imbalance_factor`` x the mean queue and
+    prefill tokens + ``decode_weight`` x its tokens left to decode + ``eviction_weight`` x how full its
+    pool is x the documents' tokens it would newly store, those another replica holds already counted
+    twice (storing into a full pool evicts as much, and a second copy takes room from the documents
+    the replicas hold between them: new documents go where there is room, and the working set spreads
+    over the replicas instead of being copied). Cheapest wins (ties: fewer running, then the lowest
+    id), except that a replica queued above ``imbalance_factor`` x the mean queue and
     above ``imbalance_floor`` tokens is skipped unless every replica is."""
 
     tier_costs: TierCosts = field(default_factory=TierCosts)
@@ -127,7 +131,7 @@ class CacheAware:
         prefill = self.prefill_tokens(request, [load.replica for load in loads], index)
         costs = {load.replica: prefill[load.replica] + load.queued_prefill_tokens
                  + self.decode_weight * load.decode_tokens
-                 + self.eviction_weight * load.pool_fill * self.new_tokens(request, load.replica, index)
+                 + self.eviction_weight * load.pool_fill * self.stored_tokens(request, load.replica, index)
                  for load in loads}
         rank = {load.replica: (costs[load.replica], load.running, load.replica) for load in loads}
         cheapest = min(rank, key=rank.__getitem__)
@@ -139,9 +143,14 @@ class CacheAware:
         return Decision(chosen, "cache" if held else "load", costs)
 
     @staticmethod
-    def new_tokens(request: RouteRequest, replica: str, index: DocumentIndex) -> int:
-        """The tokens of ``request``'s documents ``replica`` would store anew (it holds them nowhere)."""
-        return sum(tokens for key, tokens in request.documents if replica not in index.holders(request.namespace, key))
+    def stored_tokens(request: RouteRequest, replica: str, index: DocumentIndex) -> int:
+        """The tokens of ``request``'s documents ``replica`` would store anew (it holds them in no tier),
+        those another replica holds counted twice."""
+        stored = 0
+        for key, tokens in request.documents:
+            holders = index.holders(request.namespace, key)
+            stored += 0 if replica in holders else tokens * (2 if holders else 1)
+        return stored
 
     def prefill_tokens(self, request: RouteRequest, replicas: list[str], index: DocumentIndex) -> dict[str, float]:
         """Replica -> the tokens it would prefill for ``request``, given what the index says it holds."""

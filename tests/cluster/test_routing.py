@@ -222,7 +222,8 @@ def test_a_document_in_the_shared_store_is_every_replicas_at_its_load_cost() -> 
 def test_new_documents_go_where_the_pool_has_room_unless_another_holds_them() -> None:
     """Two idle replicas, a prompt of one 300-token document and 20 other tokens. Cold on both, the
     cost by hand: 320 + 1.0 x 300 x fill, so a (90 % full: 590) loses to b (10 % full: 350); once a
-    holds the document, its cost is 20 however full it is, against b's 350."""
+    holds the document, its cost is 20 however full it is, against b's 380 (a second copy's tokens
+    count twice: 320 + 1.0 x 600 x 0.1)."""
     index, policy = DocumentIndex(), policy_named("cache_aware", eviction_weight=1.0, decode_weight=0.0)
     request = RouteRequest("", (("d0", 300),), 320)
     loads = [ReplicaLoad("a", pool_fill=0.9), ReplicaLoad("b", pool_fill=0.1)]
@@ -230,7 +231,7 @@ def test_new_documents_go_where_the_pool_has_room_unless_another_holds_them() ->
     assert decision.replica == "b" and decision.costs == pytest.approx({"a": 590.0, "b": 350.0})
     assert index.apply(Announcement("a", "i", 1, (HoldingEvent("stored", "d0", "", Tier.MEMORY, 300),), full=True))
     decision = policy.choose(request, [ReplicaLoad("a", pool_fill=1.0), ReplicaLoad("b", pool_fill=0.1)], index)
-    assert decision.replica == "a" and decision.costs == pytest.approx({"a": 20.0, "b": 350.0})
+    assert decision.replica == "a" and decision.costs == pytest.approx({"a": 20.0, "b": 380.0})
 
 
 def test_an_announced_pool_fill_steers_the_next_new_document_at_once() -> None:

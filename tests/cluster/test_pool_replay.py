@@ -1,0 +1,38 @@
+"""The routing policies replayed against stand-in replicas (least-recently-used pools, the real index):
+on the cluster study's tenant workload, whose documents outgrow one replica's pool, ``cache_aware``
+must keep about the hit rate of one pool as large as both (the oracle: that pool sees every request,
+so it misses only what cannot fit), where a blind policy keeps about half of it."""
+from dataclasses import replace
+
+import pytest
+
+from hypic.cluster.routing import policy_named
+from hypic.evaluation.pool_replay import ReplayShape, StandInReplica, mean_hit_rate
+from hypic.evaluation.tenants import TenantConfig
+
+DOC = 285
+SEEDS = range(10)
+
+
+def test_the_stand_in_pool_evicts_the_least_recently_used_document() -> None:
+    """A pool of two 100-token documents: a, b stored; a read again; c pushes out b, not a."""
+    replica = StandInReplica("r", pool_tokens=200)
+    assert replica.serve((("a", 100), ("b", 100)))[0] == 0
+    assert replica.serve((("a", 100),))[0] == 1
+    hits, events = replica.serve((("c", 100),))
+    assert hits == 0 and [(e.kind, e.key) for e in events] == [("stored", "c"), ("evicted", "b")]
+    assert list(replica.held) == ["a", "c"] and replica.fill() == 1.0
+
+
+@pytest.mark.parametrize("drain", [150, 300])
+def test_cache_aware_keeps_about_one_big_pools_hit_rate_where_blind_routing_halves_it(drain: float) -> None:
+    """Two replicas, each pool 25 of the 48 documents (the study's ratio 1.9): the tenants must be
+    split by room, whole, or one replica's pool churns. Ten workload seeds, one level each."""
+    shape = ReplayShape(replicas=2, pool_tokens=25 * DOC, doc_tokens=DOC, drain_tokens=drain)
+    pooled = mean_hit_rate(lambda: policy_named("round_robin"), TenantConfig(),
+                           replace(shape, replicas=1, pool_tokens=50 * DOC), SEEDS)
+    routed = mean_hit_rate(lambda: policy_named("cache_aware"), TenantConfig(), shape, SEEDS)
+    blind = mean_hit_rate(lambda: policy_named("round_robin"), TenantConfig(), shape, SEEDS)
+    assert pooled > 0.9
+    assert routed >= 0.975 * pooled, (routed, pooled)
+    assert blind < 0.6 * pooled, (blind, pooled)
