@@ -381,7 +381,7 @@ def start_instance(args: argparse.Namespace, on_fatal: Any = None) -> Instance:
     """The engine (with its ranks and workers) and its started loop, as ``hypic serve ARGS`` runs
     them: the whole server, or one replica of a ``--dp-size`` cluster. ``on_fatal``: told if the
     loop cannot go on (default: the process exits non-zero)."""
-    from .scheduler.lockstep import LeaderLoop
+    from .scheduler.lockstep import leader_loop
     from .scheduler.fatal import exit_soon
     from .scheduler.loop import EngineLoop
 
@@ -408,7 +408,7 @@ def start_instance(args: argparse.Namespace, on_fatal: Any = None) -> Instance:
     info = server_info(args, choice, engine.model.dtype, tuple(group.pids) if group is not None else ())
     peers = _peers(args, choice) if args.workers > 1 else None
     loop = (EngineLoop(engine, on_fatal=on_fatal, **loop_options) if group is None
-            else LeaderLoop(engine, ranks=group, **loop_options))
+            else leader_loop(engine, ranks=group, **loop_options))
     loop.start()
     return Instance(engine, loop, info, choice, group, peers)
 

@@ -1,6 +1,6 @@
 """An engine over N tensor-parallel ranks driven from one process (``Engine.from_pretrained(...,
 tp_size=N)``): this process is rank 0 and runs the lockstep engine loop a tensor-parallel server
-runs (``lockstep.LeaderLoop``, on a thread of its own); ranks 1..N-1 follow it (``rank_group``).
+runs (``lockstep.leader_loop``, on a thread of its own); ranks 1..N-1 follow it (``rank_group``).
 ``generate``, ``warmup`` and ``flush`` are requests to that loop, answered as ``Engine``'s are;
 pure methods run on rank 0's engine. A rank that dies, hangs or falls out of step ends the group
 within seconds: every pending and later call raises ``HypicError`` naming the cause, and this
@@ -21,7 +21,7 @@ from ..errors import HypicError, InvalidRequest, as_written
 from ..parallel.group import TensorParallel
 from ..prefill_stats import BuiltForRequest
 from ..sampling import SamplingParams
-from .lockstep import LeaderLoop
+from .lockstep import leader_loop
 from .loop import DoneEvent, ErrorEvent, Event, default_prefill_batch
 from .rank_group import start_ranks
 from .requests import Completion
@@ -60,7 +60,7 @@ class EngineGroup:
             self.ranks.kill()
             dist.destroy_process_group()
             raise
-        self.loop = LeaderLoop(self._engine, ranks=self.ranks, **loop_options)
+        self.loop = leader_loop(self._engine, ranks=self.ranks, **loop_options)
         self.loop.start()
 
     @property

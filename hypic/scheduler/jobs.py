@@ -152,6 +152,17 @@ class Command:
     future: Future = field(default_factory=Future)
 
 
+@dataclass
+class FlushCommand(Command):
+    """A flush of ``namespace`` (None: every one) in ``tiers``, named so that a lockstep loop's other
+    ranks make it too (a closure cannot be sent); ``flushed`` holds its counts once every tier is
+    done (a loop alone empties the tiers below memory on a thread of their own, after ``run``)."""
+
+    namespace: str | None = None
+    tiers: frozenset[str] = frozenset()
+    flushed: Future = field(default_factory=Future)
+
+
 def wake_only() -> None:
     """A command that does nothing: it wakes the loop (a load or a peer's work finished)."""
 
@@ -160,8 +171,11 @@ def abandon(item: "Pending | Command", message: str) -> None:
     """Tell whoever waits on ``item`` that the loop stopped (``message``)."""
     if isinstance(item, Job):
         item.emit(ErrorEvent(message))
-    elif not item.future.done():
-        item.future.set_exception(LoopStopped(message))
+        return
+    waiters = [item.future, item.flushed] if isinstance(item, FlushCommand) else [item.future]
+    for future in waiters:
+        if not future.done():
+            future.set_exception(LoopStopped(message))
 
 
 def input_logprobs(prompt_ids: list[int], start: int, logits: torch.Tensor, top: int) -> list[TokenLogprob | None]:

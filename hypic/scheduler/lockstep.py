@@ -1,9 +1,10 @@
-"""The engine loop over N tensor-parallel ranks, in lockstep. Rank 0 (the server) runs the loop as one
-process would, except that every iteration starts by broadcasting an ``Iteration``: a plain-data
-record of everything the iteration takes from outside the loop (what was drained from the inbox,
-the requests cancelled, which requests still wait for their reads below memory). Every
-other rank (``FollowerLoop``) applies it and runs the same iteration on its own shard, so every rank
-makes the same cache decisions and the same model calls in the same order.
+"""The engine loop over N tensor-parallel ranks, in lockstep. Every rank runs the engine loop itself
+(``EngineLoop``), its turns taken by this module's ``sync``: rank 0 (the server, ``LeaderSync``)
+takes each turn's work from its inbox as one process would, then broadcasts an ``Iteration``: a
+plain-data record of everything the iteration takes from outside the loop (what was drained from the
+inbox, the requests cancelled, which requests still wait for their reads below memory). Every other
+rank (``FollowerSync``) applies it and runs the same iteration on its own shard, so every rank makes
+the same cache decisions and the same model calls in the same order.
 
 The ranks check that they are in step before they could fall out of it (each in one small
 all-reduce, ``RankSync``): before an iteration, on the requests it starts from (each one's identity,
@@ -25,7 +26,7 @@ import xxhash
 from ..cache.plan import RequestPlan
 from ..errors import HypicError
 from ..parallel.group import GroupFailure, TensorParallel, from_rank_zero, same_on_every_rank
-from .loop import Command, EngineLoop, Event, Job, Pending, WarmupTask, wake_only
+from .loop import Command, EngineLoop, Event, FlushCommand, Job, Pending, WarmupTask, wake_only
 from .sync import Solo
 from .requests import Request
 
@@ -89,14 +90,6 @@ class Iteration:
     stop: bool = False
 
 
-
-
-@dataclass
-class FlushCommand(Command):
-    """A flush, named so that the other ranks make it too (closures cannot be sent)."""
-
-    namespace: str | None = None
-    tiers: frozenset[str] = frozenset()
 
 
 class Ranks(Protocol):
@@ -195,22 +188,13 @@ class RankSync(Solo):
         failures, digest, self.failures, self.digest = self.failures, self.digest, 0, 0
         self.agree("an iteration's outcome (failed requests, token digest)", [failures, digest])
 
-
-class _Lockstep(EngineLoop):
-    """The engine loop with a ``RankSync``: each iteration runs between the ranks' agreements."""
-
-    def __init__(self, engine: Any, mode: Any, **options: Any) -> None:
-        self.rank_sync = RankSync(engine.model.config.tensor_parallel)
-        super().__init__(engine, mode, sync=self.rank_sync, **options)
-        self.tp: TensorParallel = self.rank_sync.tp
-
-    def _run_iteration(self, record: Iteration) -> None:
+    def run_iteration(self, loop: EngineLoop, record: Iteration) -> None:
         """The iteration ``record`` starts, between the ranks' two agreements: on what it starts from,
         and on its outcome."""
-        self.rank_sync.freeze(record)
-        self.rank_sync.agree_on_start(self.waiting, self.running)
-        self._iterate()
-        self.rank_sync.check()
+        self.freeze(record)
+        self.agree_on_start(loop.waiting, loop.running)
+        loop.iterate()
+        self.check()
 
 
 def _identity(item: Pending) -> Any:
@@ -222,134 +206,143 @@ def _identity(item: Pending) -> Any:
             item.request.params, [sequence.seed for sequence in item.sequences], item.footprint)
 
 
-class LeaderLoop(_Lockstep):
-    """Rank 0's loop: as ``EngineLoop``, each iteration broadcast first. ``ranks``: the group it leads,
-    told when it can no longer go on."""
+class LeaderSync(RankSync):
+    """Rank 0's turns: drain the inbox, admit what it took, broadcast it with this turn's cancellations
+    and holds as an ``Iteration``, then run the iteration between the ranks' agreements. ``ranks``:
+    the group it leads, told when the loop can no longer go on."""
 
-    def __init__(self, engine: Any, mode: Any, ranks: Ranks, **options: Any) -> None:
-        super().__init__(engine, mode, on_fatal=ranks.fail, **options)
+    def __init__(self, tp: TensorParallel, ranks: Ranks) -> None:
+        super().__init__(tp)
         self.ranks = ranks
 
-    @property
     def failure(self) -> str | None:
-        return self.ranks.failed or self.inbox.stopped
+        return self.ranks.failed
 
     def sample_seed(self) -> int | None:
-        return random.getrandbits(62)
+        return random.getrandbits(62)  # drawn here, sent in the request's record: every rank samples alike
 
-    def call(self, run: Any) -> Any:
-        raise HypicError("under tensor parallelism the engine loop runs only work every rank can repeat "
-                         "(requests, warm-ups, flushes): peers' calls are not served")
-
-    def flush(self, namespace: str | None, tiers: frozenset[str]) -> Any:
-        command = FlushCommand(lambda: self.engine.flush(namespace, tiers), namespace=namespace, tiers=tiers)
-        self.inbox.command(command)
-        return command.future
-
-    def _die(self, err: BaseException) -> None:
-        """The group ends; a failure other than the ranks' disagreement is mostly a rank gone (its
-        collective failed): the watchdog names it first."""
+    def before_end(self, err: BaseException) -> None:
+        """A failure other than the ranks' disagreement is mostly a rank gone (its collective failed):
+        the watchdog names it first."""
         if not isinstance(err, RanksOutOfStep):
             time.sleep(NAME_THE_RANK_S)
-        super()._die(err)
 
-    def _turn(self) -> bool:
-        """One iteration: drain, broadcast what it took, run it; False once stopped."""
-        self.rank_sync.held = None  # live: whether the loop is idle
-        items, stop = self._take_inbox(self._idle_wait() if self._idle() else None)
-        record = self._record(items, stop)
+    def turn(self, loop: EngineLoop) -> bool:
+        self.held = None  # live: whether the loop is idle
+        items, stop = self._take_inbox(loop, loop.idle_wait())
+        record = self._record(loop, items, stop)
         from_rank_zero(record)
         if stop:
             return False
-        self._run_iteration(record)
+        self.run_iteration(loop, record)
         return True
 
-    def _take_inbox(self, wait_s: float | None) -> tuple[list[Item], bool]:
+    def _take_inbox(self, loop: EngineLoop, wait_s: float | None) -> tuple[list[Item], bool]:
         """What the inbox holds (waiting up to ``wait_s`` for the first item), admitted or run here, as
         records; and whether the loop stops."""
         items: list[Item] = []
-        for item in self.inbox.items(wait_s):
+        for item in loop.inbox.items(wait_s):
             if item is None:
                 return items, True
-            record = self._take(item)
+            record = self._take(loop, item)
             if record is not None:
                 items.append(record)
         return items, False
 
-    def _take(self, item: Pending | Command) -> Item | None:
+    def _take(self, loop: EngineLoop, item: Pending | Command) -> Item | None:
         if isinstance(item, FlushCommand):
-            self._run_command(item)
-            if item.future.exception() is not None:  # the other ranks' flushes must fail too, or the group ends
-                self.rank_sync.failed()
-            return FlushRecord(item.namespace, item.tiers)
+            return self._flush(loop, item)
         if isinstance(item, Command):
             if item.run is not wake_only:
-                item.future.set_exception(HypicError("not served under tensor parallelism"))
+                item.future.set_exception(HypicError("under tensor parallelism the engine loop runs only work every "
+                                                     "rank can repeat (requests, warm-ups, flushes): peers' calls "
+                                                     "are not served"))
             return None
         if isinstance(item, WarmupTask) and item.source is None:  # a peer's steps: no other rank could make them
-            self.inbox.gone()
+            loop.inbox.gone()
             item.future.set_exception(HypicError("precombined or peer steps are not served under tensor parallelism"))
             return None
-        self._admit(item)
+        loop.admit(item)
         if isinstance(item, WarmupTask):
             assert item.source is not None
             return WarmupRecord(item.serial, item.source, item.remaining, item.start)
         return JobRecord(item.serial, item.rid, item.plan, item.request, item.sequences[0].seed, item.start,
                          item.footprint, item.remaining)
 
-    def _record(self, items: list[Item], stop: bool) -> Iteration:
+    def _flush(self, loop: EngineLoop, command: FlushCommand) -> FlushRecord:
+        """Every tier at once, here and (from the record) on every rank: the tiers below memory are not
+        left to a thread of their own, whose end the other ranks could not see."""
+        loop.run_command(Command(lambda: loop.engine.flush(command.namespace, command.tiers), command.flushed))
+        command.future.set_result(None)
+        if command.flushed.exception() is not None:  # the other ranks' flushes must fail too, or the group ends
+            self.failed()
+        return FlushRecord(command.namespace, command.tiers)
+
+    def _record(self, loop: EngineLoop, items: list[Item], stop: bool) -> Iteration:
         """This iteration's record: ``items``, and the cancellations and holds as of now."""
         if stop:
             return Iteration(items, frozenset(), frozenset(), stop=True)
         now = time.monotonic()
-        pendings = (*self.waiting, *self.running)
+        pendings = (*loop.waiting, *loop.running)
         cancelled = frozenset(p.serial for p in pendings if p.cancelled.is_set())
-        held = frozenset(p.serial for p in self.waiting if isinstance(p, Job) and p.holds(now))
+        held = frozenset(p.serial for p in loop.waiting if isinstance(p, Job) and p.holds(now))
         return Iteration(items, cancelled, held)
 
 
-class FollowerLoop(_Lockstep):
-    """Rank 1..N-1's loop: runs, on this thread, the iterations rank 0 broadcasts until it stops."""
+class FollowerSync(RankSync):
+    """Rank 1..N-1's turns: each the iteration rank 0 broadcast, its items admitted here as rank 0
+    admitted them, until rank 0 stops."""
 
-    def run(self) -> None:
-        torch.set_grad_enabled(False)
-        while not (record := from_rank_zero()).stop:
-            self._apply(record)
-            self._run_iteration(record)
+    def turn(self, loop: EngineLoop) -> bool:
+        record = from_rank_zero()
+        if record.stop:
+            return False
+        for _ in loop.inbox.items(None):
+            pass  # wake-ups only: rank 0 decides when a read below memory counts as done
+        self._apply(loop, record)
+        self.run_iteration(loop, record)
+        return True
 
-    def _apply(self, record: Iteration) -> None:
+    def _apply(self, loop: EngineLoop, record: Iteration) -> None:
         for item in record.items:
             if isinstance(item, FlushRecord):
-                self._flush(item)
+                self._flush(loop, item)
             elif isinstance(item, JobRecord):
-                job = self._job(item)
-                self._admit(job)
+                job = self._job(loop, item)
+                loop.admit(job)
                 job.remaining = item.remaining  # rank 0's estimate (its lower tiers' index may differ)
             else:
                 kind, documents, namespace = item.source
-                steps = (self.engine.warmup_steps if kind == "warmup" else self.engine.build_steps)(
-                    documents, self.mode, namespace)
-                self._admit(WarmupTask(steps, item.remaining, start=item.start, serial=item.serial,
-                                       source=item.source))
+                steps = (loop.engine.warmup_steps if kind == "warmup" else loop.engine.build_steps)(
+                    documents, loop.mode, namespace)
+                loop.admit(WarmupTask(steps, item.remaining, start=item.start, serial=item.serial, source=item.source))
 
-    def _flush(self, item: FlushRecord) -> None:
+    def _flush(self, loop: EngineLoop, item: FlushRecord) -> None:
         """Rank 0's flush here too; one that fails on some ranks only leaves their pools apart: the
         iteration's check ends the group then."""
         try:
-            self.engine.flush(item.namespace, item.tiers)
+            loop.engine.flush(item.namespace, item.tiers)
         except Exception as err:  # noqa: BLE001 - counted: every rank failed alike, or the group ends
-            self.rank_sync.failed()
+            self.failed()
             log.error("flush on rank %d failed (%s: %s)", self.tp.rank, type(err).__name__, err)
 
-    def _job(self, record: JobRecord) -> Job:
+    def _job(self, loop: EngineLoop, record: JobRecord) -> Job:
         request, parts = record.request, record.plan.parts
         top = request.logprobs.top if request.logprobs is not None else None
-        sequences = self.engine.sequences(request.params, parts.token_ids, top, seed=record.seed)
-        return Job(record.rid, parts, request, self.mode, sequences, _ignore, record.plan, start=record.start,
+        sequences = loop.engine.sequences(request.params, parts.token_ids, top, seed=record.seed)
+        return Job(record.rid, parts, request, loop.mode, sequences, _ignore, record.plan, start=record.start,
                    footprint=record.footprint, serial=record.serial)
 
-    def _wake_when_done(self, future: Any) -> None:
-        """Nothing: a follower never waits on its inbox (rank 0 decides when loads count as done)."""
 
-    def _publish(self) -> dict[str, Any]:
-        return {}  # nobody reads a follower's counters
+def leader_loop(engine: Any, mode: Any, ranks: Ranks, **options: Any) -> EngineLoop:
+    """Rank 0's engine loop (started like any): every turn broadcast to the other ranks first."""
+    sync = LeaderSync(engine.model.config.tensor_parallel, ranks)
+    return EngineLoop(engine, mode, sync=sync, on_fatal=ranks.fail, **options)
+
+
+def follow_rank_zero(engine: Any, mode: Any, **options: Any) -> None:
+    """Rank 1..N-1: run, on this thread, the iterations rank 0 broadcasts until it stops."""
+    loop = EngineLoop(engine, mode, sync=FollowerSync(engine.model.config.tensor_parallel), **options)
+    torch.set_grad_enabled(False)
+    while loop.turn():
+        pass

@@ -34,8 +34,8 @@ from .batching import Batching
 from .flushes import BackgroundFlushes
 from .inbox import Inbox
 from .jobs import (  # noqa: F401 - the events, errors and items are named from here by the loop's callers
-    Command, DoneEvent, ErrorEvent, Event, Job, LoopStopped, PeerWork, Pending, Phase, ProgressEvent, QueueFull,
-    WarmupTask, abandon, by_phase, held_bytes, input_logits_from, shared_bytes, state_bytes, wake_only)
+    Command, DoneEvent, ErrorEvent, Event, FlushCommand, Job, LoopStopped, PeerWork, Pending, Phase, ProgressEvent,
+    QueueFull, WarmupTask, abandon, by_phase, held_bytes, input_logits_from, shared_bytes, state_bytes, wake_only)
 from .peer_stage import PeerStage
 from .policy import URGENT, WAIT_CREDIT_TOKENS_PER_S, SchedulingPolicy  # noqa: F401 - re-exported
 from .requests import Request
@@ -87,7 +87,7 @@ class EngineLoop(Batching):
                  on_fatal: Callable[[str], None] = _nobody_told, sync: "Solo | None" = None,
                  watchdog_s: float | None = None) -> None:
         self.engine, self.mode = engine, Mode.parse(mode)
-        self.sync = sync or Solo()  # how its model passes and outcomes are kept alike with other ranks
+        self.sync = sync or Solo()  # how it takes its turns and keeps in step with other ranks (Solo: alone)
         self.policy = SchedulingPolicy(max_running, max_state_bytes)
         self.on_fatal = on_fatal  # told why, once, if the loop cannot go on (a server exits non-zero)
         self.max_prefill_batch = max_prefill_batch  # prefill passes run together in one step, at most
@@ -197,15 +197,17 @@ class EngineLoop(Batching):
     def flush(self, namespace: str | None, tiers: frozenset[str]) -> Future:
         """``Engine.flush`` without stopping the loop: memory between two of its steps, the tiers below
         on a thread of their own while decoding goes on; meanwhile no request of ``namespace`` (None:
-        of any) starts. The future holds the counts."""
+        of any) starts. The future holds the counts (under tensor parallelism every rank flushes
+        everything at once, between two iterations)."""
         flushed: Future = Future()
-        self.call(lambda: self.flushes.start(namespace, tiers, flushed))
+        self.inbox.command(FlushCommand(lambda: self.flushes.start(namespace, tiers, flushed), namespace=namespace,
+                                        tiers=tiers, flushed=flushed))
         return flushed
 
     def sample_seed(self) -> int | None:
         """The seed an unseeded request's samples draw from (None: torch's generator; a lockstep loop
         draws one, so every rank samples alike)."""
-        return None
+        return self.sync.sample_seed()
 
     @property
     def alive(self) -> bool:
@@ -215,28 +217,22 @@ class EngineLoop(Batching):
     def failure(self) -> str | None:
         """Why the loop can no longer serve (it stopped after a fault; a tensor-parallel rank died while
         its thread runs on); None: it can."""
-        return self.inbox.stopped
+        return self.sync.failure() or self.inbox.stopped
 
     # ----- loop thread ----------------------------------------------------------------------
     def _main(self) -> None:
         torch.set_grad_enabled(False)
         try:
-            while self._turn():
+            while self.turn():
                 self.watchdog.beat()
         except BaseException as err:  # noqa: BLE001 - whatever ends the loop, its clients hear of it
             self._die(err)
 
-    def _turn(self) -> bool:
-        """Drain the inbox (waiting for news when idle), then one iteration; False once stopped."""
-        if not self._drain(self._idle_wait() if self._idle() else None):
-            return False
-        self._iterate()
-        return True
+    def turn(self) -> bool:
+        """One turn, as its ``sync`` takes it (alone: drain the inbox, then ``iterate``); False once stopped."""
+        return self.sync.turn(self)
 
-    def _idle(self) -> bool:
-        return not self.running and all(isinstance(p, Job) and self._awaiting(p) for p in self.waiting)
-
-    def _iterate(self) -> None:
+    def iterate(self) -> None:
         """One iteration after the inbox is drained: cancellations, peers, a prefill step, a decode step,
         now and then a heap trim. What fails inside a request's work fails that request; what escapes
         from here ends the loop (``_die``)."""
@@ -265,6 +261,7 @@ class EngineLoop(Batching):
     def _die(self, err: BaseException) -> None:
         """The loop cannot go on: later submissions are refused, every client still waiting hears why
         at once, and ``on_fatal`` is told (a server exits non-zero)."""
+        self.sync.before_end(err)
         self._end(f"the engine loop stopped ({type(err).__name__}: {err})", err)
 
     def _end(self, message: str, err: BaseException | None = None) -> None:
@@ -274,26 +271,29 @@ class EngineLoop(Batching):
             abandon(item, message)
         self.on_fatal(message)
 
-    def _idle_wait(self) -> float:
-        """How long an idle loop waits for news: until the first hold on a waiting job's reads runs
-        out (it starts then, loaded or not), ``idle_tick_s`` at most."""
+    def idle_wait(self) -> float | None:
+        """How long the loop may wait for news before its next iteration: None (not at all) unless it
+        is idle (nothing running, every waiting job held back); then until the first hold on a waiting
+        job's reads runs out (it starts then, loaded or not), ``idle_tick_s`` at most."""
+        if self.running or not all(isinstance(p, Job) and self._awaiting(p) for p in self.waiting):
+            return None
         now = time.monotonic()
         holds = [until - now for p in self.waiting if isinstance(p, Job) for until in p.holds(now)]
         return max(0.001, min([self.idle_tick_s, *holds]))
 
-    def _drain(self, wait_s: float | None) -> bool:
+    def drain(self, wait_s: float | None) -> bool:
         """Take everything queued (waiting up to ``wait_s`` for the first item; None: not at all);
         False on shutdown."""
         for item in self.inbox.items(wait_s):
             if item is None:
                 return False
             if isinstance(item, Command):
-                self._run_command(item)
+                self.run_command(item)
             else:
-                self._admit(item)
+                self.admit(item)
         return True
 
-    def _admit(self, item: Pending) -> None:
+    def admit(self, item: Pending) -> None:
         """Into the waiting list; a request's reads below memory start (a failure fails it alone)."""
         if item.serial < 0:  # a lockstep follower's items come numbered by rank 0
             item.serial = next(self.serials)
@@ -309,7 +309,7 @@ class EngineLoop(Batching):
         for future, _ in job.loads:
             self._wake_when_done(future)
 
-    def _run_command(self, command: Command) -> None:
+    def run_command(self, command: Command) -> None:
         try:
             result = command.run()
         except Exception as err:  # handed to the caller, who reports it

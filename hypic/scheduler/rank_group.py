@@ -1,6 +1,6 @@
-"""The ranks of a tensor-parallel engine loop: rank 0 (this process) runs ``lockstep.LeaderLoop``;
+"""The ranks of a tensor-parallel engine loop: rank 0 (this process) runs ``lockstep.leader_loop``;
 ranks 1..N-1, started here (``hypic.parallel.ranks.RankGroup``: processes, heartbeat, watchdog),
-each load their shard and follow rank 0's loop (``lockstep.FollowerLoop``). Both drivers start
+each load their shard and follow rank 0's loop (``lockstep.follow_rank_zero``). Both drivers start
 them here: ``hypic serve --tp-size`` (a failure ends the server) and a library's
 ``Engine.from_pretrained(tp_size=N)`` (a failure ends the group; the process goes on)."""
 import dataclasses
@@ -10,13 +10,13 @@ from ..cache.tiers.hierarchy import PrefetchPolicy
 from ..engine import Engine
 from ..parallel.group import TensorParallel
 from ..parallel.ranks import OnFailure, RankGroup, end_ranks
-from .lockstep import FollowerLoop
+from .lockstep import follow_rank_zero
 
 
 def follow_loop(tp: TensorParallel, path: str, engine_options: dict[str, Any], loop_options: dict[str, Any]) -> None:
     """A follower rank's life: load its shard, follow rank 0's loop until it stops, finish its writes."""
     engine = Engine.from_pretrained(path, tp=tp, **_follower_options(engine_options))
-    FollowerLoop(engine, **loop_options).run()
+    follow_rank_zero(engine, **loop_options)
     engine.close()  # rank 0 stopped the loop: lower tiers' writes finish
 
 

@@ -1,15 +1,40 @@
-"""How the engine loop keeps in step with other loops at the points where they could part: each pass
-through the model, each failure and sampled token, each request it takes in or lets go, and what it
-reads from outside (cancellations, reads below memory it holds requests back for). ``Solo`` is a loop
-that runs alone; tensor-parallel ranks use ``lockstep.RankSync``, which agrees on each with the others."""
+"""How the engine loop keeps in step with other loops: where each turn's work comes from, and the
+points where loops could part (each pass through the model, each failure and sampled token, each
+request taken in or let go, what it reads from outside: cancellations, reads below memory it holds
+requests back for). ``Solo`` is a loop that runs alone, its work from its own inbox;
+tensor-parallel ranks use ``lockstep.LeaderSync`` and ``lockstep.FollowerSync``, which take each
+turn's work from rank 0 and agree on each point with the others. The loop calls these; they never
+reach inside it, only its turn-taking methods (``drain``, ``idle_wait``, ``admit``, ``iterate``)."""
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .jobs import Job, Pending
 
+if TYPE_CHECKING:
+    from .loop import EngineLoop
+
 
 class Solo:
+    def turn(self, loop: "EngineLoop") -> bool:
+        """One turn of ``loop``: drain its inbox (waiting for news when idle), then one iteration;
+        False once stopped."""
+        if not loop.drain(loop.idle_wait()):
+            return False
+        loop.iterate()
+        return True
+
+    def failure(self) -> str | None:
+        """Why the loop's peers can no longer go on with it (None: they can, or it has none)."""
+        return None
+
+    def sample_seed(self) -> int | None:
+        """The seed an unseeded request's samples draw from (None: torch's generator)."""
+        return None
+
+    def before_end(self, err: BaseException) -> None:
+        """The loop is about to end because of ``err`` (a rank's failure waits for its cause's name)."""
+
     def model_call(self, run: Callable[[], Any], batch: list[int]) -> Any:
         """``run()``, one pass through the model over ``batch`` (serials and sizes, in order)."""
         return run()

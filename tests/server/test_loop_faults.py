@@ -195,23 +195,27 @@ def test_a_loop_stuck_in_one_turn_past_its_watchdog_tells_every_client_and_stops
         tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A turn that never ends (here: ranking the waiting work blocks on an event nobody sets): within
     the watchdog's 1 s and its polling, every request in the loop gets an error event naming the stall,
-    whoever started the loop is told once, and later submissions are refused; ``/health``'s
-    ``failure`` says why."""
+    whoever started the loop is told once, a flush queued behind the stuck turn fails, and later
+    submissions are refused; ``/health``'s ``failure`` says why."""
     fatal: list[str] = []
     loop = EngineLoop(Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64), "hypic",
                       on_fatal=fatal.append, watchdog_s=1.0)
     loop.start()
-    events, never = Events(), threading.Event()
+    events, never, entered = Events(), threading.Event(), threading.Event()
     try:
         for name in "ab":
             _submit(loop, events, name, _prompt(ord(name)), tokens=400)
         _until(lambda: len(loop.running) == 2)
-        monkeypatch.setattr(loop, "_by_priority", lambda: [never.wait(DEADLINE_S)])
+        monkeypatch.setattr(loop, "_by_priority", lambda: [entered.set(), never.wait(DEADLINE_S)])
         stuck = time.monotonic()
+        assert entered.wait(DEADLINE_S)
+        flushed = loop.flush(None, frozenset())  # queued behind the stuck turn
         for name in "ab":
             ended = events.wait_end(name)
             assert isinstance(ended, ErrorEvent) and "watchdog" in ended.message
         assert time.monotonic() - stuck < 3.0
+        with pytest.raises(LoopStopped, match="watchdog"):
+            flushed.result(timeout=5)
         assert len(fatal) == 1 and "inside one turn" in fatal[0] and "watchdog" in (loop.failure or "")
         with pytest.raises(LoopStopped, match="watchdog"):
             _submit(loop, events, "late", _prompt(5))

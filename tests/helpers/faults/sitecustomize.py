@@ -38,13 +38,13 @@ def _follower_record() -> None:
 
     from hypic.scheduler import lockstep
 
-    real = lockstep.FollowerLoop._job
+    real = lockstep.FollowerSync._job
 
-    def _job(self, record):  # type: ignore[no-untyped-def]
+    def _job(self, loop, record):  # type: ignore[no-untyped-def]
         params = dataclasses.replace(record.request.params, max_new_tokens=record.request.params.max_new_tokens + 1)
-        return real(self, dataclasses.replace(record, request=dataclasses.replace(record.request, params=params)))
+        return real(self, loop, dataclasses.replace(record, request=dataclasses.replace(record.request, params=params)))
 
-    lockstep.FollowerLoop._job = _job
+    lockstep.FollowerSync._job = _job
 
 
 def _follower_rows() -> None:
