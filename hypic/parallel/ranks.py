@@ -22,17 +22,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import HypicError, as_written
 from .group import GroupFailure, TensorParallel
 from .launch import free_address, join_group
 
 log = logging.getLogger("hypic.parallel")
 POLL_S = 0.5  # how often the watchdog looks at the ranks' processes (and a follower at its parent)
 HANG_S = 20.0  # a follower whose heartbeat is this old is hung (stopped, or stuck holding the interpreter)
+HANG_ENV = "HYPIC_RANK_HANG_S"
 LAST_WORDS_BYTES = 1024  # room for the error a follower stops with
 
 Follow = Callable[..., None]  # follow(tp, *args): a follower's whole life in the group, returning once told to stop
 Kill = Callable[[], None]
 OnFailure = Callable[[str, Kill], None]  # (why the group cannot go on, kill the other ranks)
+
+
+def hang_s() -> float:
+    """How old a heartbeat means its rank hangs: ``HYPIC_RANK_HANG_S``, else ``HANG_S``. An environment
+    variable so that every rank, which inherits it, judges rank 0 by the same bound."""
+    text = os.environ.get(HANG_ENV, "")
+    try:
+        seconds = float(text) if text else HANG_S
+    except ValueError:
+        raise HypicError(f"{HANG_ENV} must be a number of seconds, got {as_written(text)}") from None
+    if not seconds >= 2 * POLL_S:
+        raise HypicError(f"{HANG_ENV} must be at least {2 * POLL_S:g} s (two heartbeats), got {text}")
+    return seconds
 
 
 def end_ranks(message: str, kill: Kill) -> None:
@@ -73,9 +88,10 @@ def _beat(heartbeat: Any) -> None:
 
 def _watch_rank_zero(parent: int, leader_beat: Any) -> None:
     """Exit once rank 0 (this process's parent) is gone, or its heartbeat is ``HANG_S`` old."""
+    limit = hang_s()
     while os.getppid() == parent:
         silent = time.monotonic() - leader_beat.value
-        if silent > HANG_S:
+        if silent > limit:
             print(f"hypic: tensor-parallel rank 0 (pid {parent}) hangs (no heartbeat for {silent:.0f} s): "
                   "this rank stops", file=sys.stderr, flush=True)
             break
@@ -93,6 +109,7 @@ class RankGroup:
                  on_failure: OnFailure = end_ranks) -> None:
         context, address = mp.get_context("spawn"), free_address()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one host talk over loopback
+        self.hang_s = hang_s()  # a bad value is refused before any rank starts
         self.failed: str | None = None
         self.closing, self._lock, self.on_failure = False, threading.Lock(), on_failure
         self.closed = False
@@ -140,7 +157,7 @@ class RankGroup:
                 words = self.last_words[rank - 1].value.decode(errors="replace")
                 return (f"tensor-parallel rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
                         + (f": {words}" if words else ""))
-            if silent > HANG_S:
+            if silent > self.hang_s:
                 return f"tensor-parallel rank {rank} (pid {process.pid}) hangs (no heartbeat for {silent:.0f} s)"
         return None
 

@@ -23,16 +23,19 @@ def test_a_rank_killed_mid_collective_fails_the_group_quickly_and_leaves_no_proc
 
 @pytest.mark.parametrize(("follow", "cause"), [(rank_code.dies_on_rank_one, r"rank 1 \(pid \d+\) died"),
                                               (rank_code.stops_on_rank_one, r"rank 1 \(pid \d+\) hangs")])
-def test_a_rank_that_dies_or_hangs_under_rank_zero_here_fails_the_group_naming_it(follow, cause: str) -> None:
+def test_a_rank_that_dies_or_hangs_under_rank_zero_here_fails_the_group_naming_it(follow, cause: str,
+                                                                                 monkeypatch) -> None:
     """This process as rank 0 (``hypic eval --tp-size``): a follower killed or stopped while rank 0
-    waits for it in a collective fails the group within 30 s, naming the rank; no process is left."""
+    waits for it in a collective fails the group within 15 s (a hang: ``HYPIC_RANK_HANG_S`` of 6 s,
+    against 20 by default), naming the rank; no process is left."""
     import time
     from hypic.parallel.group import GroupFailure
     from hypic.parallel.ranks import run_as_rank_zero
+    monkeypatch.setenv("HYPIC_RANK_HANG_S", "6")
     start = time.monotonic()
     with pytest.raises(GroupFailure, match=cause):
         run_as_rank_zero(follow, 2)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 15
     time.sleep(0.5)
     assert not _live_children()
 
@@ -161,26 +164,38 @@ def _group_raises_within(call, seconds: float) -> Exception | None:
 @pytest.mark.parametrize(("stop", "cause"), [("SIGKILL", r"rank 1 \(pid \d+\) died"),
                                             ("SIGSTOP", r"rank 1 \(pid \d+\) hangs")])
 def test_a_follower_killed_or_stopped_fails_the_engine_group_naming_it_and_leaves_no_process(
-        checkpoint_factory, stop: str, cause: str) -> None:
-    """The next call after a follower is killed, or a call pending while it is stopped, raises within 30 s
-    naming the rank; so does every later one; this process goes on, and no rank is left."""
+        checkpoint_factory, stop: str, cause: str, monkeypatch) -> None:
+    """The next call after a follower is killed, or a call pending while it is stopped, raises within 15 s
+    (a hang: ``HYPIC_RANK_HANG_S`` of 6 s) naming the rank; so does every later one; this process goes
+    on, and no rank is left."""
     import os
     import signal
     import time
     from hypic.engine import Engine
     from hypic.errors import HypicError
+    monkeypatch.setenv("HYPIC_RANK_HANG_S", "6")
     group = Engine.from_pretrained(checkpoint_factory("qwen3_5_text-ratio2"), dtype="float32", tp_size=2)
     try:
         assert group.generate("before", max_new_tokens=2).output_ids  # the group runs
         start = time.monotonic()
         os.kill(group.ranks.pids[0], getattr(signal, stop))
-        raised = _group_raises_within(lambda: group.generate("after", max_new_tokens=2), 30)
+        raised = _group_raises_within(lambda: group.generate("after", max_new_tokens=2), 15)
         assert isinstance(raised, HypicError), raised
         assert re.search(cause, str(raised)) and "cannot go on" in str(raised)
         with pytest.raises(HypicError, match=cause):
             group.warmup(["a document long enough to be cached on every rank " * 2])
     finally:
         group.close()
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 15
     time.sleep(0.5)
     assert not _live_children()
+
+
+@pytest.mark.parametrize(("value", "says"), [("soon", "must be a number of seconds, got soon"),
+                                             ("0.5", "must be at least 1 s")])
+def test_a_bad_rank_hang_bound_is_refused_naming_the_variable(monkeypatch, value: str, says: str) -> None:
+    from hypic.errors import HypicError
+    from hypic.parallel.ranks import hang_s
+    monkeypatch.setenv("HYPIC_RANK_HANG_S", value)
+    with pytest.raises(HypicError, match=f"HYPIC_RANK_HANG_S {says}"):
+        hang_s()

@@ -276,16 +276,19 @@ def test_a_rank_killed_takes_the_server_down(pair: Pair) -> None:
     assert all(_gone(pid) for pid in pids)
 
 
-def test_a_rank_that_hangs_takes_the_server_down(checkpoint: Path, tmp_path: Path) -> None:
+def test_a_rank_that_hangs_takes_the_server_down(checkpoint: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 stopped (SIGSTOP: alive, but silent) while rank 0 serves: the server exits non-zero
-    within 30 s, naming the rank, and leaves no process."""
+    within 15 s (``HYPIC_RANK_HANG_S`` of 6 s, against 20 by default), naming the rank, and leaves no
+    process."""
+    monkeypatch.setenv("HYPIC_RANK_HANG_S", "6")
     server = _serve(checkpoint, tmp_path / "hang.log", "--tp-size", "2")
     try:
         pids = server.get("/get_server_info")["tensor_parallel"]["rank_pids"]
         os.kill(pids[1], signal.SIGSTOP)
         start = time.monotonic()
         server.process.wait(timeout=30)
-        assert time.monotonic() - start < 30
+        assert time.monotonic() - start < 15
     finally:
         if server.process.poll() is None:
             server.stop()
@@ -388,14 +391,17 @@ def test_a_follower_whose_clock_runs_fast_serves_as_one_process(pair: Pair, chec
         server.stop()
 
 
-def test_a_follower_whose_rank_zero_hangs_stops(checkpoint: Path, tmp_path: Path) -> None:
+def test_a_follower_whose_rank_zero_hangs_stops(checkpoint: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 stopped (SIGSTOP: alive, but silent): its followers see its heartbeat age and exit within
-    30 s, naming it, instead of waiting in a collective for gloo's 300 s."""
+    15 s (``HYPIC_RANK_HANG_S`` of 6 s, which they inherit), naming it, instead of waiting in a
+    collective for gloo's 300 s."""
+    monkeypatch.setenv("HYPIC_RANK_HANG_S", "6")
     server = _serve(checkpoint, tmp_path / "rank0.log", "--tp-size", "2")
     follower = server.get("/get_server_info")["tensor_parallel"]["rank_pids"][1]
     os.kill(server.process.pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 15
         while not _gone(follower) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _gone(follower)

@@ -13,7 +13,7 @@ import pytest
 from hypic.loader import read_config
 from hypic.server.launch import ServerProcess, start_server
 
-PREFIX, TAIL, NEW, CONCURRENT = 4096, 16, 64, 16
+PREFIX, TAIL, NEW, CONCURRENT = 4096, 16, 24, 16
 
 
 def _rss(pid: int) -> int:
