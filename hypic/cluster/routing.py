@@ -99,9 +99,9 @@ def _by_load(load: ReplicaLoad) -> tuple[int, int, str]:
 
 DECODE_WEIGHT = 0.1  # prefill tokens' worth of a replica's time one token it still has to decode takes
 # A new document's tokens stored in a full pool push out as many of documents still in use, each missed
-# later and pushing out more when stored again: 4 had the best worst case of the weights tried in replays
+# later and pushing out more when stored again: 2 had the best worst case of the weights tried in replays
 # of the cluster study's tenant workload against stand-in pools (eval/sim_cluster_pools.py).
-EVICTION_WEIGHT = 4.0
+EVICTION_WEIGHT = 2.0
 IMBALANCE_FACTOR = 2.0  # a replica queued above this times the mean queue is skipped...
 IMBALANCE_FLOOR = 8192  # ...if its queue is also above this many tokens
 

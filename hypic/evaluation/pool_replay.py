@@ -2,7 +2,7 @@
 what fraction of document segments a policy's choices find cached.
 
 ``hypic eval cluster``'s tenant workload is replayed the way one of its QPS levels runs (pools empty,
-``warm`` requests of one slice of the stream, then ``timed`` of another), each request routed by the
+``warm`` requests of one slice of the stream one by one, then ``timed`` of another), each request routed by the
 real policy over the real ``DocumentIndex``. Each stand-in replica holds whole documents in a
 least-recently-used pool of ``pool_tokens`` document tokens (an entry's bytes taken as its tokens)
 and announces what it stores and evicts at once. Load is modelled as tokens: a request adds what its
@@ -10,6 +10,7 @@ replica prefills for it to that replica's queue, and every queue drains ``drain_
 (the offered load: less drain is a busier cluster). Segment hit rates are counted over the timed
 requests, as the study counts them.
 """
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -84,8 +85,9 @@ def replay_level(policy: RoutingPolicy, workload: TenantWorkload, shape: ReplayS
     stream = workload.requests(shape.warm, 0) + workload.requests(shape.timed, 1)
     hits = routed = 0
     for number, request in enumerate(stream):
+        drain = shape.drain_tokens if number >= shape.warm else math.inf  # the warm-up goes one by one
         found = _route_one(policy, route_request(request.tenant, request.documents, shape.doc_tokens),
-                           replicas, index, shape.drain_tokens)
+                           replicas, index, drain)
         if number >= shape.warm:
             hits, routed = hits + found, routed + len(request.documents)
     return {"segment_hit_rate": hits / routed}

@@ -24,15 +24,15 @@ def test_the_stand_in_pool_evicts_the_least_recently_used_document() -> None:
     assert list(replica.held) == ["a", "c"] and replica.fill() == 1.0
 
 
-@pytest.mark.parametrize("drain", [150, 300])
-def test_cache_aware_keeps_about_one_big_pools_hit_rate_where_blind_routing_halves_it(drain: float) -> None:
-    """Two replicas, each pool 25 of the 48 documents (the study's ratio 1.9): the tenants must be
-    split by room, whole, or one replica's pool churns. Ten workload seeds, one level each."""
-    shape = ReplayShape(replicas=2, pool_tokens=25 * DOC, doc_tokens=DOC, drain_tokens=drain)
+@pytest.mark.parametrize("pool_documents", [25, 20])
+def test_cache_aware_keeps_about_one_big_pools_hit_rate_where_blind_routing_halves_it(pool_documents: int) -> None:
+    """Two busy replicas, each pool 25 (the study's ratio 1.9) or 20 of the 48 documents: the tenants
+    must be split by room, whole, or one replica's pool churns. Ten workload seeds, one level each."""
+    shape = ReplayShape(replicas=2, pool_tokens=pool_documents * DOC, doc_tokens=DOC, drain_tokens=150)
     pooled = mean_hit_rate(lambda: policy_named("round_robin"), TenantConfig(),
-                           replace(shape, replicas=1, pool_tokens=50 * DOC), SEEDS)
+                           replace(shape, replicas=1, pool_tokens=2 * pool_documents * DOC), SEEDS)
     routed = mean_hit_rate(lambda: policy_named("cache_aware"), TenantConfig(), shape, SEEDS)
     blind = mean_hit_rate(lambda: policy_named("round_robin"), TenantConfig(), shape, SEEDS)
-    assert pooled > 0.9
+    assert pooled > 0.8
     assert routed >= 0.975 * pooled, (routed, pooled)
     assert blind < 0.6 * pooled, (blind, pooled)
