@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hypic import DEFAULT_SEPARATOR, Engine
-from hypic.sampling import SamplingParams
+from hypic.sampling.params import SamplingParams
 from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event
 from hypic.server.protocol import GenerationRequest
 
@@ -116,7 +116,7 @@ def measure(engine: Engine, prompts: list[str | list[int]], repeats: int) -> dic
 def _model_path(name: str, folder: Path) -> str:
     if name != "tiny":
         return name
-    from hypic.checkpoints import write_random_checkpoint
+    from hypic.loading.checkpoints import write_random_checkpoint
 
     return str(write_random_checkpoint(folder / "tiny", "qwen3_5_text", 0))  # the tests' qwen3_5_text-ratio2
 
@@ -129,7 +129,7 @@ def make_engine(args: argparse.Namespace, folder: Path) -> Engine:
                                       chunk_tokens=args.chunk)
     from bench_real_shapes import PRESETS, random_model  # this script's folder is on sys.path
 
-    from hypic.checkpoints import byte_level_tokenizer
+    from hypic.loading.checkpoints import byte_level_tokenizer
     from hypic.tokenizer import TextTokenizer
 
     fields = dict(PRESETS[args.preset], **({"num_hidden_layers": args.layers} if args.layers else {}))

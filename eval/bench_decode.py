@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hypic import Engine, default_model_path
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic.decode import decode_batch
 
 

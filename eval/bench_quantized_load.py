@@ -7,7 +7,7 @@ heads of 128; gated attention with 16 query / 2 KV heads of 256; experts of 512 
 ``transformers`` (per-expert tensors, as Qwen's FP8 releases store them). Its FP8 copy quantizes
 every linear weight but those Qwen's releases keep in bfloat16 (embeddings, lm_head, router, a/b
 projections) in 128 x 128 blocks; the float copy is the bfloat16 model. Both are loaded into
-bfloat16 by ``hypic.loader.load_model``, each load in a fresh process that first loads a tiny
+bfloat16 by ``hypic.loading.loader.load_model``, each load in a fresh process that first loads a tiny
 checkpoint (imports, allocator set-up outside the measurement): the load's wall time and the peak
 resident memory it adds (VmHWM reset just before it). One warm-up load of each (the files enter the
 page cache) is dropped, then ``--runs`` loads alternate between the two; medians and their ratio
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic_testing.tiny_models import TINY_VARIANTS
 from hypic_testing.quantized import write_fp8_checkpoint
 
@@ -45,7 +45,7 @@ LOAD_SCRIPT = """
 import re, sys, time
 from pathlib import Path
 import torch
-from hypic.loader import load_model
+from hypic.loading.loader import load_model
 
 def status(field):
     return int(re.search(rf"{field}:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024

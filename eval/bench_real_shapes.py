@@ -42,7 +42,7 @@ import torch
 from torch.autograd import DeviceType
 
 from hypic import Engine
-from hypic.checkpoints import byte_level_tokenizer
+from hypic.loading.checkpoints import byte_level_tokenizer
 from hypic.models.arch import parse_config
 from hypic.evaluation import scaling as composition  # the Fig. 12 sweeps and their tables
 from hypic.models import HybridModel

@@ -14,7 +14,7 @@ from typing import Any
 from hypic import Engine
 from hypic.evaluation.scaling import build_prompt, make_document
 from hypic.router import PeerPrefill
-from hypic.sampling import SamplingParams
+from hypic.sampling.params import SamplingParams
 
 try:  # the loop's home before and after the scheduler got a package of its own
     from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from hypic import Engine
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic.config import ModelConfig
 from hypic.models.arch import parse_config
 

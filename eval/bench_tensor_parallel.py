@@ -33,7 +33,7 @@ from bench_real_shapes import QWEN35_35B_A3B, _initialise  # noqa: E402
 
 from hypic import Engine  # noqa: E402
 from hypic.cache.prefix_cache import PrefixCache  # noqa: E402
-from hypic.checkpoints import byte_level_tokenizer  # noqa: E402
+from hypic.loading.checkpoints import byte_level_tokenizer  # noqa: E402
 from hypic.decode import decode_batch  # noqa: E402
 from hypic.models import HybridModel  # noqa: E402
 from hypic.models.arch import parse_config  # noqa: E402

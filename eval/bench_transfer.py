@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hypic import default_model_path
-from hypic.loader import read_config
+from hypic.loading.loader import read_config
 from hypic.router.serialization import register_tensor_serializer
 
 

@@ -21,7 +21,7 @@ import torch
 import hypic.kernels.gated_delta as gated_delta
 import hypic.kernels.gated_delta.chunk as chunk_module
 from hypic import Engine
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 
 BLOCK = 16  # FLA's BC: the diagonal blocks inverted in registers
 

@@ -28,9 +28,9 @@ import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.cache.store import LinearInterior
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic_testing.tiny_models import TINY_VARIANTS
-from hypic.default_model import DEFAULT_MODEL_DIR
+from hypic.loading.default_model import DEFAULT_MODEL_DIR
 from hypic.state import LinearLayerState
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,8 +37,8 @@ from hypic import Engine
 from hypic.cache.composition import Transition
 from hypic.cache.store import AttentionInterior, LinearInterior, SegmentEntry
 from hypic.cache.tiers.entry_file import EntryIdentity, encode_entry
-from hypic.checkpoints import byte_level_tokenizer
-from hypic.default_model import DEFAULT_MODEL_DIR
+from hypic.loading.checkpoints import byte_level_tokenizer
+from hypic.loading.default_model import DEFAULT_MODEL_DIR
 from hypic.models import HybridModel
 from hypic.models.arch import parse_config
 from hypic.models.families import linear_shapes

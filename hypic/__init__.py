@@ -4,7 +4,7 @@ Where a docstring or comment cites an equation, section, figure or table of "the
 "HYPIC: Accelerating Hybrid-Attention LLM Serving with Position-Independent Caching" (Liu, Wu
 et al.). How a request flows through the modules: docs/architecture.md.
 """
-from .default_model import default_model_path
+from .loading.default_model import default_model_path
 from .engine import Engine, GenerationResult, Prefill, PrefillStats, serve_groups_with
 from .errors import CheckpointError, HypicError, InvalidRequest, UnsupportedModel
 from .cache.segments import DEFAULT_SEPARATOR

@@ -28,7 +28,7 @@ RANDOM_MODEL_SEED = 0
 def random_model_path() -> Path:
     """A deterministic random Qwen3.5-architecture model, written once to the user's cache.
     It produces meaningless text: it exists so that HYPIC runs before a trained model is shipped."""
-    from .checkpoints import write_random_checkpoint
+    from .loading.checkpoints import write_random_checkpoint
 
     path = Path(os.environ.get("HYPIC_CACHE", Path.home() / ".cache" / "hypic")) / f"random-qwen3_5-seed{RANDOM_MODEL_SEED}"
     if not (path / "tokenizer.json").is_file():
@@ -52,7 +52,7 @@ def choose_model(model: str | None) -> ModelChoice:
     if model is not None:
         return ModelChoice(Path(model), Path(model).name or "model", f"checkpoint at {model}", False)
     try:
-        from .default_model import default_model_path
+        from .loading.default_model import default_model_path
 
         return ModelChoice(default_model_path(), "hypic-default", "HYPIC's own small Qwen3.5-architecture model "
                            "trained on synthetic multi-document QA", False)
@@ -456,7 +456,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _serve_replicas(args: argparse.Namespace, limits: Any) -> None:
     """``--dp-size N``: N instances as one service on Ray Serve (``hypic.cluster``)."""
     from .cluster.launch import serve_cluster
-    from .loader import resolve_dtype
+    from .loading.loader import resolve_dtype
 
     choice = choose_model(args.model)
     if args.tp_size != 1:
@@ -471,7 +471,7 @@ def serve_application(options: dict[str, str]) -> Any:
     same import path and ``args`` in a Serve config file). ``args``: ``hypic serve``'s flags; the
     host and port are Ray Serve's."""
     from .cluster.launch import application
-    from .loader import resolve_dtype
+    from .loading.loader import resolve_dtype
     from .scheduler.loop import default_prefill_batch
 
     args = _parser().parse_args(["serve", *str(options.get("args", "")).split()])
@@ -585,7 +585,7 @@ def _generate(args: argparse.Namespace) -> None:
 def check_tp_size(path: Path, tp_size: int) -> None:
     """Refuse a tensor-parallel size the model's heads do not divide, naming the count, before any
     rank starts or anything is loaded."""
-    from .loader import read_config
+    from .loading.loader import read_config
     from .parallel import TensorParallel
     from .parallel.sharding import rank_config
     if tp_size < 1:

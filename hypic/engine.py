@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from .assembler import Steps, drain
-from .default_model import default_model_path
+from .loading.default_model import default_model_path
 from .errors import InvalidRequest, as_written
 from .cache.eviction import Eviction
-from .grammar import Constraint, GrammarCompiler
-from .loader import DTYPE_NAMES, load_model, model_fingerprint, read_quantization, resolve_dtype
-from .quantization import Quantization
+from .sampling.grammar import Constraint, GrammarCompiler
+from .loading.loader import DTYPE_NAMES, load_model, model_fingerprint, read_quantization, resolve_dtype
+from .loading.quantization import Quantization
 from .models import HybridModel
 from .models.families import linear_shapes
 from .parallel import TensorParallel
@@ -31,10 +31,10 @@ from .cache.hybrid_cache import HybridCache
 from .cache.resume_points import ResumePoints
 from .cache.plan import RequestPlan
 from .cache.prefix_cache import PrefixCache
-from .sampling import SamplingParams
+from .sampling.params import SamplingParams
 from . import sizing
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, Seams
-from .sequence import Sequence, SequenceLimits
+from .sampling.sequence import Sequence, SequenceLimits
 from .state import RequestState
 from .cache.store import SegmentEntry, SegmentStore
 from .cache.tiers.entry_file import EntryIdentity

@@ -7,9 +7,9 @@ from pathlib import Path
 from .cache.modes import Mode, ModePolicy, mode_policy
 from .cache.plan import RequestPlan, plan_request
 from .cache.segments import DEFAULT_SEPARATOR, PromptParts, split_prompt
-from .default_model import default_model_path
+from .loading.default_model import default_model_path
 from .errors import InvalidRequest, as_written
-from .loader import model_fingerprint, read_config
+from .loading.loader import model_fingerprint, read_config
 from .tokenizer import TextTokenizer
 
 

@@ -5,7 +5,7 @@ from typing import Callable
 
 import pytest
 
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic_testing.checkpoints import make_long_memory
 from hypic_testing.tiny_models import (NATIVE_VARIANTS, PUBLISHED_VARIANTS, TINY_VARIANTS, write_native_checkpoint,
                                        write_published_checkpoint)

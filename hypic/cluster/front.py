@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from ..grammar import GrammarCompiler
-from ..loader import ModelConfig, model_fingerprint, read_config, read_quantization, resolve_dtype
+from ..sampling.grammar import GrammarCompiler
+from ..loading.loader import ModelConfig, model_fingerprint, read_config, read_quantization, resolve_dtype
 from ..planner import Planner
 from ..sizing import default_snapshot_interval
 from ..tokenizer import TextTokenizer

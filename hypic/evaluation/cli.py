@@ -200,8 +200,8 @@ def _run_on_ranks(args: argparse.Namespace, methods: list[Method], samples: list
 
 def _check_tp_size(model: str, tp_size: int) -> None:
     """Refuse a TP size the model's head counts do not divide, before any rank starts."""
-    from hypic.default_model import default_model_path
-    from hypic.loader import read_config
+    from hypic.loading.default_model import default_model_path
+    from hypic.loading.loader import read_config
     from hypic.parallel.sharding import rank_config
     if tp_size < 1:
         raise DataError("--tp-size must be >= 1")

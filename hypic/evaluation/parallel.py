@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hypic import Engine, default_model_path
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic.tokenizer import TextTokenizer
 
 from .data import DataError

@@ -72,7 +72,7 @@ from tqdm import tqdm
 
 import hypic
 from hypic import DEFAULT_SEPARATOR, Engine, GenerationResult
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic.models.arch import architecture
 from hypic.cache.modes import Mode
 from hypic.cache.store import LinearInterior

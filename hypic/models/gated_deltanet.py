@@ -9,7 +9,7 @@ from ..cache.composition import Family, Transition
 from ..config import ModelConfig
 from ..parallel.sharding import Rule, Split
 from ..kernels.gated_delta import KERNELS, gated_delta_rule, gated_delta_rule_with_transition, gated_delta_step
-from ..tensor_sources import Direct, PackedPart, Source
+from ..loading.tensor_sources import Direct, PackedPart, Source
 from .linear import (LinearFamily, RunRecurrence, any_native_fields, causal_conv, causal_conv_step,
                      qkvg_beta, recur_in_parts)
 from .norm import GatedRMSNorm

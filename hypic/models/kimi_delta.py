@@ -18,7 +18,7 @@ from ..cache.composition import Family, Transition
 from ..config import ModelConfig
 from ..kernels.kimi_delta import KERNELS, kimi_delta_rule, kimi_delta_rule_with_transition, kimi_delta_step
 from ..parallel.sharding import Rule, Split
-from ..tensor_sources import Concatenated, Direct, Source
+from ..loading.tensor_sources import Concatenated, Direct, Source
 from .gated_deltanet import l2_normalize
 from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg_beta, recur_in_parts
 from .norm import SigmoidGatedRMSNorm

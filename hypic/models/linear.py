@@ -29,7 +29,7 @@ from ..cache.composition import Family
 from ..config import ModelConfig
 from ..kernels.dispatch import RecurrenceKernels
 from ..state import LinearShapes
-from ..tensor_sources import Direct, Source
+from ..loading.tensor_sources import Direct, Source
 
 Tensors = tuple[torch.Tensor, ...]
 

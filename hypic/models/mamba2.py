@@ -19,7 +19,7 @@ from ..config import Mamba2Options, ModelConfig
 from ..kernels.scalar_gla import KERNELS, scalar_gla, scalar_gla_step
 from ..parallel import all_reduce
 from ..parallel.sharding import FirstRank, Rule, Split, units_of_rank
-from ..tensor_sources import Direct, Source
+from ..loading.tensor_sources import Direct, Source
 from .linear import LinearFamily, RunRecurrence, causal_conv, causal_conv_step, qkvg, recur_in_parts
 
 

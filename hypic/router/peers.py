@@ -27,7 +27,7 @@ from hypic.cache.modes import Mode
 from hypic.cache.plan import RequestPlan
 from hypic.cache.store import SegmentEntry
 from hypic.engine import Prefill
-from hypic.loader import model_fingerprint
+from hypic.loading.loader import model_fingerprint
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.scheduler.loop import EngineLoop as Loop
 

@@ -20,7 +20,7 @@ from ..engine import Engine, GenerationResult
 from ..errors import HypicError, InvalidRequest, as_written
 from ..parallel.group import TensorParallel
 from ..prefill_stats import BuiltForRequest
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 from .lockstep import leader_loop
 from .loop import DoneEvent, ErrorEvent, Event, default_prefill_batch
 from .rank_group import start_ranks

@@ -18,7 +18,7 @@ from ..cache.segments import PromptParts
 from ..cache.store import Load
 from ..errors import HypicError
 from ..prefill import Prefill
-from ..sequence import Sequence, TokenLogprob, token_logprob
+from ..sampling.sequence import Sequence, TokenLogprob, token_logprob
 from ..state import RequestState, tensor_bytes
 from .requests import Completion, Request
 

@@ -29,7 +29,7 @@ from ..errors import InvalidRequest
 from ..heap import HeapTrimmer, heap_trim_interval
 from ..prefill_stats import BuiltForRequest
 from ..cache.segments import PromptParts
-from ..sequence import Sequence
+from ..sampling.sequence import Sequence
 from .batching import Batching
 from .flushes import BackgroundFlushes
 from .inbox import Inbox

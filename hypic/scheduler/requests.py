@@ -6,8 +6,8 @@ from typing import Protocol
 
 from ..cache.modes import Mode
 from ..prefill_stats import PrefillStats
-from ..sampling import SamplingParams
-from ..sequence import TokenLogprob
+from ..sampling.params import SamplingParams
+from ..sampling.sequence import TokenLogprob
 
 
 class LogprobWish(Protocol):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidRequest, as_written
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 from ..scheduler.requests import Completion, SampleResult  # noqa: F401 - what the loop reports, at home there
 from .fields import check_fields
 

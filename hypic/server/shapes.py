@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sequence import TokenLogprob
+from ..sampling.sequence import TokenLogprob
 from ..tokenizer import TextTokenizer
 from .protocol import Completion, GenerationRequest, LogprobRequest, OpenAIOptions, SampleResult
 

@@ -259,7 +259,7 @@ def test_export_casts_weights_and_both_runtimes_load_it(micro_run, splits, tmp_p
     from safetensors.torch import load_file
 
     from hypic import Engine
-    from hypic.checkpoints import reference_classes
+    from hypic.loading.checkpoints import reference_classes
     from hypic_data.export import export_model
     from hypic_data.synthetic_qa import build_prompt
 

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-import hypic.default_model as default_model
+import hypic.loading.default_model as default_model
 from hypic import CheckpointError, Engine, default_model_path
-from hypic.checkpoints import reference_classes
+from hypic.loading.checkpoints import reference_classes
 from hypic_data.evaluate import exact_match
 from hypic_data.synthetic_qa import GeneratorConfig, build_prompt, generate_example
 

@@ -12,7 +12,7 @@ import torch
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic import assembler
 from hypic.cache.composition import Family, scalar_transition
-from hypic.checkpoints import TINY_CONFIG
+from hypic.loading.checkpoints import TINY_CONFIG
 from hypic_testing.tiny_models import NATIVE_VARIANTS, write_native_checkpoint
 from hypic.config import ModelConfig
 from hypic.errors import UnsupportedModel

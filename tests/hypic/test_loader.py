@@ -10,15 +10,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hypic import Engine, UnsupportedModel
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic.models.arch import parse_config
 from hypic.models import HybridModel
 
 PEAK_SCRIPT = """
 import re, sys
 from pathlib import Path
-from hypic.loader import load_model
-from hypic.safetensors_reader import TensorReader
+from hypic.loading.loader import load_model
+from hypic.loading.safetensors_reader import TensorReader
 
 def status(field):
     return int(re.search(rf"{field}:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
@@ -105,7 +105,7 @@ def test_bailing_loads_from_transformers_names_as_from_lings(tmp_path: Path, che
     dense, expert_bias, word_embeddings) gives the same logits as transformers' model of the original."""
     from hypic.assembler import combine
     from hypic.cache.segments import Run
-    from hypic.checkpoints import reference_classes
+    from hypic.loading.checkpoints import reference_classes
     from hypic.models.families import empty_state
 
     original = checkpoint_factory("bailing_hybrid")
@@ -126,7 +126,7 @@ def test_bailing_loads_from_transformers_names_as_from_lings(tmp_path: Path, che
 
 
 def test_bailing_with_scaled_rope_is_refused() -> None:
-    from hypic.checkpoints import FAMILY_CONFIGS
+    from hypic.loading.checkpoints import FAMILY_CONFIGS
 
     raw = {**FAMILY_CONFIGS["bailing_hybrid"], "model_type": "bailing_hybrid",
            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}

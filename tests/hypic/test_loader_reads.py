@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypic.checkpoints import write_random_checkpoint
+from hypic.loading.checkpoints import write_random_checkpoint
 from hypic.errors import CheckpointError
-from hypic.loader import load_model
+from hypic.loading.loader import load_model
 from hypic.parallel import TensorParallel
-from hypic.safetensors_reader import TensorReader, read_header
+from hypic.loading.safetensors_reader import TensorReader, read_header
 
 EMBEDDING = "model.embed_tokens.weight"
 

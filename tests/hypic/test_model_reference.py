@@ -7,7 +7,7 @@ import torch
 
 from hypic import Engine
 from hypic.assembler import combine
-from hypic.checkpoints import reference_classes
+from hypic.loading.checkpoints import reference_classes
 from hypic_testing.tiny_models import TINY_VARIANTS
 from hypic.models.arch import parse_config
 from hypic.cache.segments import Run

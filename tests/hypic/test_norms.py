@@ -3,7 +3,7 @@ multiply and the cast back matters), for each family that uses them."""
 import pytest
 import torch
 
-from hypic.checkpoints import reference_classes
+from hypic.loading.checkpoints import reference_classes
 from hypic.models.norm import RMSNorm, SigmoidGatedRMSNorm
 
 reference_classes("kimi_linear")  # transformers on its PyTorch path

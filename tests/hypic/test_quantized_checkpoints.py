@@ -27,9 +27,9 @@ import hypic
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.assembler import combine
 from hypic.cache.segments import Run
-from hypic.checkpoints import reference_classes
+from hypic.loading.checkpoints import reference_classes
 from hypic.errors import CheckpointError, UnsupportedModel
-from hypic.loader import load_model
+from hypic.loading.loader import load_model
 from hypic.parallel import TensorParallel
 from hypic.parallel.launch import run_ranks
 from hypic.server.launch import free_port, port_in_use
@@ -181,7 +181,7 @@ def test_every_weight_is_the_reference_dequantization_rounded_once(quantized, tm
     each parameter equals, bit for bit, the float reference checkpoint's loaded the same way
     (``chunk`` 1: the float32 scratch is one block row or group at a time)."""
     if chunk is not None:
-        monkeypatch.setattr("hypic.quantization.CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr("hypic.loading.quantization.CHUNK_ELEMENTS", chunk)
     path = quantized(name, form)
     ours = load_model(path, dtype=dtype, tp=tp)
     reference = load_model(write_reference_float(path, tmp_path / "float"), dtype=dtype, tp=tp)

@@ -14,11 +14,11 @@ from hypic import Engine
 from hypic.assembler import combine
 from hypic.cache.segments import Run
 from hypic.errors import UnsupportedModel
-from hypic.loader import parameter_sources
+from hypic.loading.loader import parameter_sources
 from hypic.models.arch import parse_config
 from hypic.models.families import empty_state, family_of
 from hypic.models.rotary_linear import ring_slopes
-from hypic.safetensors_reader import TensorReader
+from hypic.loading.safetensors_reader import TensorReader
 from hypic_reference.model import ReferenceModel
 from hypic_testing.tiny_models import write_published_checkpoint
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine, InvalidRequest
-from hypic.checkpoints import reference_classes
-from hypic.detokenize import IncrementalDetokenizer
-from hypic.logits_processing import process_logits
-from hypic.sampling import SamplingParams, sample
+from hypic.loading.checkpoints import reference_classes
+from hypic.sampling.detokenize import IncrementalDetokenizer
+from hypic.sampling.logits_processing import process_logits
+from hypic.sampling.params import SamplingParams, sample
 from hypic_reference.sampling import argmax, processed_logits
 
 

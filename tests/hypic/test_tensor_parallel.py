@@ -79,7 +79,7 @@ def _cmdline(entry) -> bytes:
 
 def test_heads_that_do_not_divide_the_ranks_are_refused_naming_the_count(checkpoint_factory) -> None:
     from hypic.errors import UnsupportedModel
-    from hypic.loader import load_model
+    from hypic.loading.loader import load_model
     with pytest.raises(UnsupportedModel, match=r"num_attention_heads = 4 is not divisible by the tensor-parallel size 3"):
         load_model(checkpoint_factory("qwen3_5_text-ratio2"), tp=TensorParallel(0, 3))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypic.checkpoints import reference_classes
+from hypic.loading.checkpoints import reference_classes
 from hypic_testing.tiny_models import REFERENCE_MODEL_TYPES, TINY_VARIANTS
 from hypic_reference.model import ReferenceModel
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hypic.checkpoints import FAMILY_CONFIGS, write_random_checkpoint
+from hypic.loading.checkpoints import FAMILY_CONFIGS, write_random_checkpoint
 from hypic_testing.checkpoints import make_long_memory
 from hypic_reference.model import AttentionMemory, ReferenceModel
 from hypic_reference.semantics import PicRequest, interiors, prefill

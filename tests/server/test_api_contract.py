@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from hypic.checkpoints import reference_classes
+from hypic.loading.checkpoints import reference_classes
 from hypic.server.launch import ServerProcess
 from hypic.tokenizer import TextTokenizer
 from hypic_reference.sampling import argmax, processed_logits

@@ -13,7 +13,7 @@ import pytest
 from hypic import Engine, InvalidRequest
 from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest
-from hypic.sampling import SamplingParams
+from hypic.sampling.params import SamplingParams
 from hypic.scheduler import loop as loop_module
 from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, PeerWork, Phase, QueueFull
 from hypic.server.protocol import GenerationRequest, LogprobRequest

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hypic import Engine
-from hypic.sampling import SamplingParams
+from hypic.sampling.params import SamplingParams
 from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, LoopStopped
 from hypic.server.launch import start_server
 from hypic.server.protocol import GenerationRequest

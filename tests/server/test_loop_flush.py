@@ -9,7 +9,7 @@ import pytest
 
 from hypic import Engine
 from hypic.cache.tiers.options import TierOptions
-from hypic.sampling import SamplingParams
+from hypic.sampling.params import SamplingParams
 from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, ProgressEvent
 from hypic.server.protocol import GenerationRequest
 

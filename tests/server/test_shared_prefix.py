@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hypic.loader import read_config
+from hypic.loading.loader import read_config
 from hypic.server.launch import ServerProcess, start_server
 
 PREFIX, TAIL, NEW, CONCURRENT = 4096, 16, 24, 16

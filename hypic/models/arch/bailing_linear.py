@@ -8,7 +8,7 @@ from typing import Any
 
 from ...config import ModelConfig, RingLinear, RopeConfig, eos_ids, parse_layer_types
 from ...errors import UnsupportedModel, as_written
-from ...tensor_sources import Direct, RowSlice, Source
+from ...loading.tensor_sources import Direct, RowSlice, Source
 from .base import Architecture
 from .kimi import deepseek_experts
 

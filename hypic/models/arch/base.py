@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import ModelConfig
-from ...tensor_sources import Source
+from ...loading.tensor_sources import Source
 
 Parse = Callable[[dict[str, Any], dict[str, Any]], ModelConfig]  # (text config, whole config.json) -> ours
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from hypic.checkpoints import TINY_CONFIG, WRAPPED_REFERENCES, byte_level_tokenizer
+from hypic.loading.checkpoints import TINY_CONFIG, WRAPPED_REFERENCES, byte_level_tokenizer
 from hypic.models import HybridModel
 from hypic.models.arch import ARCHITECTURES, architecture, parse_config
 

@@ -36,7 +36,7 @@ def greedy_runs(tp: TensorParallel, paths: dict[str, str]) -> dict[str, list[tup
 def parameter_bytes(tp: TensorParallel, path: str) -> int:
     """Bytes of this rank's parameters, as loaded (loading talks to no other rank: any process may
     load any rank's share)."""
-    from hypic.loader import load_model
+    from hypic.loading.loader import load_model
     return sum(p.numel() * p.element_size() for p in load_model(path, tp=tp).parameters())
 
 

@@ -1,7 +1,7 @@
 """The reference's own reading of an HF checkpoint directory: config fields and fp32 tensors.
 
 Written from the published Qwen3-Next / Qwen3.5, MiniMax, gpt-oss, MiMo-V2-Flash, Ling (Bailing) and Ring-linear layouts, sharing no code
-with ``hypic.loader`` or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
+with ``hypic.loading.loader`` or ``hypic.config``: the reference must not inherit a bug from the runtime it checks.
 """
 import dataclasses
 import json

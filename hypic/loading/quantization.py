@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, UnsupportedModel, as_written
+from ..errors import CheckpointError, UnsupportedModel, as_written
 
 LOADED_METHODS = ("fp8", "mxfp4")
 E8M0_BIAS = 127

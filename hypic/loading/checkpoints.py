@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .models.arch import ARCHITECTURES, Architecture, architecture, qwen
+from ..models.arch import ARCHITECTURES, Architecture, architecture, qwen
 
 END_OF_TEXT = "<|endoftext|>"
 TINY_CONFIG: dict[str, Any] = qwen.TINY  # the Qwen3.5 text model's tiny config

@@ -3,7 +3,7 @@
 The model is built without memory, allocated once on the target device in the target dtype, and
 each parameter is filled from the checkpoint tensors it comes from, read one at a time: host
 memory beyond the model itself stays about one tensor. FP8 and MXFP4 checkpoints are dequantized
-tensor by tensor as they are read (``hypic.dequantizing_reader``); other quantized ones are refused
+tensor by tensor as they are read (``hypic.loading.dequantizing_reader``); other quantized ones are refused
 by method.
 """
 import functools
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .errors import CheckpointError
-from .models import HybridModel
-from .models.arch import architecture, parse_config
-from .models.families import FAMILIES, family_of
-from .parallel import TensorParallel
-from .parallel.sharding import rank_config, sharding_rules, take
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..models import HybridModel
+from ..models.arch import architecture, parse_config
+from ..models.families import FAMILIES, family_of
+from ..parallel import TensorParallel
+from ..parallel.sharding import rank_config, sharding_rules, take
 from .dequantizing_reader import DequantizingReader
 from .quantization import Quantization, quantization_of
 from .safetensors_reader import DTYPES, TensorReader

@@ -4,7 +4,7 @@ Decoding a few tokens before the new ones and comparing gives the new text even 
 does not decode on its own (byte-level pieces of one character); a trailing U+FFFD means the
 character is not complete yet, so that text waits for the next token.
 """
-from .tokenizer import TextTokenizer
+from ..tokenizer import TextTokenizer
 
 CONTEXT_TOKENS = 6  # tokens decoded before the new ones, so merges across the boundary are seen
 

@@ -9,8 +9,8 @@ import torch
 from .detokenize import IncrementalDetokenizer
 from .grammar import GrammarState
 from .logits_processing import process_logits
-from .sampling import SamplingParams, sample
-from .tokenizer import TextTokenizer
+from .params import SamplingParams, sample
+from ..tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .quantization import Quantization, dequantize_fp8, dequantize_mxfp4, fp8_scale_grid
 from .safetensors_reader import DTYPES, TensorInfo, TensorReader
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidRequest, as_written
+from ..errors import InvalidRequest, as_written
 
 MAX_SAMPLES = 64  # n: continuations of one prompt sharing its prefill
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM and SGLang

@@ -8,9 +8,9 @@ layers, 3:1) trained by ``hypic_data.train`` on the synthetic multi-document QA 
 """
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 

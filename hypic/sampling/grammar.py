@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidRequest
-from .sampling import SamplingParams
-from .tokenizer import TextTokenizer
+from ..errors import InvalidRequest
+from .params import SamplingParams
+from ..tokenizer import TextTokenizer
 
 # xgrammar's errors start with a time and the C++ file and line that raised them: "[13:22:47] /project/cpp/x.cc:83: "
 XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],

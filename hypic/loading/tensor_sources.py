@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .safetensors_reader import TensorReader
 
 
