@@ -238,6 +238,10 @@ class Engine:
                                  f"({self.cache.describe()['public_pool']['budget_bytes']} bytes): warm up fewer at once, or raise --public-pool-size")
         return policy, encoded
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights and buffers this process holds (one rank's shard under tensor parallelism)."""
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
     def entry_bytes(self, tokens: int, mode: Mode | str = Mode.HYPIC) -> int:
         """Bytes of the public-pool entry of a ``tokens``-token document under ``mode`` (``sizing.entry_bytes``)."""
         return sizing.entry_bytes(self.model.config, self.policy(mode), tokens, self.model.dtype, self.state_cache_dtype)

@@ -282,7 +282,8 @@ class ReplicaLoop:
                      "queued": self.statuses[r]["counters"].get("waiting_requests", 0),
                      "running": self.statuses[r]["counters"].get("running_requests", 0)}
                     for i, r in enumerate(sorted(self.statuses))]
-        return {**total, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas), "ingress_pid": os.getpid(),
+        weights = statuses[0].get("weight_bytes", 0) if statuses else 0  # every replica holds the same model
+        return {**total, "weight_bytes": weights, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas), "ingress_pid": os.getpid(),
                                                                "policy": self.state.policy.name, "replicas": replicas}}
 
     @property

@@ -227,7 +227,7 @@ class Replica:
                 "counters": loop.snapshot, "documents_held": len(cache.document_keys()),
                 "public_pool_bytes": pools["public_pool"]["bytes"],
                 "public_pool_budget_bytes": pools["public_pool"]["budget_bytes"], "public_pool_fill": cache.public_fill(),
-                "private_pool_bytes": pools["private_pool"]["bytes"],
+                "private_pool_bytes": pools["private_pool"]["bytes"], "weight_bytes": self.instance.engine.weight_bytes(),
                 "uptime_s": time.time() - self.started, "healthy": loop.alive and loop.failure is None}
 
     def check_health(self) -> None:

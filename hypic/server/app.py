@@ -379,8 +379,9 @@ class Server:
     def tensor_parallel(self) -> dict[str, Any]:
         """The ranks the model is split over and what one rank holds (rank 0's numbers: every rank's
         shard and pools have the same sizes)."""
-        model = self.loop.engine.model
-        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        weights = self.loop.snapshot.get("weight_bytes")  # a replicated service's: its replicas' (the ingress has none)
+        if weights is None:
+            weights = self.loop.engine.weight_bytes()
         return {"tp_size": self.info.tp_size, "rank_pids": [os.getpid(), *self.info.rank_pids],
                 "per_rank": {"weight_bytes": weights, "public_pool_budget_bytes": self.info.public_pool_bytes,
                              "private_pool_budget_bytes": self.info.private_pool_bytes,

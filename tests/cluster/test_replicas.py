@@ -143,6 +143,10 @@ def test_the_service_reports_its_replicas(cluster: ServerProcess) -> None:
     replicas = info["data_parallel"]["replicas"]
     assert info["data_parallel"]["dp_size"] == 2 and info["data_parallel"]["policy"] == "cache_aware"
     assert len({r["pid"] for r in replicas}) == 2 and all(r["healthy"] for r in replicas)
+    model = Engine.from_pretrained("default", dtype="float32").model  # what one replica holds
+    weights = sum(t.numel() * 4 for t in (*model.parameters(), *model.buffers()))
+    assert info["tensor_parallel"]["per_rank"]["weight_bytes"] == weights  # the replicas', not the ingress's 0
+    assert all(r["weight_bytes"] == weights for r in replicas)
     before = _settled_finished(cluster)
     for salt in ("count-a", "count-b"):
         _generate(cluster, _prompt([0]), cache_salt=salt)
