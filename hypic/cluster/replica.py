@@ -131,6 +131,7 @@ class Replica:
         self.replica = replica or _serve_replica_id()
         self.feed = HoldingsFeed(self.instance.engine.cache, self.replica)
         self.started = time.time()
+        self.weight_bytes = self.instance.engine.weight_bytes()  # reported with every status: counted once
 
     async def run(self, route: Any, work: ReplicaWork, *built: list[SegmentEntry]) -> AsyncIterator[Event | Announcement]:
         """The request's events, as its loop emits them, what the replica holds just before the last
@@ -227,7 +228,7 @@ class Replica:
                 "counters": loop.snapshot, "documents_held": len(cache.document_keys()),
                 "public_pool_bytes": pools["public_pool"]["bytes"],
                 "public_pool_budget_bytes": pools["public_pool"]["budget_bytes"], "public_pool_fill": cache.public_fill(),
-                "private_pool_bytes": pools["private_pool"]["bytes"], "weight_bytes": self.instance.engine.weight_bytes(),
+                "private_pool_bytes": pools["private_pool"]["bytes"], "weight_bytes": self.weight_bytes,
                 "uptime_s": time.time() - self.started, "healthy": loop.alive and loop.failure is None}
 
     def check_health(self) -> None:

@@ -36,16 +36,18 @@ class StandInReplica:
     def fill(self) -> float:
         return min(1.0, sum(self.held.values()) / self.pool_tokens)
 
-    def serve(self, documents: tuple[tuple[str, int], ...]) -> tuple[int, list[HoldingEvent]]:
-        """Look up and store ``documents``: how many were held, and what changed."""
-        hits, events = 0, []
+    def serve(self, documents: tuple[tuple[str, int], ...]) -> tuple[int, int, list[HoldingEvent]]:
+        """Look up and store ``documents``: how many were held, their tokens, and what changed."""
+        hits = cached = 0
+        events = []
         for key, tokens in documents:
-            hits += key in self.held
-            if key not in self.held:
+            if key in self.held:
+                hits, cached = hits + 1, cached + tokens
+            else:
                 events.append(HoldingEvent("stored", key, "", Tier.MEMORY, tokens))
             self.held[key] = tokens
             self.held.move_to_end(key)
-        return hits, events + self._evict()
+        return hits, cached, events + self._evict()
 
     def _evict(self) -> list[HoldingEvent]:
         events = []
@@ -77,7 +79,7 @@ def route_request(tenant: int, documents: tuple[int, ...], doc_tokens: int) -> R
 
 
 def replay_level(policy: RoutingPolicy, workload: TenantWorkload, shape: ReplayShape) -> dict[str, float]:
-    """One level from empty pools: the timed requests' segment hit rate and each replica's share."""
+    """One level from empty pools: the timed requests' segment hit rate."""
     replicas = [StandInReplica(f"replica-{r}", shape.pool_tokens) for r in range(shape.replicas)]
     index = DocumentIndex()
     for replica in replicas:
@@ -98,8 +100,7 @@ def _route_one(policy: RoutingPolicy, request: RouteRequest, replicas: list[Stan
     loads = [ReplicaLoad(r.name, queued_prefill_tokens=int(r.queued), pool_fill=r.fill()) for r in replicas]
     name = policy.choose(request, loads, index).replica
     chosen = next(r for r in replicas if r.name == name)
-    cached = sum(tokens for key, tokens in request.documents if key in chosen.held)
-    hits, events = chosen.serve(request.documents)
+    hits, cached, events = chosen.serve(request.documents)
     chosen.queued += request.prompt_tokens - cached
     for replica in replicas:
         replica.queued = max(0.0, replica.queued - drain)

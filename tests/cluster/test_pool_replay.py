@@ -17,10 +17,10 @@ SEEDS = range(10)
 def test_the_stand_in_pool_evicts_the_least_recently_used_document() -> None:
     """A pool of two 100-token documents: a, b stored; a read again; c pushes out b, not a."""
     replica = StandInReplica("r", pool_tokens=200)
-    assert replica.serve((("a", 100), ("b", 100)))[0] == 0
-    assert replica.serve((("a", 100),))[0] == 1
-    hits, events = replica.serve((("c", 100),))
-    assert hits == 0 and [(e.kind, e.key) for e in events] == [("stored", "c"), ("evicted", "b")]
+    assert replica.serve((("a", 100), ("b", 100)))[:2] == (0, 0)
+    assert replica.serve((("a", 100),))[:2] == (1, 100)
+    hits, cached, events = replica.serve((("c", 100),))
+    assert (hits, cached) == (0, 0) and [(e.kind, e.key) for e in events] == [("stored", "c"), ("evicted", "b")]
     assert list(replica.held) == ["a", "c"] and replica.fill() == 1.0
 
 
