@@ -7,7 +7,8 @@ For each shape (replicas, one pool's size in documents, how fast the queues drai
 the timed segment hit rate of one level per workload seed (``--seeds``), and its mean over the
 seeds against ``pooled``'s (one replica whose pool is all the replicas' pools together: the
 reference the study's hit-rate target is measured against). ``cache_aware`` runs at each
-``--eviction-weights`` value so the weight's choice can be seen.
+``--eviction-weights`` value so the weight's choice can be seen; with ``--tenant-namespaces`` (each
+tenant's requests in a namespace of their own) at each ``--namespace-weights`` value instead.
 
     python eval/sim_cluster_pools.py --json eval/results/cluster/pool_replay/pool_replay.json
 """
@@ -31,17 +32,21 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=10, help="workload seeds, one level each")
     parser.add_argument("--eviction-weights", type=float, nargs="+", default=[0.0, 1.0, 2.0, 4.0, 8.0])
+    parser.add_argument("--tenant-namespaces", action="store_true", help="a cache namespace per tenant")
+    parser.add_argument("--namespace-weights", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0, 4.0])
     parser.add_argument("--json", help="write every level's hit rate here")
     return parser.parse_args()
 
 
-def levels(make_policy, shape: ReplayShape, seeds: int) -> list[float]:
-    return [replay_level(make_policy(), TenantWorkload(TenantConfig(seed=seed)), shape)["segment_hit_rate"]
-            for seed in range(seeds)]
+def levels(make_policy, shape: ReplayShape, args: argparse.Namespace) -> list[float]:
+    configs = (TenantConfig(seed=seed, tenant_namespaces=args.tenant_namespaces) for seed in range(args.seeds))
+    return [replay_level(make_policy(), TenantWorkload(config), shape)["segment_hit_rate"] for config in configs]
 
 
-def policies(weights: list[float]) -> dict[str, object]:
-    made = {f"cache_aware w={w:g}": (lambda w=w: policy_named("cache_aware", eviction_weight=w)) for w in weights}
+def policies(args: argparse.Namespace) -> dict[str, object]:
+    option, label, weights = (("namespace_weight", "nw", args.namespace_weights) if args.tenant_namespaces
+                              else ("eviction_weight", "w", args.eviction_weights))
+    made = {f"cache_aware {label}={w:g}": (lambda w=w: policy_named("cache_aware", **{option: w})) for w in weights}
     made["cache_aware (default)"] = lambda: policy_named("cache_aware")
     made.update({name: (lambda name=name: policy_named(name)) for name in OTHERS})
     made["power_of_two"] = lambda: policy_named("power_of_two", rng=random.Random(0))  # the same draws every run
@@ -51,8 +56,8 @@ def policies(weights: list[float]) -> dict[str, object]:
 def one_shape(replicas: int, pool_docs: int, drain: float, args: argparse.Namespace) -> dict:
     shape = ReplayShape(replicas, pool_docs * DOC_TOKENS, DOC_TOKENS, drain)
     pooled = replace(shape, replicas=1, pool_tokens=replicas * shape.pool_tokens)
-    rates = {"pooled": levels(lambda: policy_named("round_robin"), pooled, args.seeds)}
-    rates.update({name: levels(make, shape, args.seeds) for name, make in policies(args.eviction_weights).items()})
+    rates = {"pooled": levels(lambda: policy_named("round_robin"), pooled, args)}
+    rates.update({name: levels(make, shape, args) for name, make in policies(args).items()})
     return {"shape": asdict(shape), "pool_documents": pool_docs, "hit_rates": rates,
             "mean": {name: statistics.mean(r) for name, r in rates.items()}}
 
@@ -68,7 +73,8 @@ def main() -> None:
                           for name, rate in mean.items() if name != "pooled"))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"study": "cluster pool replay", "seeds": args.seeds, "rows": rows}, out, indent=1)
+            json.dump({"study": "cluster pool replay", "seeds": args.seeds, "tenant_namespaces": args.tenant_namespaces,
+                       "rows": rows}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ Each replica pushes numbered batches of holding events (an entry stored in or ev
 namespace or everything cleared). The index applies a batch only if it follows the last one it has
 from that replica (same process incarnation, no gap in the numbering); otherwise the caller asks the
 replica for a dump of all it holds, which replaces what the index knew of it. The index also keeps
-the prompt prefixes each replica served (its private pool), as ``hypic.router``'s ``PrefixIndex``.
+the prompt prefixes each replica served (its private pool), as ``hypic.router``'s ``PrefixIndex``,
+and per namespace how many of its entries each replica holds in memory (where a tenant lives).
 
 Memory: a document's entry is one row of an open-addressing table held in numpy arrays (its key's
-64-bit hash, its namespace's id and one bit per (tier, replica)), about 36 bytes a row, not Python
+64-bit hash, its namespace's id and one bit per (tier, replica)), about 44 bytes a row, not Python
 objects per key. Two keys whose 64-bit hashes collide share a row: the router may then believe a
 replica holds an entry it does not, which costs that replica a recompute, never a wrong answer
 (a replica matches its own pool by the full key).
@@ -171,6 +172,7 @@ class DocumentIndex:
         self._replica_of: dict[int, str] = {}
         self._namespace_ids: dict[str, int] = {}
         self._namespace_names: list[str] = []
+        self._namespace_held: dict[int, dict[int, int]] = {}  # namespace id -> replica slot -> entries in its memory
         self._heard: dict[str, _Heard] = {}
         self.prefixes = prefixes or PrefixIndex()
 
@@ -217,7 +219,10 @@ class DocumentIndex:
         row = table.insert(key_hash(event.key), self._namespace_id(event.namespace or ""))
         word, bit = divmod(slot, WORD)
         tier = int(event.tier)
-        table.bits[row, tier, word] = table.bits.item(row, tier, word) | (1 << bit)
+        before = table.bits.item(row, tier, word)
+        table.bits[row, tier, word] = before | (1 << bit)
+        if tier == Tier.MEMORY and not before >> bit & 1:
+            self._count(table.namespaces.item(row), slot, 1)
 
     def _evict(self, replica: str, event: HoldingEvent) -> None:
         slot, table = self._slots.get(replica), self._table
@@ -226,8 +231,20 @@ class DocumentIndex:
             return
         word, bit = divmod(slot, WORD)
         tier = int(event.tier)
-        table.bits[row, tier, word] = table.bits.item(row, tier, word) & ~(1 << bit) & MASK64
+        before = table.bits.item(row, tier, word)
+        table.bits[row, tier, word] = before & ~(1 << bit) & MASK64
+        if tier == Tier.MEMORY and before >> bit & 1:
+            self._count(table.namespaces.item(row), slot, -1)
         table.drop_if_empty(row)
+
+    def _count(self, namespace: int, slot: int, change: int) -> None:
+        """``slot``'s count of entries of ``namespace`` in memory changes by ``change``."""
+        held = self._namespace_held.setdefault(namespace, {})
+        count = held.get(slot, 0) + change
+        if count:
+            held[slot] = count
+        else:
+            del held[slot]
 
     def _clear(self, replica: str, namespace: str | None) -> None:
         """``replica`` holds nothing (in ``namespace``, or in any namespace when None)."""
@@ -242,6 +259,18 @@ class DocumentIndex:
             rows = table.namespaces == self._namespace_ids[namespace]
             table.bits[rows, :, word] &= keep
         table.drop_empty_rows()
+        self._recount(slot)
+
+    def _recount(self, slot: int) -> None:
+        """``slot``'s entries in memory per namespace, counted afresh from the table (after a bulk clear)."""
+        word, bit = divmod(slot, WORD)
+        table = self._table
+        held = (table.keys > REMOVED) & ((table.bits[:, Tier.MEMORY, word] & np.uint64(1 << bit)) != 0)
+        counts = np.bincount(table.namespaces[held], minlength=len(self._namespace_names))
+        for namespace, count in enumerate(counts.tolist()):
+            self._namespace_held.setdefault(namespace, {}).pop(slot, None)
+            if count:
+                self._namespace_held[namespace][slot] = count
 
     # ----- queries ------------------------------------------------------------------------------
     def holders(self, namespace: str, key: str) -> dict[str, Tier]:
@@ -264,6 +293,12 @@ class DocumentIndex:
         if row < 0 or self._namespace_names[table.namespaces.item(row)] != namespace:
             return False
         return any(table.bits.item(row, Tier.SHARED, word) for word in range(table.words))
+
+    def namespace_holders(self, namespace: str) -> dict[str, int]:
+        """Replica -> how many entries of ``namespace`` it holds in memory (where the namespace is hot)."""
+        found = self._namespace_ids.get(namespace)
+        held = self._namespace_held.get(found, {}) if found is not None else {}
+        return {self._replica_of[slot]: count for slot, count in held.items()}
 
     def replicas(self) -> list[str]:
         """Replicas the index has heard from (an announcement or a served prompt), by id."""

@@ -6,7 +6,7 @@ replica; the ingress applies the choice and updates its own bookkeeping.
 
 - ``cache_aware`` (default): the replica with the least work for this request, counting what it
   would prefill given what it holds, the prefill queued on it and its decode load; a replica far
-  above the mean queue is skipped.
+  above the others' mean queue is skipped.
 - ``prefix``: the longest leading-prefix match (what single-server routers do), then load.
 - ``power_of_two``: the less busy of two random replicas. ``round_robin``: each in turn.
 """
@@ -72,8 +72,9 @@ class TierCosts:
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen replica; ``reason``: "cache" (chosen for what it holds), "load" (nothing held
-    decided it, or the imbalance guard overrode the cheapest), "round_robin" or "random";
+    """The chosen replica; ``reason``: "cache" (chosen for what it holds: documents, a prefix, most of
+    the request's namespace), "load" (nothing held decided it, or the imbalance guard overrode the
+    cheapest), "round_robin" or "random";
     ``costs``: replica -> the cost the policy scored (for logs and tests)."""
 
     replica: str
@@ -102,7 +103,11 @@ DECODE_WEIGHT = 0.1  # prefill tokens' worth of a replica's time one token it st
 # later and pushing out more when stored again: 2 had the best worst case of the weights tried in replays
 # of the cluster study's tenant workload against stand-in pools (eval/sim_cluster_pools.py).
 EVICTION_WEIGHT = 2.0
-IMBALANCE_FACTOR = 2.0  # a replica queued above this times the mean queue is skipped...
+# A named namespace (a cache salt) is one tenant's documents, asked for together: a document new to the
+# cluster stored away from the rest of its namespace splits the tenant, whose later requests then miss
+# on whichever replica they land.
+NAMESPACE_WEIGHT = 0.5  # the best worst case of 0 to 4 in replays with a namespace per tenant
+IMBALANCE_FACTOR = 2.0  # a replica queued above this times the others' mean queue is skipped...
 IMBALANCE_FLOOR = 8192  # ...if its queue is also above this many tokens
 
 
@@ -115,49 +120,50 @@ class CacheAware:
     pool is x the documents' tokens it would newly store, those another replica holds already counted
     twice (storing into a full pool evicts as much, and a second copy takes room from the documents
     the replicas hold between them: new documents go where there is room, and the working set spreads
-    over the replicas instead of being copied). Cheapest wins (ties: fewer running, then the lowest
-    id), except that a replica queued above ``imbalance_factor`` x the mean queue and
+    over the replicas instead of being copied) + ``namespace_weight`` x the share of the request's
+    named namespace held in memory elsewhere x the tokens of its documents no replica holds (a tenant's new
+    documents join the rest of the tenant). Cheapest wins (ties: fewer running, then the lowest
+    id), except that a replica queued above ``imbalance_factor`` x the others' mean queue and
     above ``imbalance_floor`` tokens is skipped unless every replica is."""
 
     tier_costs: TierCosts = field(default_factory=TierCosts)
     decode_weight: float = DECODE_WEIGHT
     eviction_weight: float = EVICTION_WEIGHT
+    namespace_weight: float = NAMESPACE_WEIGHT
     imbalance_factor: float = IMBALANCE_FACTOR
     imbalance_floor: int = IMBALANCE_FLOOR
     name: str = "cache_aware"
 
     def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
         _check_loads(loads)
-        prefill = self.prefill_tokens(request, [load.replica for load in loads], index)
+        replicas = [load.replica for load in loads]
+        held_by = holders_of(request, index)
+        prefill = self._prefill(request, replicas, held_by, index)
+        stored = stored_tokens(request, replicas, held_by)
+        scattered = scattered_tokens(request, replicas, held_by, index)
         costs = {load.replica: prefill[load.replica] + load.queued_prefill_tokens
                  + self.decode_weight * load.decode_tokens
-                 + self.eviction_weight * load.pool_fill * self.stored_tokens(request, load.replica, index)
+                 + self.eviction_weight * load.pool_fill * stored[load.replica]
+                 + self.namespace_weight * scattered[load.replica]
                  for load in loads}
         rank = {load.replica: (costs[load.replica], load.running, load.replica) for load in loads}
         cheapest = min(rank, key=rank.__getitem__)
-        allowed = self._not_swamped(loads) or [load.replica for load in loads]
+        allowed = self._not_swamped(loads) or replicas
         chosen = min(allowed, key=rank.__getitem__)
         if chosen != cheapest:
             return Decision(chosen, "load", costs)
-        held = prefill[chosen] < request.prompt_tokens
+        held = prefill[chosen] < request.prompt_tokens or scattered[chosen] < max(scattered.values())
         return Decision(chosen, "cache" if held else "load", costs)
-
-    @staticmethod
-    def stored_tokens(request: RouteRequest, replica: str, index: DocumentIndex) -> int:
-        """The tokens of ``request``'s documents ``replica`` would store anew (it holds them in no tier),
-        those another replica holds counted twice."""
-        stored = 0
-        for key, tokens in request.documents:
-            holders = index.holders(request.namespace, key)
-            stored += 0 if replica in holders else tokens * (2 if holders else 1)
-        return stored
 
     def prefill_tokens(self, request: RouteRequest, replicas: list[str], index: DocumentIndex) -> dict[str, float]:
         """Replica -> the tokens it would prefill for ``request``, given what the index says it holds."""
+        return self._prefill(request, replicas, holders_of(request, index), index)
+
+    def _prefill(self, request: RouteRequest, replicas: list[str], held_by: list[dict[str, Tier]],
+                 index: DocumentIndex) -> dict[str, float]:
         document_tokens = request.document_tokens()
         saved = dict.fromkeys(replicas, 0.0)
-        for key, tokens in request.documents:
-            holders = index.holders(request.namespace, key)
+        for (key, tokens), holders in zip(request.documents, held_by):
             everyone = tokens * (1.0 - self.tier_costs.shared) if index.shared(request.namespace, key) else 0.0
             for replica in saved:
                 tier = holders.get(replica)
@@ -168,9 +174,42 @@ class CacheAware:
                              max(0, request.prompt_tokens - matched.get(replica, 0))) for replica in replicas}
 
     def _not_swamped(self, loads: list[ReplicaLoad]) -> list[str]:
-        mean = sum(load.queued_prefill_tokens for load in loads) / len(loads)
-        limit = max(self.imbalance_factor * mean, self.imbalance_floor)
-        return [load.replica for load in loads if load.queued_prefill_tokens <= limit]
+        """Replicas not queued above ``imbalance_factor`` x the mean queue of the others (and the floor)."""
+        total = sum(load.queued_prefill_tokens for load in loads)
+        others = max(1, len(loads) - 1)
+        return [load.replica for load in loads
+                if load.queued_prefill_tokens <= max(self.imbalance_factor * (total - load.queued_prefill_tokens) / others,
+                                                     self.imbalance_floor)]
+
+
+def holders_of(request: RouteRequest, index: DocumentIndex) -> list[dict[str, Tier]]:
+    """Each of ``request``'s documents' holders (replica -> its cheapest tier), looked up once."""
+    return [index.holders(request.namespace, key) for key, _ in request.documents]
+
+
+def stored_tokens(request: RouteRequest, replicas: list[str], held_by: list[dict[str, Tier]]) -> dict[str, int]:
+    """Replica -> the tokens of ``request``'s documents it would store anew (it holds them in no tier),
+    those another replica holds counted twice."""
+    charges = [tokens * (2 if holders else 1) for (_, tokens), holders in zip(request.documents, held_by)]
+    stored = dict.fromkeys(replicas, sum(charges))
+    for charge, holders in zip(charges, held_by):
+        for replica in holders:
+            if replica in stored:
+                stored[replica] -= charge
+    return stored
+
+
+def scattered_tokens(request: RouteRequest, replicas: list[str], held_by: list[dict[str, Tier]],
+                     index: DocumentIndex) -> dict[str, float]:
+    """Replica -> the tokens of ``request``'s documents no replica holds x the share of its namespace's
+    entries in memory that other replicas hold (0 everywhere in the shared namespace, or before any is
+    held)."""
+    held = index.namespace_holders(request.namespace) if request.namespace else {}
+    total = sum(held.values())
+    if not total:
+        return dict.fromkeys(replicas, 0.0)
+    new = sum(tokens for (_, tokens), holders in zip(request.documents, held_by) if not holders)
+    return {replica: new * (1 - held.get(replica, 0) / total) for replica in replicas}
 
 
 @dataclass

@@ -2,7 +2,8 @@
 multi-tenant RAG workload whose documents outgrow one replica's public pool.
 
 The workload (``tenants``): T tenants with D documents each; a request is a shared system line, k of
-one tenant's documents in a fresh order, and a question; Poisson arrivals. Its working set (every
+one tenant's documents in a fresh order, and a question (with ``--tenant-namespaces``, in a cache
+namespace of its tenant's); Poisson arrivals. Its working set (every
 document's public-pool entry) is measured first on a ``hypic serve`` started for that (every document
 warmed, ``/get_server_info``'s public-pool bytes read), and one replica's public pool is sized to
 hold ``1 / --pool-ratio`` of it (or is ``--public-pool-size``): the working set must be larger than
@@ -77,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--docs-per-request", type=int, default=3)
     parser.add_argument("--doc-words", type=int, default=160, help="words of every document (after its header)")
     parser.add_argument("--tenant-zipf", type=float, default=0.0, help="Zipf exponent of tenant popularity (0: uniform)")
+    parser.add_argument("--tenant-namespaces", action="store_true",
+                        help="each tenant's requests name a cache_salt of their own (tenants isolated, as "
+                             "multi-tenant services run them); default: every request in the shared namespace")
     parser.add_argument("--pool-ratio", type=float, default=1.5,
                         help="working set / one replica's public pool (between 1 and --dp-size)")
     parser.add_argument("--public-pool-size", default=None,
@@ -231,10 +235,11 @@ def _record(config: Config, qps: float, index: int, request: Any, outcome: dict[
 def run_level(target: ServerTarget, config: Config, workload: TenantWorkload, qps: float, args: argparse.Namespace,
               results: ResultLog) -> list[dict[str, Any]]:
     """Flush, warm, replay one QPS level of ``config``; its records, appended to ``results``."""
-    warm = [r.prompt for r in workload.requests(args.warm_requests, 0, target.separator)]
+    warm = workload.requests(args.warm_requests, 0, target.separator)
     requests = workload.requests(args.requests, 1, target.separator)
-    outcomes, wall = warm_and_replay(target, warm, [r.prompt for r in requests],
-                                     workload.arrivals(args.requests, qps), args.output_tokens)
+    outcomes, wall = warm_and_replay(target, [r.prompt for r in warm], [r.prompt for r in requests],
+                                     workload.arrivals(args.requests, qps), args.output_tokens,
+                                     [r.salt for r in warm], [r.salt for r in requests])
     records = [_record(config, qps, i, request, outcome, wall)
                for i, (request, outcome) in enumerate(zip(requests, outcomes))]
     for record in records:
@@ -411,7 +416,7 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
     _check(args)
     try:
         workload = TenantWorkload(TenantConfig(args.tenants, args.docs_per_tenant, args.docs_per_request,
-                                               args.doc_words, args.tenant_zipf, args.seed))
+                                               args.doc_words, args.tenant_zipf, args.seed, args.tenant_namespaces))
     except TraceError as err:
         raise DataError(str(err)) from None
     configs = configurations(args)

@@ -34,7 +34,7 @@ from .data import DataError
 from .methods import Method, parse_method
 from .results import ResultLog
 from .studies import plain_log_ticks, pyplot, save_figure
-from .targets import ServerTarget
+from .targets import ServerTarget, salted
 from .trace import WORKLOADS, Trace, TraceConfig, TraceError
 
 
@@ -104,11 +104,13 @@ def level_done(results: ResultLog, workload: str, method: str, qps: float, count
     return all(results.get((workload, sample_id(qps, i), method)) for i in range(count))
 
 
-async def _request(client: httpx.AsyncClient, prompt: str, delay: float, output_tokens: int) -> dict[str, Any]:
-    """One streamed /generate: the TTFT this client saw (request sent -> first token's chunk) and
-    the one the server reports for it (from the request's arrival), the latency, the token counts."""
+async def _request(client: httpx.AsyncClient, prompt: str, delay: float, output_tokens: int,
+                   cache_salt: str | None = None) -> dict[str, Any]:
+    """One streamed /generate (in ``cache_salt``'s namespace, if given): the TTFT this client saw
+    (request sent -> first token's chunk) and the one the server reports for it (from the request's
+    arrival), the latency, the token counts."""
     await asyncio.sleep(delay)
-    body = {"text": prompt, "stream": True,
+    body = {"text": prompt, "stream": True, **salted(cache_salt),
             "sampling_params": {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True}}
     start, first, last = time.perf_counter(), None, None
     try:
@@ -129,23 +131,28 @@ async def _request(client: httpx.AsyncClient, prompt: str, delay: float, output_
             "output_ids": last.get("output_ids"), **{key: meta[key] for key in PASSED_ON if key in meta}}
 
 
-async def replay(url: str, prompts: Sequence[str], arrivals: Sequence[float],
-                 output_tokens: int) -> tuple[list[dict[str, Any]], float]:
-    """Send each prompt at its arrival time, all concurrently; (one outcome per prompt, wall seconds)."""
+async def replay(url: str, prompts: Sequence[str], arrivals: Sequence[float], output_tokens: int,
+                 salts: Sequence[str | None] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Send each prompt at its arrival time (with its cache salt from ``salts``, if given), all
+    concurrently; (one outcome per prompt, wall seconds)."""
+    salts = salts or [None] * len(prompts)
     start = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0),
                                  limits=httpx.Limits(max_connections=1000)) as client:
-        outcomes = await asyncio.gather(*(_request(client, p, a, output_tokens) for p, a in zip(prompts, arrivals)))
+        outcomes = await asyncio.gather(*(_request(client, p, a, output_tokens, salt)
+                                          for p, a, salt in zip(prompts, arrivals, salts)))
     return list(outcomes), time.perf_counter() - start
 
 
 def warm_and_replay(target: ServerTarget, warm_prompts: Sequence[str], prompts: Sequence[str],
-                    arrivals: Sequence[float], output_tokens: int) -> tuple[list[dict[str, Any]], float]:
-    """Flush the server's pools, send ``warm_prompts`` one by one (untimed), then ``replay`` the rest."""
+                    arrivals: Sequence[float], output_tokens: int, warm_salts: Sequence[str | None] | None = None,
+                    salts: Sequence[str | None] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Flush the server's pools, send ``warm_prompts`` one by one (untimed), then ``replay`` the rest;
+    each with its cache salt from ``warm_salts`` and ``salts``, if given."""
     target.flush()
-    for prompt in warm_prompts:
-        target.generate(prompt, 1)
-    return asyncio.run(replay(target.url, prompts, arrivals, output_tokens))
+    for prompt, salt in zip(warm_prompts, warm_salts or [None] * len(warm_prompts)):
+        target.generate(prompt, 1, salt)
+    return asyncio.run(replay(target.url, prompts, arrivals, output_tokens, salts))
 
 
 def run_level(target: ServerTarget, method: Method, trace: Trace, qps: float, args: argparse.Namespace,

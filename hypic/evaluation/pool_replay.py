@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
 from hypic.cluster.routing import ReplicaLoad, RouteRequest, RoutingPolicy
 
-from .tenants import TenantConfig, TenantWorkload
+from .tenants import TenantConfig, TenantRequest, TenantWorkload
 
 QUESTION_TOKENS = 30  # a request's system line and question, prefilled wherever it goes
 
@@ -36,15 +36,16 @@ class StandInReplica:
     def fill(self) -> float:
         return min(1.0, sum(self.held.values()) / self.pool_tokens)
 
-    def serve(self, documents: tuple[tuple[str, int], ...]) -> tuple[int, int, list[HoldingEvent]]:
-        """Look up and store ``documents``: how many were held, their tokens, and what changed."""
+    def serve(self, documents: tuple[tuple[str, int], ...], namespace: str = "") -> tuple[int, int, list[HoldingEvent]]:
+        """Look up and store ``documents`` (of ``namespace``): how many were held, their tokens, and what
+        changed."""
         hits = cached = 0
         events = []
         for key, tokens in documents:
             if key in self.held:
                 hits, cached = hits + 1, cached + tokens
             else:
-                events.append(HoldingEvent("stored", key, "", Tier.MEMORY, tokens))
+                events.append(HoldingEvent("stored", key, namespace, Tier.MEMORY, tokens))
             self.held[key] = tokens
             self.held.move_to_end(key)
         return hits, cached, events + self._evict()
@@ -73,13 +74,15 @@ class ReplayShape:
     timed: int = 96
 
 
-def route_request(tenant: int, documents: tuple[int, ...], doc_tokens: int) -> RouteRequest:
-    parts = tuple((f"tenant-{tenant}/document-{d}", doc_tokens) for d in documents)
-    return RouteRequest("", parts, doc_tokens * len(documents) + QUESTION_TOKENS)
+def route_request(request: TenantRequest, doc_tokens: int) -> RouteRequest:
+    """What the router sees of ``request``: its documents' keys and tokens, in its salt's namespace."""
+    parts = tuple((f"tenant-{request.tenant}/document-{d}", doc_tokens) for d in request.documents)
+    return RouteRequest(request.salt or "", parts, doc_tokens * len(parts) + QUESTION_TOKENS)
 
 
 def replay_level(policy: RoutingPolicy, workload: TenantWorkload, shape: ReplayShape) -> dict[str, float]:
-    """One level from empty pools: the timed requests' segment hit rate."""
+    """One level from empty pools: the timed requests' segment hit rate, and how many tenants' documents
+    are held on more than one replica at its end (``split_tenants``)."""
     replicas = [StandInReplica(f"replica-{r}", shape.pool_tokens) for r in range(shape.replicas)]
     index = DocumentIndex()
     for replica in replicas:
@@ -88,11 +91,19 @@ def replay_level(policy: RoutingPolicy, workload: TenantWorkload, shape: ReplayS
     hits = routed = 0
     for number, request in enumerate(stream):
         drain = shape.drain_tokens if number >= shape.warm else math.inf  # the warm-up goes one by one
-        found = _route_one(policy, route_request(request.tenant, request.documents, shape.doc_tokens),
-                           replicas, index, drain)
+        found = _route_one(policy, route_request(request, shape.doc_tokens), replicas, index, drain)
         if number >= shape.warm:
             hits, routed = hits + found, routed + len(request.documents)
-    return {"segment_hit_rate": hits / routed}
+    return {"segment_hit_rate": hits / routed, "split_tenants": split_tenants(replicas)}
+
+
+def split_tenants(replicas: list[StandInReplica]) -> int:
+    """Tenants whose documents more than one replica holds (a document key is ``tenant-T/document-D``)."""
+    homes: dict[str, set[str]] = {}
+    for replica in replicas:
+        for key in replica.held:
+            homes.setdefault(key.split("/")[0], set()).add(replica.name)
+    return sum(len(held_by) > 1 for held_by in homes.values())
 
 
 def _route_one(policy: RoutingPolicy, request: RouteRequest, replicas: list[StandInReplica],
@@ -100,7 +111,7 @@ def _route_one(policy: RoutingPolicy, request: RouteRequest, replicas: list[Stan
     loads = [ReplicaLoad(r.name, queued_prefill_tokens=int(r.queued), pool_fill=r.fill()) for r in replicas]
     name = policy.choose(request, loads, index).replica
     chosen = next(r for r in replicas if r.name == name)
-    hits, cached, events = chosen.serve(request.documents)
+    hits, cached, events = chosen.serve(request.documents, request.namespace)
     chosen.queued += request.prompt_tokens - cached
     for replica in replicas:
         replica.queued = max(0.0, replica.queued - drain)

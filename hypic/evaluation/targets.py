@@ -55,6 +55,11 @@ class EngineTarget:
                        result.recomputed_tokens, result.segments_hit)
 
 
+def salted(cache_salt: str | None) -> dict[str, str]:
+    """A request body's ``cache_salt`` field, or none (servers that know no salt see no new field)."""
+    return {} if cache_salt is None else {"cache_salt": cache_salt}
+
+
 class ServerTarget:
     """A running server at ``url``: its pools flushed before each sample, its own mode only."""
 
@@ -106,7 +111,7 @@ class ServerTarget:
         """The server's ``/get_server_info``."""
         return self._call("GET", "/get_server_info")
 
-    def generate(self, text: str, max_new_tokens: int) -> dict[str, Any]:
-        """One greedy ``/generate`` call: its JSON answer."""
-        return self._call("POST", "/generate", {"text": text, "sampling_params": {
+    def generate(self, text: str, max_new_tokens: int, cache_salt: str | None = None) -> dict[str, Any]:
+        """One greedy ``/generate`` call (in ``cache_salt``'s namespace, if given): its JSON answer."""
+        return self._call("POST", "/generate", {"text": text, **salted(cache_salt), "sampling_params": {
             "max_new_tokens": max_new_tokens, "temperature": 0.0}})

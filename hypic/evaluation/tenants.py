@@ -27,6 +27,7 @@ class TenantConfig:
     doc_words: int = 160
     tenant_zipf: float = 0.0
     seed: int = 0
+    tenant_namespaces: bool = False  # each tenant's requests name a cache salt of their own
 
     def __post_init__(self) -> None:
         if self.tenants < 1 or self.doc_words < 1:
@@ -44,6 +45,7 @@ class TenantRequest:
     tenant: int
     documents: tuple[int, ...]
     prompt: str
+    salt: str | None = None  # its cache salt (its tenant's, when tenants have namespaces of their own)
 
 
 class TenantWorkload:
@@ -71,7 +73,8 @@ class TenantWorkload:
         chosen = tuple(rng.sample(range(self.config.docs_per_tenant), self.config.docs_per_request))
         question = f"\n\nQuestion {name}: which {rng.choice(WORDS)} is mentioned? Answer:"
         parts = [rng.choice(self.system_lines), *(self.documents[tenant][d] for d in chosen), question]
-        return TenantRequest(tenant, chosen, separator.join(parts))
+        salt = f"tenant-{tenant}" if self.config.tenant_namespaces else None
+        return TenantRequest(tenant, chosen, separator.join(parts), salt)
 
     def arrivals(self, count: int, qps: float) -> list[float]:
         """Poisson arrival times (s) of the first ``count`` requests at rate ``qps``: the first at 0."""

@@ -67,6 +67,10 @@ def assert_matches(index: DocumentIndex, replicas: dict[str, Replica], keys: lis
         assert index.holders(namespace_of(key), key) == truth, key
     for replica in replicas.values():
         assert index.documents_of(replica.name) == len(replica.held)
+    for namespace in NAMESPACES:
+        truth = {r.name: sum(namespace_of(key) == namespace and Tier.MEMORY in tiers for key, tiers in r.held.items())
+                 for r in replicas.values()}
+        assert index.namespace_holders(namespace) == {name: count for name, count in truth.items() if count}, namespace
     assert index.documents() == len(set().union(*(r.held for r in replicas.values())))
 
 

@@ -34,8 +34,9 @@ def test_the_replica_holding_the_documents_wins_at_the_tokens_it_would_prefill()
 
 
 def test_tier_credits_order_memory_before_host_before_disk_before_a_miss() -> None:
+    """(The namespace term, tested on its own below, is off here: d1 is new to a named namespace.)"""
     index = cluster({"disk": [("d2", Tier.DISK)], "host": [("d2", Tier.HOST)], "mem": [("d2", Tier.MEMORY)], "miss": []})
-    policy = policy_named("cache_aware", tier_costs=TierCosts(host=0.05, disk=0.2))
+    policy = policy_named("cache_aware", tier_costs=TierCosts(host=0.05, disk=0.2), namespace_weight=0.0)
     loads = idle("disk", "host", "mem", "miss")
     decision = policy.choose(REQUEST, loads, index)
     assert decision.costs == {"mem": 1100, "host": 1100 + 0.05 * 2000, "disk": 1100 + 0.2 * 2000, "miss": 3100}
@@ -84,6 +85,19 @@ def test_an_overloaded_holder_is_skipped_even_when_it_is_cheapest() -> None:
     decision = policy.choose(big, loads, index)
     assert (decision.replica, decision.reason) == ("r1", "cache")
     assert policy_named("cache_aware", imbalance_floor=4000).choose(big, loads, index).replica == "r0"
+
+
+def test_of_two_replicas_the_one_queued_far_above_the_other_is_skipped() -> None:
+    """r0 holds 30000 document tokens (100 to prefill) and has 20000 queued: cheapest at 20100 against
+    r1's 30100, but above 2 x the other's queue (0) and the 8192 floor, so r1 takes it. (Against the
+    mean of both, 10000, a busy replica of two could never be above twice it.)"""
+    big = RouteRequest("t", (("d1", 10000), ("d2", 20000)), prompt_tokens=30100)
+    index = cluster({"r0": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)], "r1": []})
+    loads = [ReplicaLoad("r0", queued_prefill_tokens=20000), ReplicaLoad("r1")]
+    decision = policy_named("cache_aware").choose(big, loads, index)
+    assert (decision.replica, decision.reason) == ("r1", "load") and decision.costs == {"r0": 20100, "r1": 30100}
+    loads[1].queued_prefill_tokens = 12000  # r0 under 2 x 12000: kept, and cheaper (20100 against 42100)
+    assert policy_named("cache_aware").choose(big, loads, index).replica == "r0"
 
 
 def test_when_every_replica_is_over_the_guard_the_cheapest_still_wins() -> None:
@@ -246,3 +260,34 @@ def test_an_announced_pool_fill_steers_the_next_new_document_at_once() -> None:
     assert state.announce(Announcement("a", "i", 0, (), full=True, pool_fill=0.9))
     decision = state.choose(request, ["a", "b"])
     assert decision.replica == "b" and decision.costs == pytest.approx({"a": 590.0, "b": 320.0})
+
+
+def test_a_tenants_new_document_goes_where_most_of_its_namespace_is() -> None:
+    """Namespace t: r1 holds two of its documents in memory, r0 one, r2 one on disk only (a namespace is
+    where its documents are in memory: r2's counts for nothing). A request of t with one document no
+    replica holds (1000 tokens, prompt 1100) costs 1100 + 0.5 x 1000 x the share of t held elsewhere:
+    r0 1100 + 500 x 2/3, r1 1100 + 500 x 1/3, r2 1100 + 500. r1 wins, for what it holds. In the shared
+    namespace "" (every tenant's) the same holdings say nothing: all cost 1100, the tie goes to r0."""
+    policy = policy_named("cache_aware", namespace_weight=0.5, decode_weight=0.0)
+    for namespace in ("t", ""):
+        index = cluster({"r0": [("a1", Tier.MEMORY)], "r1": [("a2", Tier.MEMORY), ("a3", Tier.MEMORY)],
+                         "r2": [("a4", Tier.DISK)]}, namespace)
+        decision = policy.choose(RouteRequest(namespace, (("new", 1000),), 1100), idle("r0", "r1", "r2"), index)
+        if namespace:
+            assert (decision.replica, decision.reason) == ("r1", "cache")
+            assert decision.costs == pytest.approx({"r0": 1100 + 1000 / 3, "r1": 1100 + 500 / 3, "r2": 1600})
+        else:
+            assert (decision.replica, decision.reason) == ("r0", "load")
+            assert decision.costs == {"r0": 1100, "r1": 1100, "r2": 1100}
+
+
+def test_only_documents_new_to_the_cluster_are_charged_for_leaving_their_namespace() -> None:
+    """r0 holds a1 (namespace t), r1 holds a2 and a3. A request of a1 (1000 tokens) and a new document
+    (500), prompt 1600: prefill r0 600, r1 1600; the namespace term charges the new document only:
+    r0 0.5 x 500 x 2/3, r1 0.5 x 500 x 1/3 (a1, held by r0, is charged as a copy by the eviction term,
+    off here with empty pools)."""
+    index = cluster({"r0": [("a1", Tier.MEMORY)], "r1": [("a2", Tier.MEMORY), ("a3", Tier.MEMORY)]})
+    policy = policy_named("cache_aware", namespace_weight=0.5, decode_weight=0.0)
+    decision = policy.choose(RouteRequest("t", (("a1", 1000), ("new", 500)), 1600), idle("r0", "r1"), index)
+    assert decision.replica == "r0"
+    assert decision.costs == pytest.approx({"r0": 600 + 500 / 3, "r1": 1600 + 250 / 3})

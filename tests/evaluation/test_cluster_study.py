@@ -39,6 +39,14 @@ def test_each_request_names_k_distinct_documents_of_its_own_tenant_only() -> Non
     assert len({frozenset(o) for o in orders}) < len(orders)  # the same documents come in other orders
 
 
+def test_with_tenant_namespaces_each_request_names_its_tenants_salt() -> None:
+    shared = TenantWorkload(TenantConfig(tenants=3)).requests(50, 1)
+    isolated = TenantWorkload(TenantConfig(tenants=3, tenant_namespaces=True)).requests(50, 1)
+    assert {r.salt for r in shared} == {None}
+    assert all(r.salt == f"tenant-{r.tenant}" for r in isolated) and len({r.salt for r in isolated}) == 3
+    assert [(r.tenant, r.prompt) for r in isolated] == [(r.tenant, r.prompt) for r in shared]
+
+
 def test_tenants_are_uniform_or_skewed_and_arrivals_poisson() -> None:
     uniform = [r.tenant for r in TenantWorkload(TenantConfig(tenants=4)).requests(4000, 1)]
     assert all(abs(uniform.count(t) / 4000 - 0.25) < 0.03 for t in range(4))
@@ -82,7 +90,7 @@ def test_targets_are_ratios_with_their_bounds() -> None:
 def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cluster")
     assert main(["eval", "cluster", "--policies", "cache_aware", "--no-pooled", "--hit-dp-size", "0",
-                 "--out", str(out), *TINY]) == 0
+                 "--tenant-namespaces", "--out", str(out), *TINY]) == 0
     return out
 
 
@@ -111,7 +119,7 @@ def test_the_summary_is_the_raw_records(study: Path) -> None:
         assert r["ttft_s"] == r["server_ttft_s"] <= r["client_ttft_s"] + 0.05 and r["ttft_source"] == "server"
         assert ("replica" in r) == (r["method"] == "dp2-cache_aware")
     working_set = summary["working_set"]
-    assert working_set["entries"] == 2 * 3
+    assert working_set["entries"] == 2 * 3 and summary["workload"]["tenant_namespaces"]
     assert summary["public_pool_bytes"] == int(working_set["bytes"] / 1.2)
     assert "QPS at SLO dp2-cache_aware / single" in (study / "cluster_summary.md").read_text()
 
