@@ -267,10 +267,10 @@ class DocumentIndex:
         table = self._table
         held = (table.keys > REMOVED) & ((table.bits[:, Tier.MEMORY, word] & np.uint64(1 << bit)) != 0)
         counts = np.bincount(table.namespaces[held], minlength=len(self._namespace_names))
-        for namespace, count in enumerate(counts.tolist()):
-            self._namespace_held.setdefault(namespace, {}).pop(slot, None)
-            if count:
-                self._namespace_held[namespace][slot] = count
+        for held_by in self._namespace_held.values():
+            held_by.pop(slot, None)
+        for namespace in np.flatnonzero(counts).tolist():
+            self._namespace_held.setdefault(namespace, {})[slot] = int(counts[namespace])
 
     # ----- queries ------------------------------------------------------------------------------
     def holders(self, namespace: str, key: str) -> dict[str, Tier]:

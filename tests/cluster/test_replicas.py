@@ -43,6 +43,15 @@ class Replay:
             self.engines[replica] = Engine.from_pretrained("default", dtype="float32")
         return self.engines[replica].generate(prompt, **sampling)
 
+    def check(self, answer: dict, prompt: str) -> dict:
+        """Assert a 6-token greedy ``answer`` to ``prompt`` is its replica's engine's (tokens, hits and
+        misses); its ``meta_info``."""
+        meta = answer["meta_info"]
+        expected = self.generate(meta["replica"], prompt, max_new_tokens=6)
+        assert answer["output_ids"] == expected.output_ids
+        assert (meta["segments_hit"], meta["segments_missed"]) == (expected.segments_hit, expected.segments_missed)
+        return meta
+
 
 def _generate(cluster: ServerProcess, prompt: str, **extra) -> dict:
     return cluster.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
@@ -68,12 +77,7 @@ def test_a_reordered_request_follows_its_documents_and_answers_as_one_engine(clu
     replay, served = Replay(), {}
     for first, again in (([0, 1, 2], [2, 0, 1]), ([3, 4, 5], [5, 3, 4])):
         for indices in (first, again):
-            answer = _generate(cluster, _prompt(indices))
-            meta = answer["meta_info"]
-            expected = replay.generate(meta["replica"], _prompt(indices), max_new_tokens=6)
-            assert answer["output_ids"] == expected.output_ids
-            assert (meta["segments_hit"], meta["segments_missed"]) == (expected.segments_hit, expected.segments_missed)
-            served[tuple(indices)] = meta
+            served[tuple(indices)] = replay.check(_generate(cluster, _prompt(indices)), _prompt(indices))
         assert served[tuple(again)]["replica"] == served[tuple(first)]["replica"]
         assert served[tuple(again)]["segments_hit"] == 3
 
