@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from ..cache.modes import Mode
 from ..errors import HypicError
 from ..router.plan import SegmentJob
-from ..scheduler.loop import EngineLoop, ErrorEvent, Event, Job, QueueFull
+from ..scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, QueueFull
 from ..scheduler.policy import SchedulingPolicy
 from .front import FrontEngine
 from .index import Announcement
@@ -105,7 +105,7 @@ class ReplicaLoop:
 
         def relay(event: Event) -> None:
             nonlocal heard
-            heard = heard or job.request.stream
+            heard = heard or job.request.stream or isinstance(event, (DoneEvent, ErrorEvent))
             emit(event)
 
         tried: set[str] = set()
@@ -142,7 +142,7 @@ class ReplicaLoop:
         watcher = asyncio.get_running_loop().create_task(self._cancel_when_asked(job, stream))
         try:
             async for item in stream:
-                await self._relay(item, emit)
+                await self._relay(job.rid, item, emit)
         finally:
             watcher.cancel()
             self.state.finished(job.rid)
@@ -168,10 +168,14 @@ class ReplicaLoop:
             builds.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
         return replace(route, replica=decision.replica), builds
 
-    async def _relay(self, item: list[Event] | Announcement, emit: Callable[[Event], None]) -> None:
+    async def _relay(self, rid: str, item: list[Event] | Announcement, emit: Callable[[Event], None]) -> None:
         if isinstance(item, Announcement):
             await self.announce(item)
             return
+        if item and isinstance(item[-1], (DoneEvent, ErrorEvent)):
+            # its load leaves the replica before its client hears the end and may send the next request
+            # (the replica's stream closes a message later)
+            self.state.finished(rid)
         for event in item:
             emit(event)
 

@@ -1,18 +1,24 @@
 """``hypic serve --dp-size N``: the replicated service as a Ray Serve application. The replicas are
 one deployment of N whole instances, routed by ``ReplicaRouter``; the ingress deployment is
-HYPIC's HTTP application over ``ReplicaLoop``. Ray Serve's proxy listens on ``--host:--port``."""
+HYPIC's HTTP application over ``ReplicaLoop``. ``hypic serve`` starts no Ray Serve proxy: the ingress
+listens on ``--host:--port`` itself; deployed with ``serve run``, the application is reached through
+Serve's proxy as any other."""
 import argparse
 import asyncio
 import logging
 import signal
+import socket
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import HTTPOptions, ProxyLocation, RequestRouterConfig
+import uvicorn
+from ray.serve.config import ProxyLocation, RequestRouterConfig
 
 from ..errors import HypicError
 from ..router.pool import start_ray, stop_ray
@@ -29,13 +35,16 @@ APP_NAME = "hypic"
 STATE_NAME = "hypic-ingress"  # the name the router finds the ingress's cluster state by
 START_TIMEOUT_S = 600.0  # replicas load their model in this long, or the service does not start
 MAX_ONGOING_PER_REPLICA = 1024  # the replicas' own loops queue and refuse (503) beyond their limits
+LISTEN_TIMEOUT_S = 30.0  # the ingress's own HTTP server accepts connections in this long, or it fails to start
 
 
 @serve.ingress()
 class Ingress:
-    """HYPIC's HTTP application, in front of the replicas."""
+    """HYPIC's HTTP application, in front of the replicas; with ``listen`` (host, port), also served on
+    that address by this replica itself."""
 
-    async def __init__(self, replicas: Any, args: argparse.Namespace, limits: GateLimits, info: Any) -> None:
+    async def __init__(self, replicas: Any, args: argparse.Namespace, limits: GateLimits, info: Any,
+                       listen: tuple[str, int] | None = None) -> None:
         front = FrontEngine(Path(info.model_path), args.dtype, args.device, args.seam_width, args.pic_separator,
                             args.snapshot_interval)
         self.state = ClusterState(policy_named(args.router_policy))
@@ -43,10 +52,57 @@ class Ingress:
         self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,
                                 spreads=args.tp_size == 1 and args.router_policy == "cache_aware")
         await self.loop.wait_for_replicas(args.dp_size, START_TIMEOUT_S)
-        self.args, self.limits, self.info = args, limits, info
+        self.asgi = OnServingLoop(build_app(self.loop, info, None, limits), self.loop.serve_on)
+        self.listener = await Listener.start(self.asgi, *listen) if listen is not None else None
 
     def __serve_build_asgi_app__(self) -> Any:
-        return OnServingLoop(build_app(self.loop, self.info, None, self.limits), self.loop.serve_on)
+        return self.asgi
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: an ingress no longer listening on its address is restarted."""
+        if self.listener is not None:
+            self.listener.check()
+
+    def __del__(self) -> None:
+        if getattr(self, "listener", None) is not None:
+            self.listener.server.should_exit = True
+
+
+@dataclass
+class Listener:
+    """``app`` served on an address from this process's event loop: a request goes from its client
+    straight to the ingress, not through Ray Serve's proxy (a hop that cost about 9 ms of a 15 ms
+    request, and CPU the replicas need, on a 2-core machine)."""
+
+    address: str
+    server: uvicorn.Server
+    task: asyncio.Task
+
+    @classmethod
+    async def start(cls, app: Any, host: str, port: int) -> "Listener":
+        """Listening, or an error naming the address. The socket reuses the address: a restarted
+        ingress takes its port back at once, while its predecessor's connections linger."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            sock.close()
+            raise HypicError(f"the ingress cannot listen on {host}:{port}: {err}") from err
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
+        listener = cls(f"{host}:{port}", server, asyncio.get_running_loop().create_task(server.serve(sockets=[sock])))
+        deadline = time.monotonic() + LISTEN_TIMEOUT_S
+        while not server.started:
+            listener.check()
+            if time.monotonic() > deadline:
+                raise HypicError(f"the ingress's HTTP server did not start on {listener.address} in {LISTEN_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.01)
+        return listener
+
+    def check(self) -> None:
+        if self.task.done():
+            failure = None if self.task.cancelled() else self.task.exception()
+            raise HypicError(f"the ingress stopped listening on {self.address}: {failure or 'its server exited'}")
 
 
 class OnServingLoop:
@@ -62,8 +118,9 @@ class OnServingLoop:
 
 
 def application(args: argparse.Namespace, start_instance: Callable[..., Any], limits: GateLimits,
-                info: Any) -> Any:
-    """The bound Ray Serve application of ``hypic serve ARGS`` with ``--dp-size`` replicas."""
+                info: Any, listen: tuple[str, int] | None = None) -> Any:
+    """The bound Ray Serve application of ``hypic serve ARGS`` with ``--dp-size`` replicas; ``listen``:
+    the address its ingress serves HTTP on itself, beside Ray Serve's proxy."""
     replicas = serve.deployment(Replica, name="HypicReplica").options(
         num_replicas=args.dp_size, max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
         ray_actor_options={"num_cpus": (args.threads or 1) * args.tp_size},
@@ -74,7 +131,7 @@ def application(args: argparse.Namespace, start_instance: Callable[..., Any], li
     here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
     ingress = serve.deployment(Ingress, name="HypicIngress").options(
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0, "resources": here})
-    return ingress.bind(replicas.bind(args, start_instance), args, limits, info)
+    return ingress.bind(replicas.bind(args, start_instance), args, limits, info, listen)
 
 
 def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], limits: GateLimits, info: Any) -> None:
@@ -83,10 +140,10 @@ def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], 
     args.threads = threads
     start_ray(args.dp_size * threads * args.tp_size + 1, args.ray_address)
     try:
-        # one proxy, on this node: --host is this machine's address (another node's proxy could not bind it)
-        serve.start(http_options=HTTPOptions(host=args.host, port=args.port), proxy_location=ProxyLocation.HeadOnly,
-                    logging_config={"log_level": "WARNING"})
-        serve.run(application(args, start_instance, limits, info), name=APP_NAME, route_prefix="/", blocking=False)
+        # no proxy: the ingress (on this node) listens on --host:--port itself
+        serve.start(proxy_location=ProxyLocation.Disabled, logging_config={"log_level": "WARNING"})
+        serve.run(application(args, start_instance, limits, info, (args.host, args.port)), name=APP_NAME,
+                  route_prefix=None, blocking=False)
         print(f"hypic: serving {info.served_model_name} with {args.dp_size} replicas ({args.router_policy} "
               f"routing) on http://{args.host}:{args.port}", flush=True)
         _wait_for_signal()

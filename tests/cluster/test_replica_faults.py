@@ -19,6 +19,7 @@ PROMPT = DEFAULT_SEPARATOR.join(["Answer from the records.", "Record: the otter 
                                  "Question: who was born?"])
 LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 ROOM = 2  # requests each replica holds (--max-queued-requests)
+INGRESS_BACK_S = 40  # a killed ingress serves again in this long (Linux keeps a closed connection 60 s in TIME_WAIT)
 
 
 def _replicas(cluster: ServerProcess) -> list[dict[str, Any]]:
@@ -109,14 +110,16 @@ def _a_stream_cut_mid_way_ends_in_an_error(cluster: ServerProcess) -> None:
 
 def _a_restarted_ingress_learns_what_the_replicas_hold(cluster: ServerProcess) -> None:
     """Documents warmed before the ingress is SIGKILLed are hits after Ray Serve restarts it: the new
-    ingress asks every replica for what it holds before it serves."""
+    ingress asks every replica for what it holds before it serves. It serves on the same address
+    well within the minute its predecessor's connections linger there (TIME_WAIT), which a socket
+    that did not reuse the address would have to wait out."""
     _wait(lambda: len(_replicas(cluster)) == 2, 180, "a replacement replica to join")
     documents = [f"Record {i}: the heron of Welby was born in {1900 + i} and fished the river at dawn." for i in range(2)]
     cluster.post("/flush_cache", {})
     cluster.post("/warmup", {"documents": documents})
     os.kill(cluster.get("/get_server_info")["data_parallel"]["ingress_pid"], signal.SIGKILL)
     time.sleep(1)
-    _wait(lambda: _healthy(cluster), 120, "a new ingress to serve")
+    _wait(lambda: _healthy(cluster), INGRESS_BACK_S, "a new ingress to serve")
     for document in documents:
         prompt = DEFAULT_SEPARATOR.join(["Answer from the records.", document, "Question: when?"])
         meta = cluster.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 2}})["meta_info"]
