@@ -244,16 +244,17 @@ def summarize_load(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def qps_at_slo(rows: Sequence[dict[str, Any]], slo: float) -> tuple[float | None, bool]:
-    """(QPS where p50 TTFT crosses ``slo``, log-linear between the levels around it; whether that is
-    only a lower bound, the ladder never reaching the SLO). (None, False) if no level is below it."""
-    below = [r for r in rows if r["ttft_p50_s"] < slo]
+    """(QPS where p50 TTFT first crosses ``slo``, log-linear between the levels around it; whether that
+    is only a lower bound, the ladder never reaching the SLO). (None, False) if no level is below it.
+    A level under the SLO above one over it (a noisy curve) does not raise the capacity."""
+    above = [r for r in rows if r["ttft_p50_s"] >= slo]
+    high = min(above, key=lambda r: r["qps"]) if above else None
+    below = [r for r in rows if r["ttft_p50_s"] < slo and (high is None or r["qps"] < high["qps"])]
     if not below:
         return None, False
     low = max(below, key=lambda r: r["qps"])
-    above = [r for r in rows if r["qps"] > low["qps"] and r["ttft_p50_s"] >= slo]
-    if not above:
+    if high is None:
         return low["qps"], True
-    high = min(above, key=lambda r: r["qps"])
     if math.isinf(high["ttft_p50_s"]):  # every request of that level failed: no curve to interpolate
         return low["qps"], True
     frac = math.log(slo / low["ttft_p50_s"]) / math.log(high["ttft_p50_s"] / low["ttft_p50_s"])

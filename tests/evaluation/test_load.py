@@ -62,6 +62,10 @@ def test_capacity_interpolates_log_linearly_and_marks_lower_bounds() -> None:
     assert qps_at_slo([_row("m", 1, 0.25), _row("m", 4, 4.0)], 1.0) == (pytest.approx(2.0), False)
     assert qps_at_slo([_row("m", 1, 2.0)], 1.0) == (None, False)
     assert qps_at_slo([_row("m", 1, 0.1), _row("m", 2, 0.2)], 1.0) == (2, True)
+    # a level back under the SLO past the first crossing (noise) does not count: still QPS 2
+    assert qps_at_slo([_row("m", 1, 0.25), _row("m", 4, 4.0), _row("m", 8, 0.5), _row("m", 16, 2.0)],
+                      1.0) == (pytest.approx(2.0), False)
+    assert qps_at_slo([_row("m", 1, 1.5), _row("m", 2, 0.5)], 1.0) == (None, False)  # over it from the start
     rows = [_row("hypic:8", 1, 0.1), _row("hypic:8", 2, 0.2), _row("prefix", 1, 0.5), _row("prefix", 4, 2.0),
             _row("full", 1, 0.9)]
     capacity = capacities(rows, 1.0)
