@@ -150,7 +150,8 @@ class Replica:
                 ended = bool(batch) and isinstance(batch[-1], (DoneEvent, ErrorEvent))
                 if ended:  # what it holds now reaches the index before its client hears the end
                     yield self.feed.changes()
-                yield [self._stamped(event) for event in batch]
+                if batch:  # a request that is not streamed is told nothing per token: no message at all
+                    yield [self._stamped(event) for event in batch]
                 if ended:
                     break
         finally:

@@ -1,7 +1,13 @@
 """What a replica sends of its request's events: a batch's progress coalesced to each sample's
 latest (the ingress sends its client what is new since the last chunk), nothing but the end for a
 request that is not streamed. Expected lists worked out by hand."""
-from hypic.cluster.replica import told
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from hypic.cluster.replica import Replica, told
 from hypic.scheduler.loop import DoneEvent, ErrorEvent, ProgressEvent
 
 
@@ -33,3 +39,41 @@ def test_the_replicas_counters_add_up_as_one_services() -> None:
               "mode": "hypic"}
     assert summed([first, second]) == {"requests_finished": 7, "ttft_buckets": [1, 7],
                                        "public_pool": {"bytes": 17, "budget_bytes": None}, "mode": "hypic"}
+
+
+class TokenByToken:
+    """A stand-in engine loop that emits a request's events one at a time, as decoding does: three
+    tokens' progress, then the end."""
+
+    alive, failure = True, None
+
+    def enqueue(self, job: Any, emit: Any, peer_work: Any) -> None:
+        def decode() -> None:
+            for event in [_progress(0, "a"), _progress(0, "ab"), _progress(0, "abc"), DoneEvent("abc")]:  # type: ignore[arg-type]
+                time.sleep(0.05)
+                emit(event)
+        threading.Thread(target=decode, daemon=True).start()
+
+
+def _messages(streamed: bool) -> list[Any]:
+    """Every message ``Replica.run`` sends the ingress for one request."""
+    replica = object.__new__(Replica)
+    replica.instance = SimpleNamespace(loop=TokenByToken())
+    replica.feed = SimpleNamespace(changes=lambda: "holdings")
+    replica._job = lambda work: SimpleNamespace(cancel=lambda: None)
+    replica._stamped = lambda event: event
+    work = SimpleNamespace(request=SimpleNamespace(stream=streamed))
+
+    async def collect() -> list[Any]:
+        return [message async for message in replica.run(None, work)]  # type: ignore[arg-type]
+
+    return asyncio.run(collect())
+
+
+def test_a_request_that_is_not_streamed_costs_one_message_for_its_end_not_one_per_token() -> None:
+    """Each message is a call across processes: a request that is not streamed gets what the replica
+    holds and its end, nothing for the tokens between; a streamed one gets each token's progress."""
+    assert _messages(streamed=False) == ["holdings", [DoneEvent("abc")]]  # type: ignore[arg-type]
+    streamed = _messages(streamed=True)
+    assert streamed[-2:] == ["holdings", [DoneEvent("abc")]]  # type: ignore[arg-type]
+    assert [batch[-1].completion for batch in streamed[:-2]] == ["a", "ab", "abc"]
