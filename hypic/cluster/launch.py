@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray import serve
 import uvicorn
+from ray import serve
 from ray.serve.config import ProxyLocation, RequestRouterConfig
 
 from ..errors import HypicError
@@ -120,7 +120,7 @@ class OnServingLoop:
 def application(args: argparse.Namespace, start_instance: Callable[..., Any], limits: GateLimits,
                 info: Any, listen: tuple[str, int] | None = None) -> Any:
     """The bound Ray Serve application of ``hypic serve ARGS`` with ``--dp-size`` replicas; ``listen``:
-    the address its ingress serves HTTP on itself, beside Ray Serve's proxy."""
+    the address its ingress serves HTTP on itself (none: only through Ray Serve's proxy)."""
     replicas = serve.deployment(Replica, name="HypicReplica").options(
         num_replicas=args.dp_size, max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
         ray_actor_options={"num_cpus": (args.threads or 1) * args.tp_size},
