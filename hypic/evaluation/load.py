@@ -12,7 +12,7 @@ says so.
 A level's requests are appended to ``OUT/load.jsonl`` when the level ends: a rerun replays only
 levels with missing requests (a server is started only for a method that has one). A method's
 ladder stops after the first level whose p50 TTFT reaches ``--stop-ttft``. The summary gives, per
-method, the QPS at which p50 TTFT crosses the SLO (log-linear between the levels around it) and
+method, the QPS at which p50 TTFT first crosses the SLO (log-linear between the levels around it) and
 HYPIC's ratio to prefix caching and full recompute there.
 """
 import argparse

@@ -58,7 +58,7 @@ class TokenByToken:
 def _messages(streamed: bool) -> list[Any]:
     """Every message ``Replica.run`` sends the ingress for one request."""
     replica = object.__new__(Replica)
-    replica.instance = SimpleNamespace(loop=TokenByToken())
+    replica.instance = SimpleNamespace(loop=TokenByToken(), close=lambda: None)
     replica.feed = SimpleNamespace(changes=lambda: "holdings")
     replica._job = lambda work: SimpleNamespace(cancel=lambda: None)
     replica._stamped = lambda event: event
