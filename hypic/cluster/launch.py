@@ -127,7 +127,8 @@ def application(args: argparse.Namespace, start_instance: Callable[..., Any], li
         health_check_period_s=1, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(request_router_class=ReplicaRouter,
                                                   request_router_kwargs={"state": STATE_NAME}))
-    # the ingress runs on this node (the one ``hypic serve`` runs on): a node with replicas alone may go
+    # the ingress runs on this node (the one ``hypic serve`` runs on): it listens on --host, this machine's
+    # address, and a node with replicas alone may go
     here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
     ingress = serve.deployment(Ingress, name="HypicIngress").options(
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0, "resources": here})
