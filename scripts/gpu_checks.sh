@@ -6,6 +6,8 @@
 #                   dots (TRITON_F32_DEFAULT=ieee; Triton fixes a dot's precision when it compiles);
 #   exact-ieee-solve-<family>  the same with FLA's TF32-fixed solve dots patched to IEEE (Gated
 #                   DeltaNet, KDA), which must happen before anything compiles: a process and cache each;
+#   exact-one-config-<family>  the same with each FLA kernel at the first of its own configs, not
+#                   autotuned (FLA_CACHE_MODE=default): one compile per kernel instead of 12-36;
 #   exact-pytorch   all families with FLA left out (our PyTorch chunked forms on CUDA, no Triton);
 #   cuda-engine, fla-gated-delta, fla-kda  the other CUDA-only tests (engine on CUDA, FLA's kernels);
 #   serve-cuda      ``hypic serve --device cuda`` end to end against the same server on the CPU, and the
@@ -21,13 +23,13 @@
 # tests run and the quiet "profile" and "bench" after them find a warm Triton cache (its timings discarded).
 # Environment: TESTS_S, PROFILE_S, BENCH_S (limits); STAGES (default tests,profile,bench); LAYERS keeps
 # fewer of the model's 40 layers; REPEATS sets the timed runs per mode and shape; FAMILIES and
-# SOLVE_FAMILIES narrow the exactness runs; SKIP names test processes to leave out (exact-pytorch,fla-kda).
+# SOLVE_FAMILIES narrow the exactness runs, ONE_CONFIG_FAMILIES adds runs at one FLA config per kernel; SKIP names test processes to leave out (exact-pytorch,fla-kda).
 # One 15-minute lease does not fit every stage with a cold Triton cache: FLA's kernels compiled with IEEE
 # fp32 dots take 4-6 minutes per family (Gated DeltaNet, KDA, GLA), several processes at once on one GPU.
-# What a lease did on 2026-11-28: STAGES=tests,warm,profile,bench with the passed tests left out (SKIP,
-# FAMILIES), then the unfinished exactness runs again at once on the warm machine (caches kept).
-# Still to run: FAMILIES=hypic_gla SOLVE_FAMILIES= SKIP=exact-pytorch,fla-kda,cuda-engine,fla-gated-delta,
-# serve-cuda, and STAGES=profile,bench,baseline BASELINE=855f656 (an A/B of the code after that run).
+# What the H200 lease of 2026-11-28 did: the GLA exactness run at one config per kernel beside
+# STAGES=profile,bench,baseline BASELINE=855f656, then baseline and bench again alone (a quiet A/B).
+# Stage 1 is done but NCCL, which needs a kind with two GPUs. A call returns at most 8 files from $OUT:
+# a second run's OUT inside it comes back only when the first leaves room.
 # A CPU dry run of the whole script: DEVICE=cpu PRESET=tiny-moe PROFILE_SHAPE=4x128 BENCH_ARGS=--quick.
 set -u
 OUT=${OUT:-/tmp/gpu_out}; RES=${RES:-/tmp/gpu_results}; SITE=${SITE:-/tmp/site}; mkdir -p "$OUT" "$RES"
@@ -61,6 +63,7 @@ PYTEST="python3 -m pytest -q -rfEsp -p no:cacheprovider"
 EXACT=tests/hypic/test_cuda.py::test_layer0_composition_is_exact_in_fp32_on_cuda
 FAMILIES=${FAMILIES-qwen3_5_text-ratio2 kimi_linear hypic_gla minimax granitemoehybrid nemotron_h}  # test_cuda's GPU_KERNEL_FAMILIES
 SOLVE_FAMILIES=${SOLVE_FAMILIES-qwen3_5_text-ratio2 kimi_linear}  # test_cuda's FLA_TF32_SOLVE
+ONE_CONFIG_FAMILIES=${ONE_CONFIG_FAMILIES-}  # exactness runs with FLA's kernels at one config each (fla_one_config.py)
 TESTS_S=${TESTS_S:-270}; SKIP=${SKIP:-}
 run_test() { [[ ",$SKIP," == *",$1,"* ]] || stage "$1" "$TESTS_S" "${@:2}"; }  # SKIP: test processes left out
 if want tests; then
@@ -71,6 +74,13 @@ if want tests; then
   for family in $SOLVE_FAMILIES; do
     ( export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee_solve_$family HYPIC_FLA_IEEE_SOLVE=1
       run_test "exact-ieee-solve-$family" $PYTEST -s "${EXACT}_with_fla_solve_in_ieee[$family]" ) &
+  done
+  for family in $ONE_CONFIG_FAMILIES; do  # FLA's kernels with one config each, not autotuned: compiles in a minute
+    ( export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee_one_$family FLA_CACHE_MODE=default \
+        FLA_CONFIG_DIR=$RES/fla_one_config_$family
+      python3 scripts/fla_one_config.py "$FLA_CONFIG_DIR" fla.ops.gla fla.ops.simple_gla fla.ops.kda \
+        fla.ops.gated_delta_rule >"$RES/fla_one_config_$family.log" 2>&1
+      run_test "exact-one-config-$family" $PYTEST -s "$EXACT[$family]" ) &
   done
   ( run_test exact-pytorch $PYTEST -s "${EXACT}_in_pytorch" ) &
   ( export TRITON_CACHE_DIR=/tmp/triton_bench  # the profile's kernels compile while the tests run: timings discarded;
