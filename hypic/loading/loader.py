@@ -6,14 +6,17 @@ memory beyond the model itself stays about one tensor. FP8 and MXFP4 checkpoints
 tensor by tensor as they are read (``hypic.loading.dequantizing_reader``); other quantized ones are refused
 by method.
 """
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
@@ -224,6 +227,30 @@ def _plan(model: HybridModel, sources: dict[str, Source], reader: TensorReader) 
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
 
 
+INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                  "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def initialisation_skipped() -> Iterator[None]:
+    """``torch.nn.init``'s functions made no-ops while modules are built on the meta device: every
+    parameter is filled from the checkpoint next, and initialising a meta tensor imports torch's
+    compiler, over a second of every serving process's start. Module-wide: a module another thread
+    builds meanwhile is left uninitialised too."""
+    saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
+    for name in saved:
+        setattr(nn.init, name, _unchanged)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
+
+
 def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                tp: TensorParallel = TensorParallel()) -> HybridModel:
     """Build the model of a checkpoint directory on ``device`` in ``dtype``, filling each parameter
@@ -235,7 +262,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     rank = rank_config(config, tp)
     reader = open_checkpoint(path, dtype)
     sources, unused = parameter_sources(config, list(reader.index))
-    with torch.device("meta"):
+    with torch.device("meta"), initialisation_skipped():
         model = HybridModel(rank)
     _plan(model, sources, reader)
     rules = sharding_rules(model)

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ..config import ModelConfig
 from ..parallel.sharding import FirstRank, Rule, Split
@@ -34,12 +33,23 @@ def causal_attention(query: torch.Tensor, runs: list[tuple[int, int]], keys: tor
     for first, run in runs:
         end = first + run
         q = query[lo : lo + run].transpose(0, 1)[None]
-        mask = causal_lower_right(run, end) if run > 1 else None
+        mask = lower_right_mask(run, end, query.device) if run > 1 else None
         out = F.scaled_dot_product_attention(q, keys[None, :, :end], values[None, :, :end], attn_mask=mask,
                                              scale=scale, enable_gqa=query.shape[1] != keys.shape[0])
         outputs.append(out[0].transpose(0, 1))
         lo += run
     return torch.cat(outputs).reshape(query.shape[0], -1)
+
+
+def lower_right_mask(queries: int, keys: int, device: torch.device) -> object:
+    """The causal mask of ``queries`` positions ending at the last of ``keys``. On CUDA, torch's
+    ``CausalBias``, which its flash kernel applies without a mask in memory; elsewhere the boolean
+    mask it would build. Imported here: the module registers itself with torch's compiler, whose
+    import takes over a second of every process's start."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+        return causal_lower_right(queries, keys)
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
 QUERY_BLOCK = 512  # queries per block of the masked path when a window bounds the keys it scores

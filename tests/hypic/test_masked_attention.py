@@ -44,3 +44,15 @@ def test_masked_attention_matches_the_formula(monkeypatch: pytest.MonkeyPatch, w
     again = masked_attention(query, query_positions, keys[:, shuffled], values[:, shuffled], key_positions[shuffled],
                              0.3, window, sinks)
     assert torch.allclose(again, expected, atol=1e-5)
+
+
+def test_causal_attention_in_runs_matches_the_formula() -> None:
+    """Runs of queries that start past the first key (a seam after cached documents, a single decode
+    token, a run from position 0): each query sees the keys up to its own position."""
+    torch.manual_seed(0)
+    runs = [(0, 3), (5, 4), (9, 1), (4, 2)]
+    positions = torch.tensor([first + i for first, run in runs for i in range(run)])
+    query, keys, values = torch.randn(len(positions), 4, 8), torch.randn(2, 10, 8), torch.randn(2, 10, 8)
+    got = attention.causal_attention(query, runs, keys, values, 0.3)
+    expected = _naive(query, positions, keys, values, torch.arange(10), 0.3, None, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
