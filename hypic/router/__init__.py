@@ -1,12 +1,20 @@
 """Scale-out on Ray: segment-parallel prefill of cold documents, a global segment index, LPT
-dispatch and combine-node assembly (installed as ``hypic.router``)."""
-from .index import SegmentIndex
-from .lpt import lpt_assign, makespan
-from .peers import PeerPrefill
-from .plan import Plan, SegmentJob, document_jobs, make_plan
-from .prefix_index import PrefixIndex
-from .router import NoLiveWorkers, RoutedResult, Router
-from .transfer import TransferError, check_entry
+dispatch and combine-node assembly (installed as ``hypic.router``).
 
-__all__ = ["NoLiveWorkers", "PeerPrefill", "Plan", "PrefixIndex", "RoutedResult", "Router", "SegmentIndex", "SegmentJob", "TransferError", "check_entry",
-           "document_jobs", "lpt_assign", "make_plan", "makespan"]
+Names are loaded on first use: importing one submodule (``hypic.router.lpt``, say) must not import
+Ray, which a server that never scales out would load for nothing (a third of a second a process)."""
+import importlib
+from typing import Any
+
+_HOMES = {"SegmentIndex": "index", "lpt_assign": "lpt", "makespan": "lpt", "PeerPrefill": "peers", "Plan": "plan",
+          "SegmentJob": "plan", "document_jobs": "plan", "make_plan": "plan", "PrefixIndex": "prefix_index",
+          "NoLiveWorkers": "router", "RoutedResult": "router", "Router": "router", "TransferError": "transfer",
+          "check_entry": "transfer"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)

@@ -134,22 +134,6 @@ def test_bailing_with_scaled_rope_is_refused() -> None:
         parse_config(raw)
 
 
-STARTUP_SCRIPT = """
-import sys
-from hypic import Engine
-Engine.from_pretrained("default").generate("Hello there. How are you? Fine, thanks.", max_new_tokens=2)
-print(sorted(name for name in sys.modules if name.startswith("torch._dynamo")))
-"""
-
-
-def test_loading_and_serving_do_not_import_torchs_compiler() -> None:
-    """Importing torch's compiler takes over a second of every serving process's start (each replica,
-    rank and worker): a fresh process that loads the model and generates never imports it."""
-    run = subprocess.run([sys.executable, "-c", STARTUP_SCRIPT], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "[]"
-
-
 def test_initialisation_is_skipped_only_while_the_model_is_built() -> None:
     from hypic.loading.loader import initialisation_skipped
     before = torch.nn.init.normal_
