@@ -23,7 +23,8 @@
 # tests run and the quiet "profile" and "bench" after them find a warm Triton cache (its timings discarded).
 # Environment: TESTS_S, PROFILE_S, BENCH_S (limits); STAGES (default tests,profile,bench); LAYERS keeps
 # fewer of the model's 40 layers; REPEATS sets the timed runs per mode and shape; FAMILIES and
-# SOLVE_FAMILIES narrow the exactness runs, ONE_CONFIG_FAMILIES adds runs at one FLA config per kernel; SKIP names test processes to leave out (exact-pytorch,fla-kda).
+# SOLVE_FAMILIES narrow the exactness runs, ONE_CONFIG_FAMILIES adds runs at one FLA config per kernel;
+# SKIP names test processes to leave out (exact-pytorch,fla-kda).
 # One 15-minute lease does not fit every stage with a cold Triton cache: FLA's kernels compiled with IEEE
 # fp32 dots take 4-6 minutes per family (Gated DeltaNet, KDA, GLA), several processes at once on one GPU.
 # What the H200 lease of 2026-11-28 did: the GLA exactness run at one config per kernel beside
@@ -75,7 +76,7 @@ if want tests; then
     ( export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee_solve_$family HYPIC_FLA_IEEE_SOLVE=1
       run_test "exact-ieee-solve-$family" $PYTEST -s "${EXACT}_with_fla_solve_in_ieee[$family]" ) &
   done
-  for family in $ONE_CONFIG_FAMILIES; do  # FLA's kernels with one config each, not autotuned: compiles in a minute
+  for family in $ONE_CONFIG_FAMILIES; do  # FLA's kernels with one config each, not autotuned (GLA: 245 s on an H200, >500 s autotuned)
     ( export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton_ieee_one_$family FLA_CACHE_MODE=default \
         FLA_CONFIG_DIR=$RES/fla_one_config_$family
       python3 scripts/fla_one_config.py "$FLA_CONFIG_DIR" fla.ops.gla fla.ops.simple_gla fla.ops.kda \

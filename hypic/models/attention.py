@@ -41,9 +41,9 @@ def causal_attention(query: torch.Tensor, runs: list[tuple[int, int]], keys: tor
     return torch.cat(outputs).reshape(query.shape[0], -1)
 
 
-def lower_right_mask(queries: int, keys: int, device: torch.device) -> object:
+def lower_right_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
     """The causal mask of ``queries`` positions ending at the last of ``keys``. On CUDA, torch's
-    ``CausalBias``, which its flash kernel applies without a mask in memory; elsewhere the boolean
+    ``CausalBias`` (a tensor subclass), which its flash kernel applies without a mask in memory; elsewhere the boolean
     mask it would build. Imported here: the module registers itself with torch's compiler, whose
     import takes over a second of every process's start."""
     if device.type == "cuda":
