@@ -17,7 +17,9 @@ untimed, ``dpM-cache_aware`` with ``--hit-dp-size M`` replicas at ``--hit-qps`` 
 cores cannot be timed fairly: its TTFTs are recorded, not compared).
 
 Each QPS level starts from flushed pools, sends ``--warm-requests`` requests of a separate slice of
-the stream one by one (untimed), then replays ``--requests`` at their arrival times, concurrently
+the stream one by one (untimed; by default as many as name every document between them, so that a
+level times a warm service: a document's first use is a miss under every policy), then replays
+``--requests`` at their arrival times, concurrently
 (``load``'s machinery). TTFT is the server's (from the request's arrival at the server, or at the
 ingress of a replicated one). Records go to ``OUT/cluster.jsonl`` as each level ends (a rerun replays
 only missing levels); ``OUT/cluster_summary.json`` and ``.md`` give per configuration and level the
@@ -92,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=64, help="--max-running-requests of each server or replica")
     parser.add_argument("--qps", type=float, nargs="+", default=[0.5, 1, 2, 4], help="QPS levels of the timed ones")
     parser.add_argument("--requests", type=int, default=24, help="requests replayed per QPS level")
-    parser.add_argument("--warm-requests", type=int, default=16, help="untimed requests before each level")
+    parser.add_argument("--warm-requests", type=int, default=None,
+                        help="untimed requests before each level (default: the fewest of the warm-up slice that name "
+                             "every document between them, at most two per document, so a level measures a warm "
+                             "service rather than first uses of documents)")
     parser.add_argument("--output-tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument("--slo", type=float, default=1.0, help="p50 TTFT (s) that defines a configuration's capacity")
     parser.add_argument("--stop-ttft", type=float, default=3.0, help="stop a ladder at this p50 TTFT (s)")
@@ -105,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     if any(q <= 0 for q in args.qps) or args.hit_qps <= 0:
         raise DataError("--qps levels and --hit-qps must be > 0")
-    if args.requests < 1 or args.warm_requests < 0 or args.output_tokens < 1 or args.threads < 1:
+    if args.requests < 1 or (args.warm_requests or 0) < 0 or args.output_tokens < 1 or args.threads < 1:
         raise DataError("--requests, --output-tokens and --threads must be >= 1, --warm-requests >= 0")
     if args.dp_size < 2 or args.hit_dp_size < 0 or args.hit_dp_size == 1:
         raise DataError("--dp-size must be >= 2, --hit-dp-size 0 (none) or >= 2")
@@ -125,6 +130,13 @@ def configurations(args: argparse.Namespace) -> list[Config]:
     if args.hit_dp_size:
         configs.append(Config(f"dp{args.hit_dp_size}-cache_aware", args.hit_dp_size, "cache_aware", timed=False))
     return configs
+
+
+def warm_requests_covering(workload: TenantWorkload) -> int:
+    """The default warm-up: the warm-up slice's requests up to the one that has named every document,
+    at most two per document (a rare tenant's last document is left to the timed phase)."""
+    documents = workload.config.tenants * workload.config.docs_per_tenant
+    return workload.covering_count(2 * documents)
 
 
 def _size(text: str, option: str) -> int:
@@ -419,6 +431,8 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
                                                args.doc_words, args.tenant_zipf, args.seed, args.tenant_namespaces))
     except TraceError as err:
         raise DataError(str(err)) from None
+    if args.warm_requests is None:
+        args.warm_requests = warm_requests_covering(workload)
     configs = configurations(args)
     results = ResultLog(args.out / "cluster.jsonl")
     records: list[dict[str, Any]] = []

@@ -76,6 +76,17 @@ class TenantWorkload:
         salt = f"tenant-{tenant}" if self.config.tenant_namespaces else None
         return TenantRequest(tenant, chosen, separator.join(parts), salt)
 
+    def covering_count(self, limit: int, offset: int = 0) -> int:
+        """The fewest of slice ``offset``'s first requests that name every document between them (at
+        most ``limit``): a warm-up that long leaves no document to its first use in the timed phase."""
+        seen: set[tuple[int, int]] = set()
+        everything = self.config.tenants * self.config.docs_per_tenant
+        for count, request in enumerate(self.requests(limit, offset), 1):
+            seen.update((request.tenant, d) for d in request.documents)
+            if len(seen) == everything:
+                return count
+        return limit
+
     def arrivals(self, count: int, qps: float) -> list[float]:
         """Poisson arrival times (s) of the first ``count`` requests at rate ``qps``: the first at 0."""
         if qps <= 0:

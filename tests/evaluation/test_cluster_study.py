@@ -11,7 +11,7 @@ import pytest
 
 from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.cli import main
-from hypic.evaluation.cluster import Goal, add_arguments, judge
+from hypic.evaluation.cluster import Goal, add_arguments, judge, warm_requests_covering
 from hypic.evaluation.tenants import TenantConfig, TenantWorkload
 from hypic.evaluation.trace import TraceError
 
@@ -62,6 +62,32 @@ def test_tenants_are_uniform_or_skewed_and_arrivals_poisson() -> None:
 
 def _capacity(qps: float | None, lower_bound: bool = False) -> dict:
     return {"qps": qps, "lower_bound": lower_bound}
+
+
+@pytest.mark.parametrize("zipf, capped", [(0.0, False), (1.2, True)])
+def test_the_default_warm_up_is_the_shortest_that_names_every_document(zipf: float, capped: bool) -> None:
+    """Read back from the prompts' text: the default warm-up's requests name all T x D documents
+    between them, one request fewer leaves one unnamed; where tenants are so skewed that two requests
+    a document do not name them all, it is two a document; a shorter cap is kept."""
+    workload = TenantWorkload(TenantConfig(tenants=5, docs_per_tenant=4, docs_per_request=2, tenant_zipf=zipf))
+    every = set().union(*map(set, workload.documents))
+
+    def named(count: int) -> set[str]:
+        return {part for r in workload.requests(count, 0) for part in r.prompt.split(DEFAULT_SEPARATOR)} & every
+
+    count = warm_requests_covering(workload)
+    if capped:
+        assert count == 2 * len(every) and named(count) < every
+    else:
+        assert named(count) == every and named(count - 1) != every and count < 2 * len(every)
+    assert workload.covering_count(count - 1) == count - 1
+    assert add_arguments_defaults()["warm_requests"] is None
+
+
+def add_arguments_defaults() -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
 
 
 def test_targets_are_ratios_with_their_bounds() -> None:
