@@ -278,17 +278,25 @@ class ReplicaLoop:
     @property
     def snapshot(self) -> dict[str, Any]:
         """The replicas' counters summed (numbers only), with the routing counters and each replica's status."""
-        statuses = [self.statuses[r] for r in sorted(self.statuses)]
+        live = self._live_statuses()
+        statuses = list(live.values())
         total = summed([status["counters"] for status in statuses]) if statuses else {}
         with self.state.lock:
             routing = {name: self.state.counters[name] for name in ROUTING_COUNTERS}
-        replicas = [{"index": i, **{k: v for k, v in self.statuses[r].items() if k != "counters"},
-                     "queued": self.statuses[r]["counters"].get("waiting_requests", 0),
-                     "running": self.statuses[r]["counters"].get("running_requests", 0)}
-                    for i, r in enumerate(sorted(self.statuses))]
+        replicas = [{"index": i, **{k: v for k, v in status.items() if k != "counters"},
+                     "queued": status["counters"].get("waiting_requests", 0),
+                     "running": status["counters"].get("running_requests", 0)}
+                    for i, status in enumerate(statuses)]
         weights = statuses[0].get("weight_bytes", 0) if statuses else 0  # every replica holds the same model
         return {**total, "weight_bytes": weights, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas), "ingress_pid": os.getpid(),
                                                                "policy": self.state.policy.name, "replicas": replicas}}
+
+    def _live_statuses(self) -> dict[str, dict[str, Any]]:
+        """The last statuses of the replicas still running, by id: a replica that died leaves the report
+        as soon as Ray Serve says so, not when a refresh waiting on its status gives up (10 s)."""
+        with self.state.lock:
+            live = set(self.state.replicas)
+        return {r: self.statuses[r] for r in sorted(self.statuses) if r in live}
 
     @property
     def alive(self) -> bool:

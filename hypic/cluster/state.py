@@ -68,7 +68,8 @@ class ClusterState:
         """How full each replica's public pool is now (from its status)."""
         with self.lock:
             for replica, fill in fills.items():
-                self.loads.setdefault(replica, ReplicaLoad(replica)).pool_fill = min(1.0, fill)
+                if replica not in self.gone:  # a status read before it died
+                    self.loads.setdefault(replica, ReplicaLoad(replica)).pool_fill = min(1.0, fill)
 
     def count(self, name: str) -> None:
         with self.lock:

@@ -66,3 +66,52 @@ def test_a_requests_load_leaves_its_replica_before_its_client_hears_the_answer()
 
     assert asyncio.run(load_when_answered()) == (0, 0, 0)
     assert replicas.load_at_call == (1, len(PROMPT))
+
+
+class StatusHandle:
+    """A deployment handle whose ``status`` calls answer at once for the replicas in ``answering`` and
+    never for the others (a replica killed while its status was asked for)."""
+
+    def __init__(self, answering: set[str]) -> None:
+        self.answering = answering
+
+    def options(self, method_name: str, stream: bool = False) -> "StatusHandle":
+        assert method_name == "status"
+        return self
+
+    def remote(self, route: Any) -> Any:
+        return self._status(route.replica)
+
+    async def _status(self, replica: str) -> dict[str, Any]:
+        if replica not in self.answering:
+            await asyncio.sleep(3600)
+        return {"replica": replica, "pid": 1, "public_pool_fill": 0.5,
+                "counters": {"running_requests": 1, "waiting_requests": 0, "requests_finished": 3}}
+
+
+def test_a_replica_gone_leaves_the_report_while_a_refresh_still_waits_on_it() -> None:
+    """Ray Serve says a replica died while the ingress waits for its status: the service's report
+    (``snapshot``) names only the replica left and sums its counters alone at once, though the
+    refresh under way gives up on the dead one only after its timeout. Its pool's fill, read before
+    it died, does not bring its load back."""
+    state = ClusterState(policy_named("cache_aware"))
+    state.set_replicas(["r0", "r1"])
+    handle = StatusHandle({"r0", "r1"})
+    loop = ReplicaLoop(None, handle, state, "hypic", None, spreads=False)  # type: ignore[arg-type]
+
+    async def report_after_death() -> tuple[list[str], list[str], Any]:
+        await loop.refresh()
+        before = [r["replica"] for r in loop.snapshot["data_parallel"]["replicas"]]
+        handle.answering.discard("r1")
+        refreshing = asyncio.ensure_future(loop.refresh())
+        await asyncio.sleep(0.05)
+        state.set_replicas(["r0"])
+        report = loop.snapshot
+        refreshing.cancel()
+        return before, [r["replica"] for r in report["data_parallel"]["replicas"]], report
+
+    before, after, report = asyncio.run(report_after_death())
+    assert before == ["r0", "r1"] and after == ["r0"]
+    assert report["requests_finished"] == 3 and report["running_requests"] == 1
+    state.pools_filled({"r1": 0.9})
+    assert set(state.loads) <= {"r0"}
