@@ -278,8 +278,7 @@ class ReplicaLoop:
     @property
     def snapshot(self) -> dict[str, Any]:
         """The replicas' counters summed (numbers only), with the routing counters and each replica's status."""
-        live = self._live_statuses()
-        statuses = list(live.values())
+        statuses = self._live_statuses()
         total = summed([status["counters"] for status in statuses]) if statuses else {}
         with self.state.lock:
             routing = {name: self.state.counters[name] for name in ROUTING_COUNTERS}
@@ -291,12 +290,12 @@ class ReplicaLoop:
         return {**total, "weight_bytes": weights, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas), "ingress_pid": os.getpid(),
                                                                "policy": self.state.policy.name, "replicas": replicas}}
 
-    def _live_statuses(self) -> dict[str, dict[str, Any]]:
-        """The last statuses of the replicas still running, by id: a replica that died leaves the report
-        as soon as Ray Serve says so, not when a refresh waiting on its status gives up (10 s)."""
+    def _live_statuses(self) -> list[dict[str, Any]]:
+        """The last statuses of the replicas still running, in id order: a replica that died leaves the
+        report as soon as Ray Serve says so, not when a refresh waiting on its status gives up (10 s)."""
         with self.state.lock:
             live = set(self.state.replicas)
-        return {r: self.statuses[r] for r in sorted(self.statuses) if r in live}
+        return [self.statuses[r] for r in sorted(self.statuses) if r in live]
 
     @property
     def alive(self) -> bool:

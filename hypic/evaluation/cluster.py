@@ -135,8 +135,7 @@ def configurations(args: argparse.Namespace) -> list[Config]:
 def warm_requests_covering(workload: TenantWorkload) -> int:
     """The default warm-up: the warm-up slice's requests up to the one that has named every document,
     at most two per document (a rare tenant's last document is left to the timed phase)."""
-    documents = workload.config.tenants * workload.config.docs_per_tenant
-    return workload.covering_count(2 * documents)
+    return workload.covering_count(2 * len(workload.all_documents()))
 
 
 def _size(text: str, option: str) -> int:

@@ -80,7 +80,7 @@ class TenantWorkload:
         """The fewest of slice ``offset``'s first requests that name every document between them (at
         most ``limit``): a warm-up that long leaves no document to its first use in the timed phase."""
         seen: set[tuple[int, int]] = set()
-        everything = self.config.tenants * self.config.docs_per_tenant
+        everything = len(self.all_documents())
         for count, request in enumerate(self.requests(limit, offset), 1):
             seen.update((request.tenant, d) for d in request.documents)
             if len(seen) == everything:

@@ -81,13 +81,7 @@ def test_the_default_warm_up_is_the_shortest_that_names_every_document(zipf: flo
     else:
         assert named(count) == every and named(count - 1) != every and count < 2 * len(every)
     assert workload.covering_count(count - 1) == count - 1
-    assert add_arguments_defaults()["warm_requests"] is None
-
-
-def add_arguments_defaults() -> dict:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return vars(parser.parse_args([]))
+    assert _args().warm_requests is None
 
 
 def test_targets_are_ratios_with_their_bounds() -> None:
