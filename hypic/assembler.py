@@ -16,10 +16,11 @@ import torch
 
 from .cache.composition import Transition, compose_states, naive_addition
 from .models import HybridModel
-from .models.attention import AttentionInputs, GatedAttention
+from .models.attention import AttentionGroup, AttentionInputs, GatedAttention, attention_groups
 from .models.linear import LinearMixer, RunRecurrence, last_rows
 from .models.rope import RotaryEmbedding
-from .runs_together import conv_windows, recurrences_together, runs_batched
+from .kernels.dispatch import denormals_flushed
+from .runs_together import RunsLayout, conv_windows, recurrence_for
 from .cache.segments import Piece, Run, Splice, chunk_pieces
 from .state import AttentionLayerState, LinearLayerState, RequestState, WindowLayerState
 from .cache.store import AttentionInterior, InteriorLayer, LinearInterior, SegmentEntry
@@ -104,11 +105,6 @@ class CombineResult:
     row_logits: torch.Tensor | None = None  # [end - logits_from, vocab] fp32
 
 
-def _run_positions(pieces: list[Piece], device: torch.device) -> torch.Tensor:
-    runs = [torch.arange(p.start, p.start + p.length) for p in pieces if isinstance(p, Run)]
-    return torch.cat(runs).to(device)
-
-
 def token_rows(proj: Any, lo: int, hi: int) -> Any:
     """A mixer's projections (a dataclass of [N, ...] tensors) for tokens lo..hi-1 only (views)."""
     part = copy.copy(proj)
@@ -118,26 +114,127 @@ def token_rows(proj: Any, lo: int, hi: int) -> Any:
     return part
 
 
-def _linear_layer(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, works: list["CombineWork"],
-                  rows: list[tuple[int, int]], index: int, snapshots: list[dict[int, dict]],
-                  ) -> tuple[torch.Tensor, list[LinearLayerState]]:
+def _selected_rows(proj: Any, rows: torch.Tensor) -> Any:
+    """A mixer's projections for the token ``rows`` [n] only (copies)."""
+    part = copy.copy(proj)
+    for name, value in vars(proj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(part, name, value[rows])
+    return part
+
+
+@dataclass
+class KVPlan:
+    """Where one work's pass puts its keys and values in its full-attention states, worked out once
+    for every layer: the own-buffer slots of its run tokens and of its spliced tokens, each spliced
+    token's re-rotation delta, the position it ends at, and how its runs attend together."""
+
+    run_slots: torch.Tensor
+    splice_slots: torch.Tensor | None
+    deltas: torch.Tensor | None
+    end: int
+    runs: list[tuple[int, int]]
+    groups: list[AttentionGroup] | None
+
+
+@dataclass
+class PassContext:
+    """What a batch's pass works out once (host bookkeeping and the index tensors made from it) and
+    every layer reads: which works' linear units go together and their layout, each work's KV plan."""
+
+    works: list["CombineWork"]
+    rows: list[tuple[int, int]]
+    snapshots: list[dict[int, dict]]
+    device: torch.device
+    _linear: dict[tuple, tuple] = field(default_factory=dict)
+    _kv: dict[tuple, KVPlan] = field(default_factory=dict)
+
+    def linear(self, mixer: LinearMixer) -> tuple[list[int], RunsLayout | None, Callable | None, torch.Tensor | None]:
+        """(the works run together, their layout, the recurrence that runs them, their token rows or
+        None for all) for layers of ``mixer``'s family and conv width."""
+        key = (mixer.family.name, mixer.kernel)
+        if key not in self._linear:
+            self._linear[key] = self._plan_linear(mixer)
+        return self._linear[key]
+
+    def _plan_linear(self, mixer: LinearMixer) -> tuple:
+        together = [i for i, work in enumerate(self.works) if work.capture is None]
+        spliced = any(isinstance(p, Splice) for i in together for p in self.works[i].pieces)
+        strategy = recurrence_for(mixer.family, self.device, spliced) if together else None
+        if strategy is None:
+            return [], None, None, None
+        chunk = _chunk_size(mixer, [p.length for i in together for p in self.works[i].pieces if isinstance(p, Run)],
+                            self.device) if strategy.chunked else None
+        layout = RunsLayout.of([self.works[i] for i in together], [list(self.snapshots[i]) for i in together],
+                               mixer.kernel - 1, chunk)
+        rows = None if len(together) == len(self.works) else torch.tensor(
+            [r for i in together for r in range(*self.rows[i])], device=self.device)
+        return together, layout, strategy.run, rows
+
+    def kv(self, number: int, index: int, dtype: torch.dtype) -> KVPlan:
+        """Work ``number``'s KV plan for full-attention layer ``index`` (shared by every layer whose
+        splices hold as many keys: a plan per interior width)."""
+        work = self.works[number]
+        init = work.init.layers[index]
+        assert isinstance(init, AttentionLayerState)
+        widths = tuple(_attention_interior(work.entries, p, index).keys.shape[1] for p in work.pieces
+                       if isinstance(p, Splice))
+        key = (number, widths, init.shared_length, dtype)
+        if key not in self._kv:
+            self._kv[key] = _kv_plan(work, init.shared_length, dtype, self.device)
+        return self._kv[key]
+
+
+def _chunk_size(mixer: LinearMixer, runs: list[int], device: torch.device) -> int:
+    """Tokens per chunk of a pass's runs: the family's size for its longest run, or the power of two
+    covering the median run where that is less (seam runs of 16 tokens padded to 32 would double
+    their chunks' work; the longer runs are cut into more chunks instead)."""
+    median = sorted(runs)[len(runs) // 2]
+    return min(mixer.family.kernels.chunk_size(max(runs), device), 1 << (median - 1).bit_length())
+
+
+def _kv_plan(work: "CombineWork", shared: int, dtype: torch.dtype, device: torch.device) -> KVPlan:
+    runs = [(p.start, p.length) for p in work.pieces if isinstance(p, Run)]
+    run_slots = [q - shared for start, n in runs for q in range(start, start + n)]
+    splices = [p for p in work.pieces if isinstance(p, Splice)]
+    splice_slots = [q - shared for p in splices for q in range(p.start, p.start + p.length)]
+    deltas = [p.start - work.entries[p.segment].local_start for p in splices for _ in range(p.length)]
+    end = work.pieces[-1].start + work.pieces[-1].length
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device)
+
+    groups = attention_groups(runs, dtype, device) if len(runs) > 1 else None
+    return KVPlan(index(run_slots), index(splice_slots) if splices else None, index(deltas) if splices else None, end,
+                  runs, groups)
+
+
+def _attention_interior(entries: dict[int, SegmentEntry], piece: Splice, index: int) -> AttentionInterior:
+    layer = entries[piece.segment].layers[index]
+    assert isinstance(layer, AttentionInterior)
+    return layer
+
+
+def _linear_layer(mixer: LinearMixer, h: torch.Tensor, positions: torch.Tensor, context: PassContext,
+                  index: int) -> tuple[torch.Tensor, list[LinearLayerState]]:
     """Token-wise projections and output of every work's tokens at once; the conv and the recurrence
-    per work (``_linear_runs``), except on CUDA for a family with a varlen kernel, where the runs of
-    every work that captures no segment interior go together in varlen calls (``recurrences_together``)."""
+    of the works that go together in one ``runs_together`` recurrence (``PassContext.linear``), of
+    the others (documents being built, a family without chunk maps) per work (``_linear_runs``)."""
+    works, rows, snapshots = context.works, context.rows, context.snapshots
     proj = mixer.project(h, positions)
-    projs = [token_rows(proj, lo, hi) for lo, hi in rows]
-    together = [i for i, work in enumerate(works) if work.capture is None] \
-        if mixer.family.apart_because is None and runs_batched(h.device) else []
+    together, layout, recurrence, token_index = context.linear(mixer)
     outputs: list[Any] = [None] * len(works)
     states: list[Any] = [None] * len(works)
     if together:
-        output, made = recurrences_together(mixer, [projs[i] for i in together], [works[i] for i in together], index,
-                                            [snapshots[i] for i in together])
-        for i, part, state in zip(together, output.split([rows[i][1] - rows[i][0] for i in together]), made):
-            outputs[i], states[i] = part, state
+        part = proj if token_index is None else _selected_rows(proj, token_index)
+        output, made = recurrence(mixer, part, [works[i] for i in together], index, [snapshots[i] for i in together],
+                                  layout)
+        pieces = output.split([rows[i][1] - rows[i][0] for i in together]) if len(together) > 1 else [output]
+        for i, piece, state in zip(together, pieces, made):
+            outputs[i], states[i] = piece, state
     for i in sorted(set(range(len(works))) - set(together)):
-        outputs[i], states[i] = _linear_runs(mixer, projs[i], works[i], index, snapshots[i])
-    return mixer.output(torch.cat(outputs), proj, h.dtype), states
+        outputs[i], states[i] = _linear_runs(mixer, token_rows(proj, *rows[i]), works[i], index, snapshots[i])
+    return mixer.output(torch.cat(outputs) if len(outputs) > 1 else outputs[0], proj, h.dtype), states
 
 
 def _linear_runs(mixer: LinearMixer, proj: Any, work: "CombineWork", index: int,
@@ -194,38 +291,48 @@ def _conv_tail(entry: SegmentEntry, index: int) -> torch.Tensor:
 
 
 def _attention_layer(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tensor, positions: torch.Tensor,
-                     works: list["CombineWork"], rows: list[tuple[int, int]], index: int,
-                     snapshots: list[dict[int, dict]]) -> tuple[torch.Tensor, list[AttentionLayerState | WindowLayerState]]:
+                     context: PassContext, index: int) -> tuple[torch.Tensor, list[AttentionLayerState | WindowLayerState]]:
     """q, k, v and the output projection of every work's tokens at once; each request's attention over
     its own KV (full, or a sliding window's)."""
     proj = mixer.project(h, positions, rope)
     attended, states = [], []
-    for work, (lo, hi), taken in zip(works, rows, snapshots):
+    for number, (work, (lo, hi), taken) in enumerate(zip(context.works, context.rows, context.snapshots)):
         part, init = token_rows(proj, lo, hi), work.init.layers[index]
         if isinstance(init, WindowLayerState):
             out, state = _window_attend(mixer, rope, part, positions[lo:hi], work, index, init, taken)
         else:
             assert isinstance(init, AttentionLayerState)
-            out, state = _full_attend(mixer, rope, part, work, index, init)
+            out, state = _full_attend(mixer, rope, part, work, index, init, context.kv(number, index, part.query.dtype))
         attended.append(out)
         states.append(state)
-    return mixer.output(torch.cat(attended), proj.gate), states
+    return mixer.output(torch.cat(attended) if len(attended) > 1 else attended[0], proj.gate), states
 
 
 def _full_attend(mixer: GatedAttention, rope: RotaryEmbedding, proj: AttentionInputs, work: "CombineWork", index: int,
-                 init: AttentionLayerState) -> tuple[torch.Tensor, AttentionLayerState]:
+                 init: AttentionLayerState, plan: KVPlan) -> tuple[torch.Tensor, AttentionLayerState]:
     """Recompute tokens attend causally over L's KV, re-rotated interiors and each other. The pieces'
-    keys and values are appended to ``init`` in place (its buffers grow; nothing held is copied)."""
-    pieces = work.pieces
-    pieces_kv = list(_pieces_kv(proj, rope, pieces, work.entries, index))
-    keys, values = [kv[1] for kv in pieces_kv], [kv[2] for kv in pieces_kv]
-    init.reserve(init.length + sum(piece.length for piece in pieces))
-    init.append(torch.cat(keys, dim=1), torch.cat(values, dim=1))  # one copy into the buffer
+    keys and values are written into ``init``'s own buffers in place (they grow; nothing held is
+    copied): the runs' in one copy, every interior's in another."""
+    init.reserve(plan.end)
+    init.place(plan.run_slots, proj.key.transpose(0, 1), proj.value.transpose(0, 1))
+    if plan.splice_slots is not None:
+        keys, values = _rerotated_interiors(rope, work, index, plan)
+        init.place(plan.splice_slots, keys, values)
+    init.length = plan.end
     if work.capture is not None:
         work.capture.attention(index, init.keys, init.values)
-    attended = mixer.attend(proj.query, [(p.start, p.length) for p in pieces if isinstance(p, Run)], init.keys,
-                            init.values)
-    return attended, init
+    return mixer.attend(proj.query, plan.runs, init.keys, init.values, plan.groups), init
+
+
+def _rerotated_interiors(rope: RotaryEmbedding, work: "CombineWork", index: int,
+                         plan: KVPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [Hkv, n, D] of every spliced interior in order, the keys moved from their
+    positions in the segment to their positions in the request: one rotation for all of them."""
+    cached = [_attention_interior(work.entries, p, index) for p in work.pieces if isinstance(p, Splice)]
+    keys = torch.cat([layer.keys for layer in cached], dim=1) if len(cached) > 1 else cached[0].keys
+    values = torch.cat([layer.values for layer in cached], dim=1) if len(cached) > 1 else cached[0].values
+    assert plan.deltas is not None
+    return rope.apply(keys.transpose(0, 1), plan.deltas, scaled=False).transpose(0, 1), values
 
 
 def _window_attend(mixer: GatedAttention, rope: RotaryEmbedding, proj: AttentionInputs, positions: torch.Tensor,
@@ -264,7 +371,7 @@ def _pieces_kv(proj: AttentionInputs, rope: RotaryEmbedding, pieces: list[Piece]
     """Each piece's keys and values [Hkv, n, D] and the position of its first key: a run's from this
     pass's projections, a splice's its cached interior re-rotated (a sliding layer's holds only the
     interior's last tokens, so it starts later than the piece)."""
-    spliced, offset = _rerotated_interiors(rope, pieces, entries, index), 0
+    spliced, offset = _window_interiors(rope, pieces, entries, index), 0
     for piece in pieces:
         if isinstance(piece, Splice):
             key, value = next(spliced)
@@ -275,16 +382,15 @@ def _pieces_kv(proj: AttentionInputs, rope: RotaryEmbedding, pieces: list[Piece]
             offset += piece.length
 
 
-def _rerotated_interiors(rope: RotaryEmbedding, pieces: list[Piece], entries: dict[int, SegmentEntry],
-                         index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Keys and values [Hkv, n, D] of each spliced interior in order, the keys moved from their
-    positions in the segment to their positions in the request: one rotation for all of them."""
+def _window_interiors(rope: RotaryEmbedding, pieces: list[Piece], entries: dict[int, SegmentEntry],
+                      index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values [Hkv, n, D] of each spliced sliding-window interior (its last tokens) in order,
+    the keys moved to their positions in the request: one rotation for all of them."""
     cached, shifts = [], []
     for piece in pieces:
         if isinstance(piece, Splice):
             entry = entries[piece.segment]
-            layer = entry.layers[index]
-            assert isinstance(layer, AttentionInterior)
+            layer = _attention_interior(entries, piece, index)
             cached.append(layer)
             shifts.append((piece.start - entry.local_start, layer.keys.shape[1]))
     if not cached:
@@ -364,24 +470,30 @@ def combine(
 def combine_batch(works: list[CombineWork]) -> list[CombineResult]:
     """Several combine passes (of one model, on independent states) in one pass through the model:
     embeddings, norms, projections, MLP/MoE and logits over all their tokens together; each
-    request's recurrence and attention over its own state. Each result equals its pass run alone."""
+    request's recurrence and attention over its own state. Each result equals its pass run alone
+    (subnormal floats flushed to zero: ``denormals_flushed``)."""
+    with denormals_flushed():
+        return _combine_batch(works)
+
+
+def _combine_batch(works: list[CombineWork]) -> list[CombineResult]:
     model = works[0].model
     ends = [_check_pieces(work.pieces, work.init.length) for work in works]
     snapshots: list[dict[int, dict]] = [{p: {} for p in work.snapshot_at or []} for work in works]
-    positions = [_run_positions(work.pieces, model.device) for work in works]
+    positions = [[q for p in work.pieces if isinstance(p, Run) for q in range(p.start, p.start + p.length)]
+                 for work in works]
     offsets = list(itertools.accumulate((len(p) for p in positions), initial=0))
     rows = list(itertools.pairwise(offsets))
-    all_positions = torch.cat(positions)
-    x = model.embed(torch.cat([torch.tensor(work.token_ids, device=model.device)[at]
-                               for work, at in zip(works, positions)]))
+    context = PassContext(works, rows, snapshots, model.device)
+    all_positions = torch.tensor([q for at in positions for q in at]).to(model.device)
+    x = model.embed(torch.tensor([work.token_ids[q] for work, at in zip(works, positions) for q in at]).to(model.device))
     layers: list[list] = [[] for _ in works]
     for index, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)
         if layer.is_linear:
-            mixed, states = _linear_layer(layer.mixer, h, all_positions, works, rows, index, snapshots)
+            mixed, states = _linear_layer(layer.mixer, h, all_positions, context, index)
         else:
-            mixed, states = _attention_layer(layer.mixer, model.rope_of(index), h, all_positions, works, rows, index,
-                                             snapshots)
+            mixed, states = _attention_layer(layer.mixer, model.rope_of(index), h, all_positions, context, index)
         x = layer.feed_forward(layer.residual(x, h, mixed))
         for held, state in zip(layers, states):
             held.append(state)
@@ -397,15 +509,15 @@ def combine_batch(works: list[CombineWork]) -> list[CombineResult]:
     return results
 
 
-def _row_logits(model: HybridModel, work: CombineWork, x: torch.Tensor, positions: torch.Tensor,
+def _row_logits(model: HybridModel, work: CombineWork, x: torch.Tensor, positions: list[int],
                 end: int) -> torch.Tensor | None:
     """The logits of every position from ``work.logits_from`` on, if it asks for them."""
     if work.logits_from is None or end <= work.logits_from:
         return None
-    wanted = positions >= work.logits_from
-    if int(wanted.sum()) != end - max(work.logits_from, work.init.length):
+    wanted = [row for row, q in enumerate(positions) if q >= work.logits_from]
+    if len(wanted) != end - max(work.logits_from, work.init.length):
         raise ValueError(f"logits from position {work.logits_from} need every later token recomputed")
-    return model.logits(x[wanted])
+    return model.logits(x[wanted[0] :])
 
 
 Result = TypeVar("Result")

@@ -8,6 +8,7 @@ shares (private-pool pages, its prompt's KV shared with sibling samples) when it
 """
 import torch
 
+from .kernels.dispatch import denormals_flushed
 from .models import HybridModel
 from .models.attention import GatedAttention
 from .models.linear import LinearMixer
@@ -46,7 +47,13 @@ def _attention_step(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tenso
 @torch.inference_mode()
 def decode_batch(model: HybridModel, states: list[RequestState], tokens: list[int]) -> tuple[torch.Tensor, list[RequestState]]:
     """Append ``tokens[b]`` to ``states[b]`` for every b, in place (each state must be its request's
-    own: see ``RequestState.fork``); returns logits [B, vocab] fp32 and the states."""
+    own: see ``RequestState.fork``); returns logits [B, vocab] fp32 and the states (subnormal floats
+    flushed to zero, as in a combine pass)."""
+    with denormals_flushed():
+        return _decode_batch(model, states, tokens)
+
+
+def _decode_batch(model: HybridModel, states: list[RequestState], tokens: list[int]) -> tuple[torch.Tensor, list[RequestState]]:
     positions = torch.tensor([s.length for s in states], device=model.device)
     x = model.embed(torch.tensor(tokens, device=model.device))
     for index, layer in enumerate(model.layers):

@@ -96,11 +96,11 @@ class AttentionLayerState:
     def kv(self, lo: int, hi: int) -> KVBlock:
         """Keys and values of positions lo..hi-1 (views when they lie in one block or in the own buffer)."""
         pieces, offset = [], 0
-        for keys, values in (*self.shared, (self._keys[:, : self._own], self._values[:, : self._own])):
-            a, b = max(lo, offset), min(hi, offset + keys.shape[1])
+        for keys, values, length in (*((k, v, k.shape[1]) for k, v in self.shared), (self._keys, self._values, self._own)):
+            a, b = max(lo, offset), min(hi, offset + length)
             if a < b:
                 pieces.append((keys[:, a - offset : b - offset], values[:, a - offset : b - offset]))
-            offset += keys.shape[1]
+            offset += length
         if len(pieces) == 1:
             return pieces[0]
         return torch.cat([k for k, _ in pieces], dim=1), torch.cat([v for _, v in pieces], dim=1)
@@ -127,6 +127,12 @@ class AttentionLayerState:
         lo, hi = self._own, self._own + keys.shape[1]
         self._keys[:, lo:hi], self._values[:, lo:hi] = keys, values
         self._own = hi
+
+    def place(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values [Hkv, n, D] written at own-buffer slots [n] (positions less ``shared_length``),
+        in one copy each; the caller has reserved the room and sets ``length`` after."""
+        self._keys.index_copy_(1, slots, keys)
+        self._values.index_copy_(1, slots, values)
 
     def fork(self) -> "AttentionLayerState":
         """Another state of the same positions that shares them (nothing copied): what this state owns

@@ -74,6 +74,7 @@ class Arena:
         self.slot_bytes = sum(f.nbytes for f in fields)
         self.slab_slots = max(1, slab_bytes // max(self.slot_bytes, 1))
         self._slabs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._views: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # slab -> each slot's views, made with the slab
         self._free: dict[int, list[int]] = {}  # slab -> its free slot offsets
         self._open: set[int] = set()  # slabs with a free slot
         self._poison = [(i, _poison_index(f.shape)) for i, f in enumerate(fields)
@@ -97,13 +98,15 @@ class Arena:
         slab = next(s for s in range(len(self._slabs) + 1) if s not in self._slabs)
         self._slabs[slab] = tuple(torch.empty(self.slab_slots, *f.shape, dtype=f.dtype, device=self.device)
                                   for f in self.fields)
+        # every slot's views cut once (one unbind per field), not one indexing op per slot handed out
+        self._views[slab] = list(zip(*(tensor.unbind(0) for tensor in self._slabs[slab])))
         self._free[slab] = list(range(self.slab_slots - 1, -1, -1))
         self._open.add(slab)
         return slab
 
     def views(self, number: int) -> tuple[torch.Tensor, ...]:
         slab, offset = divmod(number, self.slab_slots)
-        return tuple(tensor[offset] for tensor in self._slabs[slab])
+        return self._views[slab][offset]
 
     def give_back(self, number: int) -> None:
         """Slot ``number`` is free again: poisoned, and its slab released if it is wholly free."""
@@ -116,7 +119,7 @@ class Arena:
             self._open.add(slab)
             self.used -= 1
             if len(self._free[slab]) == self.slab_slots and len(self._slabs) > 1:
-                del self._slabs[slab], self._free[slab]
+                del self._slabs[slab], self._views[slab], self._free[slab]
                 self._open.discard(slab)
 
     @property
@@ -134,7 +137,7 @@ class Page(tuple):
     @classmethod
     def holding(cls, slot: Slot, length: int) -> "Page":
         keys, values = slot.views()
-        page = cls((keys[:, :length], values[:, :length]))
+        page = cls((keys, values) if keys.shape[1] == length else (keys[:, :length], values[:, :length]))
         page.slot = slot
         return page
 
@@ -193,15 +196,15 @@ class PageArenas(Arenas):
         super().__init__(slab_bytes)
         self.page_tokens, self.classes = page_tokens, size_classes(page_tokens)
 
-    def page(self, keys: torch.Tensor, values: torch.Tensor) -> Page:
-        """A page holding a copy of ``keys`` [Hkv, n, Dk] and ``values`` [Hkv, n, Dv], n <= page_tokens."""
+    def page(self, keys: torch.Tensor, values: torch.Tensor, copies: "Copies | None" = None) -> Page:
+        """A page holding a copy of ``keys`` [Hkv, n, Dk] and ``values`` [Hkv, n, Dv], n <= page_tokens
+        (made at once, or with ``copies`` when they are run)."""
         count = keys.shape[1]
         size = next((c for c in self.classes if c >= count), None)
         if size is None or count == 0:
             raise ValueError(f"a page holds 1..{self.page_tokens} positions, got {count}")
         page = Page.holding(self._arena(keys, values, size).take(), count)
-        page[0].copy_(keys)
-        page[1].copy_(values)
+        Copies.into(copies, page, (keys, values))
         return page
 
     def _arena(self, keys: torch.Tensor, values: torch.Tensor, size: int) -> Arena:
@@ -219,9 +222,32 @@ class StateArenas(Arenas):
         a load from a lower tier decodes straight into it)."""
         return self.arena((device, fields), fields, device).take()
 
-    def copy(self, *tensors: torch.Tensor) -> Slot:
-        """A slot holding copies of ``tensors`` (``Slot.views`` gives them back, in order)."""
+    def copy(self, *tensors: torch.Tensor, copies: "Copies | None" = None) -> Slot:
+        """A slot holding copies of ``tensors`` (``Slot.views`` gives them back, in order), made at once
+        or with ``copies`` when they are run."""
         slot = self.take(tuple(Field(tuple(t.shape), t.dtype) for t in tensors), tensors[0].device)
-        for view, tensor in zip(slot.views(), tensors):
-            view.copy_(tensor)
+        Copies.into(copies, slot.views(), tensors)
         return slot
+
+
+class Copies:
+    """Copies into pool slots gathered to run as one (``run``: a single fused op for any count)."""
+
+    def __init__(self) -> None:
+        self.targets: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+
+    @staticmethod
+    def into(copies: "Copies | None", targets: tuple[torch.Tensor, ...], sources: tuple[torch.Tensor, ...]) -> None:
+        """Copy ``sources`` into ``targets`` now, or when ``copies`` runs."""
+        if copies is None:
+            for target, source in zip(targets, sources):
+                target.copy_(source)
+            return
+        copies.targets += targets
+        copies.sources += sources
+
+    def run(self) -> None:
+        if self.targets:
+            torch._foreach_copy_(self.targets, self.sources)
+        self.targets, self.sources = [], []

@@ -99,6 +99,19 @@ class Transition:
         return tensor_bytes(self.value)
 
 
+def stacked_values(transitions: list[Transition]) -> torch.Tensor:
+    """The values [S, H, ...] of transitions of one structure and shape, fp32, their decayed heads as
+    zeros: one stack for any count (a scatter more when some heads are flagged)."""
+    if all(t.kept is None for t in transitions):
+        return torch.stack([t.value for t in transitions]).float()
+    heads = next(len(t.kept) for t in transitions if t.kept is not None)
+    rows = [s * heads + h for s, t in enumerate(transitions) for h in range(heads) if t.kept is None or t.kept[h]]
+    values = torch.cat([t.value for t in transitions]).float()
+    full = values.new_zeros(len(transitions) * heads, *values.shape[1:])
+    full.index_copy_(0, torch.tensor(rows, device=values.device), values)
+    return full.view(len(transitions), heads, *values.shape[1:])
+
+
 def scalar_transition(log_decay: torch.Tensor) -> Transition:
     """Closed form for scalar families (RetNet, Lightning, Mamba2): log_decay [T, H] -> prod a_t per head."""
     return Transition(Family.SCALAR, log_decay.float().sum(0).exp())

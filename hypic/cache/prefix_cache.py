@@ -27,7 +27,7 @@ from itertools import count, pairwise
 
 import torch
 
-from .arena import Page, PageArenas, StateArenas
+from .arena import Copies, Page, PageArenas, StateArenas
 from .segments import MARK_BITS
 from ..state import AttentionLayerState, LayerState, LinearLayerState, RequestState, WindowLayerState
 
@@ -45,21 +45,25 @@ def _window_bytes(node: "RadixNode") -> int:
     return sum(s.nbytes for s in snapshot.values() if isinstance(s, WindowLayerState))
 
 
-def _kept(arenas: StateArenas, state: LinearLayerState | WindowLayerState) -> LinearLayerState | WindowLayerState:
-    """A copy the tree owns, in a slot of ``arenas`` (held by the copy: a reader of it keeps the slot)."""
+def _kept(arenas: StateArenas, state: LinearLayerState | WindowLayerState,
+          copies: Copies) -> LinearLayerState | WindowLayerState:
+    """A copy the tree owns, in a slot of ``arenas`` (held by the copy: a reader of it keeps the slot);
+    a linear state's tensors are copied when ``copies`` runs."""
     if isinstance(state, WindowLayerState):
         slot = arenas.copy(*state.rings())
         return state.placed(*slot.views(), owner=slot)
-    slot = arenas.copy(state.recurrent, state.conv)
+    slot = arenas.copy(state.recurrent, state.conv, copies=copies)
     return LinearLayerState(*slot.views(), owner=slot)
 
 
-def _paged(arenas: PageArenas, keys: torch.Tensor, values: torch.Tensor, lo: int) -> list[Page]:
+def _paged(arenas: PageArenas, keys: torch.Tensor, values: torch.Tensor, lo: int, copies: Copies) -> list[Page]:
     """Pages holding copies of the KV [Hkv, n, D] of positions lo..lo+n-1, cut at multiples of the
-    page size."""
+    page size (copied when ``copies`` runs)."""
     hi, size = lo + keys.shape[1], arenas.page_tokens
     cuts = [lo, *range((lo // size + 1) * size, hi, size), hi]
-    return [arenas.page(keys[:, a - lo : b - lo], values[:, a - lo : b - lo]) for a, b in pairwise(cuts)]
+    sizes = [b - a for a, b in pairwise(cuts)]
+    parts = zip(keys.split(sizes, dim=1), values.split(sizes, dim=1)) if len(sizes) > 1 else [(keys, values)]
+    return [arenas.page(k, v, copies) for k, v in parts]
 
 
 def _path(node: "RadixNode") -> list["RadixNode"]:
@@ -281,25 +285,28 @@ class PrefixCache:
         if not positions or self.budget_bytes == 0:  # a position missing a layer's state is no resume point
             return
         node = self.roots.setdefault(tree, RadixNode((), None, {}, 0))
-        key, tick = cache_key(state.token_ids, state.marks), next(self._clock)
+        key, tick, copies = cache_key(state.token_ids, state.marks), next(self._clock), Copies()
         for position in positions:
-            node = self._extend(node, state, key, position, tick)
+            node = self._extend(node, state, key, position, tick, copies)
             node.snapshot_used = tick
             if node.snapshot is None:
-                node.snapshot = {i: _kept(self.state_arenas, s) for i, s in snapshots[position].items() if i in needed}
+                node.snapshot = {i: _kept(self.state_arenas, s, copies) for i, s in snapshots[position].items()
+                                 if i in needed}
                 self._snapshots[node] = None
                 self.nbytes += sum(s.nbytes for s in node.snapshot.values())
                 self.window_nbytes += _window_bytes(node)
+        copies.run()  # every page and state of the new nodes in one copy, before anything is evicted
         self._evict_windows()
         self._evict()
 
-    def _extend(self, node: RadixNode, state: RequestState, key: list[int], end: int, tick: int) -> RadixNode:
+    def _extend(self, node: RadixNode, state: RequestState, key: list[int], end: int, tick: int,
+                copies: Copies) -> RadixNode:
         """Walk (splitting or creating nodes) from ``node`` down to a node ending exactly at ``end``."""
         while node.depth < end:
             node.last_used = tick
             child = node.children.get(key[node.depth])
             if child is None:
-                child = self._new_node(node, state, key, node.depth, end)
+                child = self._new_node(node, state, key, node.depth, end, copies)
             else:
                 common = min(_common_length(child.edge, key, node.depth), end - node.depth)
                 if common < len(child.edge):
@@ -308,8 +315,9 @@ class PrefixCache:
         node.last_used = tick
         return node
 
-    def _new_node(self, parent: RadixNode, state: RequestState, key: list[int], lo: int, hi: int) -> RadixNode:
-        pages = {i: _paged(self.arenas, *layer.kv(lo, hi), lo)
+    def _new_node(self, parent: RadixNode, state: RequestState, key: list[int], lo: int, hi: int,
+                  copies: Copies) -> RadixNode:
+        pages = {i: _paged(self.arenas, *layer.kv(lo, hi), lo, copies)
                  for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)}
         node = RadixNode(tuple(key[lo:hi]), parent, pages, hi)
         parent.children[node.edge[0]] = node

@@ -2,17 +2,62 @@
 kernel on CUDA when installed, else the PyTorch chunked form. A family's kernels are one
 ``RecurrenceKernels`` record; its inputs are a tuple (q, k, v, g, then any more, e.g. beta), each
 [T, H, ...], and its state [H, K, V] fp32."""
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from .affine_chain import AffineMaps
 from .fla_calls import fla_kernel, fla_run, fla_transition
 
 Tensors = tuple[torch.Tensor, ...]
 Run = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (*inputs, initial_state, scale) -> (o, final state)
+
+
+@dataclass
+class ChunkMaps:
+    """A recurrence over chunks of tokens (inputs [N, H, C, ...], each chunk zero-padded at its end,
+    which leaves a state alone) as maps of the state S entering each chunk: the chunk's outputs are
+    ``zero_outputs + entry_queries @ S``, the state after it ``maps`` applied to S (``AffineMaps``:
+    an elementwise T for the gated linear attentions, the low-rank D - L R of the delta rules), and
+    the state after the first n of its tokens, for each (chunk, n) asked for, ``prefix_maps`` applied
+    to S. fp32."""
+
+    entry_queries: torch.Tensor  # [N, H, C, K]
+    zero_outputs: torch.Tensor  # [N, H, C, V]
+    maps: AffineMaps
+    prefix_maps: AffineMaps | None = None
+
+
+@contextlib.contextmanager
+def denormals_flushed() -> Iterator[None]:
+    """Subnormal floats (below 1.2e-38) read and made as zero on this thread while inside (x86's DAZ
+    and FTZ; elsewhere nothing changes). A document's T_C after a strong decay holds entries of
+    1e-45, and products over them take the CPU's slow path: a layer's state chain ran 4x slower on
+    x86-64 for terms some 30 orders of magnitude below an fp32 state's resolution."""
+    flushed = torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+
+
+def prefix_decays(cumulative: torch.Tensor, prefixes: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For chunks' prefixes (chunk [P], tokens n [P]) of a cumulative log decay [N, H, C(, K)]: the
+    log decay over each prefix [P, H(, K)], and each token's decay to the prefix's end [P, H, C(, K)]
+    (zero for the tokens past it: they take no part in the prefix's state)."""
+    chunks, lengths = prefixes
+    taken = cumulative.index_select(0, chunks)
+    per_key = taken.dim() == 4
+    at = (lengths - 1).view(-1, 1, 1, *((1,) if per_key else ())).expand(-1, taken.shape[1], 1, *taken.shape[3:])
+    last = taken.gather(2, at)  # [P, H, 1(, K)]
+    inside = torch.arange(taken.shape[2], device=taken.device) < lengths[:, None]  # [P, C]
+    inside = inside.view(inside.shape[0], 1, inside.shape[1], *((1,) if per_key else ()))
+    return last.squeeze(2), (last - taken).masked_fill(~inside, float("-inf")).exp()
 
 
 def key_scale(key_dim: int) -> float:
@@ -29,7 +74,8 @@ def unit_scale(key_dim: int) -> float:
 class RecurrenceKernels:
     """A recurrence's kernels over one unbatched run. ``naive``: the token loop, the oracle of the
     others and the path of runs shorter than ``short_run``; ``chunked``: the PyTorch chunked form,
-    (*inputs, initial_state, scale, chunk size); ``fla``: fla.ops.<module>.<name> (None: no FLA
+    (*inputs, initial_state, scale, chunk size); ``chunk_maps``: each chunk of many runs as maps of
+    its entering state (``ChunkMaps``: what a combine pass chains across chunks and splices); ``fla``: fla.ops.<module>.<name> (None: no FLA
     kernel); ``varlen``: whether that kernel runs several runs laid end to end (cu_seqlens).
     Dense transitions (``naive_transition``: inputs -> T [H, K, K]; ``chunked_with_transition``) come
     with dense families only; the others' are closed-form from their gates."""
@@ -43,6 +89,7 @@ class RecurrenceKernels:
     naive_transition: Callable[..., torch.Tensor] | None = None
     chunked_with_transition: Callable[..., Tensors] | None = None
     short_run: int = 4  # below this the token loop beats the chunked form
+    chunk_maps: Callable[..., ChunkMaps] | None = None  # (*[N, H, C, ...] chunks, scale, prefixes) -> maps
 
 
 def _scale(kernels: RecurrenceKernels, inputs: Tensors, scale: float | None) -> float:

@@ -23,12 +23,58 @@ class AttentionInputs:
     gate: torch.Tensor | None  # [N, Hq * D]; None without an output gate
 
 
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Query rows lo..hi-1 (runs of a pass, consecutive in it) that attend in one call over the keys
+    at positions 0..end-1, masked by ``mask`` [hi - lo, end] (added to the scores: -inf where a key
+    lies after its query's position)."""
+
+    lo: int
+    hi: int
+    end: int
+    mask: torch.Tensor
+
+
+MASK_BUDGET = 1 << 23  # most elements of one group's mask (16 MiB in bfloat16): longer contexts take more groups
+GROUPS = 4  # groups the runs of a pass attend in: each scores only the keys up to its last run's end
+
+
+def attention_groups(runs: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                     budget: int = MASK_BUDGET, groups: int = GROUPS) -> list[AttentionGroup]:
+    """Runs (first position, length), in order, cut into about ``groups`` groups of as many runs (a
+    group's queries score only the keys up to its end, so later keys are not scored for earlier
+    seams: with 4 groups about 5/8 of one group's scores), more where a group's mask would pass
+    ``budget`` elements; each group's additive mask (made once per pass: every full-attention layer
+    reads it)."""
+    size = max(1, -(-len(runs) // groups))
+    found, start, rows = [], 0, 0
+    for number, (_, length) in enumerate(runs):
+        rows += length
+        following = runs[number + 1] if number + 1 < len(runs) else None
+        if following is None or number + 1 - start >= size or (rows + following[1]) * sum(following) > budget:
+            found.append(_group(runs, start, number + 1, dtype, device))
+            start, rows = number + 1, 0
+    return found
+
+
+def _group(runs: list[tuple[int, int]], first: int, last: int, dtype: torch.dtype, device: torch.device) -> AttentionGroup:
+    lo = sum(n for _, n in runs[:first])
+    positions = [p for start, n in runs[first:last] for p in range(start, start + n)]
+    end = runs[last - 1][0] + runs[last - 1][1]
+    later = torch.arange(end)[None, :] > torch.tensor(positions)[:, None]
+    mask = torch.zeros(len(positions), end, dtype=dtype).masked_fill_(later, float("-inf")).to(device)
+    return AttentionGroup(lo, lo + len(positions), end, mask)
+
+
 def causal_attention(query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor, values: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, groups: list[AttentionGroup] | None = None) -> torch.Tensor:
     """query [N, Hq, Dk] in runs of consecutive positions, each given as (first position, length)
     (host integers: no device sync); keys [Hkv, T, Dk], values [Hkv, T, Dv] at positions 0..T-1. Each
     query sees the keys at positions <= its own: one causal (lower-right aligned) attention per run
-    over the keys up to its end. Returns [N, Hq * Dv]; GQA groups share their K/V without copies."""
+    over the keys up to its end, or with ``groups`` (``attention_groups`` of these runs) one masked
+    attention per group. Returns [N, Hq * Dv]; GQA groups share their K/V without copies."""
+    if groups is not None and len(runs) > 1:
+        return _grouped_attention(query, groups, keys, values, scale)
     outputs, lo = [], 0
     for first, run in runs:
         end = first + run
@@ -39,6 +85,18 @@ def causal_attention(query: torch.Tensor, runs: list[tuple[int, int]], keys: tor
         outputs.append(out[0].transpose(0, 1))
         lo += run
     return torch.cat(outputs).reshape(query.shape[0], -1)
+
+
+def _grouped_attention(query: torch.Tensor, groups: list[AttentionGroup], keys: torch.Tensor, values: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    outputs = []
+    for group in groups:
+        q = query[group.lo : group.hi].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q, keys[None, :, : group.end], values[None, :, : group.end],
+                                             attn_mask=group.mask.to(q.dtype), scale=scale,
+                                             enable_gqa=query.shape[1] != keys.shape[0])
+        outputs.append(out[0].transpose(0, 1))
+    return (torch.cat(outputs) if len(outputs) > 1 else outputs[0]).reshape(query.shape[0], -1)
 
 
 def lower_right_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -165,13 +223,13 @@ class GatedAttention(nn.Module):
         return AttentionInputs(rope.apply(query, positions), rope.apply(key, positions), value, gate)
 
     def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
-               values: torch.Tensor) -> torch.Tensor:
+               values: torch.Tensor, groups: list[AttentionGroup] | None = None) -> torch.Tensor:
         """``causal_attention`` with this layer's scale over keys at positions 0..T-1: [N, Hq, D] -> [N, Hq * Dv]
         (the masked path when the layer has sinks)."""
         if self.positional:
             positions = torch.cat([torch.arange(first, first + run) for first, run in runs]).to(keys.device)
             return self.attend_at(query, positions, keys, values, torch.arange(keys.shape[1], device=keys.device))
-        return causal_attention(query, runs, keys, values, self.scale)
+        return causal_attention(query, runs, keys, values, self.scale, groups)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         return self.o_proj(attended if gate is None else attended * torch.sigmoid(gate))

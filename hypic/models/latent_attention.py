@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.sharding import FirstRank, Rule, Split
-from .attention import AttentionInputs, causal_attention
+from .attention import AttentionGroup, AttentionInputs, causal_attention
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -87,10 +87,10 @@ class LatentAttention(nn.Module):
         return AttentionInputs(query, key, latent[:, None], gate)
 
     def attend(self, query: torch.Tensor, runs: list[tuple[int, int]], keys: torch.Tensor,
-               values: torch.Tensor) -> torch.Tensor:
+               values: torch.Tensor, groups: list[AttentionGroup] | None = None) -> torch.Tensor:
         """Multi-query ``causal_attention`` in the latent space, then W_uv per head:
         [N, H, rank + rope] -> [N, H * value_dim]."""
-        latent = causal_attention(query, runs, keys, values, self.scale).view(query.shape[0], self.heads, -1)
+        latent = causal_attention(query, runs, keys, values, self.scale, groups).view(query.shape[0], self.heads, -1)
         return torch.einsum("nhr,hvr->nhv", latent, self._up_projections()[1]).flatten(1)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -146,4 +146,9 @@ def mamba_sources(config: ModelConfig, prefix: str, keys: dict[str, str]) -> dic
     return {f"{prefix}mixer.{RENAMED.get(name, name)}": Direct(key) for name, key in keys.items()}
 
 
-FAMILY = LinearFamily("mamba2", Mamba2Mixer, KERNELS, Family.SCALAR, qkvg, "mamba", mamba_sources)
+def skip_term(inputs: Mamba2Inputs) -> torch.Tensor:
+    """D x: what a Mamba2 layer adds to the recurrence's outputs."""
+    return inputs.skip
+
+
+FAMILY = LinearFamily("mamba2", Mamba2Mixer, KERNELS, Family.SCALAR, qkvg, "mamba", mamba_sources, skip=skip_term)

@@ -67,13 +67,17 @@ class RotaryEmbedding:
 
     def rotate_state(self, state: torch.Tensor, delta: int) -> torch.Tensor:
         """R(delta) on the key axis of linear states [..., H, K, V] (paper eq. 7: S_C|b = R(b - a) S_C|a for
-        a layer that rotates K inside a scalar-decay recurrence). The angles are formed in float64:
-        a cached state may move by tens of thousands of positions, where fp32 angles are off by ~1e-3."""
-        angles = float(delta) * self.inv_freq.double()
-        cos, sin = angles.cos().repeat(2).float(), angles.sin().repeat(2).float()
-        keys = state.transpose(-1, -2)  # [..., H, V, K]: every value column is a vector of the key space
+        a layer that rotates K inside a scalar-decay recurrence)."""
+        return self.rotate_states(state[None], [delta])[0]
+
+    def rotate_states(self, states: torch.Tensor, deltas: list[int]) -> torch.Tensor:
+        """``rotate_state`` of each of states [S, ..., H, K, V] by its own delta. The angles are formed in
+        float64: a cached state may move by tens of thousands of positions, where fp32 angles are off by ~1e-3."""
+        angles = torch.tensor(deltas, dtype=torch.float64, device="cpu")[:, None] * self.inv_freq.double().cpu()
+        shape = (len(deltas), *([1] * (states.dim() - 2)), self.rotary_dim)
+        cos, sin = (x.repeat(1, 2).float().reshape(shape).to(states.device) for x in (angles.cos(), angles.sin()))
+        keys = states.transpose(-1, -2)  # [..., H, V, K]: every value column is a vector of the key space
         rot, rest = keys[..., : self.rotary_dim], keys[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        return torch.cat([rot * cos.to(rot.device) + rotated_half * sin.to(rot.device), rest], dim=-1).transpose(-1, -2)
-
+        return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1).transpose(-1, -2)

@@ -64,6 +64,10 @@ class RotaryLinearAttention(LightningAttention):
         """S_C|(a + delta) from S_C|a: the cached state turned by R(delta)."""
         return self._rope(state.device).rotate_state(state, delta)
 
+    def rotate_states(self, states: torch.Tensor, deltas: list[int]) -> torch.Tensor:
+        """``rotate_state`` of each of states [S, H, K, V] by its own delta, in one go."""
+        return self._rope(states.device).rotate_states(states, deltas)
+
 
 def alibi_slopes(heads: int) -> list[float]:
     """ALiBi's slopes: (2^(-8/n))^(h+1) for n heads a power of two; otherwise the slopes of the power

@@ -99,12 +99,12 @@ def test_requests_prefilled_together_on_cuda_match_each_alone(engines: dict[str,
     """Four requests (two PIC over cached documents, two cold) prefilled together as the engine loop
     batches them: each linear layer's runs of all four in FLA's varlen calls, each request from its
     own entering state; every request's logits equal its prefill alone on the CPU."""
-    import hypic.assembler as assembler
+    import hypic.runs_together as runs_together
     from hypic_testing.steps import drain_together
 
     widths: list[int] = []
-    together = assembler.recurrences_together
-    monkeypatch.setattr(assembler, "recurrences_together", lambda *a: widths.append(len(a[2])) or together(*a))
+    together = runs_together.varlen_recurrence
+    monkeypatch.setattr(runs_together, "varlen_recurrence", lambda *a: widths.append(len(a[2])) or together(*a))
     prompts = [_prompt(seed)[0] for seed in (5, 6)] + [_prompt(seed)[0].replace(SEP, " ") for seed in (7, 8)]
     cuda, cpu = engines["cuda"], engines["cpu"]
     for engine in (cuda, cpu):

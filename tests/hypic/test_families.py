@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
-from hypic import assembler
+from hypic import runs_together
 from hypic.cache.composition import Family, scalar_transition
 from hypic.loading.checkpoints import TINY_CONFIG
 from hypic_testing.tiny_models import NATIVE_VARIANTS, write_native_checkpoint
@@ -182,8 +182,8 @@ def test_varlen_runs_match_one_call_per_run() -> None:
 def test_a_family_without_a_varlen_kernel_runs_apart_even_where_runs_are_batched(
         monkeypatch: pytest.MonkeyPatch, checkpoint_factory: Callable[..., Path]) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
-    monkeypatch.setattr(assembler, "recurrences_together", lambda *a: calls.append(1))
+    monkeypatch.setattr(runs_together, "runs_batched", lambda device: True)
+    monkeypatch.setattr(runs_together, "varlen_recurrence", lambda *a: calls.append(1))
     engine = Engine.from_pretrained(checkpoint_factory("kimi_linear"), seam_width=4)
     engine.prefill(engine.parse(SEP.join(["a leading part", "a document of some length, " * 4, "and a query"])))
     assert calls == []

@@ -187,11 +187,11 @@ def test_runs_batched_into_varlen_calls_match_reference(setup: Setup, monkeypatc
     """Every run of a linear layer from the state chained to it through the runs' transitions
     (``runs_batched``, on by default on CUDA only); then a request resuming from the private-pool
     snapshots that pass recorded at document ends."""
-    import hypic.assembler as assembler
+    import hypic.runs_together as runs_together
     calls = []
-    together = assembler.recurrences_together
-    monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
-    monkeypatch.setattr(assembler, "recurrences_together", lambda *a: calls.append(1) or together(*a))
+    together = runs_together.varlen_recurrence
+    monkeypatch.setattr(runs_together, "runs_batched", lambda device: True)
+    monkeypatch.setattr(runs_together, "varlen_recurrence", lambda *a: calls.append(1) or together(*a))
     case = layout(21, [70, 260, 2 * seam_width - 1, 41, 90])
     engine, oracle = setup(name, long_memory, seam_width)
     engine.warmup(list(case.documents))
@@ -210,12 +210,12 @@ def test_snapshots_of_requests_run_together_match_reference_states(setup: Setup,
     """Two prompts' passes in one ``combine_batch`` with the CUDA strategy forced (one varlen call
     for both): each state they record, inside a run (chained through the runs' maps) and at a pass's
     end (the varlen call's own final state), is the reference model's state after as many tokens."""
-    import hypic.assembler as assembler
+    import hypic.runs_together as runs_together
     from hypic.assembler import CombineWork, combine_batch
     from hypic.cache.segments import Run
     from hypic.models.families import empty_state
 
-    monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
+    monkeypatch.setattr(runs_together, "runs_batched", lambda device: True)
     engine, oracle = setup(name, True, 8)
     rng = random.Random(31)
     prompts = [engine.parse(random_text(rng, n)).token_ids for n in (90, 57)]
@@ -266,15 +266,15 @@ def test_requests_prefilled_together_match_reference(setup: Setup, monkeypatch: 
     another leading part, and a prompt with no documents. Each equals the reference: first logits
     and 16 greedy steps; so does a longer prompt resuming where the first ended. ``varlen``: with
     the CUDA strategy forced on the CPU, every request's runs of a linear layer in one varlen call
-    (``recurrences_together``), several requests in one (a document being built runs apart)."""
-    import hypic.assembler as assembler
+    (``varlen_recurrence``), several requests in one (a document being built runs apart)."""
+    import hypic.runs_together as runs_together
     from hypic_testing.steps import drain_together
 
     widths: list[int] = []
     if varlen:
-        together = assembler.recurrences_together
-        monkeypatch.setattr(assembler, "runs_batched", lambda device: True)
-        monkeypatch.setattr(assembler, "recurrences_together", lambda *a: widths.append(len(a[2])) or together(*a))
+        together = runs_together.varlen_recurrence
+        monkeypatch.setattr(runs_together, "runs_batched", lambda device: True)
+        monkeypatch.setattr(runs_together, "varlen_recurrence", lambda *a: widths.append(len(a[2])) or together(*a))
 
     first = layout(23, [90, 150, 40])
     cases = [first, Layout("another leading part", tuple(first.documents[i] for i in (2, 0, 1)), "the query?"),

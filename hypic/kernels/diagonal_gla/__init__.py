@@ -9,7 +9,7 @@ head, exp(sum_t g_t) (``hypic.cache.composition.diagonal_transition``).
 import torch
 
 from ..dispatch import RecurrenceKernels, run_recurrence, unit_scale
-from .chunk import chunk_diagonal_gla
+from .chunk import chunk_diagonal_gla, diagonal_gla_chunk_maps
 from .naive import naive_diagonal_gla
 
 SHORT_RUN = 4
@@ -22,7 +22,7 @@ def chunk_size_for(steps: int, device: torch.device) -> int:
 
 KERNELS = RecurrenceKernels(
     naive=naive_diagonal_gla, chunked=chunk_diagonal_gla, chunk_size=chunk_size_for,
-    scale=unit_scale, fla=("gla", "chunk_gla"), short_run=SHORT_RUN,
+    scale=unit_scale, fla=("gla", "chunk_gla"), short_run=SHORT_RUN, chunk_maps=diagonal_gla_chunk_maps,
 )
 
 

@@ -10,7 +10,8 @@ states off by 300x from a carried initial state.
 import torch
 
 from ..dispatch import RecurrenceKernels, run_recurrence, run_varlen, run_with_transition
-from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first, chunk_gated_delta_rule_with_transition
+from .chunk import (chunk_gated_delta_rule, chunk_gated_delta_rule_heads_first, chunk_gated_delta_rule_with_transition,
+                    gated_delta_chunk_maps)
 from .naive import naive_gated_delta_rule, naive_transition
 
 SHORT_RUN = 4  # below this the token loop beats the chunk form on CPU
@@ -33,6 +34,7 @@ KERNELS = RecurrenceKernels(
     naive=naive_gated_delta_rule, chunked=chunk_gated_delta_rule, chunk_size=chunk_size_for,
     fla=("gated_delta_rule", "chunk_gated_delta_rule"), varlen=True, short_run=SHORT_RUN,
     naive_transition=_naive_transition, chunked_with_transition=chunk_gated_delta_rule_with_transition,
+    chunk_maps=gated_delta_chunk_maps,
 )
 
 

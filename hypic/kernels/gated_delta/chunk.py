@@ -8,6 +8,9 @@ gather and one scatter instead of a full-size zero fill per chunk slice.
 import torch
 import torch.nn.functional as F
 
+from ..affine_chain import AffineMaps
+from ..dispatch import ChunkMaps, prefix_decays
+
 
 def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
     """[..., T, D] -> [..., N, C, D] (T already padded to a multiple of C)."""
@@ -98,3 +101,35 @@ def chunk_gated_delta_rule_with_transition(q: torch.Tensor, k: torch.Tensor, v: 
     out, state, transition = chunk_gated_delta_rule_heads_first(
         q, k, v, g.transpose(0, 1), beta.transpose(0, 1), initial_state.clone(), scale, chunk_size, transition=True)
     return out.transpose(0, 1).contiguous(), state, transition
+
+
+def gated_delta_chunk_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: float, prefixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> ChunkMaps:
+    """Chunks q, k [N, H, C, K], v [N, H, C, V], g, beta [N, H, C] (zero-padded) as maps of their
+    entering state S (the chunked form above, linear in S): with the UT transform's u and w, the
+    written values are u - w S, so o = (q_decayed - A w) S + A u and S' = d S + k_end (u - w S).
+    ``prefixes`` (chunk [P], tokens n [P]): also the maps to the state after a chunk's first n tokens,
+    from the same u and w (the transform is causal: a prefix's rows are the chunk's)."""
+    size, dk = k.shape[-2], k.shape[-1]
+    q, k, v = (x.float() for x in (q, k, v))
+    g, beta = g.float().cumsum(-1), beta.float()[..., None]
+    causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    written = k * beta
+    system = (written @ k.transpose(-1, -2) * decay).tril(-1) + torch.eye(size, device=k.device)
+    rhs = torch.cat([v * beta, written * g.exp()[..., None]], dim=-1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([v.shape[-1], dk], -1)
+    k_to_end = (k * (g[..., -1:] - g).exp()[..., None]).transpose(-1, -2)
+    maps = AffineMaps(scale=g[..., -1].exp(), left=k_to_end, right=w, values=u)
+    attn = (q @ k.transpose(-1, -2)) * decay * scale
+    return ChunkMaps(q * (g.exp()[..., None] * scale) - attn @ w, attn @ u, maps, _prefix_maps(k, g, u, w, prefixes))
+
+
+def _prefix_maps(k: torch.Tensor, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor,
+                 prefixes: tuple[torch.Tensor, torch.Tensor] | None) -> AffineMaps | None:
+    if prefixes is None:
+        return None
+    total, to_end = prefix_decays(g, prefixes)
+    chunks = prefixes[0]
+    left = (k.index_select(0, chunks) * to_end[..., None]).transpose(-1, -2)
+    return AffineMaps(scale=total.exp(), left=left, right=w.index_select(0, chunks), values=u.index_select(0, chunks))

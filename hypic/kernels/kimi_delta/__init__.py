@@ -8,7 +8,7 @@ is a dense K x K matrix per head: the final state of the same run from the ident
 import torch
 
 from ..dispatch import RecurrenceKernels, run_recurrence, run_with_transition
-from .chunk import chunk_kimi_delta_rule, chunk_kimi_delta_rule_with_transition
+from .chunk import chunk_kimi_delta_rule, chunk_kimi_delta_rule_with_transition, kimi_delta_chunk_maps
 from .naive import naive_kimi_delta_rule, naive_kimi_transition
 
 SHORT_RUN = 4  # below this the token loop beats the chunk form on CPU
@@ -28,6 +28,7 @@ KERNELS = RecurrenceKernels(
     naive=naive_kimi_delta_rule, chunked=chunk_kimi_delta_rule, chunk_size=chunk_size_for,
     fla=("kda", "chunk_kda"), short_run=SHORT_RUN,
     naive_transition=_naive_transition, chunked_with_transition=chunk_kimi_delta_rule_with_transition,
+    chunk_maps=kimi_delta_chunk_maps,
 )
 
 

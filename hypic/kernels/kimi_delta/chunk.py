@@ -14,6 +14,9 @@ grow with c, the host-bound chunk loop with 1 / c).
 import torch
 import torch.nn.functional as F
 
+from ..affine_chain import AffineMaps
+from ..dispatch import ChunkMaps, prefix_decays
+
 GROUP_ELEMENTS = 1 << 20  # the most elements of one c x c x K factor per group of chunks (cache-sized)
 EXP_FLOOR = -80.0  # exp(-80) ~ 2e-35: a normal float, far below the fp32 resolution of O(1) terms
 
@@ -107,3 +110,28 @@ def chunk_kimi_delta_rule_with_transition(
     wide_state = torch.cat([initial_state.float(), eye], dim=-1)
     out, state = chunk_kimi_delta_rule(q, k, wide_v, g, beta, wide_state, scale, chunk_size)
     return out[..., :dv].contiguous(), state[..., :dv].contiguous(), state[..., dv:].contiguous()
+
+
+def kimi_delta_chunk_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          scale: float, prefixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> ChunkMaps:
+    """Chunks q, k, g [N, H, C, K], v [N, H, C, V], beta [N, H, C] (zero-padded) as maps of their
+    entering state S: the written deltas are u - w S, so o = (q e^b - A w) S + A u and
+    S' = diag(d) S + k_end (u - w S). The c x c x K factors are formed a group of chunks at a
+    time (``GROUP_ELEMENTS``), as in the chunked form. ``prefixes`` (chunk [P], tokens n [P]): also
+    the maps to the state after a chunk's first n tokens (the transform is causal)."""
+    g = g.float().clamp(min=EXP_FLOOR)
+    b, q, k, v = g.cumsum(-2), q.float() * scale, k.float(), v.float()
+    beta = beta.float()[..., None]
+    per_chunk = k[:1].numel() * k.shape[-2]
+    group = max(1, GROUP_ELEMENTS // max(per_chunk, 1))
+    parts = [_intra_chunk(*(x[lo : lo + group] for x in (q, k, v, b, beta))) for lo in range(0, k.shape[0], group)]
+    u, w, q_decayed, scores, k_to_end, decay = (torch.cat(f) if len(parts) > 1 else f[0] for f in zip(*parts))
+    maps = AffineMaps(scale=decay[..., 0], left=k_to_end, right=w, values=u)
+    prefix_maps = None
+    if prefixes is not None:
+        total, to_end = prefix_decays(b, prefixes)
+        chunks = prefixes[0]
+        left = (k.index_select(0, chunks) * to_end).transpose(-1, -2)
+        prefix_maps = AffineMaps(scale=total.exp(), left=left, right=w.index_select(0, chunks),
+                                 values=u.index_select(0, chunks))
+    return ChunkMaps(q_decayed - scores @ w, scores @ u, maps, prefix_maps)

@@ -8,7 +8,7 @@ of its gates, exp(sum_t g_t) per head (``hypic.cache.composition.scalar_transiti
 import torch
 
 from ..dispatch import RecurrenceKernels, run_recurrence, unit_scale
-from .chunk import chunk_scalar_gla
+from .chunk import chunk_scalar_gla, scalar_gla_chunk_maps
 from .naive import naive_scalar_gla
 
 SHORT_RUN = 4
@@ -21,6 +21,7 @@ def chunk_size_for(steps: int, device: torch.device) -> int:
 
 KERNELS = RecurrenceKernels(
     naive=naive_scalar_gla, chunked=chunk_scalar_gla, chunk_size=chunk_size_for, scale=unit_scale, fla=("simple_gla", "chunk_simple_gla"), short_run=SHORT_RUN,
+    chunk_maps=scalar_gla_chunk_maps,
 )
 
 

@@ -7,6 +7,9 @@ so each chunk is two matmuls against the entering state and one masked c x c att
 """
 import torch
 
+from ..affine_chain import AffineMaps
+from ..dispatch import ChunkMaps, prefix_decays
+
 
 def chunk_scalar_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      initial_state: torch.Tensor | None = None, scale: float = 1.0,
@@ -29,3 +32,22 @@ def chunk_scalar_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         to_end = (decay[:, -1:] - decay).exp()[..., None]  # exp(b_c - b_j)
         state = decay[:, -1].exp()[:, None, None] * state + (kc * to_end).transpose(1, 2) @ vc
     return torch.cat(outputs, dim=1).transpose(0, 1), state
+
+
+def scalar_gla_chunk_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+                          prefixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> ChunkMaps:
+    """Chunks q, k [N, H, C, K], v [N, H, C, V], g [N, H, C] (zero-padded) as maps of their entering
+    state S (the formulas above): o = scale (q e^b) S + scale (the causal scores) v, S' = e^(b_c) S + ...
+    ``prefixes`` (chunk [P], tokens n [P]): also the maps to the state after a chunk's first n tokens."""
+    size = k.shape[-2]
+    q, k, v, decay = q.float() * scale, k.float(), v.float(), g.float().cumsum(-1)
+    to_end = (decay[..., -1:] - decay).exp()[..., None]
+    maps = AffineMaps((k * to_end).transpose(-1, -2) @ v, scale=decay[..., -1].exp())
+    causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    gaps = torch.where(causal, decay[..., :, None] - decay[..., None, :], -torch.inf).exp()
+    prefix_maps = None
+    if prefixes is not None:
+        total, to_end = prefix_decays(decay, prefixes)
+        written = (k.index_select(0, prefixes[0]) * to_end[..., None]).transpose(-1, -2) @ v.index_select(0, prefixes[0])
+        prefix_maps = AffineMaps(written, scale=total.exp())
+    return ChunkMaps(q * decay.exp()[..., None], (q @ k.transpose(-1, -2)) * gaps @ v, maps, prefix_maps)
