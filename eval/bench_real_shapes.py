@@ -146,15 +146,15 @@ def make_engine(args: argparse.Namespace) -> Engine:
 # its label (patched in for the profile only). Ranges nest (arena reads inside composition), so
 # the parts' times are inclusive, not a partition.
 PARTS: tuple[tuple[str, str, str], ...] = (
-    ("hypic.runs_together", "prepare_runs", "seam runs: conv and inputs"),
-    ("hypic.runs_together", "_chain_maps", "seam runs: maps varlen call"),
-    ("hypic.runs_together", "gated_delta_rule_varlen", "seam runs: FLA varlen calls (maps and final)"),  # both call it
+    ("hypic.runs_together", "convolved", "seam runs: conv"),
+    ("hypic.runs_together", "run_maps", "seam runs: maps varlen call"),
+    ("hypic.runs_together", "family_varlen", "seam runs: FLA varlen calls (maps and final)"),  # both call it
+    ("hypic.runs_together", "chained_recurrence", "seam runs: chunk maps, chain and outputs"),
     ("hypic.assembler", "_linear_runs", "seam runs: per-request path"),
-    ("hypic.runs_together", "_entering_states", "composition (state chain)"),
-    ("hypic.assembler", "compose_states", "composition (per-request path)"),
-    ("hypic.cache.store:LinearInterior", "for_compute", "arena reads: T and S|0"),
+    ("hypic.runs_together", "chain_states", "composition (state chain)"),
+    ("hypic.runs_together", "splice_maps", "arena reads: T and S|0"),
     ("hypic.assembler", "_rerotated_interiors", "re-rotation (with arena reads of K/V)"),
-    ("hypic.state:AttentionLayerState", "append", "KV append into the request buffer"),
+    ("hypic.state:AttentionLayerState", "place", "KV writes into the request buffer"),
     ("hypic.models.attention:GatedAttention", "attend", "attention"),
     ("hypic.models.mlp:SparseMoE", "forward", "MoE"),
 )

@@ -78,14 +78,15 @@ class InteriorCapture:
             self.layers, self.entry_states, self.running = (dict(d) for d in held)
         return restore
 
-    def window(self, index: int, keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor,
+    def window(self, index: int, keys: torch.Tensor, values: torch.Tensor, key_positions: list[int],
                window: int) -> None:
         """A sliding-window layer keeps only its interior's last ``window`` tokens' K and V: no later
-        token sees further back (``key_positions`` [T]: the positions of keys / values [Hkv, T, D])."""
-        if index in self.layers or not bool((key_positions == self.hi - 1).any()):
+        token sees further back (``key_positions``: the positions of keys / values [Hkv, T, D], host integers)."""
+        if index in self.layers or self.hi - 1 not in key_positions:
             return
-        wanted = (key_positions >= max(self.lo, self.hi - window)) & (key_positions < self.hi)
-        self.layers[index] = AttentionInterior(keys[:, wanted].clone(), values[:, wanted].clone())
+        wanted = torch.tensor([i for i, p in enumerate(key_positions) if max(self.lo, self.hi - window) <= p < self.hi])
+        wanted = wanted.to(keys.device)
+        self.layers[index] = AttentionInterior(keys.index_select(1, wanted), values.index_select(1, wanted))
 
     def attention(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep the interior's K and V once the keys (all positions so far) reach ``hi``."""
@@ -145,6 +146,7 @@ class PassContext:
     works: list["CombineWork"]
     rows: list[tuple[int, int]]
     snapshots: list[dict[int, dict]]
+    positions: list[list[int]]  # each work's run tokens' positions (host integers)
     device: torch.device
     _linear: dict[tuple, tuple] = field(default_factory=dict)
     _kv: dict[tuple, KVPlan] = field(default_factory=dict)
@@ -299,7 +301,7 @@ def _attention_layer(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tens
     for number, (work, (lo, hi), taken) in enumerate(zip(context.works, context.rows, context.snapshots)):
         part, init = token_rows(proj, lo, hi), work.init.layers[index]
         if isinstance(init, WindowLayerState):
-            out, state = _window_attend(mixer, rope, part, positions[lo:hi], work, index, init, taken)
+            out, state = _window_attend(mixer, rope, part, context.positions[number], work, index, init, taken)
         else:
             assert isinstance(init, AttentionLayerState)
             out, state = _full_attend(mixer, rope, part, work, index, init, context.kv(number, index, part.query.dtype))
@@ -335,20 +337,21 @@ def _rerotated_interiors(rope: RotaryEmbedding, work: "CombineWork", index: int,
     return rope.apply(keys.transpose(0, 1), plan.deltas, scaled=False).transpose(0, 1), values
 
 
-def _window_attend(mixer: GatedAttention, rope: RotaryEmbedding, proj: AttentionInputs, positions: torch.Tensor,
+def _window_attend(mixer: GatedAttention, rope: RotaryEmbedding, proj: AttentionInputs, positions: list[int],
                    work: "CombineWork", index: int, init: WindowLayerState,
                    snapshots: dict[int, dict]) -> tuple[torch.Tensor, WindowLayerState]:
     """A sliding-window layer: recompute tokens attend over the window's held keys, the spliced
     interiors' (their last ``window`` tokens, re-rotated) and each other, masked by position; the
-    ring then keeps the newest ``window`` of them."""
-    held_keys, held_values, held_positions = init.held()
-    keys, values, key_positions = [held_keys], [held_values], [held_positions]
+    ring then keeps the newest ``window`` of them. Positions are host integers (``positions``: the
+    run tokens'): nothing is read back from the device."""
+    held_keys, held_values, _ = init.held()
+    keys, values, key_positions = [held_keys], [held_values], list(range(init.start, init.length))
     for first, key, value in _pieces_kv(proj, rope, work.pieces, work.entries, index):
         keys.append(key)
         values.append(value)
-        key_positions.append(torch.arange(first, first + key.shape[1], device=positions.device))
+        key_positions += range(first, first + key.shape[1])
         init.write(key, value, first)
-    keys, values, key_positions = torch.cat(keys, dim=1), torch.cat(values, dim=1), torch.cat(key_positions)
+    keys, values = torch.cat(keys, dim=1), torch.cat(values, dim=1)
     if work.capture is not None:
         work.capture.window(index, keys, values, key_positions, init.window)
     _window_snapshots(snapshots, index, keys, values, key_positions, init.window, work.pieces)
@@ -356,14 +359,16 @@ def _window_attend(mixer: GatedAttention, rope: RotaryEmbedding, proj: Attention
 
 
 def _window_snapshots(snapshots: dict[int, dict], index: int, keys: torch.Tensor, values: torch.Tensor,
-                      key_positions: torch.Tensor, window: int, pieces: list[Piece]) -> None:
+                      key_positions: list[int], window: int, pieces: list[Piece]) -> None:
     """Record the layer's window (the keys and values of the last ``window`` positions) at every
     requested position inside or at the end of these pieces, where all of them are at hand."""
     lo, hi = pieces[0].start, pieces[-1].start + pieces[-1].length
     for position in (p for p in snapshots if lo < p <= hi):
-        wanted = (key_positions >= position - window) & (key_positions < position)
-        if int(wanted.sum()) == min(position, window):
-            snapshots[position][index] = WindowLayerState(keys[:, wanted], values[:, wanted], window, position)
+        wanted = [i for i, p in enumerate(key_positions) if position - window <= p < position]
+        if len(wanted) == min(position, window):
+            rows = torch.tensor(wanted).to(keys.device)
+            snapshots[position][index] = WindowLayerState(keys.index_select(1, rows), values.index_select(1, rows),
+                                                          window, position)
 
 
 def _pieces_kv(proj: AttentionInputs, rope: RotaryEmbedding, pieces: list[Piece], entries: dict[int, SegmentEntry],
@@ -395,7 +400,7 @@ def _window_interiors(rope: RotaryEmbedding, pieces: list[Piece], entries: dict[
             shifts.append((piece.start - entry.local_start, layer.keys.shape[1]))
     if not cached:
         return iter(())
-    deltas = torch.tensor([delta for delta, _ in shifts]).repeat_interleave(torch.tensor([n for _, n in shifts]))
+    deltas = torch.tensor([delta for delta, n in shifts for _ in range(n)])
     keys = rope.apply(torch.cat([layer.keys for layer in cached], dim=1).transpose(0, 1), deltas, scaled=False).transpose(0, 1)
     return zip(keys.split([n for _, n in shifts], dim=1), (layer.values for layer in cached))
 
@@ -484,7 +489,7 @@ def _combine_batch(works: list[CombineWork]) -> list[CombineResult]:
                  for work in works]
     offsets = list(itertools.accumulate((len(p) for p in positions), initial=0))
     rows = list(itertools.pairwise(offsets))
-    context = PassContext(works, rows, snapshots, model.device)
+    context = PassContext(works, rows, snapshots, positions, model.device)
     all_positions = torch.tensor([q for at in positions for q in at]).to(model.device)
     x = model.embed(torch.tensor([work.token_ids[q] for work, at in zip(works, positions) for q in at]).to(model.device))
     layers: list[list] = [[] for _ in works]

@@ -35,9 +35,10 @@ def _attention_step(mixer: GatedAttention, rope: RotaryEmbedding, h: torch.Tenso
     for b, layer in enumerate(layers):
         key, value = proj.key[b : b + 1].transpose(0, 1), proj.value[b : b + 1].transpose(0, 1)
         if isinstance(layer, WindowLayerState):
-            layer.write(key, value, layer.length)
+            at = layer.length
+            layer.write(key, value, at)
             keys, values, key_positions = layer.slots()
-            attended.append(mixer.attend_at(proj.query[b : b + 1], positions[b : b + 1], keys, values, key_positions))
+            attended.append(mixer.attend_at(proj.query[b : b + 1], [at], keys, values, key_positions))
             continue
         layer.append(key, value)
         attended.append(mixer.attend(proj.query[b : b + 1], [(layer.length - 1, 1)], layer.keys, layer.values))

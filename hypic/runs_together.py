@@ -1,14 +1,15 @@
 """A linear layer's runs in a combine pass, every request's together, in a fixed number of ops
 whatever the document count.
 
-Each request's runs are cut at its snapshot positions into parts, and the parts into units: chunks
-of at most the family's chunk size (``chained_recurrence``, on every device) or whole parts (FLA's
-varlen kernel on CUDA, ``varlen_recurrence``). Every unit and every spliced document is an affine
-map of the state before it, S -> T S + B; a request's prefix state, then its units and splices in
-order, make one chain, and the chains of all requests lie end to end in one sequence whose states
-``hypic.kernels.affine_chain`` computes. From the state entering each unit come its outputs:
-through the units' maps (``ChunkMaps``: outputs = zero-start outputs + entry queries @ S), or
-through a second varlen call.
+Each request's runs are cut into units: chunks of at most the family's chunk size
+(``chained_recurrence``, on every device), or on CUDA, for a family with FLA's varlen kernel, whole
+parts of runs cut at the snapshot positions (``varlen_recurrence``). Every unit and every spliced
+document is an affine map of the state before it, S -> T S + B; a request's prefix state, then its
+units and splices in order, make one chain, and the chains of all requests run as one program
+(``hypic.kernels.affine_chain``). From the state entering each unit come its outputs: through the
+units' maps (``ChunkMaps``: outputs = zero-start outputs + entry queries @ S, in one batched
+product), or through a second varlen call; a snapshot inside a chunk comes from the maps of the
+chunk's prefix, applied to the chunk's entering state.
 
 What the pass's layout decides (which rows of which tensor each unit, element, window and
 snapshot reads) depends only on the requests' pieces and snapshot positions, not on the layer: it
@@ -18,8 +19,8 @@ interiors are captured) run one kernel call per run (``assembler._linear_runs``)
 """
 import dataclasses
 import itertools
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -90,10 +91,11 @@ class SnapshotAt:
 class RunsLayout:
     """Where everything of a pass's linear layers comes from and goes, for the works run together,
     one conv width (k - 1) and a chunk size: a run is cut into units of at most ``chunk`` tokens, a
-    snapshot inside a unit being the state after a prefix of it (``prefixes``); or (None: the varlen
-    strategy) a run is cut at its snapshot positions into parts, each a unit. Rows of the conv source: the works' tokens, then each work's
-    entering conv window, then each splice's conv tail. The chain (``steps``) writes each element's
-    state into the ``entering`` buffer's row of the unit that follows it, or else a row of ``other``."""
+    snapshot inside a unit being the state after a prefix of it (``prefixes``); or (None: the
+    varlen strategy) a run is cut at its snapshot positions into parts, each a unit. Rows of the
+    conv source: the works' tokens, then each work's entering conv window, then each splice's conv
+    tail. The chain (``steps``) writes each element's state into the ``entering`` buffer's row of
+    the unit that follows it, or else a row of ``other``."""
 
     works: int
     tokens: int
@@ -313,13 +315,21 @@ def splice_maps(mixer: LinearMixer, works: list[PassOfRuns], layout: RunsLayout,
     offsets = _splice_offsets(mixer, works, layout, interiors)
     if not held:
         return MapViews(offsets)
-    if all(t.family is Family.DENSE and t.kept is None and t.value.dtype == torch.float32 for t in held):  # type: ignore[union-attr]
-        return MapViews(offsets, dense=[None if c.transition is None else c.transition.value for c in interiors])  # type: ignore[arg-type]
+    if held[0].family is Family.DENSE:  # type: ignore[union-attr]
+        return MapViews(offsets, dense=_dense_transitions([c.transition for c in interiors]))
     values = stacked_values([held[0].with_value(torch.zeros_like(held[0].value)) if c.transition is None  # type: ignore[union-attr]
                              else c.transition for c in interiors])
-    if values.dim() == 4:
-        return MapViews(offsets, dense=values.unbind(0))
     return MapViews(offsets, scale=values.reshape(*values.shape, *([1] * (4 - values.dim()))).unbind(0))
+
+
+def _dense_transitions(transitions: list[Transition | None]) -> list[torch.Tensor | None]:
+    """Each splice's dense T_C [H, K, K] in fp32: the pool's tensor itself where it is that (every
+    head kept, stored in fp32); the others (decayed heads flagged, stored narrower) stacked in full
+    together (a few ops for any count). None for a naive splice."""
+    direct = [t is None or (t.kept is None and t.value.dtype == torch.float32) for t in transitions]
+    expanded = iter(stacked_values([t for t, plain in zip(transitions, direct) if not plain]).unbind(0)) \
+        if not all(direct) else iter(())  # type: ignore[misc]
+    return [(None if t is None else t.value) if plain else next(expanded) for t, plain in zip(transitions, direct)]
 
 
 def _splice_offsets(mixer: LinearMixer, works: list[PassOfRuns], layout: RunsLayout,

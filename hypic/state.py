@@ -187,11 +187,11 @@ class WindowLayerState:
         slots = positions % self.window
         return self._keys[:, slots], self._values[:, slots], positions
 
-    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values and positions of the held tokens in slot order (views when the ring is full)."""
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Keys, values and positions (host integers) of the held tokens in slot order (views when the
+        ring is full)."""
         held = min(self.length, self.window)
-        slot_positions = torch.arange(held, device=self._keys.device)
-        positions = slot_positions + ((self.length - 1 - slot_positions) // self.window) * self.window
+        positions = [slot + ((self.length - 1 - slot) // self.window) * self.window for slot in range(held)]
         return self._keys[:, :held], self._values[:, :held], positions
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> None:

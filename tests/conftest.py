@@ -7,8 +7,8 @@ import pytest
 
 from hypic.loading.checkpoints import write_random_checkpoint
 from hypic_testing.checkpoints import make_long_memory
-from hypic_testing.tiny_models import (NATIVE_VARIANTS, PUBLISHED_VARIANTS, TINY_VARIANTS, write_native_checkpoint,
-                                       write_published_checkpoint)
+from hypic_testing.tiny_models import (FAMILY_CHECKPOINTS, NATIVE_VARIANTS, PUBLISHED_VARIANTS, TINY_VARIANTS,
+                                       write_native_checkpoint, write_published_checkpoint)
 from hypic_reference.model import ReferenceModel
 
 
@@ -34,10 +34,6 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         return made[(name, seed, long_memory)]
 
     return factory
-
-
-FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax", "granitemoehybrid", "hypic_gla",
-                      "hypic_scalar_rope", "kimi_linear", "nemotron_h")  # one tiny model per linear family
 
 
 @pytest.fixture(params=FAMILY_CHECKPOINTS)

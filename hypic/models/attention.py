@@ -1,6 +1,9 @@
 """Full attention: Qwen3-Next / Qwen3.5's gated form (q/k RMSNorm, partial rotary, sigmoid output
 gate), or without gate and q/k norms (``config.attention_output_gate`` False: MiniMax), or with q/k
 norms and no gate (``config.attention_qk_norm``: Ring-linear)."""
+import bisect
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,29 +117,33 @@ QUERY_BLOCK = 512  # queries per block of the masked path when a window bounds t
 SCORE_BUDGET = 1 << 24  # most fp32 scores [Hq, block, T] one block of the masked path holds (64 MiB)
 
 
-def masked_attention(query: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     key_positions: torch.Tensor, scale: float, window: int | None = None,
+def masked_attention(query: torch.Tensor, query_positions: Sequence[int], keys: torch.Tensor, values: torch.Tensor,
+                     key_positions: Sequence[int], scale: float, window: int | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [N, Hq, Dk] at positions [N]; keys [Hkv, T, Dk] and values [Hkv, T, Dv] at positions [T]
-    (any order). A query at i sees the keys at j <= i, and j > i - window with a window; ``sinks``
-    [Hq]: a learned logit per head that joins every softmax with a zero value (gpt-oss). Scores in
-    fp32. Returns [N, Hq * Dv]. With a window and ascending key positions, each block of queries
-    only scores the keys its windows reach; blocks are sized so their scores stay within
-    ``SCORE_BUDGET`` (full layers with sinks over a long context: few queries per block)."""
+    (any order; both given as host integers, so nothing is read back from the device). A query at i
+    sees the keys at j <= i, and j > i - window with a window; ``sinks`` [Hq]: a learned logit per
+    head that joins every softmax with a zero value (gpt-oss). Scores in fp32. Returns
+    [N, Hq * Dv]. With a window and ascending key positions, each block of queries only scores the
+    keys its windows reach; blocks are sized so their scores stay within ``SCORE_BUDGET`` (full
+    layers with sinks over a long context: few queries per block)."""
     group = query.shape[1] // keys.shape[0]
     k = keys.float().repeat_interleave(group, 0).transpose(1, 2)
     v = values.float().repeat_interleave(group, 0)
-    ascending = window is not None and bool((key_positions[1:] > key_positions[:-1]).all())
+    queries_at = torch.tensor(list(query_positions), dtype=torch.long).to(query.device)
+    keys_at = torch.tensor(list(key_positions), dtype=torch.long).to(query.device)
+    ascending = window is not None and all(a < b for a, b in itertools.pairwise(key_positions))
     reach = min(keys.shape[1], window + QUERY_BLOCK) if ascending else keys.shape[1]  # keys one block scores
     block = max(1, min(QUERY_BLOCK, SCORE_BUDGET // max(1, query.shape[1] * reach)))
     outputs = []
     for lo, hi in _query_blocks(query_positions, block):
-        at = query_positions[lo:hi, None]
+        at = queries_at[lo:hi, None]
         first, last = 0, k.shape[-1]
         if ascending:
-            first = int(torch.searchsorted(key_positions, at.min() - window + 1))
-            last = int(torch.searchsorted(key_positions, at.max(), right=True))
-        q, seen = query[lo:hi].transpose(0, 1).float(), key_positions[first:last]
+            assert window is not None
+            first = bisect.bisect_left(key_positions, min(query_positions[lo:hi]) - window + 1)
+            last = bisect.bisect_right(key_positions, max(query_positions[lo:hi]))
+        q, seen = query[lo:hi].transpose(0, 1).float(), keys_at[first:last]
         allowed = seen[None] <= at
         if window is not None:
             allowed &= seen[None] > at - window
@@ -148,12 +155,12 @@ def masked_attention(query: torch.Tensor, query_positions: torch.Tensor, keys: t
     return torch.cat(outputs).reshape(query.shape[0], -1).to(query.dtype)
 
 
-def _query_blocks(positions: torch.Tensor, size: int) -> list[tuple[int, int]]:
+def _query_blocks(positions: Sequence[int], size: int) -> list[tuple[int, int]]:
     """Row ranges of at most ``size`` queries, cut where positions stop being consecutive (a seam run
     ends): each block's windows then cover one stretch of keys."""
-    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    breaks = [i + 1 for i, (a, b) in enumerate(itertools.pairwise(positions)) if b != a + 1]
     blocks = []
-    for lo, hi in zip([0, *breaks], [*breaks, positions.shape[0]]):
+    for lo, hi in zip([0, *breaks], [*breaks, len(positions)]):
         blocks += [(start, min(start + size, hi)) for start in range(lo, hi, size)]
     return blocks
 
@@ -200,8 +207,8 @@ class GatedAttention(nn.Module):
         """Whether attention needs the masked path (a window or sinks) rather than causal SDPA."""
         return self.window is not None or hasattr(self, "sinks")
 
-    def attend_at(self, query: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  key_positions: torch.Tensor) -> torch.Tensor:
+    def attend_at(self, query: torch.Tensor, query_positions: Sequence[int], keys: torch.Tensor, values: torch.Tensor,
+                  key_positions: Sequence[int]) -> torch.Tensor:
         """``masked_attention`` with this layer's scale, window and sinks: [N, Hq, D] -> [N, Hq * Dv]."""
         return masked_attention(query, query_positions, keys, values, key_positions, self.scale, self.window,
                                 getattr(self, "sinks", None))
@@ -227,8 +234,8 @@ class GatedAttention(nn.Module):
         """``causal_attention`` with this layer's scale over keys at positions 0..T-1: [N, Hq, D] -> [N, Hq * Dv]
         (the masked path when the layer has sinks)."""
         if self.positional:
-            positions = torch.cat([torch.arange(first, first + run) for first, run in runs]).to(keys.device)
-            return self.attend_at(query, positions, keys, values, torch.arange(keys.shape[1], device=keys.device))
+            positions = [p for first, run in runs for p in range(first, first + run)]
+            return self.attend_at(query, positions, keys, values, range(keys.shape[1]))
         return causal_attention(query, runs, keys, values, self.scale, groups)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

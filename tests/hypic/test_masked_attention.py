@@ -37,12 +37,12 @@ def test_masked_attention_matches_the_formula(monkeypatch: pytest.MonkeyPatch, w
     keys, values = torch.randn(kv_heads, len(key_positions), dk), torch.randn(kv_heads, len(key_positions), dv)
     query = torch.randn(len(query_positions), heads, dk)
     sinks = torch.randn(heads) if with_sinks else None
-    ours = masked_attention(query, query_positions, keys, values, key_positions, 0.3, window, sinks)
+    ours = masked_attention(query, query_positions.tolist(), keys, values, key_positions.tolist(), 0.3, window, sinks)
     expected = _naive(query, query_positions, keys, values, key_positions, 0.3, window, sinks)
     assert torch.allclose(ours, expected, atol=1e-5)
     shuffled = torch.randperm(len(key_positions))  # key order does not matter (decode reads a ring in slot order)
-    again = masked_attention(query, query_positions, keys[:, shuffled], values[:, shuffled], key_positions[shuffled],
-                             0.3, window, sinks)
+    again = masked_attention(query, query_positions.tolist(), keys[:, shuffled], values[:, shuffled],
+                             key_positions[shuffled].tolist(), 0.3, window, sinks)
     assert torch.allclose(again, expected, atol=1e-5)
 
 
@@ -55,4 +55,20 @@ def test_causal_attention_in_runs_matches_the_formula() -> None:
     query, keys, values = torch.randn(len(positions), 4, 8), torch.randn(2, 10, 8), torch.randn(2, 10, 8)
     got = attention.causal_attention(query, runs, keys, values, 0.3)
     expected = _naive(query, positions, keys, values, torch.arange(10), 0.3, None, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("groups, budget, made", [(1, 1 << 20, 1), (2, 1 << 20, 2), (4, 1 << 20, 3), (4, 60, 4)])
+def test_runs_attending_in_groups_match_the_formula(groups: int, budget: int, made: int) -> None:
+    """Many runs attending together in masked groups (``attention_groups``: by run count, and more
+    groups where a mask would pass its budget) see exactly the keys up to their own positions."""
+    torch.manual_seed(1)
+    runs = [(0, 3), (5, 4), (12, 2), (15, 1), (20, 5)]
+    positions = torch.tensor([first + i for first, run in runs for i in range(run)])
+    query, keys, values = torch.randn(len(positions), 4, 8), torch.randn(2, 25, 8), torch.randn(2, 25, 8)
+    found = attention.attention_groups(runs, torch.float32, torch.device("cpu"), budget=budget, groups=groups)
+    assert len(found) == made  # runs of 5: 3 a group for 2 groups, 2 for 4; the budget splits (0-8) and (5-9) off
+    assert [g.lo for g in found] == [0, *(g.hi for g in found[:-1])] and found[-1].hi == len(positions)
+    got = attention.causal_attention(query, runs, keys, values, 0.3, found)
+    expected = _naive(query, positions, keys, values, torch.arange(25), 0.3, None, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

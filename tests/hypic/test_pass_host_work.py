@@ -15,6 +15,7 @@ import pytest
 import hypic.assembler as assembler
 from hypic import DEFAULT_SEPARATOR as SEP, Engine
 from hypic.evaluation.ops import OpCounter
+from hypic_testing.tiny_models import FAMILY_CHECKPOINTS
 
 WORDS = "alpha beta gamma delta river stone cloud paper lamp green blue quiet north south city field".split()
 
@@ -47,10 +48,12 @@ def _counted_prefill(engine: Engine, text: str, monkeypatch: pytest.MonkeyPatch)
     return prefill, whole, passes
 
 
-def test_an_all_hit_pass_and_a_decode_step_never_sync(family_checkpoint: Path,
+@pytest.mark.parametrize("name", [*FAMILY_CHECKPOINTS, "gpt_oss", "mimo_v2_flash", "qwen3_next-moe"])
+def test_an_all_hit_pass_and_a_decode_step_never_sync(checkpoint_factory: Callable[..., Path], name: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every linear family, sliding windows with sinks (gpt-oss, MiMo) and routed experts."""
     documents = _documents(6, 40)
-    engine = Engine.from_pretrained(family_checkpoint)
+    engine = Engine.from_pretrained(checkpoint_factory(name))
     engine.warmup(documents)
     prefill, _, passes = _counted_prefill(engine, _prompt(documents, 1), monkeypatch)
     assert prefill.stats.segments_hit == 6 and passes

@@ -164,5 +164,7 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model_type,
     "bailing_hybrid-dense-softplus": ("bailing_hybrid", dict(  # no q latent, the unbounded decay, dense MLPs only
         q_lora_rank=None, kda_safe_gate=False, first_k_dense_replace=4)),
 }
+FAMILY_CHECKPOINTS = ("qwen3_5_text-ratio2", "minimax", "granitemoehybrid", "hypic_gla",
+                      "hypic_scalar_rope", "kimi_linear", "nemotron_h")  # one tiny model per linear family
 REFERENCE_MODEL_TYPES = (*(t for arch in ARCHITECTURES if arch.reference for t in arch.model_types),
                          *WRAPPED_REFERENCES)  # hypic_reference runs these
