@@ -2,7 +2,8 @@
 the ones that would make a GPU wait for the host or the host for a GPU (a sync).
 
 A sync is an op that reads a tensor's value on the host (``item()``, ``int()``, ``bool()`` of a
-tensor: ``aten._local_scalar_dense``; ``tolist()``, ``numpy()``), an op whose output's shape depends
+tensor: ``aten.item`` or ``aten.is_nonzero`` under inference mode, ``aten._local_scalar_dense``
+outside it; ``tolist()``, ``numpy()``), an op whose output's shape depends
 on the values (``nonzero``, ``masked_select``, ``unique``, indexing or writing with a boolean mask,
 ``repeat_interleave`` by a tensor of counts without ``output_size``), or a copy from a device to the
 host. On the CPU none of them waits for anything, but each is where a CUDA pass would stall and
@@ -14,12 +15,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+READ_BACK = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero")  # a value read on the host (item, int, bool)
 VALUE_SHAPED = ("aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique", "aten.masked_scatter")
 
 
 def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
     name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
-    if name == "aten._local_scalar_dense" or name.startswith(VALUE_SHAPED):
+    if name in READ_BACK or name.startswith(VALUE_SHAPED):
         return True
     if name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())

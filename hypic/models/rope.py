@@ -46,12 +46,18 @@ class RotaryEmbedding:
             exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device="cpu") / self.rotary_dim
             self.inv_freq = (1.0 / rope.theta**exponents / rope.factor).to(device)
         self.scale = attention_factor(rope)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] (may be negative: a re-rotation delta) -> cos, sin [N, rotary_dim] fp32."""
+        """positions [N] (may be negative: a re-rotation delta) -> cos, sin [N, rotary_dim] fp32. The
+        last call's are kept for the same tensor: every layer of a pass rotates by the same positions."""
+        last = self._last
+        if last is not None and last[0] is positions:
+            return last[1], last[2]
         freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        self._last = (positions, emb.cos(), emb.sin())
+        return self._last[1], self._last[2]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, scaled: bool = True) -> torch.Tensor:
         """x [N, H, D] rotated for positions [N] (``R(p) x``), the rotated channels times YaRN's
