@@ -115,7 +115,7 @@ class RunsLayout:
     splices: list[tuple[int, Splice]] = field(default_factory=list)  # (work, piece) in order
     naive: list[bool] = field(default_factory=list)  # per splice: composed by addition
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    _buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    _buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def of(cls, works: list[PassOfRuns], snapshot_at: list[list[int]], width: int, chunk: int | None) -> "RunsLayout":
@@ -204,13 +204,13 @@ class RunsLayout:
         self.finals.append(None if self.chunk is None else targets[-1])
 
     def buffers(self, like: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The chain's state buffers for states like ``like`` [H, K, V]: made once per pass and reused
-        by every layer (what a layer keeps of them it copies out), so no layer pays for fresh pages."""
-        key = f"buffers:{tuple(like.shape)}:{like.dtype}:{like.device}"
+        """The chain's state buffers for states like ``like`` [H, K, V]: ``entering`` made once per pass
+        and reused by every layer (what a layer keeps of it, it copies out), so no layer pays for
+        fresh pages; ``other`` made anew, its rows handed on as they are (snapshots at splice ends)."""
+        key = f"entering:{tuple(like.shape)}:{like.dtype}:{like.device}"
         if key not in self._buffers:
-            self._buffers[key] = {"entering": like.new_empty(len(self.units), *like.shape),
-                                  "other": like.new_empty(self.others, *like.shape)}
-        return self._buffers[key]
+            self._buffers[key] = like.new_empty(len(self.units), *like.shape)
+        return {"entering": self._buffers[key], "other": like.new_empty(self.others, *like.shape)}
 
     # ----- the index tensors ------------------------------------------------------------------
     def tensor(self, name: str, device: torch.device) -> torch.Tensor:
@@ -365,15 +365,16 @@ def _record(layout: RunsLayout, buffers: dict[str, torch.Tensor], finals: torch.
     made = [LinearLayerState(state, conv) for state, conv in zip(finals.unbind(0), windows.unbind(0))]
     if not layout.snapshots:
         return made
-    read = {name: iter(buffer.index_select(0, layout.tensor(f"snapshot_rows:{name}", device)).unbind(0))
-            for name, buffer in buffers.items()}
+    read = {"entering": iter(buffers["entering"].index_select(0, layout.tensor("snapshot_rows:entering", device))
+                             .unbind(0))}
+    rows_of_other = buffers["other"].unbind(0)  # this layer's own: its rows are handed on as they are
     if prefixes is not None:
         read["prefix"] = iter(prefixes.apply(buffers["entering"].index_select(0, layout.tensor("prefix_units", device)))
                               .unbind(0))
     convs = _rows(source, layout, "snapshot_conv", len(layout.snapshots)).unbind(0)
     for at, conv in zip(layout.snapshots, convs):
         if at.row is not None:
-            state = next(read[at.row[0]])
+            state = next(read["entering"]) if at.row[0] == "entering" else rows_of_other[at.row[1]]
         else:
             state = next(read["prefix"]) if at.prefix is not None else made[at.work].recurrent
         snapshots[at.work][at.position][index] = LinearLayerState(state, conv)
