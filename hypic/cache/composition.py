@@ -108,7 +108,7 @@ def stacked_values(transitions: list[Transition]) -> torch.Tensor:
     rows = [s * heads + h for s, t in enumerate(transitions) for h in range(heads) if t.kept is None or t.kept[h]]
     values = torch.cat([t.value for t in transitions]).float()
     full = values.new_zeros(len(transitions) * heads, *values.shape[1:])
-    full.index_copy_(0, torch.tensor(rows, device=values.device), values)
+    full.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=values.device), values)
     return full.view(len(transitions), heads, *values.shape[1:])
 
 

@@ -112,6 +112,8 @@ def test_decayed_heads_stack_as_zero_matrices() -> None:
     state, out = torch.randn(HEADS, KEY, VALUE, generator=gen), torch.empty(HEADS, KEY, VALUE)
     views.apply_into(2, state, out)
     torch.testing.assert_close(out, full[2] @ state)
+    gone = Transition(Family.DENSE, torch.zeros(HEADS, KEY, KEY)).without_decayed()  # every head decayed
+    torch.testing.assert_close(stacked_values([gone, gone]), torch.zeros(2, HEADS, KEY, KEY))
 
 
 # ----- each family's chunk maps ------------------------------------------------------------------------

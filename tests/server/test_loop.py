@@ -483,10 +483,10 @@ def test_a_pass_that_breaks_in_a_batch_fails_only_its_request(tiny_checkpoint: P
     poison = engine.parse(prompts["poisoned"]).token_ids[:8]
     attend = assembler._full_attend
 
-    def breaking(mixer, rope, proj, work, index, init):
+    def breaking(mixer, rope, proj, work, index, init, plan):
         if work.token_ids[:8] == poison:
             raise RuntimeError("a pass that breaks")
-        return attend(mixer, rope, proj, work, index, init)
+        return attend(mixer, rope, proj, work, index, init, plan)
 
     monkeypatch.setattr(assembler, "_full_attend", breaking)
     batches: list[int] = []
