@@ -232,7 +232,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-timeout", type=float, default=300.0,
                        help="seconds a worker may take to answer any call (build or ship a request's documents, "
                             "report what it holds, combine a request) before it is declared lost and killed; a "
-                            "request whose peer work takes longer is prefilled here (default: 300)")
+                            "request whose peer work takes longer is prefilled here; with --dp-size, the longest a request's "
+                            "replica may stay silent (it sends a keepalive every 2 s) before the request is retried "
+                            "elsewhere or failed (default: 300)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
     _tier_options(serve)
     access = serve.add_argument_group("access and limits")

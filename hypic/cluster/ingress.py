@@ -4,25 +4,29 @@ stands where a single server's engine loop stands. It checks and plans each requ
 replica's events; each replica's answer ends with what it holds, which keeps the index right."""
 import asyncio
 import contextvars
+import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from ..cache.modes import Mode
 from ..errors import HypicError
 from ..router.plan import SegmentJob
-from ..scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, QueueFull
+from ..scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull
 from ..scheduler.policy import SchedulingPolicy
+from ..scheduler.stats import LoopStats
 from .front import FrontEngine
 from .index import Announcement
-from .replica import ReplicaWork
+from .replica import PREFILLED, Mark, ReplicaWork
 from .routing import ReplicaLoad, RouteRequest, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
 
@@ -32,6 +36,8 @@ ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried")
 CALL_TIMEOUT_S = 300.0  # the most a call to a replica (warm-up, flush, status) may take
 STATUS_TIMEOUT_S = 10.0  # a replica whose status takes longer (its host cut off) is left out of that refresh
 ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
+SILENCE_S = 300.0  # the longest a request's stream may stay silent (replicas send a keepalive every 2 s)
+TOTALS = frozenset(LoopStats().as_dict())  # the replicas' counters that only grow (the rest are gauges)
 
 
 def route_request(job: Job) -> RouteRequest:
@@ -56,11 +62,54 @@ def summed(values: list[Any]) -> Any:
         return first
     if isinstance(first, (int, float)):
         return sum(v for v in values if isinstance(v, (int, float)))
-    if isinstance(first, dict):
-        return {key: summed([v[key] for v in values if isinstance(v, dict) and key in v]) for key in first}
+    if isinstance(first, dict):  # over every replica's keys (a loop error's step may be one replica's alone)
+        keys = dict.fromkeys(key for v in values if isinstance(v, dict) for key in v)
+        return {key: summed([v[key] for v in values if isinstance(v, dict) and key in v]) for key in keys}
     if isinstance(first, (list, tuple)) and all(isinstance(v, (list, tuple)) and len(v) == len(first) for v in values):
         return [summed(list(column)) for column in zip(*values)]
     return first
+
+
+def added(first: Any, second: Any) -> Any:
+    """Two replicas' totals as one: numbers added, lists element by element, dicts over both's keys."""
+    if first is None or second is None:
+        return second if first is None else first
+    if isinstance(first, dict):
+        return {key: added(first.get(key), second.get(key)) for key in first | second}
+    if isinstance(first, list):
+        return [added(a, b) for a, b in zip(first, second)]
+    return first + second
+
+
+class ReplicaSilent(HypicError):
+    """A request's replica sent nothing within the ingress's deadline (a stuck call, one pinned to a
+    replica that left, builds that never came)."""
+
+
+@dataclass
+class Attempt:
+    """One try at a request, as the ingress follows it: ``key`` names its calls; times are the
+    ingress's clock (``time.perf_counter``), from the request's arrival here."""
+
+    key: str
+    arrived: float
+    first_token_at: float | None = None
+
+    def first_token(self) -> bool:
+        """Note the first token's arrival; True if this was it."""
+        if self.first_token_at is not None:
+            return False
+        self.first_token_at = time.perf_counter()
+        return True
+
+    def timed(self, event: Event) -> Event:
+        """An end as the ingress saw it: TTFT and latency from the arrival here (builds elsewhere, routing
+        and the replica's queue included), not from the replica's receipt of the call."""
+        if not isinstance(event, DoneEvent):
+            return event
+        now = time.perf_counter()
+        first = self.first_token_at if self.first_token_at is not None else now
+        return replace(event, completion=replace(event.completion, ttft_s=first - self.arrived, e2e_s=now - self.arrived))
 
 
 def refused_for_room(err: BaseException) -> QueueFull | None:
@@ -78,13 +127,16 @@ class ReplicaLoop:
     job_for = EngineLoop.job_for
 
     def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
-                 max_state_bytes: int | None, spreads: bool = True) -> None:
-        self.engine, self.mode, self.state = front, Mode.parse(mode), state
+                 max_state_bytes: int | None, spreads: bool = True, silence_s: float = SILENCE_S) -> None:
+        self.engine, self.mode, self.state, self.silence_s = front, Mode.parse(mode), state, silence_s
+        self.name, self.calls = uuid.uuid4().hex[:8], itertools.count()  # call keys: unique across ingresses
         # a replica of several ranks holds shards: its documents are not built by another replica
         self.spreads = spreads and front.policy(self.mode).caches_segments
         self.replicas, self.policy = replicas, SchedulingPolicy(max_state_bytes=max_state_bytes)  # refuses what never fits
         self.tasks: set[asyncio.Task] = set()
         self.statuses: dict[str, dict[str, Any]] = {}
+        self.retired: dict[str, Any] = {}  # the totals of replicas gone (a replacement counts from zero)
+        self.answered = LoopStats()  # the requests' TTFTs as measured here
         self.running: asyncio.AbstractEventLoop | None = None
 
     def sample_seed(self) -> int | None:
@@ -108,18 +160,16 @@ class ReplicaLoop:
             heard = heard or job.request.stream or isinstance(event, (DoneEvent, ErrorEvent))
             emit(event)
 
-        tried: set[str] = set()
+        tried: set[str] = set()  # the replicas that failed it, filled by each attempt
         try:
             for attempt in range(1, ATTEMPTS + 1):
                 try:
-                    return await self._attempt(job, relay, spread=attempt == 1, avoid=frozenset(tried))
+                    return await self._attempt(job, relay, spread=attempt == 1, tried=tried)
                 except Exception as err:  # noqa: BLE001 - the replica died, failed or was full
-                    replica = self.state.finished(job.rid)
-                    if replica is not None:
-                        tried.add(replica)
                     if heard or attempt == ATTEMPTS or job.cancelled.is_set():
                         raise
-                    log.warning("request %s: its replica failed before answering (%s); retried on another", job.rid, err)
+                    log.warning("request %s: replica %s failed before answering (%s); retried on another", job.rid,
+                                ", ".join(sorted(tried)) or "(not reached)", err)
                     self.state.count("retried")
         except Exception as err:  # noqa: BLE001 - the client hears why
             full = refused_for_room(err)
@@ -130,22 +180,38 @@ class ReplicaLoop:
             log.error("request %s failed on its replica: %s", job.rid, err)
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
 
-    async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool, avoid: frozenset[str]) -> None:
-        """One try at ``job``, on a replica not in ``avoid`` while there is one; with ``spread``, its cold
-        documents may be built on other replicas (``spread_cold_documents``) while the chosen one
-        takes the request."""
-        route = RouteTo(job.rid, route_request(job), decode_tokens=job.request.params.max_new_tokens * len(job.sequences),
-                        avoid=avoid)
+    async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool, tried: set[str]) -> None:
+        """One try at ``job``, on a replica not in ``tried`` while there is one (the one it reached is
+        added to ``tried`` when it ends); with ``spread``, its cold documents may be built on other
+        replicas (``spread_cold_documents``) while the chosen one takes the request."""
+        attempt = Attempt(f"{job.rid}@{self.name}.{next(self.calls)}", job.start)
+        route = RouteTo(attempt.key, route_request(job), avoid=frozenset(tried),
+                        decode_tokens=job.request.params.max_new_tokens * len(job.sequences))
         work = ReplicaWork(job.rid, job.parts, job.request, job.plan, time.perf_counter() - job.start)
         route, builds = self._spread(job, route) if spread and self.spreads else (route, [])
         stream = _own_call(lambda: self.replicas.options(method_name="run", stream=True).remote(route, work, *builds))
         watcher = asyncio.get_running_loop().create_task(self._cancel_when_asked(job, stream))
         try:
-            async for item in stream:
-                await self._relay(job.rid, item, emit)
+            async for item in self._messages(stream):
+                await self._relay(attempt, item, emit)
         finally:
             watcher.cancel()
-            self.state.finished(job.rid)
+            replica = self.state.finished(attempt.key)
+            if replica is not None:
+                tried.add(replica)
+
+    async def _messages(self, stream: Any) -> AsyncIterator[Any]:
+        """The stream's messages, each within ``silence_s`` of the last (or of the call), else
+        ``ReplicaSilent`` and the call cancelled."""
+        messages = stream.__aiter__()
+        while True:
+            try:
+                yield await asyncio.wait_for(messages.__anext__(), self.silence_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                stream.cancel()
+                raise ReplicaSilent(f"its replica sent nothing in {self.silence_s:g} s") from None
 
     def _spread(self, job: Job, route: RouteTo) -> tuple[RouteTo, list[Any]]:
         """The replica the policy picks for ``job``, pinned, and the build calls of the documents
@@ -159,25 +225,37 @@ class ReplicaLoop:
         if not shares:
             return route, []
         documents = list(job.plan.documents())
-        route_reasons[job.rid] = decision.reason
         builds = []
         for replica, indices in shares.items():
             jobs = [SegmentJob(documents[i][1], documents[i][2], job.parts.namespace) for i in indices]
-            self.state.building(job.rid, replica, sum(route.request.documents[i][1] for i in indices))
-            pinned = RouteTo(f"{job.rid}-build", replica=replica)
+            self.state.building(route.key, replica, sum(route.request.documents[i][1] for i in indices))
+            pinned = RouteTo(f"{route.key}-build", replica=replica)
             builds.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
-        return replace(route, replica=decision.replica), builds
+        return replace(route, replica=decision.replica, reason=decision.reason), builds
 
-    async def _relay(self, rid: str, item: list[Event] | Announcement, emit: Callable[[Event], None]) -> None:
+    async def _relay(self, attempt: Attempt, item: list[Event] | Announcement | Mark, emit: Callable[[Event], None]) -> None:
         if isinstance(item, Announcement):
             await self.announce(item)
             return
+        if isinstance(item, Mark):
+            if item == PREFILLED:
+                self._prefilled(attempt)
+            return  # a keepalive: the silence deadline starts again
+        if item and isinstance(item[0], ProgressEvent):
+            self._prefilled(attempt)
         if item and isinstance(item[-1], (DoneEvent, ErrorEvent)):
             # its load leaves the replica before its client hears the end and may send the next request
             # (the replica's stream closes a message later)
-            self.state.finished(rid)
+            self.state.finished(attempt.key)
         for event in item:
+            event = attempt.timed(event)
+            if isinstance(event, DoneEvent):
+                self.answered.add_finished(event.completion)
             emit(event)
+
+    def _prefilled(self, attempt: Attempt) -> None:
+        if attempt.first_token():
+            self.state.prefilled(attempt.key)
 
     @staticmethod
     async def _cancel_when_asked(job: Job, stream: Any) -> None:
@@ -248,19 +326,41 @@ class ReplicaLoop:
         return asyncio.run_coroutine_threadsafe(self._flush(namespace, tiers), self._loop())
 
     async def _flush(self, namespace: str | None, tiers: frozenset[str]) -> tuple[int, int, int]:
-        answers = await asyncio.gather(*(self._call(r, "flush", namespace, tiers) for r in self.state.replicas))
+        """Flush every replica; one that died meanwhile is left out (its pools died with it), one that
+        failed otherwise fails the flush, named."""
+        replicas = list(self.state.replicas)
+        outcomes = await asyncio.gather(*(self._call(r, "flush", namespace, tiers) for r in replicas),
+                                        return_exceptions=True)
+        answers = []
+        for replica, outcome in zip(replicas, outcomes):
+            if isinstance(outcome, RayActorError):
+                log.warning("replica %s died before it flushed (%s): left out of the flush", replica, outcome)
+            elif isinstance(outcome, BaseException):
+                raise HypicError(f"replica {replica} could not flush: {type(outcome).__name__}: {outcome}") from outcome
+            else:
+                answers.append(outcome)
         for _, announcement in answers:
             await self.announce(announcement)
         await self.refresh()
-        return tuple(summed([flushed[i] for flushed, _ in answers]) for i in range(3))  # type: ignore[return-value]
+        return tuple(summed([flushed[i] for flushed, _ in answers]) if answers else 0 for i in range(3))  # type: ignore[return-value]
 
     async def refresh(self) -> None:
         """Every replica's status (its counters, pools and documents), kept for ``snapshot``."""
         replicas = list(self.state.replicas)
         answers = await asyncio.gather(*(asyncio.wait_for(self._call(r, "status"), STATUS_TIMEOUT_S) for r in replicas),
                                        return_exceptions=True)
-        self.statuses = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
-        self.state.pools_filled({r: a["public_pool_fill"] for r, a in self.statuses.items()})
+        fresh = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
+        self.state.pools_filled({r: a["public_pool_fill"] for r, a in fresh.items()})
+        self.statuses.update(fresh)  # a replica slow to answer this time keeps its last status
+        self._retire_gone()
+
+    def _retire_gone(self) -> None:
+        """The last totals of replicas gone join ``retired``: the service's counters never go back."""
+        with self.state.lock:
+            live = set(self.state.replicas)
+        for replica in [r for r in self.statuses if r not in live]:
+            counters = self.statuses.pop(replica)["counters"]
+            self.retired = added(self.retired, {k: v for k, v in counters.items() if k in TOTALS})
 
     async def keep_fresh(self) -> None:
         while True:
@@ -278,8 +378,12 @@ class ReplicaLoop:
     @property
     def snapshot(self) -> dict[str, Any]:
         """The replicas' counters summed (numbers only), with the routing counters and each replica's status."""
+        self._retire_gone()
         statuses = self._live_statuses()
         total = summed([status["counters"] for status in statuses]) if statuses else {}
+        total |= {key: added(total.get(key), value) for key, value in self.retired.items()}
+        total |= {"ttft_sum_s": self.answered.ttft_sum_s, "ttft_buckets": list(self.answered.ttft_buckets),
+                  "ttft_count": self.answered.requests_finished}  # measured here: builds elsewhere included
         with self.state.lock:
             routing = {name: self.state.counters[name] for name in ROUTING_COUNTERS}
         replicas = [{"index": i, **{k: v for k, v in status.items() if k != "counters"},
@@ -331,16 +435,15 @@ class ReplicaRouter(RequestRouter):
         by_id = {r: replica for r, replica in by_id.items() if r not in route.avoid} or by_id
         if route.replica is not None:  # a call for one replica, or a request the ingress placed itself
             return [[by_id[route.replica]]] if route.replica in by_id else []
-        decision = self._state().choose(route.request, list(by_id))
-        route_reasons[route.rid] = decision.reason
+        decision = self._state().choose(route.request, list(by_id), key=route.key)
         ranked = sorted(by_id, key=lambda r: (r != decision.replica, decision.costs.get(r, 0.0), r))
         return [[by_id[r]] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         route = pending_request.args[0] if pending_request.args else None
         if isinstance(route, RouteTo) and route.request is not None:
-            self._state().routed(route.rid, replica_id.unique_id, route.request, route.decode_tokens,
-                                 route_reasons.pop(route.rid, "load"))
+            self._state().routed(route.key, replica_id.unique_id, route.request, route.decode_tokens,
+                                 route.reason if route.replica is not None else None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -356,5 +459,3 @@ class ReplicaRouter(RequestRouter):
         if state is not None:
             state.set_replicas([r.replica_id.unique_id for r in self._replicas.values()])
 
-
-route_reasons: dict[str, str] = {}  # rid -> why its replica was chosen, from choose_replicas to on_request_routed

@@ -50,7 +50,8 @@ class Ingress:
         self.state = ClusterState(policy_named(args.router_policy))
         register_state(STATE_NAME, self.state)
         self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,
-                                spreads=args.tp_size == 1 and args.router_policy == "cache_aware")
+                                spreads=args.tp_size == 1 and args.router_policy == "cache_aware",
+                                silence_s=args.worker_timeout)
         await self.loop.wait_for_replicas(args.dp_size, START_TIMEOUT_S)
         self.asgi = OnServingLoop(build_app(self.loop, info, None, limits), self.loop.serve_on)
         self.listener = await Listener.start(self.asgi, *listen) if listen is not None else None

@@ -26,6 +26,19 @@ from ..server.protocol import GenerationRequest
 from .index import Announcement, HoldingEvent, Tier
 
 LOOP_CHECK_S = 1.0  # how often a request waiting for its next event looks whether the loop still runs
+KEEPALIVE_S = 2.0  # a request's stream says it is still at work after this long without a message
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A message on a request's stream that is not one of its events: ``PREFILLED`` (its first token
+    is out: its prefill load leaves the replica, its TTFT is read at the ingress) or ``ALIVE`` (still
+    at work: the ingress's deadline on the stream's silence starts again)."""
+
+    what: str
+
+
+PREFILLED, ALIVE = Mark("prefilled"), Mark("alive")
 
 
 @dataclass(frozen=True)
@@ -133,9 +146,10 @@ class Replica:
         self.started = time.time()
         self.weight_bytes = self.instance.engine.weight_bytes()  # reported with every status: counted once
 
-    async def run(self, route: Any, work: ReplicaWork, *built: list[SegmentEntry]) -> AsyncIterator[Event | Announcement]:
+    async def run(self, route: Any, work: ReplicaWork, *built: list[SegmentEntry]) -> AsyncIterator[Event | Announcement | Mark]:
         """The request's events, as its loop emits them, what the replica holds just before the last
-        of them. ``route``
+        of them; ``PREFILLED`` before the first event of a request that is not streamed (a streamed
+        one's first progress says it), ``ALIVE`` after ``KEEPALIVE_S`` without a message. ``route``
         is for the router (which replica); the replica ignores it. ``built``: documents other
         replicas built for it (each one's list), stored here, checked, before its prefill."""
         job = self._job(work)
@@ -144,9 +158,17 @@ class Replica:
         running = asyncio.get_running_loop()
         self.instance.loop.enqueue(job, lambda event: running.call_soon_threadsafe(events.put_nowait, event),
                                    peer_work)
+        prefill_told = work.request.stream
         try:
             while True:
-                batch = told(await self._batch(events), work.request.stream)
+                arrived = await self._batch(events)
+                if not arrived:
+                    yield ALIVE
+                    continue
+                if not prefill_told and isinstance(arrived[0], ProgressEvent):
+                    prefill_told = True
+                    yield PREFILLED
+                batch = told(arrived, work.request.stream)
                 ended = bool(batch) and isinstance(batch[-1], (DoneEvent, ErrorEvent))
                 if ended:  # what it holds now reaches the index before its client hears the end
                     yield self.feed.changes()
@@ -159,8 +181,11 @@ class Replica:
 
     async def _batch(self, events: asyncio.Queue[Event]) -> list[Event]:
         """The next event and every one already queued behind it (a slow reader gets them in one
-        message, not one each)."""
-        batch = [await self._next(events)]
+        message, not one each); none if ``KEEPALIVE_S`` passed without one."""
+        first = await self._next(events, KEEPALIVE_S)
+        if first is None:
+            return []
+        batch = [first]
         while not events.empty() and not isinstance(batch[-1], (DoneEvent, ErrorEvent)):
             batch.append(events.get_nowait())
         return batch
@@ -193,14 +218,16 @@ class Replica:
         job.rid, job.start = work.rid, time.perf_counter() - work.waited_s
         return job
 
-    async def _next(self, events: asyncio.Queue[Event]) -> Event:
-        loop = self.instance.loop
-        while True:
+    async def _next(self, events: asyncio.Queue[Event], within_s: float) -> Event | None:
+        """The next event, an error if the loop stopped, or None after ``within_s``."""
+        loop, deadline = self.instance.loop, time.monotonic() + within_s
+        while time.monotonic() < deadline:
             try:
-                return await asyncio.wait_for(events.get(), timeout=LOOP_CHECK_S)
+                return await asyncio.wait_for(events.get(), timeout=min(LOOP_CHECK_S, within_s))
             except TimeoutError:
                 if not loop.alive or loop.failure is not None:
                     return ErrorEvent(loop.failure or "the engine loop has stopped")
+        return None
 
     def _stamped(self, event: Event) -> Event:
         if isinstance(event, (ProgressEvent, DoneEvent)):

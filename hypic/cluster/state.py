@@ -10,19 +10,22 @@ from .index import Announcement, DocumentIndex
 from .routing import Decision, ReplicaLoad, RouteRequest, RoutingPolicy
 
 log = logging.getLogger("hypic.cluster")
+GONE_KEPT = 1024  # replicas gone that are remembered (Ray Serve never reuses a replica's id)
 
 
 @dataclass(frozen=True)
 class RouteTo:
-    """The first argument of every call to a replica: what its router decides by. ``replica``: a
-    call for that replica alone (its share of a warm-up, a flush, a dump); else ``request`` is
-    routed by the policy."""
+    """The first argument of every call to a replica: what its router decides by. ``key``: the
+    ingress's own name for the call, unique among its calls (a client may send one ``rid`` twice);
+    ``replica``: a call for that replica alone (its share of a warm-up, a flush, a dump, a request
+    the ingress placed itself for ``reason``); else ``request`` is routed by the policy."""
 
-    rid: str
+    key: str
     request: RouteRequest | None = None
     replica: str | None = None
     decode_tokens: int = 0  # the tokens it may decode (max_new_tokens times its samples)
     avoid: frozenset[str] = frozenset()  # replicas that already failed or refused it: others first
+    reason: str = "load"  # why the ingress placed it on ``replica`` (counted as ``routed_by_<reason>``)
 
 
 @dataclass
@@ -39,28 +42,35 @@ class ClusterState:
     def __init__(self, policy: RoutingPolicy) -> None:
         self.policy, self.index = policy, DocumentIndex()
         self.replicas: list[str] = []
-        self.gone: set[str] = set()
+        self.gone: dict[str, None] = {}  # the replicas last gone, oldest first (their late news is ignored)
         self.loads: dict[str, ReplicaLoad] = {}
-        self.inflight: dict[str, InFlight] = {}
-        self.builds: dict[str, list[tuple[str, int]]] = {}  # request -> (replica, tokens) others build for it
+        self.inflight: dict[str, InFlight] = {}  # by call key
+        self.builds: dict[str, list[tuple[str, int]]] = {}  # call key -> (replica, tokens) others build for it
+        self.reasons: dict[str, str] = {}  # call key -> why the router chose its replica, until it is routed
         self.counters: Counter[str] = Counter()
         self.lock = threading.Lock()
 
-    def choose(self, request: RouteRequest, candidates: list[str]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: list[str], key: str | None = None) -> Decision:
+        """The policy's pick among ``candidates``; with ``key``, its reason is kept for ``routed``."""
         with self.lock:
             loads = [self.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(candidates)]
-            return self.policy.choose(request, loads, self.index)
+            decision = self.policy.choose(request, loads, self.index)
+            if key is not None:
+                self.reasons[key] = decision.reason
+            return decision
 
-    def routed(self, rid: str, replica: str, request: RouteRequest, decode_tokens: int, reason: str) -> None:
-        """``request`` went to ``replica``: its cold tokens and decode budget count as that replica's load."""
+    def routed(self, key: str, replica: str, request: RouteRequest, decode_tokens: int, reason: str | None = None) -> None:
+        """Call ``key`` with ``request`` went to ``replica``: its cold tokens and decode budget count as
+        that replica's load; it counts as routed for ``reason`` (None: the one ``choose`` kept, else "load")."""
         with self.lock:
+            reason = self.reasons.pop(key, "load") if reason is None else reason
             cold = request.prompt_tokens - sum(t for key, t in request.documents
                                                if replica in self.index.holders(request.namespace, key))
             load = self.loads.setdefault(replica, ReplicaLoad(replica))
             load.queued_prefill_tokens += cold
             load.running += 1
             load.decode_tokens += decode_tokens
-            self.inflight[rid] = InFlight(replica, cold, decode_tokens)
+            self.inflight[key] = InFlight(replica, cold, decode_tokens)
             self.index.record_prefix(replica, request.token_ids, request.namespace)  # its private pool keeps it
             self.counters[f"routed_by_{reason}"] += 1
 
@@ -75,25 +85,39 @@ class ClusterState:
         with self.lock:
             self.counters[name] += 1
 
-    def building(self, rid: str, replica: str, tokens: int) -> None:
-        """``replica`` builds ``tokens`` of documents for request ``rid``: load until it finishes."""
+    def building(self, key: str, replica: str, tokens: int) -> None:
+        """``replica`` builds ``tokens`` of documents for call ``key``: load until its prefill is done."""
         with self.lock:
             self.loads.setdefault(replica, ReplicaLoad(replica)).queued_prefill_tokens += tokens
-            self.builds.setdefault(rid, []).append((replica, tokens))
+            self.builds.setdefault(key, []).append((replica, tokens))
 
-    def finished(self, rid: str) -> str | None:
-        """Request ``rid`` left its replica (which it names; None: it never reached one)."""
+    def prefilled(self, key: str) -> None:
+        """Call ``key``'s prefill is done: its prefill tokens (its own, and those built for it elsewhere)
+        leave the replicas' queues; it still runs and decodes there."""
         with self.lock:
-            for replica, tokens in self.builds.pop(rid, []):
-                if replica in self.loads:
-                    self.loads[replica].queued_prefill_tokens -= tokens
-            done = self.inflight.pop(rid, None)
+            self._release_prefill(key)
+
+    def finished(self, key: str) -> str | None:
+        """Call ``key`` left its replica (which it names; None: it never reached one)."""
+        with self.lock:
+            self._release_prefill(key)
+            self.reasons.pop(key, None)
+            done = self.inflight.pop(key, None)
             load = self.loads.get(done.replica) if done is not None else None
             if load is not None:
-                load.queued_prefill_tokens -= done.prefill_tokens
                 load.running -= 1
                 load.decode_tokens -= done.decode_tokens
             return done.replica if done is not None else None
+
+    def _release_prefill(self, key: str) -> None:
+        for replica, tokens in self.builds.pop(key, []):
+            if replica in self.loads:
+                self.loads[replica].queued_prefill_tokens -= tokens
+        done = self.inflight.get(key)
+        if done is not None and done.replica in self.loads:
+            self.loads[done.replica].queued_prefill_tokens -= done.prefill_tokens
+        if done is not None:
+            done.prefill_tokens = 0
 
     def announce(self, announcement: Announcement) -> bool:
         """Apply a replica's announcement (its holdings, and how full its pool is: news with each answer,
@@ -110,11 +134,15 @@ class ClusterState:
         """The replicas now running; those gone are forgotten (their documents, their load). Returns the new ones."""
         with self.lock:
             gone, new = set(self.replicas) - set(replicas), [r for r in replicas if r not in self.replicas]
-            self.gone |= gone
             for replica in gone:
                 log.warning("replica %s is gone: dropped from the document index", replica)
                 self.index.forget(replica)
                 self.loads.pop(replica, None)
+                self.gone[replica] = None
+            for replica in new:
+                log.info("replica %s joined (%d serving)", replica, len(replicas))
+            for replica in list(self.gone)[: max(0, len(self.gone) - GONE_KEPT)]:
+                del self.gone[replica]  # long gone: no late news of it is still on its way
             self.replicas = sorted(replicas)
             return new
 

@@ -20,8 +20,8 @@ Each QPS level starts from flushed pools, sends ``--warm-requests`` requests of 
 the stream one by one (untimed; by default as many as name every document between them, so that a
 level times a warm service: a document's first use is a miss under every policy), then replays
 ``--requests`` at their arrival times, concurrently
-(``load``'s machinery). TTFT is the server's (from the request's arrival at the server, or at the
-ingress of a replicated one). Records go to ``OUT/cluster.jsonl`` as each level ends (a rerun replays
+(``load``'s machinery). TTFT is the client's (from sending the request to its first token); the
+server's (from the arrival at its ingress, builds on other replicas included) is kept beside it. Records go to ``OUT/cluster.jsonl`` as each level ends (a rerun replays
 only missing levels); ``OUT/cluster_summary.json`` and ``.md`` give per configuration and level the
 segment hit rate (hit / (hit + missed)), the token hit rate (cached / prompt tokens), TTFT p50/p90,
 the QPS at the p50-TTFT SLO, and the targets, each as measured ratio against its goal.
@@ -234,13 +234,11 @@ def pool_size(working_set: dict[str, int], args: argparse.Namespace) -> int:
 
 
 def _record(config: Config, qps: float, index: int, request: Any, outcome: dict[str, Any], wall: float) -> dict:
-    """One request's record; ``ttft_s`` is the server's (the client's kept as ``client_ttft_s``)."""
-    record = {"dataset": DATASET, "sample": sample_id(qps, index), "method": config.label, "dp_size": config.dp_size,
-              "policy": config.policy, "timed": config.timed, "qps": qps, "request": index, "tenant": request.tenant,
-              "documents": list(request.documents), "level_wall_s": wall, **outcome}
-    if outcome["ok"] and outcome.get("server_ttft_s") is not None:
-        record.update(client_ttft_s=outcome["ttft_s"], ttft_s=outcome["server_ttft_s"], ttft_source="server")
-    return record
+    """One request's record; ``ttft_s`` (what the policies are ranked by) is the client's, the server's
+    ``meta_info`` TTFT kept beside it as ``server_ttft_s``."""
+    return {"dataset": DATASET, "sample": sample_id(qps, index), "method": config.label, "dp_size": config.dp_size,
+            "policy": config.policy, "timed": config.timed, "qps": qps, "request": index, "tenant": request.tenant,
+            "documents": list(request.documents), "level_wall_s": wall, **outcome}
 
 
 def run_level(target: ServerTarget, config: Config, workload: TenantWorkload, qps: float, args: argparse.Namespace,
@@ -301,7 +299,7 @@ def per_replica(records: Sequence[dict[str, Any]]) -> list[int]:
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``load``'s rows per configuration and QPS (TTFT: the server's), with the segment hit rate; in
+    """``load``'s rows per configuration and QPS (TTFT: the client's), with the segment hit rate; in
     the records' order of configurations, then by QPS."""
     rows = summarize_load(records)
     for row in rows:

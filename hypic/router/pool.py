@@ -59,8 +59,8 @@ def start_ray(cpus: int, address: str | None) -> None:
     """Join ``address``, or start a local Ray runtime with ``cpus`` CPUs (once per process)."""
     if not ray.is_initialized():
         with _in_folder(PACKAGE_ROOT):
-            if address is None:
-                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            if address is None:  # a runtime of its own, even where `ray start` or RAY_ADDRESS names one
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
                 _started_sessions.extend(_session_started_here())
             else:
                 ray.init(address=address, log_to_driver=False)
@@ -69,7 +69,7 @@ def start_ray(cpus: int, address: str | None) -> None:
 
 def _session_started_here() -> list[Path]:
     """The session folder (logs, sockets, spilled objects) of the Ray runtime this process started;
-    none when ``ray.init`` joined a runtime that was already running (``RAY_ADDRESS``)."""
+    none when ``ray.init`` joined a runtime that was already running (``--ray-address``)."""
     node = getattr(ray._private.worker, "_global_node", None)
     return [Path(node.get_session_dir_path())] if node is not None and node.head else []
 

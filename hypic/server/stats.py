@@ -42,11 +42,12 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     if snapshot.get("resume_points"):
         lines += _resume_lines(snapshot["resume_points"])
     lines += ["# HELP hypic_time_to_first_token_seconds time to first token", "# TYPE hypic_time_to_first_token_seconds histogram"]
+    timed = snapshot.get("ttft_count", snapshot["requests_finished"])  # an ingress times the requests itself
     for bound, count in zip(TTFT_BUCKETS, snapshot["ttft_buckets"]):
         lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="{bound}"}} {count}')
-    lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="+Inf"}} {snapshot["requests_finished"]}')
+    lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="+Inf"}} {timed}')
     lines.append(f"hypic_time_to_first_token_seconds_sum {snapshot['ttft_sum_s']}")
-    lines.append(f"hypic_time_to_first_token_seconds_count {snapshot['requests_finished']}")
+    lines.append(f"hypic_time_to_first_token_seconds_count {timed}")
     if "data_parallel" in snapshot:
         lines += _replica_lines(snapshot["data_parallel"], snapshot["routing"])
     if workers is not None:

@@ -27,7 +27,7 @@ class OneReplica:
         return self
 
     def remote(self, route: Any, work: Any, *builds: Any) -> Any:
-        self.state.routed(route.rid, "r0", route.request, route.decode_tokens, "load")
+        self.state.routed(route.key, "r0", route.request, route.decode_tokens, "load")
         load = self.state.loads["r0"]
         self.load_at_call = (load.running, load.queued_prefill_tokens)
         return self._answer()
@@ -91,7 +91,7 @@ class StatusHandle:
 
 def test_a_replica_gone_leaves_the_report_while_a_refresh_still_waits_on_it() -> None:
     """Ray Serve says a replica died while the ingress waits for its status: the service's report
-    (``snapshot``) names only the replica left and sums its counters alone at once, though the
+    (``snapshot``) names only the replica left and sums its gauges alone at once, though the
     refresh under way gives up on the dead one only after its timeout. Its pool's fill, read before
     it died, does not bring its load back."""
     state = ClusterState(policy_named("cache_aware"))
@@ -112,6 +112,7 @@ def test_a_replica_gone_leaves_the_report_while_a_refresh_still_waits_on_it() ->
 
     before, after, report = asyncio.run(report_after_death())
     assert before == ["r0", "r1"] and after == ["r0"]
-    assert report["requests_finished"] == 3 and report["running_requests"] == 1
+    assert report["running_requests"] == 1  # a gauge: r0's alone
+    assert report["requests_finished"] == 6  # a total: r1's 3 stay counted (a service's totals never go back)
     state.pools_filled({"r1": 0.9})
     assert set(state.loads) <= {"r0"}

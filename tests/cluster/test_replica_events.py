@@ -7,7 +7,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from hypic.cluster.replica import Replica, told
+from hypic.cluster import replica as replica_module
+from hypic.cluster.replica import ALIVE, PREFILLED, Replica, told
 from hypic.scheduler.loop import DoneEvent, ErrorEvent, ProgressEvent
 
 
@@ -71,9 +72,38 @@ def _messages(streamed: bool) -> list[Any]:
 
 
 def test_a_request_that_is_not_streamed_costs_one_message_for_its_end_not_one_per_token() -> None:
-    """Each message is a call across processes: a request that is not streamed gets what the replica
-    holds and its end, nothing for the tokens between; a streamed one gets each token's progress."""
-    assert _messages(streamed=False) == ["holdings", [DoneEvent("abc")]]  # type: ignore[arg-type]
+    """Each message is a call across processes: a request that is not streamed gets a mark when its
+    first token is out (its prefill load leaves the replica; its TTFT is read there), what the
+    replica holds and its end, nothing for the tokens between; a streamed one gets each token's
+    progress (the first says the prefill is done)."""
+    assert _messages(streamed=False) == [PREFILLED, "holdings", [DoneEvent("abc")]]  # type: ignore[arg-type]
     streamed = _messages(streamed=True)
     assert streamed[-2:] == ["holdings", [DoneEvent("abc")]]  # type: ignore[arg-type]
     assert [batch[-1].completion for batch in streamed[:-2]] == ["a", "ab", "abc"]
+
+
+class StartsLate:
+    """A stand-in engine loop whose request's one event comes 0.3 s after it is queued (a long prefill)."""
+
+    alive, failure = True, None
+
+    def enqueue(self, job: Any, emit: Any, peer_work: Any) -> None:
+        threading.Timer(0.3, emit, [DoneEvent("late")]).start()  # type: ignore[arg-type]
+
+
+def test_a_replica_at_work_says_so_while_its_request_has_nothing_to_send(monkeypatch: Any) -> None:
+    """The ingress gives up on a stream silent past its deadline: a replica busy with a long prefill
+    sends a keepalive every ``KEEPALIVE_S`` (here 0.05 s) until its request has news."""
+    monkeypatch.setattr(replica_module, "KEEPALIVE_S", 0.05)
+    replica = object.__new__(Replica)
+    replica.instance = SimpleNamespace(loop=StartsLate(), close=lambda: None)
+    replica.feed = SimpleNamespace(changes=lambda: "holdings")
+    replica._job = lambda work: SimpleNamespace(cancel=lambda: None)
+    replica._stamped = lambda event: event
+
+    async def collect() -> list[Any]:
+        return [m async for m in replica.run(None, SimpleNamespace(request=SimpleNamespace(stream=True)))]  # type: ignore[arg-type]
+
+    messages = asyncio.run(collect())
+    assert messages[-2:] == ["holdings", [DoneEvent("late")]]  # type: ignore[arg-type]
+    assert 3 <= len(messages[:-2]) <= 6 and set(messages[:-2]) == {ALIVE}

@@ -47,3 +47,21 @@ def test_a_call_for_one_replica_goes_to_it_alone_or_nowhere() -> None:
     router = _router("r1")
     assert _offered(router, RouteTo("d", replica="r2"), ["r0", "r1", "r2"]) == [["r2"]]
     assert _offered(router, RouteTo("e", replica="r9"), ["r0", "r1", "r2"]) == []  # not running (yet)
+
+
+def _routed(router: ReplicaRouter, route: RouteTo, replica: str) -> None:
+    router.on_request_routed(SimpleNamespace(args=(route,)), SimpleNamespace(unique_id=replica), None)  # type: ignore[arg-type]
+
+
+def test_a_request_counts_as_routed_for_why_its_replica_was_chosen_and_nothing_is_kept_after() -> None:
+    """Chosen by the router for what r1 holds: ``routed_by_cache``; placed by the ingress itself
+    (its cold documents built elsewhere) for what r1 holds: ``routed_by_cache`` too, not "load";
+    the reasons are forgotten once each request is routed."""
+    router = _router("r1")
+    state = router._state()
+    _offered(router, RouteTo("chosen", REQUEST), ["r0", "r1", "r2"])
+    _routed(router, RouteTo("chosen", REQUEST), "r1")
+    _routed(router, RouteTo("placed", REQUEST, replica="r1", reason="cache"), "r1")
+    _routed(router, RouteTo("unscored", REQUEST), "r0")  # routed without a choice kept: by load
+    assert (state.counters["routed_by_cache"], state.counters["routed_by_load"]) == (2, 1)
+    assert not state.reasons

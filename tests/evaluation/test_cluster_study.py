@@ -132,11 +132,12 @@ def test_the_summary_is_the_raw_records(study: Path) -> None:
         assert row["segment_hit_rate"] == pytest.approx(hit / (hit + missed))
         assert row["hit_rate"] == pytest.approx(sum(r["cached_tokens"] for r in mine) /
                                                 sum(r["prompt_tokens"] for r in mine))
-        assert row["ttft_p50_s"] == pytest.approx(statistics.median(r["server_ttft_s"] for r in mine))
+        assert row["ttft_p50_s"] == pytest.approx(statistics.median(r["ttft_s"] for r in mine))
         replicas = [r.get("replica") for r in mine]
         assert row["per_replica"] == sorted((replicas.count(x) for x in set(replicas) - {None}), reverse=True)
     for r in records:
-        assert r["ttft_s"] == r["server_ttft_s"] <= r["client_ttft_s"] + 0.05 and r["ttft_source"] == "server"
+        # ranked by the client's TTFT; the server's (from the arrival at its ingress) is never more
+        assert r["ttft_source"] == "client" and 0 < r["server_ttft_s"] <= r["ttft_s"]
         assert ("replica" in r) == (r["method"] == "dp2-cache_aware")
     working_set = summary["working_set"]
     assert working_set["entries"] == 2 * 3 and summary["workload"]["tenant_namespaces"]

@@ -56,3 +56,15 @@ def test_workers_import_the_servers_package_from_any_folder(tmp_path: Path, monk
     finally:
         peers.shutdown()
         ray.shutdown()
+
+
+def test_a_plain_start_runs_a_ray_of_its_own_whatever_the_environment_names() -> None:
+    """Without ``--ray-address`` the service starts its own local Ray, even where ``RAY_ADDRESS`` (as
+    ``ray start`` users set it) names another runtime: here an address nothing listens on, which a
+    plain ``ray.init`` would try to join and fail on."""
+    start = ("from hypic.router.pool import start_ray, stop_ray, _started_sessions; import ray; "
+             "start_ray(1, None); print('own' if _started_sessions else 'joined', ray.cluster_resources()['CPU']); "
+             "stop_ray()")
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
+    done = subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["own", "1.0"], done.stderr[-2000:]
