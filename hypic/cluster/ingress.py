@@ -26,7 +26,7 @@ from ..scheduler.policy import SchedulingPolicy
 from ..scheduler.stats import LoopStats
 from .front import FrontEngine
 from .index import Announcement
-from .replica import PREFILLED, Mark, ReplicaWork
+from .replica import PREFILLED, Mark, RemoteBuilds, ReplicaWork
 from .routing import ReplicaLoad, RouteRequest, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
 
@@ -188,14 +188,17 @@ class ReplicaLoop:
         route = RouteTo(attempt.key, route_request(job), avoid=frozenset(tried),
                         decode_tokens=job.request.params.max_new_tokens * len(job.sequences))
         work = ReplicaWork(job.rid, job.parts, job.request, job.plan, time.perf_counter() - job.start)
-        route, builds = self._spread(job, route) if spread and self.spreads else (route, [])
-        stream = _own_call(lambda: self.replicas.options(method_name="run", stream=True).remote(route, work, *builds))
-        watcher = asyncio.get_running_loop().create_task(self._cancel_when_asked(job, stream))
         try:
-            async for item in self._messages(stream):
-                await self._relay(attempt, item, emit)
+            route, builds = await self._spread(job, route) if spread and self.spreads else (route, None)
+            extra = [builds] if builds is not None else []
+            stream = _own_call(lambda: self.replicas.options(method_name="run", stream=True).remote(route, work, *extra))
+            watcher = asyncio.get_running_loop().create_task(self._cancel_when_asked(job, stream))
+            try:
+                async for item in self._messages(stream):
+                    await self._relay(attempt, item, emit)
+            finally:
+                watcher.cancel()
         finally:
-            watcher.cancel()
             replica = self.state.finished(attempt.key)
             if replica is not None:
                 tried.add(replica)
@@ -213,9 +216,12 @@ class ReplicaLoop:
                 stream.cancel()
                 raise ReplicaSilent(f"its replica sent nothing in {self.silence_s:g} s") from None
 
-    def _spread(self, job: Job, route: RouteTo) -> tuple[RouteTo, list[Any]]:
+    async def _spread(self, job: Job, route: RouteTo) -> tuple[RouteTo, RemoteBuilds | None]:
         """The replica the policy picks for ``job``, pinned, and the build calls of the documents
-        others build for it (none: the router picks as usual)."""
+        others build for it, started (None: the router picks as usual). The builds travel to the
+        chosen replica as object references inside ``RemoteBuilds``: Ray Serve would wait for
+        results passed as arguments before it delivers the call, and the replica's own builds would
+        start only after theirs."""
         assert route.request is not None
         replicas = list(self.state.replicas)
         decision = self.state.choose(route.request, replicas)
@@ -223,14 +229,17 @@ class ReplicaLoop:
             loads = [self.state.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(replicas)]
             shares = spread_cold_documents(route.request, decision.replica, loads, self.state.index)
         if not shares:
-            return route, []
-        documents = list(job.plan.documents())
-        builds = []
+            return route, None
+        documents, calls = list(job.plan.documents()), []
         for replica, indices in shares.items():
             jobs = [SegmentJob(documents[i][1], documents[i][2], job.parts.namespace) for i in indices]
             self.state.building(route.key, replica, sum(route.request.documents[i][1] for i in indices))
             pinned = RouteTo(f"{route.key}-build", replica=replica)
-            builds.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
+            calls.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
+        # each reference once its call is placed (a replica that left never takes it: the deadline)
+        refs = await asyncio.wait_for(asyncio.gather(*(call._to_object_ref() for call in calls)), self.silence_s)
+        remote = tuple((documents[i][1], route.request.documents[i][1]) for indices in shares.values() for i in indices)
+        builds = RemoteBuilds(tuple(refs), frozenset(key for key, _ in remote), remote, self.silence_s)
         return replace(route, replica=decision.replica, reason=decision.reason), builds
 
     async def _relay(self, attempt: Attempt, item: list[Event] | Announcement | Mark, emit: Callable[[Event], None]) -> None:

@@ -2,6 +2,7 @@
 ``--tp-size`` a lockstep group of ranks) that runs requests planned at the ingress and tells the
 ingress what documents it holds after each piece of work."""
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -21,10 +22,12 @@ from ..router.plan import SegmentJob
 from ..router.serialization import register_tensor_serializer
 from ..router.transfer import install_entries
 from ..router.worker import document_build_steps
+from ..scheduler.jobs import PeerWork
 from ..scheduler.loop import DoneEvent, ErrorEvent, Event, ProgressEvent
 from ..server.protocol import GenerationRequest
 from .index import Announcement, HoldingEvent, Tier
 
+log = logging.getLogger("hypic.cluster")
 LOOP_CHECK_S = 1.0  # how often a request waiting for its next event looks whether the loop still runs
 KEEPALIVE_S = 2.0  # a request's stream says it is still at work after this long without a message
 
@@ -51,6 +54,19 @@ class ReplicaWork:
     request: GenerationRequest
     plan: RequestPlan
     waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RemoteBuilds:
+    """Documents other replicas build for a request: each build call's Ray object reference (a
+    ``list[SegmentEntry]``), held inside this record so that Ray Serve delivers the request's call at
+    once instead of waiting for them; ``keys``: the documents they build; ``timeout_s``: how long
+    the replica waits for them before it builds them itself."""
+
+    refs: tuple[Any, ...]
+    keys: frozenset[str]
+    remote: tuple[tuple[str, int], ...]  # (key, tokens) of each document built elsewhere
+    timeout_s: float
 
 
 TIER_OF = {"host": Tier.HOST, "disk": Tier.DISK, "mooncake": Tier.SHARED}  # a lower tier's name -> its index tier
@@ -146,14 +162,16 @@ class Replica:
         self.started = time.time()
         self.weight_bytes = self.instance.engine.weight_bytes()  # reported with every status: counted once
 
-    async def run(self, route: Any, work: ReplicaWork, *built: list[SegmentEntry]) -> AsyncIterator[Event | Announcement | Mark]:
+    async def run(self, route: Any, work: ReplicaWork,
+                  builds: RemoteBuilds | None = None) -> AsyncIterator[Event | Announcement | Mark]:
         """The request's events, as its loop emits them, what the replica holds just before the last
         of them; ``PREFILLED`` before the first event of a request that is not streamed (a streamed
         one's first progress says it), ``ALIVE`` after ``KEEPALIVE_S`` without a message. ``route``
-        is for the router (which replica); the replica ignores it. ``built``: documents other
-        replicas built for it (each one's list), stored here, checked, before its prefill."""
+        is for the router (which replica); the replica ignores it. ``builds``: documents other
+        replicas build for it meanwhile, stored here (checked) as they arrive while this replica
+        builds the rest itself."""
         job = self._job(work)
-        peer_work = await self._installed(built) if built else None
+        peer_work = self._peer_work(builds, asyncio.get_running_loop()) if builds is not None else None
         events: asyncio.Queue[Event] = asyncio.Queue()
         running = asyncio.get_running_loop()
         self.instance.loop.enqueue(job, lambda event: running.call_soon_threadsafe(events.put_nowait, event),
@@ -198,16 +216,51 @@ class Replica:
         steps = document_build_steps(self.instance.engine, jobs, loop.mode, keep=False)
         return await asyncio.wrap_future(loop.run_steps(steps, sum(len(job.token_ids) for job in jobs)))
 
-    async def _installed(self, built: tuple[list[SegmentEntry], ...]) -> Any:
-        """Store other replicas' entries (a refused one is recomputed); what the request's prefill is
-        told was built for it elsewhere, as peer work already done."""
+    def _peer_work(self, builds: RemoteBuilds, running: asyncio.AbstractEventLoop) -> PeerWork:
+        """The request's peer work, started by the loop once the request holds its room: this
+        replica's own cold documents built on the loop while the others' entries are awaited here;
+        its outcome, once both are in, what the prefill is told was built for it."""
+
+        def start(plan: RequestPlan) -> Future:  # on the loop's thread
+            outcome: Future = Future()
+            own = self._own_builds(plan, builds.keys)
+            asyncio.run_coroutine_threadsafe(self._received(builds, own, outcome), running)
+            return outcome
+
+        return start
+
+    def _own_builds(self, plan: RequestPlan, elsewhere: frozenset[str]) -> tuple[frozenset[str], Future]:
+        """The request's documents no tier here holds and no other replica builds, queued on the loop
+        to be built (and kept) here; their keys, and the future of their builds."""
+        engine, loop, namespace = self.instance.engine, self.instance.loop, plan.parts.namespace
+        held, jobs = engine.cache.document_keys(), {}
+        for _, key, token_ids in plan.documents():
+            if key not in elsewhere and key not in held and not engine.cache.lower_tiers_of(key, namespace):
+                jobs.setdefault(key, SegmentJob(key, token_ids, namespace))
+        if not jobs:
+            done: Future = Future()
+            done.set_result([])
+            return frozenset(), done
+        steps = document_build_steps(engine, list(jobs.values()), loop.mode)
+        return frozenset(jobs), loop.run_steps(steps, sum(len(job.token_ids) for job in jobs.values()))
+
+    async def _received(self, builds: RemoteBuilds, own: tuple[frozenset[str], Future], outcome: Future) -> None:
+        """Off the loop: the other replicas' entries awaited within ``builds.timeout_s`` and stored
+        (checked; a refused one is recomputed), and this replica's own builds done: ``outcome`` holds
+        what was built for the request. On a failure or the deadline it fails instead, and the
+        request's prefill builds here whatever it still misses."""
         engine, loop = self.instance.engine, self.instance.loop
-        entries = [entry for batch in built for entry in batch]
-        await asyncio.wrap_future(loop.call(lambda: install_entries(engine, entries, loop.mode)))
-        done: Future = Future()
-        done.set_result((None, BuiltForRequest(frozenset(e.key for e in entries),
-                                                tuple((e.key, len(e.token_ids)) for e in entries))))
-        return lambda plan: done
+        try:
+            batches = await asyncio.wait_for(asyncio.gather(*builds.refs), builds.timeout_s)
+            entries = [entry for batch in batches for entry in batch]
+            await asyncio.wrap_future(loop.call(lambda: install_entries(engine, entries, loop.mode)))
+            await asyncio.wrap_future(own[1])
+        except Exception as err:  # noqa: BLE001 - documents not built elsewhere are built here
+            log.warning("documents built on other replicas did not come (%s: %s); built here instead",
+                        type(err).__name__, err)
+            outcome.set_exception(err)
+            return
+        outcome.set_result((None, BuiltForRequest(own[0] | builds.keys, builds.remote)))
 
     def _job(self, work: ReplicaWork) -> Any:
         loop, request = self.instance.loop, work.request

@@ -4,11 +4,13 @@ request that is not streamed. Expected lists worked out by hand."""
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
 from hypic.cluster import replica as replica_module
-from hypic.cluster.replica import ALIVE, PREFILLED, Replica, told
+from hypic.cluster.replica import ALIVE, PREFILLED, RemoteBuilds, Replica, told
+from hypic.prefill_stats import BuiltForRequest
 from hypic.scheduler.loop import DoneEvent, ErrorEvent, ProgressEvent
 
 
@@ -107,3 +109,69 @@ def test_a_replica_at_work_says_so_while_its_request_has_nothing_to_send(monkeyp
     messages = asyncio.run(collect())
     assert messages[-2:] == ["holdings", [DoneEvent("late")]]  # type: ignore[arg-type]
     assert 3 <= len(messages[:-2]) <= 6 and set(messages[:-2]) == {ALIVE}
+
+
+class BuildsHere:
+    """A stand-in engine loop and cache for a replica's peer work: nothing held; ``run_steps`` notes
+    when the replica's own builds were queued (and finishes them at once), ``call`` runs its step."""
+
+    alive, failure, mode = True, None, "hypic"
+
+    def __init__(self) -> None:
+        self.queued_at: float | None = None
+
+    def run_steps(self, steps: Any, priority: float) -> Future:
+        self.queued_at = time.perf_counter()
+        return _finished([])
+
+    def call(self, step: Any) -> Future:
+        return _finished(step())
+
+
+def _finished(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: float) -> tuple[Any, float, float | None, list]:
+    """Start a replica's peer work for a request of documents "a" (its own to build) and "b" (built on
+    another replica, its entry arriving after ``arrives_after_s``; None: never); the outcome (or its
+    error), when it came, when the own build was queued, what was installed."""
+    installed: list = []
+    monkeypatch.setattr(replica_module, "install_entries", lambda engine, entries, mode: installed.extend(entries))
+    loop = BuildsHere()
+    replica = object.__new__(Replica)
+    cache = SimpleNamespace(document_keys=frozenset, lower_tiers_of=lambda key, namespace: [])
+    replica.instance = SimpleNamespace(loop=loop, engine=SimpleNamespace(cache=cache), close=lambda: None)
+    plan = SimpleNamespace(parts=SimpleNamespace(namespace=""), documents=lambda: [(0, "a", (1, 2)), (1, "b", (3, 4, 5))])
+
+    async def run() -> tuple[Any, float]:
+        entry: asyncio.Future = asyncio.get_running_loop().create_future()
+        if arrives_after_s is not None:
+            asyncio.get_running_loop().call_later(arrives_after_s, entry.set_result, ["entry-b"])
+        builds = RemoteBuilds((entry,), frozenset({"b"}), (("b", 3),), timeout_s)
+        start = time.perf_counter()
+        outcome = asyncio.wrap_future(replica._peer_work(builds, asyncio.get_running_loop())(plan))
+        done, _ = await asyncio.wait({outcome}, timeout=5)  # the test's own deadline
+        if not done:
+            return "no outcome in 5 s", start
+        return (outcome.exception() or outcome.result()), start
+
+    value, start = asyncio.run(run())
+    return value, start, loop.queued_at, installed
+
+
+def test_a_replica_builds_its_own_documents_while_the_others_are_built_elsewhere(monkeypatch: Any) -> None:
+    """The chosen replica queues its own cold document at once, not after the other replica's entry
+    arrives (0.3 s later); the request's outcome waits for both and says what was built for it."""
+    value, start, queued_at, installed = _peer_outcome(monkeypatch, arrives_after_s=0.3, timeout_s=5.0)
+    assert queued_at is not None and queued_at - start < 0.1
+    assert value == (None, BuiltForRequest(frozenset({"a", "b"}), (("b", 3),))) and installed == ["entry-b"]
+
+
+def test_documents_that_never_come_from_another_replica_fail_the_peer_work_at_its_deadline(monkeypatch: Any) -> None:
+    """A stuck builder: the outcome fails at the deadline (0.2 s), and the loop then prefills the
+    request here alone, building what it misses; nothing late is installed."""
+    value, start, _, installed = _peer_outcome(monkeypatch, arrives_after_s=None, timeout_s=0.2)
+    assert isinstance(value, TimeoutError) and time.perf_counter() - start < 2 and installed == []
