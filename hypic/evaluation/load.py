@@ -5,9 +5,9 @@ one at a time, on the same model and machine, each on a free port or in turn on 
 the server at ``--url`` in the mode it was started with (another SGLang-compatible server counts as
 prefix caching). Each QPS level starts from flushed pools, sends ``--warm-requests`` requests of a
 separate slice of the trace one by one (the warm-up), then replays the level's ``--requests``
-requests at their arrival times, all concurrently. TTFT is the server's (arrival to first token,
-queueing included) where it reports one; otherwise the client's end-to-end latency, and the record
-says so.
+requests at their arrival times, all concurrently. TTFT is the client's (request sent to its first
+token's chunk, streamed); the server's ``meta_info.ttft`` (from the arrival there, queueing included)
+is recorded beside it.
 
 A level's requests are appended to ``OUT/load.jsonl`` when the level ends: a rerun replays only
 levels with missing requests (a server is started only for a method that has one). A method's
