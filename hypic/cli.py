@@ -234,7 +234,8 @@ def _parser() -> argparse.ArgumentParser:
                             "report what it holds, combine a request) before it is declared lost and killed; a "
                             "request whose peer work takes longer is prefilled here; with --dp-size, the longest a request's "
                             "replica may stay silent (it sends a keepalive every 2 s) before the request is retried "
-                            "elsewhere or failed (default: 300)")
+                            "elsewhere or failed, and the longest it waits for documents other replicas build for "
+                            "it before it builds them itself (default: 300)")
     serve.add_argument("--served-model-name", help="model name reported to OpenAI clients (default: from the model)")
     _tier_options(serve)
     access = serve.add_argument_group("access and limits")
