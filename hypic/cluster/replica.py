@@ -306,6 +306,7 @@ class Replica:
         loop, cache = self.instance.loop, self.instance.engine.cache
         pools = cache.describe()
         return {"replica": self.replica, "pid": os.getpid(), "node": socket.gethostname(), "node_ip": _node_ip(),
+                "node_id": _node_id(),
                 "counters": loop.snapshot, "documents_held": len(cache.document_keys()),
                 "public_pool_bytes": pools["public_pool"]["bytes"],
                 "public_pool_budget_bytes": pools["public_pool"]["budget_bytes"], "public_pool_fill": cache.public_fill(),
@@ -329,6 +330,13 @@ def _serve_replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+def _node_id() -> str:
+    """The Ray node this replica runs on (two hosts may share a name and, behind NAT, an address)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _node_ip() -> str:

@@ -147,6 +147,8 @@ def test_the_service_reports_its_replicas(cluster: ServerProcess) -> None:
     replicas = info["data_parallel"]["replicas"]
     assert info["data_parallel"]["dp_size"] == 2 and info["data_parallel"]["policy"] == "cache_aware"
     assert len({r["pid"] for r in replicas}) == 2 and all(r["healthy"] for r in replicas)
+    # one machine, one Ray node: both replicas name it (a Ray node id is 28 bytes, in hex)
+    assert len({r["node_id"] for r in replicas}) == 1 and len(replicas[0]["node_id"]) == 56
     model = Engine.from_pretrained("default", dtype="float32").model  # what one replica holds
     weights = sum(t.numel() * 4 for t in (*model.parameters(), *model.buffers()))
     assert info["tensor_parallel"]["per_rank"]["weight_bytes"] == weights  # the replicas', not the ingress's 0

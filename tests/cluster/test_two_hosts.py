@@ -251,6 +251,7 @@ def _warm_and_find_holders(server: ServerProcess, replay: Replay) -> Warmed:
     node = _node_of(server)
     held = {r["node_ip"]: r["documents_held"] for r in _replicas(server)}
     assert held == {HOST_A: 2, HOST_B: 2}, held
+    assert len({r["node_id"] for r in _replicas(server)}) == 2  # two Ray nodes, one replica each
     answers = {i: _generate(server, _prompt([i], "Where was it born?")) for i in (3, 0, 2, 1)}
     holders: dict[str, list[int]] = {}
     for i in sorted(answers):
