@@ -95,7 +95,7 @@ def main() -> None:
                   f"{[r['built_remotely'] for r in rows]}", flush=True)
     ratios = {f"{one} / {label}/dp2": _median(found[f"after/{one}"], "client_s") / _median(found[f"{label}/dp2"], "client_s")
               for one in ("one-1t", "one-2t") for label in trees}
-    gaps = {key: _median([{"gap": r["client_s"] - r["server_ttft_s"]} for r in rows], "gap") for key, rows in found.items()}
+    gaps = {key: statistics.median(r["client_s"] - r["server_ttft_s"] for r in rows) for key, rows in found.items()}
     for key, value in ratios.items():
         print(f"TTFT ratio (client) {key}: {value:.2f}x")
     for key, value in gaps.items():

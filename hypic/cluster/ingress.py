@@ -70,17 +70,6 @@ def summed(values: list[Any]) -> Any:
     return first
 
 
-def added(first: Any, second: Any) -> Any:
-    """Two replicas' totals as one: numbers added, lists element by element, dicts over both's keys."""
-    if first is None or second is None:
-        return second if first is None else first
-    if isinstance(first, dict):
-        return {key: added(first.get(key), second.get(key)) for key in first | second}
-    if isinstance(first, list):
-        return [added(a, b) for a, b in zip(first, second)]
-    return first + second
-
-
 class ReplicaSilent(HypicError):
     """A request's replica sent nothing within the ingress's deadline (a stuck call, one pinned to a
     replica that left, builds that never came)."""
@@ -239,7 +228,7 @@ class ReplicaLoop:
         # each reference once its call is placed (a replica that left never takes it: the deadline)
         refs = await asyncio.wait_for(asyncio.gather(*(call._to_object_ref() for call in calls)), self.silence_s)
         remote = tuple((documents[i][1], route.request.documents[i][1]) for indices in shares.values() for i in indices)
-        builds = RemoteBuilds(tuple(refs), frozenset(key for key, _ in remote), remote, self.silence_s)
+        builds = RemoteBuilds(tuple(refs), remote, self.silence_s)
         return replace(route, replica=decision.replica, reason=decision.reason), builds
 
     async def _relay(self, attempt: Attempt, item: list[Event] | Announcement | Mark, emit: Callable[[Event], None]) -> None:
@@ -369,7 +358,7 @@ class ReplicaLoop:
             live = set(self.state.replicas)
         for replica in [r for r in self.statuses if r not in live]:
             counters = self.statuses.pop(replica)["counters"]
-            self.retired = added(self.retired, {k: v for k, v in counters.items() if k in TOTALS})
+            self.retired = summed([self.retired, {k: v for k, v in counters.items() if k in TOTALS}])
 
     async def keep_fresh(self) -> None:
         while True:
@@ -390,7 +379,7 @@ class ReplicaLoop:
         self._retire_gone()
         statuses = self._live_statuses()
         total = summed([status["counters"] for status in statuses]) if statuses else {}
-        total |= {key: added(total.get(key), value) for key, value in self.retired.items()}
+        total |= {key: summed([total[key], value]) if key in total else value for key, value in self.retired.items()}
         total |= {"ttft_sum_s": self.answered.ttft_sum_s, "ttft_buckets": list(self.answered.ttft_buckets),
                   "ttft_count": self.answered.requests_finished}  # measured here: builds elsewhere included
         with self.state.lock:

@@ -60,13 +60,17 @@ class ReplicaWork:
 class RemoteBuilds:
     """Documents other replicas build for a request: each build call's Ray object reference (a
     ``list[SegmentEntry]``), held inside this record so that Ray Serve delivers the request's call at
-    once instead of waiting for them; ``keys``: the documents they build; ``timeout_s``: how long
-    the replica waits for them before it builds them itself."""
+    once instead of waiting for them; ``timeout_s``: how long the replica waits for them before it
+    builds them itself."""
 
     refs: tuple[Any, ...]
-    keys: frozenset[str]
     remote: tuple[tuple[str, int], ...]  # (key, tokens) of each document built elsewhere
     timeout_s: float
+
+    @property
+    def keys(self) -> frozenset[str]:
+        """The documents built elsewhere."""
+        return frozenset(key for key, _ in self.remote)
 
 
 TIER_OF = {"host": Tier.HOST, "disk": Tier.DISK, "mooncake": Tier.SHARED}  # a lower tier's name -> its index tier
@@ -170,10 +174,9 @@ class Replica:
         is for the router (which replica); the replica ignores it. ``builds``: documents other
         replicas build for it meanwhile, stored here (checked) as they arrive while this replica
         builds the rest itself."""
-        job = self._job(work)
-        peer_work = self._peer_work(builds, asyncio.get_running_loop()) if builds is not None else None
+        job, running = self._job(work), asyncio.get_running_loop()
+        peer_work = self._peer_work(builds, running) if builds is not None else None
         events: asyncio.Queue[Event] = asyncio.Queue()
-        running = asyncio.get_running_loop()
         self.instance.loop.enqueue(job, lambda event: running.call_soon_threadsafe(events.put_nowait, event),
                                    peer_work)
         prefill_told = work.request.stream

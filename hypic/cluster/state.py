@@ -64,8 +64,8 @@ class ClusterState:
         that replica's load; it counts as routed for ``reason`` (None: the one ``choose`` kept, else "load")."""
         with self.lock:
             reason = self.reasons.pop(key, "load") if reason is None else reason
-            cold = request.prompt_tokens - sum(t for key, t in request.documents
-                                               if replica in self.index.holders(request.namespace, key))
+            cold = request.prompt_tokens - sum(t for document, t in request.documents
+                                               if replica in self.index.holders(request.namespace, document))
             load = self.loads.setdefault(replica, ReplicaLoad(replica))
             load.queued_prefill_tokens += cold
             load.running += 1
@@ -114,9 +114,9 @@ class ClusterState:
             if replica in self.loads:
                 self.loads[replica].queued_prefill_tokens -= tokens
         done = self.inflight.get(key)
-        if done is not None and done.replica in self.loads:
-            self.loads[done.replica].queued_prefill_tokens -= done.prefill_tokens
         if done is not None:
+            if done.replica in self.loads:
+                self.loads[done.replica].queued_prefill_tokens -= done.prefill_tokens
             done.prefill_tokens = 0
 
     def announce(self, announcement: Announcement) -> bool:

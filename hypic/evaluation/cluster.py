@@ -21,10 +21,11 @@ the stream one by one (untimed; by default as many as name every document betwee
 level times a warm service: a document's first use is a miss under every policy), then replays
 ``--requests`` at their arrival times, concurrently
 (``load``'s machinery). TTFT is the client's (from sending the request to its first token); the
-server's (from the arrival at its ingress, builds on other replicas included) is kept beside it. Records go to ``OUT/cluster.jsonl`` as each level ends (a rerun replays
-only missing levels); ``OUT/cluster_summary.json`` and ``.md`` give per configuration and level the
-segment hit rate (hit / (hit + missed)), the token hit rate (cached / prompt tokens), TTFT p50/p90,
-the QPS at the p50-TTFT SLO, and the targets, each as measured ratio against its goal.
+server's (from the arrival at its ingress, builds on other replicas included) is kept beside it.
+Records go to ``OUT/cluster.jsonl`` as each level ends (a rerun replays only missing levels);
+``OUT/cluster_summary.json`` and ``.md`` give per configuration and level the segment hit rate
+(hit / (hit + missed)), the token hit rate (cached / prompt tokens), TTFT p50/p90, the QPS at the
+p50-TTFT SLO, and the targets, each as measured ratio against its goal.
 """
 import argparse
 import contextlib

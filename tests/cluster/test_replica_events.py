@@ -150,7 +150,7 @@ def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: fl
         entry: asyncio.Future = asyncio.get_running_loop().create_future()
         if arrives_after_s is not None:
             asyncio.get_running_loop().call_later(arrives_after_s, entry.set_result, ["entry-b"])
-        builds = RemoteBuilds((entry,), frozenset({"b"}), (("b", 3),), timeout_s)
+        builds = RemoteBuilds((entry,), (("b", 3),), timeout_s)
         start = time.perf_counter()
         outcome = asyncio.wrap_future(replica._peer_work(builds, asyncio.get_running_loop())(plan))
         done, _ = await asyncio.wait({outcome}, timeout=5)  # the test's own deadline

@@ -233,6 +233,35 @@ class StatusHandle:
                              "loop_errors": {f"step-{replica}": 1}}}
 
 
+def test_a_replica_gone_leaves_the_report_while_a_refresh_still_waits_on_it() -> None:
+    """Ray Serve says a replica died while the ingress waits for its status: the service's report
+    (``snapshot``) names only the replica left and sums its gauges alone at once, though the
+    refresh under way gives up on the dead one only after its timeout. Its pool's fill, read before
+    it died, does not bring its load back."""
+    state = ClusterState(policy_named("cache_aware"))
+    state.set_replicas(["r0", "r1"])
+    handle = StatusHandle({"r0": 3, "r1": 3})
+    loop = ReplicaLoop(None, handle, state, "hypic", None, spreads=False)  # type: ignore[arg-type]
+
+    async def report_after_death() -> tuple[list[str], list[str], Any]:
+        await loop.refresh()
+        before = [r["replica"] for r in loop.snapshot["data_parallel"]["replicas"]]
+        del handle.finished["r1"]  # r1 is killed while its status is asked for
+        refreshing = asyncio.ensure_future(loop.refresh())
+        await asyncio.sleep(0.05)
+        state.set_replicas(["r0"])
+        report = loop.snapshot
+        refreshing.cancel()
+        return before, [r["replica"] for r in report["data_parallel"]["replicas"]], report
+
+    before, after, report = asyncio.run(report_after_death())
+    assert before == ["r0", "r1"] and after == ["r0"]
+    assert report["running_requests"] == 1  # a gauge: r0's alone
+    assert report["requests_finished"] == 6  # a total: r1's 3 stay counted (a service's totals never go back)
+    state.pools_filled({"r1": 0.9})
+    assert set(state.loads) <= {"r0"}
+
+
 def test_the_services_totals_never_go_back_when_a_replica_is_replaced_or_slow_to_answer(monkeypatch: Any) -> None:
     """r0 finished 20 requests and is replaced by r2, which counts from 0: the service still reports
     r0's 20; a live replica whose status times out keeps its last counters, not none."""
