@@ -9,14 +9,14 @@ and ``unpin`` keep a document in memory while a request reads it, ``flush`` evic
 pools evict on their own as their budgets fill. Reads below memory can be started as a request
 arrives (``prefetch``) so its prefill need not wait for them.
 """
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .modes import ModePolicy, tree_namespace
 from .plan import RequestPlan
 from .prefix_cache import PrefixCache
 from .resume_points import ResumePoints
-from .store import Load, SegmentEntry, SegmentStore, entry_key
+from .store import HoldingsListener, Load, SegmentEntry, SegmentStore, entry_key
 from ..state import LinearLayerState, RequestState, WindowLayerState
 
 
@@ -69,6 +69,15 @@ class HybridCache:
     def document_keys(self) -> frozenset[str]:
         """The keys of every document memory holds (what a router plans with and its index syncs on)."""
         return self.public.keys()
+
+    def listen(self, listener: HoldingsListener) -> None:
+        """Tell ``listener`` of every document entry stored in or dropped from memory and the tiers below."""
+        self.public.listen(listener)
+
+    def held_below(self) -> Iterator[tuple[str, str, str, int]]:
+        """(key, namespace, tier, tokens) of each document the tiers below memory list at start (a
+        restarted server's disk), read from the files' headers: slow for many files."""
+        return self.public.lower.held() if self.public.lower is not None else iter(())
 
     def lower_tiers_of(self, key: str, namespace: str) -> list[str]:
         """The tiers below memory ("host", "disk", "mooncake") whose index holds document ``key``

@@ -167,6 +167,24 @@ class Event(str, Enum):
 Load = tuple[Future, float]  # a background load, and until when (time.monotonic) a request waits for it
 
 
+class HoldingsListener(Protocol):
+    """Told of every change in where this server holds a document's entry, on the thread that made
+    it (``tier``: ``MEMORY_TIER`` or a lower tier's name): what a router's index is kept by."""
+
+    def stored(self, key: str, namespace: str, tier: str, tokens: int) -> None: ...
+    def removed(self, key: str, namespace: str, tier: str) -> None: ...
+
+
+class Unheard:
+    """The listener of a pool nobody follows."""
+
+    def stored(self, key: str, namespace: str, tier: str, tokens: int) -> None:
+        pass
+
+    def removed(self, key: str, namespace: str, tier: str) -> None:
+        pass
+
+
 class LowerTiers(Protocol):
     """Where memory's misses are looked up and its entries written (``hypic.cache.tiers.StorageTiers``,
     behind ``HostTier`` on a GPU server with host memory as L2)."""
@@ -177,6 +195,8 @@ class LowerTiers(Protocol):
     def offer(self, entry: SegmentEntry, event: Event, origin: str = "") -> None: ...
     def indexed(self, key: str, namespace: str) -> bool: ...  # held per a local index (no I/O: estimates)
     def flush(self, names: set[str], namespace: str | None = None) -> dict[str, int]: ...
+    def listen(self, listener: HoldingsListener) -> None: ...  # told what each tier stores and drops
+    def held(self) -> Iterator[tuple[str, str, str, int]]: ...  # (key, namespace, tier, tokens) found held
     def close(self) -> None: ...
     def describe(self) -> dict: ...
 
@@ -208,6 +228,13 @@ class SegmentStore:
             lower.place_loads_in(self.arenas)  # a lower tier's hit lands in them: stored with no second copy
         self.nbytes = self.pinned_bytes = 0  # pinned_bytes: of stored entries in use (never evicted)
         self.hits = self.misses = self.evictions = self.rejected = 0
+        self.listener: HoldingsListener = Unheard()
+
+    def listen(self, listener: HoldingsListener) -> None:
+        """Tell ``listener`` of every entry stored in and dropped from memory and the tiers below."""
+        self.listener = listener
+        if self.lower is not None:
+            self.lower.listen(listener)
 
     def get(self, key: str, token_ids: tuple[int, ...], namespace: str = "") -> SegmentEntry | None:
         """The entry for ``key`` (of cache ``namespace``) if its token ids are exactly ``token_ids``;
@@ -273,6 +300,7 @@ class SegmentStore:
         self.nbytes += size
         self.pinned_bytes += size if self.pins[entry.key] else 0
         self._touch(entry)
+        self.listener.stored(entry.key, entry.namespace, MEMORY_TIER, len(entry.token_ids))
         return True
 
     def _placed(self, entry: SegmentEntry) -> SegmentEntry:
@@ -305,6 +333,7 @@ class SegmentStore:
         entry = self.entries.pop(key)
         self.nbytes -= entry.nbytes
         self.order.forget(key, evicted)
+        self.listener.removed(key, entry.namespace, MEMORY_TIER)
         return entry
 
     def close(self) -> None:

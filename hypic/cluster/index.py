@@ -3,7 +3,8 @@
 Each replica pushes numbered batches of holding events (an entry stored in or evicted from a tier, a
 namespace or everything cleared). The index applies a batch only if it follows the last one it has
 from that replica (same process incarnation, no gap in the numbering); otherwise the caller asks the
-replica for a dump of all it holds, which replaces what the index knew of it. The index also keeps
+replica for a dump of all it holds, which replaces what the index knew of it (unless it is older
+than what the index has of that incarnation). A namespace left without entries is forgotten. The index also keeps
 the prompt prefixes each replica served (its private pool), as ``hypic.router``'s ``PrefixIndex``,
 and per namespace how many of its entries each replica holds in memory (where a tenant lives).
 
@@ -117,15 +118,19 @@ class _KeyTable:
         keys[row], self.namespaces[row] = h, namespace
         return row
 
-    def drop_if_empty(self, row: int) -> None:
-        if not self.bits[row].any():
-            self.keys[row], self.live = REMOVED, self.live - 1
+    def drop_if_empty(self, row: int) -> bool:
+        """Remove ``row`` if no replica holds it any more; whether it was removed."""
+        if self.bits[row].any():
+            return False
+        self.keys[row], self.live = REMOVED, self.live - 1
+        return True
 
-    def drop_empty_rows(self) -> None:
-        """Every row left without bits (after a bulk clear) is removed."""
+    def drop_empty_rows(self) -> np.ndarray:
+        """Every row left without bits (after a bulk clear) is removed; their namespace ids."""
         empty = (self.keys > REMOVED) & ~self.bits.any(axis=(1, 2))
         self.keys[empty] = REMOVED
         self.live -= int(empty.sum())
+        return self.namespaces[empty]
 
     def widen(self, words: int) -> None:
         extra = np.zeros((len(self.keys), len(TIERS), words - self.words), np.uint64)
@@ -171,8 +176,10 @@ class DocumentIndex:
         self._slots: dict[str, int] = {}  # replica -> its bit in the table's words
         self._replica_of: dict[int, str] = {}
         self._namespace_ids: dict[str, int] = {}
-        self._namespace_names: list[str] = []
+        self._namespace_names: list[str | None] = []  # by id (None: a forgotten namespace's id, free)
+        self._namespace_rows: dict[int, int] = {}  # namespace id -> rows of the table in it (0: forgotten)
         self._namespace_held: dict[int, dict[int, int]] = {}  # namespace id -> replica slot -> entries in its memory
+        self._free_namespaces: list[int] = []
         self._heard: dict[str, _Heard] = {}
         self.prefixes = prefixes or PrefixIndex()
 
@@ -180,9 +187,12 @@ class DocumentIndex:
     def apply(self, announcement: Announcement) -> bool:
         """Apply ``announcement``. False: it does not follow what the index has of its replica (a new
         incarnation, a gap in the numbering, a replica not heard from): ask that replica for a dump.
-        A dump is always applied; a batch entirely older than what is known is ignored (True)."""
+        A dump is applied unless it is older than what is known of the same incarnation; a batch
+        entirely older than what is known is ignored (True)."""
         if announcement.full:
-            self._apply_dump(announcement)
+            heard = self._heard.get(announcement.replica)
+            if heard is None or heard.incarnation != announcement.incarnation or announcement.seq >= heard.seq:
+                self._apply_dump(announcement)
             return True
         heard = self._heard.get(announcement.replica)
         first = announcement.seq - len(announcement.events) + 1
@@ -216,7 +226,12 @@ class DocumentIndex:
     def _store(self, replica: str, event: HoldingEvent) -> None:
         slot = self._slot(replica)
         table = self._table
-        row = table.insert(key_hash(event.key), self._namespace_id(event.namespace or ""))
+        h = key_hash(event.key)
+        row = table.find(h)
+        if row < 0:
+            namespace = self._namespace_id(event.namespace or "")
+            row = table.insert(h, namespace)
+            self._namespace_rows[namespace] = self._namespace_rows.get(namespace, 0) + 1
         word, bit = divmod(slot, WORD)
         tier = int(event.tier)
         before = table.bits.item(row, tier, word)
@@ -235,7 +250,8 @@ class DocumentIndex:
         table.bits[row, tier, word] = before & ~(1 << bit) & MASK64
         if tier == Tier.MEMORY and before >> bit & 1:
             self._count(table.namespaces.item(row), slot, -1)
-        table.drop_if_empty(row)
+        if table.drop_if_empty(row):
+            self._rows_dropped([table.namespaces.item(row)])
 
     def _count(self, namespace: int, slot: int, change: int) -> None:
         """``slot``'s count of entries of ``namespace`` in memory changes by ``change``."""
@@ -245,6 +261,8 @@ class DocumentIndex:
             held[slot] = count
         else:
             del held[slot]
+            if not held:
+                del self._namespace_held[namespace]
 
     def _clear(self, replica: str, namespace: str | None) -> None:
         """``replica`` holds nothing (in ``namespace``, or in any namespace when None)."""
@@ -258,8 +276,23 @@ class DocumentIndex:
         else:
             rows = table.namespaces == self._namespace_ids[namespace]
             table.bits[rows, :, word] &= keep
-        table.drop_empty_rows()
         self._recount(slot)
+        self._rows_dropped(table.drop_empty_rows().tolist())
+
+    def _rows_dropped(self, namespaces: list[int]) -> None:
+        """Rows of ``namespaces`` (ids, one per row) left the table; a namespace left without rows
+        is forgotten (its id reused): client-named namespaces come and go."""
+        for found in namespaces:
+            rows = self._namespace_rows[found] - 1
+            if rows:
+                self._namespace_rows[found] = rows
+                continue
+            del self._namespace_rows[found]
+            name = self._namespace_names[found]
+            self._namespace_ids.pop(name, None)  # type: ignore[arg-type]
+            self._namespace_names[found] = None
+            self._namespace_held.pop(found, None)
+            self._free_namespaces.append(found)
 
     def _recount(self, slot: int) -> None:
         """``slot``'s entries in memory per namespace, counted afresh from the table (after a bulk clear)."""
@@ -267,8 +300,10 @@ class DocumentIndex:
         table = self._table
         held = (table.keys > REMOVED) & ((table.bits[:, Tier.MEMORY, word] & np.uint64(1 << bit)) != 0)
         counts = np.bincount(table.namespaces[held], minlength=len(self._namespace_names))
-        for held_by in self._namespace_held.values():
+        for namespace, held_by in list(self._namespace_held.items()):
             held_by.pop(slot, None)
+            if not held_by:
+                del self._namespace_held[namespace]
         for namespace in np.flatnonzero(counts).tolist():
             self._namespace_held.setdefault(namespace, {})[slot] = int(counts[namespace])
 
@@ -349,9 +384,15 @@ class DocumentIndex:
     def _namespace_id(self, namespace: str) -> int:
         found = self._namespace_ids.get(namespace)
         if found is None:
-            found = self._namespace_ids[namespace] = len(self._namespace_names)
-            self._namespace_names.append(namespace)
+            found = self._free_namespaces.pop() if self._free_namespaces else len(self._namespace_names)
+            if found == len(self._namespace_names):
+                self._namespace_names.append(namespace)
+            self._namespace_names[found], self._namespace_ids[namespace] = namespace, found
         return found
+
+    def namespaces(self) -> int:
+        """How many namespaces some replica holds an entry of."""
+        return len(self._namespace_ids)
 
 
 def _set_bits(word: int) -> Iterable[int]:

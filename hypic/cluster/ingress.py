@@ -1,7 +1,8 @@
 """The ingress of a replicated service: HYPIC's HTTP application over ``ReplicaLoop``, which
 stands where a single server's engine loop stands. It checks and plans each request once
 (``FrontEngine``), hands it to the replica its router picks (``ReplicaRouter``) and relays the
-replica's events; each replica's answer ends with what it holds, which keeps the index right."""
+replica's events. What each replica holds comes on a stream of its own (``HoldingsChannel``); an
+answer is let out once the index has what its replica held when it sent it."""
 import asyncio
 import contextvars
 import itertools
@@ -24,8 +25,9 @@ from ..router.plan import SegmentJob
 from ..scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull
 from ..scheduler.policy import SchedulingPolicy
 from ..scheduler.stats import LoopStats
+from .channel import HoldingsChannel
 from .front import FrontEngine
-from .index import Announcement
+from .holdings import HoldingsMark
 from .replica import PREFILLED, Mark, RemoteBuilds, ReplicaWork
 from .routing import ReplicaLoad, RouteRequest, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
@@ -38,6 +40,7 @@ STATUS_TIMEOUT_S = 10.0  # a replica whose status takes longer (its host cut off
 ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
 SILENCE_S = 300.0  # the longest a request's stream may stay silent (replicas send a keepalive every 2 s)
 TOTALS = frozenset(LoopStats().as_dict())  # the replicas' counters that only grow (the rest are gauges)
+CATCH_UP_S = 2.0  # the longest an answer waits for its replica's holdings to reach the index
 
 
 def route_request(job: Job) -> RouteRequest:
@@ -127,6 +130,7 @@ class ReplicaLoop:
         self.retired: dict[str, Any] = {}  # the totals of replicas gone (a replacement counts from zero)
         self.answered = LoopStats()  # the requests' TTFTs as measured here
         self.running: asyncio.AbstractEventLoop | None = None
+        self.channel = HoldingsChannel(state, self._open_holdings)
 
     def sample_seed(self) -> int | None:
         return None  # each replica's own generator (a tensor-parallel replica draws one for its ranks)
@@ -231,9 +235,9 @@ class ReplicaLoop:
         builds = RemoteBuilds(tuple(refs), remote, self.silence_s)
         return replace(route, replica=decision.replica, reason=decision.reason), builds
 
-    async def _relay(self, attempt: Attempt, item: list[Event] | Announcement | Mark, emit: Callable[[Event], None]) -> None:
-        if isinstance(item, Announcement):
-            await self.announce(item)
+    async def _relay(self, attempt: Attempt, item: list[Event] | HoldingsMark | Mark, emit: Callable[[Event], None]) -> None:
+        if isinstance(item, HoldingsMark):
+            await self._caught_up(item)
             return
         if isinstance(item, Mark):
             if item == PREFILLED:
@@ -263,11 +267,17 @@ class ReplicaLoop:
         stream.cancel()
 
     # ----- the index -----------------------------------------------------------------------------
-    async def announce(self, announcement: Announcement) -> None:
-        """Apply a replica's news; when it does not follow on, its dump replaces what was known."""
-        if not self.state.announce(announcement):
-            dump = await self._call(announcement.replica, "dump")
-            self.state.announce(dump)
+    def _open_holdings(self, replica: str, after: tuple[str, int] | None) -> Any:
+        route = RouteTo(f"holdings-{replica}@{self.name}.{next(self.calls)}", replica=replica)
+        return _own_call(lambda: self.replicas.options(method_name="holdings", stream=True).remote(route, after))
+
+    async def _caught_up(self, mark: HoldingsMark) -> None:
+        """Wait until the index has what ``mark``'s replica held when it set it (briefly: a stream
+        that lags is the channel's to repair; the answer goes out anyway)."""
+        self.channel.sync()
+        if not await self.channel.caught_up(mark, CATCH_UP_S):
+            log.warning("replica %s's holdings up to event %d did not reach the index in %g s", mark.replica,
+                        mark.seq, CATCH_UP_S)
 
     async def _call(self, replica: str, method: str, *args: Any) -> Any:
         route = RouteTo(f"{method}-{replica}", replica=replica)
@@ -290,8 +300,8 @@ class ReplicaLoop:
             if time.monotonic() > deadline:
                 raise HypicError(f"only {len(self.state.replicas)} of {count} replicas started in {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
-        for replica in list(self.state.replicas):  # a restarted ingress learns what each already holds
-            self.state.announce(await self._call(replica, "dump"))
+        self.channel.sync()  # a restarted ingress learns what each already holds (a dump each)
+        await self.channel.heard_from_all(timeout_s)
         await self.refresh()
         return list(self.state.replicas)
 
@@ -312,8 +322,8 @@ class ReplicaLoop:
         answers = await asyncio.gather(*(self._call(r, "warmup", [documents[i] for i in idx], namespace)
                                          for r, idx in shares.items()))
         counts = [0] * len(documents)
-        for (replica, indices), (share_counts, announcement) in zip(shares.items(), answers):
-            await self.announce(announcement)
+        for (replica, indices), (share_counts, mark) in zip(shares.items(), answers):
+            await self._caught_up(mark)
             for i, count in zip(indices, share_counts):
                 counts[i] = count
         await self.refresh()
@@ -337,8 +347,8 @@ class ReplicaLoop:
                 raise HypicError(f"replica {replica} could not flush: {type(outcome).__name__}: {outcome}") from outcome
             else:
                 answers.append(outcome)
-        for _, announcement in answers:
-            await self.announce(announcement)
+        for _, mark in answers:
+            await self._caught_up(mark)
         await self.refresh()
         return tuple(summed([flushed[i] for flushed, _ in answers]) if answers else 0 for i in range(3))  # type: ignore[return-value]
 
@@ -363,6 +373,7 @@ class ReplicaLoop:
     async def keep_fresh(self) -> None:
         while True:
             await asyncio.sleep(STATUS_EVERY_S)
+            self.channel.sync()  # a replica that joined is followed, one gone no longer
             try:
                 await self.refresh()
             except Exception as err:  # noqa: BLE001 - counters a second old are better than none

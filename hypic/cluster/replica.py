@@ -1,19 +1,16 @@
 """One replica of a replicated service: a whole instance (engine, loop, pools, tiers; with
-``--tp-size`` a lockstep group of ranks) that runs requests planned at the ingress and tells the
-ingress what documents it holds after each piece of work."""
+``--tp-size`` a lockstep group of ranks) that runs requests planned at the ingress and streams what
+documents it holds to each ingress that follows it (``holdings``)."""
 import asyncio
 import logging
 import os
 import socket
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..cache.hybrid_cache import HybridCache
 from ..cache.plan import RequestPlan
 from ..cache.segments import PromptParts
 from ..cache.store import SegmentEntry
@@ -25,7 +22,8 @@ from ..router.worker import document_build_steps
 from ..scheduler.jobs import PeerWork
 from ..scheduler.loop import DoneEvent, ErrorEvent, Event, ProgressEvent
 from ..server.protocol import GenerationRequest
-from .index import Announcement, HoldingEvent, Tier
+from .holdings import HoldingsMark, holdings_of
+from .index import Announcement
 
 log = logging.getLogger("hypic.cluster")
 LOOP_CHECK_S = 1.0  # how often a request waiting for its next event looks whether the loop still runs
@@ -73,68 +71,6 @@ class RemoteBuilds:
         return frozenset(key for key, _ in self.remote)
 
 
-TIER_OF = {"host": Tier.HOST, "disk": Tier.DISK, "mooncake": Tier.SHARED}  # a lower tier's name -> its index tier
-
-
-@dataclass(frozen=True)
-class Holding:
-    namespace: str
-    tokens: int
-    tiers: frozenset[Tier]
-
-
-class HoldingsFeed:
-    """Where a replica holds its documents (memory, and the tiers below it whose index has them),
-    told as numbered changes since the last telling, or in full when the ingress lost track. A
-    document is followed from when memory first holds it until no tier does. Calls come from the
-    replica's request threads; a lock keeps the numbering whole."""
-
-    def __init__(self, cache: HybridCache, replica: str) -> None:
-        self.cache, self.replica = cache, replica
-        self.incarnation = uuid.uuid4().hex  # a restarted replica starts a new numbering
-        self.known: dict[str, Holding] = {}  # as last told
-        self.seq = 0
-        self.lock = threading.Lock()
-
-    def changes(self, cleared: tuple[str | None, ...] = ()) -> Announcement:
-        """What changed since the last announcement (``cleared``: the namespaces a flush emptied, None
-        for all, after which what they still hold below memory is told again), numbered on from it."""
-        with self.lock:
-            now = self._holdings()
-            events = [HoldingEvent("cleared", "", namespace) for namespace in cleared]
-            for key, holding in now.items():
-                before = self.known.get(key)
-                told = frozenset() if before is None or _emptied(before.namespace, cleared) else before.tiers
-                events += [HoldingEvent("evicted", key, holding.namespace, tier) for tier in sorted(told - holding.tiers)]
-                events += [HoldingEvent("stored", key, holding.namespace, tier, holding.tokens)
-                           for tier in sorted(holding.tiers - told)]
-            self.known = {key: holding for key, holding in now.items() if holding.tiers}
-            self.seq += len(events)
-            return Announcement(self.replica, self.incarnation, self.seq, tuple(events), pool_fill=self.cache.public_fill())
-
-    def dump(self) -> Announcement:
-        """Everything held now, replacing what the ingress believed."""
-        self.changes()
-        with self.lock:
-            events = tuple(HoldingEvent("stored", key, holding.namespace, tier, holding.tokens)
-                           for key, holding in self.known.items() for tier in sorted(holding.tiers))
-            return Announcement(self.replica, self.incarnation, self.seq, events, full=True,
-                                pool_fill=self.cache.public_fill())
-
-    def _holdings(self) -> dict[str, Holding]:
-        """Every document followed (told before, or in memory now) and the tiers that hold it now."""
-        memory = self.cache.document_keys()
-        fresh = {entry.key: (entry.namespace, len(entry.token_ids))
-                 for entry in self.cache.held_documents(sorted(memory - self.known.keys()))}
-        followed = {key: (h.namespace, h.tokens) for key, h in self.known.items()} | fresh
-        return {key: Holding(namespace, tokens, self._tiers(key, namespace, memory))
-                for key, (namespace, tokens) in followed.items()}
-
-    def _tiers(self, key: str, namespace: str, memory: frozenset[str]) -> frozenset[Tier]:
-        lower = {TIER_OF[name] for name in self.cache.lower_tiers_of(key, namespace) if name in TIER_OF}
-        return frozenset(lower | ({Tier.MEMORY} if key in memory else set()))
-
-
 def told(events: list[Event], streamed: bool) -> list[Event]:
     """What of ``events`` the ingress needs: of a run of progress, each sample's latest (its client
     is sent what is new since the last one it got); none at all for a request that is not streamed."""
@@ -150,10 +86,6 @@ def told(events: list[Event], streamed: bool) -> list[Event]:
     return out + (list(latest.values()) if streamed else [])
 
 
-def _emptied(namespace: str, cleared: tuple[str | None, ...]) -> bool:
-    return any(c is None or c == namespace for c in cleared)
-
-
 class Replica:
     """The replica deployment's body. ``start_instance(args)`` builds the instance as ``hypic
     serve ARGS`` would (its loop started); ``replica``: this replica's id (Ray Serve's)."""
@@ -162,16 +94,17 @@ class Replica:
         register_tensor_serializer()  # entries between replicas travel as numpy arrays, not pickled tensors
         self.instance = start_instance(args)
         self.replica = replica or _serve_replica_id()
-        self.feed = HoldingsFeed(self.instance.engine.cache, self.replica)
+        self.holdings_log = holdings_of(self.instance.engine.cache, self.replica)
         self.started = time.time()
         self.weight_bytes = self.instance.engine.weight_bytes()  # reported with every status: counted once
 
     async def run(self, route: Any, work: ReplicaWork,
-                  builds: RemoteBuilds | None = None) -> AsyncIterator[Event | Announcement | Mark]:
-        """The request's events, as its loop emits them, what the replica holds just before the last
-        of them; ``PREFILLED`` before the first event of a request that is not streamed (a streamed
-        one's first progress says it), ``ALIVE`` after ``KEEPALIVE_S`` without a message. ``route``
-        is for the router (which replica); the replica ignores it. ``builds``: documents other
+                  builds: RemoteBuilds | None = None) -> AsyncIterator[Event | HoldingsMark | Mark]:
+        """The request's events, as its loop emits them, and just before the last of them how far
+        its holdings stream has come (``HoldingsMark``); ``PREFILLED`` before the first event of a
+        request that is not streamed (a streamed one's first progress says it), ``ALIVE`` after
+        ``KEEPALIVE_S`` without a message. ``route`` is for the router (which replica); the replica
+        ignores it. ``builds``: documents other
         replicas build for it meanwhile, stored here (checked) as they arrive while this replica
         builds the rest itself."""
         job, running = self._job(work), asyncio.get_running_loop()
@@ -192,7 +125,7 @@ class Replica:
                 batch = told(arrived, work.request.stream)
                 ended = bool(batch) and isinstance(batch[-1], (DoneEvent, ErrorEvent))
                 if ended:  # what it holds now reaches the index before its client hears the end
-                    yield self.feed.changes()
+                    yield self.holdings_log.mark()
                 if batch:  # a request that is not streamed is told nothing per token: no message at all
                     yield [self._stamped(event) for event in batch]
                 if ended:
@@ -290,18 +223,23 @@ class Replica:
             return replace(event, completion=replace(event.completion, replica=self.replica))
         return event
 
-    async def warmup(self, route: Any, documents: list[str], namespace: str) -> tuple[list[int], Announcement]:
-        """Cache ``documents`` here; their token counts, and what is held now."""
+    async def warmup(self, route: Any, documents: list[str], namespace: str) -> tuple[list[int], HoldingsMark]:
+        """Cache ``documents`` here; their token counts, and how far the holdings stream has come."""
         future = await asyncio.to_thread(self.instance.loop.warmup, documents, namespace)
         counts = await asyncio.wrap_future(future)
-        return counts, self.feed.changes()
+        return counts, self.holdings_log.mark()
 
-    async def flush(self, route: Any, namespace: str | None, tiers: frozenset[str]) -> tuple[Any, Announcement]:
+    async def flush(self, route: Any, namespace: str | None, tiers: frozenset[str]) -> tuple[Any, HoldingsMark]:
         flushed = await asyncio.wrap_future(self.instance.loop.flush(namespace, tiers))
-        return flushed, self.feed.changes(cleared=(namespace,))
+        if "memory" in tiers:
+            self.holdings_log.cleared(namespace)  # its private pool's prefixes went too
+        return flushed, self.holdings_log.mark()
 
-    async def dump(self, route: Any) -> Announcement:
-        return self.feed.dump()
+    async def holdings(self, route: Any, after: tuple[str, int] | None) -> AsyncIterator[Announcement]:
+        """This replica's holdings stream for one follower, from ``after`` (incarnation, seq; None:
+        from a dump of all it holds)."""
+        async for told in self.holdings_log.follow(after):
+            yield told
 
     async def status(self, route: Any) -> dict[str, Any]:
         """Who this replica is and how busy: what ``/get_server_info`` lists per replica and

@@ -1,5 +1,5 @@
 """What the ingress knows of its replicas: which documents each holds (the index, kept by their
-announcements), how much work each has been given, and the policy that picks one per request.
+holdings streams), how much work each has been given, and the policy that picks one per request.
 The request router and the ingress run in one process and share it by name."""
 import logging
 import threading
@@ -120,8 +120,8 @@ class ClusterState:
             done.prefill_tokens = 0
 
     def announce(self, announcement: Announcement) -> bool:
-        """Apply a replica's announcement (its holdings, and how full its pool is: news with each answer,
-        where its status comes once a second); False: it does not follow on, ask that replica for a dump."""
+        """Apply a message of a replica's holdings stream (and how full its pool is: news as it
+        happens, where its status comes once a second); False: it does not follow on, a dump is needed."""
         with self.lock:
             if announcement.replica in self.gone:
                 return True  # late news of a replica already gone: nothing to keep

@@ -62,7 +62,7 @@ def _messages(streamed: bool) -> list[Any]:
     """Every message ``Replica.run`` sends the ingress for one request."""
     replica = object.__new__(Replica)
     replica.instance = SimpleNamespace(loop=TokenByToken(), close=lambda: None)
-    replica.feed = SimpleNamespace(changes=lambda: "holdings")
+    replica.holdings_log = SimpleNamespace(mark=lambda: "holdings")
     replica._job = lambda work: SimpleNamespace(cancel=lambda: None)
     replica._stamped = lambda event: event
     work = SimpleNamespace(request=SimpleNamespace(stream=streamed))
@@ -99,7 +99,7 @@ def test_a_replica_at_work_says_so_while_its_request_has_nothing_to_send(monkeyp
     monkeypatch.setattr(replica_module, "KEEPALIVE_S", 0.05)
     replica = object.__new__(Replica)
     replica.instance = SimpleNamespace(loop=StartsLate(), close=lambda: None)
-    replica.feed = SimpleNamespace(changes=lambda: "holdings")
+    replica.holdings_log = SimpleNamespace(mark=lambda: "holdings")
     replica._job = lambda work: SimpleNamespace(cancel=lambda: None)
     replica._stamped = lambda event: event
 

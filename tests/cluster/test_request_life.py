@@ -2,6 +2,7 @@
 which replica each try reaches, the load the router believes each replica has, the deadline on a
 silent replica, the TTFT reported, and the service's totals when a replica is replaced."""
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -14,6 +15,7 @@ from ray.exceptions import ActorDiedError
 from hypic.cache.modes import Mode
 from hypic.cluster import ingress
 from hypic.cluster import state as state_module
+from hypic.cluster.holdings import HoldingsMark
 from hypic.cluster.index import Announcement, HoldingEvent, Tier
 from hypic.cluster.ingress import ReplicaLoop
 from hypic.cluster.replica import ALIVE, PREFILLED
@@ -60,6 +62,19 @@ class Stream:
         self.cancelled = True
 
 
+class Holdings:
+    """The holdings streams of stand-in replicas that hold nothing: a dump, then keepalives."""
+
+    def remote(self, route: RouteTo, after: Any) -> Stream:
+        return Stream(self._told(route.replica))
+
+    @staticmethod
+    async def _told(replica: str) -> AsyncIterator[Announcement]:
+        while True:
+            yield Announcement(replica, "i", 0, (), full=True)
+            await asyncio.sleep(0.5)
+
+
 class Replicas:
     """A deployment handle over stand-in replicas: a run call goes where Ray Serve's router would send
     it (the replica it is pinned to, else the policy's pick among those it does not avoid), is told
@@ -70,9 +85,9 @@ class Replicas:
         self.calls: list[tuple[str, RouteTo, Stream]] = []
         state.set_replicas(sorted(scripts))
 
-    def options(self, method_name: str, stream: bool = False) -> "Replicas":
-        assert method_name == "run"
-        return self
+    def options(self, method_name: str, stream: bool = False) -> Any:
+        assert method_name in ("run", "holdings")
+        return self if method_name == "run" else Holdings()
 
     def remote(self, route: RouteTo, work: Any, *builds: Any) -> Stream:
         candidates = [r for r in self.state.replicas if r not in route.avoid] or self.state.replicas
@@ -219,8 +234,8 @@ class StatusHandle:
     def __init__(self, finished: dict[str, int]) -> None:
         self.finished = finished
 
-    def options(self, method_name: str, stream: bool = False) -> "StatusHandle":
-        return self
+    def options(self, method_name: str, stream: bool = False) -> Any:
+        return self if method_name != "holdings" else Holdings()
 
     def remote(self, route: RouteTo) -> Any:
         return self._status(route.replica)
@@ -294,9 +309,9 @@ class FlushHandle:
     def __init__(self, flushes: dict[str, Any]) -> None:
         self.flushes, self.method = flushes, ""
 
-    def options(self, method_name: str, stream: bool = False) -> "FlushHandle":
+    def options(self, method_name: str, stream: bool = False) -> Any:
         self.method = method_name
-        return self
+        return self if method_name != "holdings" else Holdings()
 
     def remote(self, route: RouteTo, *args: Any) -> Any:
         return self._flush(route.replica) if self.method == "flush" else StatusHandle({route.replica: 0})._status(route.replica)
@@ -305,7 +320,7 @@ class FlushHandle:
         outcome = self.flushes[replica]
         if isinstance(outcome, BaseException):
             raise outcome
-        return outcome, Announcement(replica, "i", 0, (), full=True)
+        return outcome, HoldingsMark(replica, "i", 0)
 
 
 def _flushed(flushes: dict[str, Any]) -> Any:
@@ -337,3 +352,41 @@ def test_the_replicas_gone_are_remembered_up_to_a_bound(monkeypatch: Any) -> Non
     assert list(state.gone) == ["r6", "r7", "r8"]
     late = Announcement("r8", "i", 1, (HoldingEvent("stored", "d", "", Tier.MEMORY, 5),), full=True)
     assert state.announce(late) and not state.index.holders("", "d")
+
+
+class LateHoldings(Holdings):
+    """Holdings streams whose news of document "d" comes 0.3 s after the replica stored it."""
+
+    @staticmethod
+    async def _told(replica: str) -> AsyncIterator[Announcement]:
+        yield Announcement(replica, "i", 0, (), full=True)
+        await asyncio.sleep(0.3)
+        yield Announcement(replica, "i", 1, (HoldingEvent("stored", "d", "", Tier.MEMORY, 5),))
+        while True:
+            await asyncio.sleep(0.5)
+            yield Announcement(replica, "i", 1)
+
+
+def test_an_answer_goes_out_once_the_index_has_what_its_replica_held_then(monkeypatch: Any) -> None:
+    """The replica answers with a mark of its holdings stream (event 1: document "d" stored) while
+    the stream's news is still on its way: the client hears the end only once the index holds "d"
+    there (its next request would route by it)."""
+
+    async def stores_d(route: RouteTo) -> AsyncIterator[Any]:
+        yield HoldingsMark("r0", "i", 1)
+        yield [_done()]
+
+    monkeypatch.setattr(sys.modules[__name__], "Holdings", LateHoldings)
+    loop, _, state = _loop({"r0": stores_d})
+    seen: list[dict[str, Tier]] = []
+
+    async def run() -> None:
+        loop.channel.sync()
+        await loop.channel.heard_from_all(2.0)
+        end = asyncio.get_running_loop().create_future()
+        loop.enqueue(_job("q"), lambda event: end.done() or end.set_result(state.index.holders("", "d")))
+        seen.append(await asyncio.wait_for(end, 5.0))
+        loop.channel.close()
+
+    asyncio.run(run())
+    assert seen == [{"r0": Tier.MEMORY}]

@@ -11,11 +11,12 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SUFFIX = ".safetensors"
 STALE_TEMP_S = 600.0  # a temporary file this old is a write that died with its server
+MAX_HEADER = 1 << 24  # a header longer than this is not one of ours (a start-up scan reads no more)
 
 
 class DiskTier:
@@ -32,6 +33,7 @@ class DiskTier:
         self.files: OrderedDict[str, int] = OrderedDict()  # address -> bytes, least recently used first
         self.lock = threading.Lock()
         self.evictions = self.held_bytes = 0
+        self.on_removed: Callable[[str], None] = lambda address: None  # told each address the index lets go
 
     def open(self) -> None:
         """Create the directory and index the files already there (raises OSError if it cannot)."""
@@ -66,8 +68,11 @@ class DiskTier:
         self.held_bytes += size - self.files.pop(address, 0)
         self.files[address] = size
 
-    def _unindex(self, address: str) -> None:
-        self.held_bytes -= self.files.pop(address, 0)
+    def _unindex(self, address: str) -> bool:
+        """Drop ``address`` from the index (call with the lock held); whether it was there."""
+        size = self.files.pop(address, None)
+        self.held_bytes -= size or 0
+        return size is not None
 
     @contextlib.contextmanager
     def reading(self, address: str) -> Iterator[memoryview | None]:
@@ -76,7 +81,9 @@ class DiskTier:
             handle = self.path(address).open("rb")
         except FileNotFoundError:
             with self.lock:
-                self._unindex(address)  # another server's eviction or a flush
+                known = self._unindex(address)  # another server's eviction or a flush
+            if known:
+                self.on_removed(address)
             yield None
             return
         with handle, _mapped(handle) as view:
@@ -101,6 +108,16 @@ class DiskTier:
             return False
         self._touch(address, size)
         return True
+
+    def head(self, address: str) -> bytes | None:
+        """The first bytes of ``address``'s file: its length field and header (None: not there), read
+        without touching its recency (what a start-up scan lists)."""
+        try:
+            with self.path(address).open("rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                return size.to_bytes(8, "little") + handle.read(min(size, MAX_HEADER))
+        except OSError:
+            return None
 
     def addresses(self) -> list[str]:
         """Every address the index holds (files found at start-up and written since)."""
@@ -140,12 +157,15 @@ class DiskTier:
                 self.evictions += 1
             with contextlib.suppress(OSError):
                 self.path(address).unlink()
+            self.on_removed(address)
 
     def remove(self, address: str) -> None:
         with self.lock:
-            self._unindex(address)
+            known = self._unindex(address)
         with contextlib.suppress(OSError):
             self.path(address).unlink()
+        if known:
+            self.on_removed(address)
 
     def flush(self, namespace_dir: str | None) -> int:
         """Delete every file (of one namespace's directory, if given), this server's or not; returns

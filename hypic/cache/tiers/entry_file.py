@@ -207,6 +207,20 @@ def _header(buffer: bytes | memoryview) -> tuple[dict, int]:
     return header, 8 + size
 
 
+def named_entry(head: bytes, identity: EntryIdentity, address: str) -> tuple[str, str, int] | None:
+    """(key, namespace, tokens) of the entry whose file begins with ``head`` (its length and header)
+    if it is one ``identity`` stores at ``address``; None for anything else (another model's, a
+    resume point, a damaged header). The tensors are not read: what a start-up scan lists."""
+    try:
+        meta = _header(head)[0].get("__metadata__", {})
+        key, namespace, tokens = meta["key"], meta["namespace"], len(json.loads(meta["token_ids"]))
+    except (BadEntryFile, KeyError, TypeError, ValueError):
+        return None
+    if meta.get("fingerprint") != identity.fingerprint or identity.address(key, namespace) != address:
+        return None  # the address names the dtypes and the shard: another one's file is not ours
+    return key, namespace, tokens
+
+
 def decode_entry(buffer: bytes | memoryview, identity: EntryIdentity, key: str, token_ids: tuple[int, ...],
                  arenas: StateArenas | None = None) -> SegmentEntry:
     """The entry stored in ``buffer`` if it is ``key``'s, for ``token_ids``, made by ``identity`` and

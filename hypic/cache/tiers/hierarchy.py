@@ -13,13 +13,14 @@ import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
 from ..arena import StateArenas
-from ..store import Event, Load, SegmentEntry
-from .entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry, namespace_dir
+from ..store import Event, HoldingsListener, Load, SegmentEntry, Unheard
+from .entry_file import BadEntryFile, EntryIdentity, decode_entry, encode_entry, named_entry, namespace_dir
 
 log = logging.getLogger("hypic.cache.tiers")
 RETRY_S = 5.0  # a failed tier is skipped this long before it is tried again
@@ -68,6 +69,7 @@ class BlobTier(Protocol):
     def remove(self, address: str) -> None: ...
     def flush(self, namespace_dir: str | None) -> int: ...  # entries of one namespace (None: all) dropped
     def describe(self) -> dict: ...
+    on_removed: Callable[[str], None]  # set by the tiers above: told each address its index lets go
 
 
 @dataclass
@@ -133,6 +135,8 @@ class StorageTiers:
         self.queued_bytes = self.dropped_writes = 0
         self.writing: dict[str, _Pending] = {}  # entries in the write queue by key (still readable from it)
         self.reused: Counter[str] = Counter()  # memory hits per key (write_through_selective)
+        self.listener: HoldingsListener = Unheard()
+        self.named: dict[str, tuple[str, str, int]] = {}  # address -> (key, namespace, tokens) some tier holds
         for tier in tiers:
             try:
                 tier.open()
@@ -144,6 +148,46 @@ class StorageTiers:
                 self.counters[tier.name].failed(err)
         self.writer = threading.Thread(target=self._write_loop, name="hypic-tier-writer", daemon=True)
         self.writer.start()
+
+    # ----- what is held where ---------------------------------------------------------------
+    def listen(self, listener: HoldingsListener) -> None:
+        """Tell ``listener`` of each entry a tier is seen to hold (written, found) and lets go of."""
+        self.listener = listener
+        for tier in self.tiers:
+            tier.on_removed = lambda address, tier=tier: self._dropped(tier, address)
+
+    def held(self) -> Iterator[tuple[str, str, str, int]]:
+        """(key, namespace, tier, tokens) of every entry a tier with local files lists now, named from
+        its file's header (a restarted server's disk); a shared store lists nothing (what other
+        servers put there is unknown until asked)."""
+        for tier in self.tiers:
+            if not hasattr(tier, "head") or not self.counters[tier.name].healthy:
+                continue
+            for address in tier.addresses():  # type: ignore[attr-defined]
+                if address.partition("/")[2][:1] in ("r", "k"):
+                    continue  # a resume point's file, not a document's
+                head = tier.head(address)  # type: ignore[attr-defined]
+                named = named_entry(head, self.identity, address) if head is not None else None
+                if named is not None:
+                    with self.lock:
+                        self.named[address] = named
+                    yield named[0], named[1], tier.name, named[2]
+
+    def _found(self, tier: BlobTier, address: str, entry: SegmentEntry) -> None:
+        with self.lock:
+            self.named[address] = (entry.key, entry.namespace, len(entry.token_ids))
+        self.listener.stored(entry.key, entry.namespace, tier.name, len(entry.token_ids))
+
+    def _dropped(self, tier: BlobTier, address: str) -> None:
+        """``tier`` let go of ``address``; its name is forgotten once no tier holds it."""
+        with self.lock:
+            named = self.named.get(address)
+        if named is None:
+            return
+        self.listener.removed(named[0], named[1], tier.name)
+        if not any(t.indexed(address) for t in self.tiers):
+            with self.lock:
+                self.named.pop(address, None)
 
     # ----- reads ---------------------------------------------------------------------------
     def place_loads_in(self, arenas: StateArenas) -> None:
@@ -251,6 +295,7 @@ class StorageTiers:
             counters.hits += 1
             counters.loaded_bytes += size
             counters.load_seconds += time.perf_counter() - start
+        self._found(tier, address, entry)
         return entry
 
     def usable(self, tier: BlobTier) -> bool:
@@ -354,6 +399,7 @@ class StorageTiers:
                 continue
             try:
                 if tier.contains(address):
+                    self._found(tier, address, pending.entry)
                     continue
                 data = data if data is not None else encode_entry(pending.entry, self.identity)
                 tier.write(address, data)
@@ -365,6 +411,8 @@ class StorageTiers:
                 counters = self.counters[tier.name]
                 counters.writes, counters.written_bytes = counters.writes + 1, counters.written_bytes + len(data)
                 counters.answered()
+            if tier.indexed(address):  # not when over its budget, or at once evicted again
+                self._found(tier, address, pending.entry)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write is done; False if ``timeout_s`` passed first."""

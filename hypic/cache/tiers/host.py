@@ -9,12 +9,13 @@ On a CPU server L1 already is host memory, and this tier is refused there (``hyp
 """
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ..arena import StateArenas
-from ..store import Event, Load, LowerTiers, SegmentEntry, entry_tensors, with_tensors
+from ..store import Event, HoldingsListener, Load, LowerTiers, SegmentEntry, Unheard, entry_tensors, with_tensors
 from .hierarchy import load_rate
 
 MAX_STAGED = 64  # copies to the device started and not yet taken, at most (older ones are dropped)
@@ -58,6 +59,16 @@ class HostTier:
         self.staged: OrderedDict[str, SegmentEntry] = OrderedDict()  # on their way to the device
         self.nbytes = 0
         self.counters = HostCounters()
+        self.listener: HoldingsListener = Unheard()
+
+    def listen(self, listener: HoldingsListener) -> None:
+        self.listener = listener
+        if self.below is not None:
+            self.below.listen(listener)
+
+    def held(self) -> Iterator[tuple[str, str, str, int]]:
+        """What the storage tiers found held at start (host memory starts empty)."""
+        return self.below.held() if self.below is not None else iter(())
 
     # ----- reads ---------------------------------------------------------------------------
     def place_loads_in(self, arenas: StateArenas) -> None:
@@ -104,6 +115,11 @@ class HostTier:
         """Whether host memory holds entry ``key``, or a storage tier's local index does."""
         return key in self.entries or (self.below is not None and self.below.indexed(key, namespace))
 
+    def tiers_holding(self, key: str, namespace: str) -> list[str]:
+        """The names of the tiers (host memory, then the storage tiers) whose index holds entry ``key``."""
+        below = self.below.tiers_holding(key, namespace) if self.below is not None else []  # type: ignore[attr-defined]
+        return [self.name] * (key in self.entries) + below
+
     # ----- writes --------------------------------------------------------------------------
     def offer(self, entry: SegmentEntry, event: Event, origin: str = "") -> None:
         """An entry the device pool evicts comes here (its least recently used ones go below as
@@ -121,10 +137,12 @@ class HostTier:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= old.nbytes
             self.counters.evictions += 1
+            self.listener.removed(old.key, old.namespace, self.name)
             if self.below is not None:
                 self.below.offer(old, Event.EVICTED)
         self.entries[entry.key] = to_host(entry, self.pin)
         self.nbytes += entry.nbytes
+        self.listener.stored(entry.key, entry.namespace, self.name, len(entry.token_ids))
 
     # ----- flush, close, reports -----------------------------------------------------------
     def flush(self, names: set[str], namespace: str | None = None) -> dict[str, int]:
@@ -134,8 +152,10 @@ class HostTier:
         if "memory" in names:
             keys = [k for k, e in self.entries.items() if namespace is None or e.namespace == namespace]
             for key in keys:
-                self.nbytes -= self.entries.pop(key).nbytes
+                dropped_entry = self.entries.pop(key)
+                self.nbytes -= dropped_entry.nbytes
                 self.staged.pop(key, None)
+                self.listener.removed(key, dropped_entry.namespace, self.name)
             dropped[self.name] = len(keys)
         if self.below is not None:
             dropped.update(self.below.flush(names - {"memory"}, namespace))

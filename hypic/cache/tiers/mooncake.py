@@ -20,7 +20,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +115,7 @@ class MooncakeTier:
         self.error = ""
         self.known: OrderedDict[str, None] = OrderedDict()  # put or found here, not seen gone since; LRU
         self.known_lock = threading.Lock()
+        self.on_removed: Callable[[str], None] = lambda address: None  # told each address it stops believing held
 
     def open(self) -> None:
         """Return if connected; else start connecting (once at a time) and raise ``MooncakeConnecting``
@@ -201,12 +202,13 @@ class MooncakeTier:
         """Keep what a call to the store said of ``address`` (the most recent ``KNOWN_ADDRESSES``)."""
         with self.known_lock:
             if not present:
-                self.known.pop(address, None)
-                return
-            self.known[address] = None
-            self.known.move_to_end(address)
-            while len(self.known) > KNOWN_ADDRESSES:
-                self.known.popitem(last=False)
+                forgotten = [address] if self.known.pop(address, 0) is None else []
+            else:
+                self.known[address] = None
+                self.known.move_to_end(address)
+                forgotten = [self.known.popitem(last=False)[0] for _ in range(len(self.known) - KNOWN_ADDRESSES)]
+        for gone in forgotten:
+            self.on_removed(gone)
 
     def contains(self, address: str) -> bool:
         present = self._connected().is_exist(PREFIX + address)
@@ -238,8 +240,11 @@ class MooncakeTier:
         if removed < 0:
             raise MooncakeUnavailable(f"remove_by_regex failed with code {removed}")
         with self.known_lock:
-            for address in [a for a in self.known if namespace_dir is None or a.startswith(f"{namespace_dir}/")]:
+            forgotten = [a for a in self.known if namespace_dir is None or a.startswith(f"{namespace_dir}/")]
+            for address in forgotten:
                 del self.known[address]
+        for address in forgotten:
+            self.on_removed(address)
         return removed
 
     def describe(self) -> dict:
