@@ -220,6 +220,10 @@ def _parser() -> argparse.ArgumentParser:
                             "decode; with --tp-size M each a group of M ranks) served as one on Ray Serve, a request "
                             "routed to the replica that holds its documents (--router-policy); --threads and the "
                             "pool sizes are per replica; 1: no Ray (default: 1)")
+    serve.add_argument("--ingress-replicas", type=positive, default=1,
+                       help="with --dp-size: ingresses serving --host:--port together (the kernel spreads the "
+                            "connections), each following every replica's holdings; one killed costs only the "
+                            "requests it held, and Ray Serve restarts it (default: 1)")
     serve.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
                        help="how --dp-size routes a request: cache_aware = the replica with the fewest tokens to "
                             "prefill given the documents and prefix it holds, plus its queued work, skipping one far "
@@ -363,6 +367,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise HypicError("--tp-size above 1 with --workers above 1 is not served: each peer worker would need its "
                          "own group of tensor-parallel ranks, and the documents it builds would have to travel shard "
                          "by shard to the matching rank here; use one or the other")
+    if args.ingress_replicas > 1 and args.dp_size == 1:
+        raise HypicError("--ingress-replicas above 1 needs --dp-size above 1: one instance is its own ingress")
     if args.dp_size > 1 and args.workers > 1:
         raise HypicError("--dp-size above 1 with --workers above 1 is not served: replicas already build each "
                          "other's documents; use --dp-size")

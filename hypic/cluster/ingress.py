@@ -119,8 +119,10 @@ class ReplicaLoop:
     job_for = EngineLoop.job_for
 
     def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
-                 max_state_bytes: int | None, spreads: bool = True, silence_s: float = SILENCE_S) -> None:
+                 max_state_bytes: int | None, spreads: bool = True, silence_s: float = SILENCE_S,
+                 ingresses: int = 1) -> None:
         self.engine, self.mode, self.state, self.silence_s = front, Mode.parse(mode), state, silence_s
+        self.ingresses = ingresses  # of the service (this one included): its own counters are labelled by name
         self.name, self.calls = uuid.uuid4().hex[:8], itertools.count()  # call keys: unique across ingresses
         # a replica of several ranks holds shards: its documents are not built by another replica
         self.spreads = spreads and front.policy(self.mode).caches_segments
@@ -400,8 +402,10 @@ class ReplicaLoop:
                      "running": status["counters"].get("running_requests", 0)}
                     for i, status in enumerate(statuses)]
         weights = statuses[0].get("weight_bytes", 0) if statuses else 0  # every replica holds the same model
-        return {**total, "weight_bytes": weights, "routing": routing, "data_parallel": {"dp_size": len(self.state.replicas), "ingress_pid": os.getpid(),
-                                                               "policy": self.state.policy.name, "replicas": replicas}}
+        ingress = {"ingress": self.name, "ingress_pid": os.getpid(), "ingress_replicas": self.ingresses}
+        return {**total, "weight_bytes": weights, "routing": routing,
+                "data_parallel": {"dp_size": len(self.state.replicas), **ingress, "policy": self.state.policy.name,
+                                  "replicas": replicas}}
 
     def _live_statuses(self) -> list[dict[str, Any]]:
         """The last statuses of the replicas still running, in id order: a replica that died leaves the

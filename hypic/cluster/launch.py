@@ -51,10 +51,12 @@ class Ingress:
         register_state(STATE_NAME, self.state)
         self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,
                                 spreads=args.tp_size == 1 and args.router_policy == "cache_aware",
-                                silence_s=args.worker_timeout)
+                                silence_s=args.worker_timeout, ingresses=args.ingress_replicas)
         await self.loop.wait_for_replicas(args.dp_size, START_TIMEOUT_S)
         self.asgi = OnServingLoop(build_app(self.loop, info, None, limits), self.loop.serve_on)
-        self.listener = await Listener.start(self.asgi, *listen) if listen is not None else None
+        self.listener = None
+        if listen is not None:  # several ingresses share the address (each its own socket, the kernel spreads them)
+            self.listener = await Listener.start(self.asgi, *listen, shared=args.ingress_replicas > 1)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.asgi
@@ -80,11 +82,15 @@ class Listener:
     task: asyncio.Task
 
     @classmethod
-    async def start(cls, app: Any, host: str, port: int) -> "Listener":
+    async def start(cls, app: Any, host: str, port: int, shared: bool = False) -> "Listener":
         """Listening, or an error naming the address. The socket reuses the address: a restarted
-        ingress takes its port back at once, while its predecessor's connections linger."""
+        ingress takes its port back at once, while its predecessor's connections linger. ``shared``:
+        other ingresses listen on the same port (SO_REUSEPORT: the kernel spreads new connections
+        over the live ones)."""
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError as err:
@@ -132,7 +138,8 @@ def application(args: argparse.Namespace, start_instance: Callable[..., Any], li
     # address, and a node with replicas alone may go
     here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
     ingress = serve.deployment(Ingress, name="HypicIngress").options(
-        num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0, "resources": here})
+        num_replicas=args.ingress_replicas, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0, "resources": here})
     return ingress.bind(replicas.bind(args, start_instance), args, limits, info, listen)
 
 
@@ -146,8 +153,9 @@ def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], 
         serve.start(proxy_location=ProxyLocation.Disabled, logging_config={"log_level": "WARNING"})
         serve.run(application(args, start_instance, limits, info, (args.host, args.port)), name=APP_NAME,
                   route_prefix=None, blocking=False)
+        ingresses = f" and {args.ingress_replicas} ingresses" if args.ingress_replicas > 1 else ""
         print(f"hypic: serving {info.served_model_name} with {args.dp_size} replicas ({args.router_policy} "
-              f"routing) on http://{args.host}:{args.port}", flush=True)
+              f"routing){ingresses} on http://{args.host}:{args.port}", flush=True)
         _wait_for_signal()
     except ray.exceptions.RayError as err:
         raise HypicError(f"the replicas could not start: {type(err).__name__}: {err}") from err

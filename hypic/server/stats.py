@@ -43,11 +43,12 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
         lines += _resume_lines(snapshot["resume_points"])
     lines += ["# HELP hypic_time_to_first_token_seconds time to first token", "# TYPE hypic_time_to_first_token_seconds histogram"]
     timed = snapshot.get("ttft_count", snapshot["requests_finished"])  # an ingress times the requests itself
+    own = _ingress_label(snapshot.get("data_parallel"))
     for bound, count in zip(TTFT_BUCKETS, snapshot["ttft_buckets"]):
-        lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="{bound}"}} {count}')
-    lines.append(f'hypic_time_to_first_token_seconds_bucket{{le="+Inf"}} {timed}')
-    lines.append(f"hypic_time_to_first_token_seconds_sum {snapshot['ttft_sum_s']}")
-    lines.append(f"hypic_time_to_first_token_seconds_count {timed}")
+        lines.append(f"hypic_time_to_first_token_seconds_bucket{_labels(own, _le(bound))} {count}")
+    lines.append(f"hypic_time_to_first_token_seconds_bucket{_labels(own, _le('+Inf'))} {timed}")
+    lines.append(f"hypic_time_to_first_token_seconds_sum{_labels(own)} {snapshot['ttft_sum_s']}")
+    lines.append(f"hypic_time_to_first_token_seconds_count{_labels(own)} {timed}")
     if "data_parallel" in snapshot:
         lines += _replica_lines(snapshot["data_parallel"], snapshot["routing"])
     if workers is not None:
@@ -65,11 +66,30 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     return "\n".join(lines) + "\n"
 
 
+def _ingress_label(replicas: dict[str, Any] | None) -> str:
+    """``ingress="NAME"`` for what one of several ingresses counts itself (each scrape may reach
+    another: each one's series only grows), else nothing."""
+    if replicas is None or replicas.get("ingress_replicas", 1) <= 1:
+        return ""
+    return f'ingress="{replicas["ingress"]}"'
+
+
+def _le(bound: Any) -> str:
+    return f'le="{bound}"'
+
+
+def _labels(*pairs: str) -> str:
+    """A sample's label set from ``name="value"`` pairs (empty ones left out; none: no braces)."""
+    given = [pair for pair in pairs if pair]
+    return "{" + ",".join(given) + "}" if given else ""
+
+
 def _replica_lines(replicas: dict[str, Any], routing: dict[str, int]) -> list[str]:
     """A replicated service's replicas and its router's decisions (``hypic serve --dp-size``)."""
     lines = _metric_lines("replicas_live", "gauge", "replicas serving", {"": replicas["dp_size"]})
+    own = _labels(_ingress_label(replicas))
     for name, count in routing.items():
-        lines += _metric_lines(f"{name}_total", "counter", f"requests {name.replace('_', ' ')}", {"": count})
+        lines += _metric_lines(f"{name}_total", "counter", f"requests {name.replace('_', ' ')}", {own: count})
     lines += _metric_lines("replica_documents_held", "gauge", "documents each replica's memory holds",
                            {f'{{replica="{r["replica"]}"}}': r["documents_held"] for r in replicas["replicas"]})
     return lines
