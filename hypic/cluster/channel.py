@@ -54,9 +54,11 @@ class HoldingsChannel:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - reopened from where it left off
+                if replica not in self.state.replicas:
+                    return  # it died: the router's news of it stops this follower
                 after = self.applied.get(replica)
                 log.warning("holdings stream of replica %s failed (%s: %s); reopened after event %s", replica,
-                            type(err).__name__, err, after[1] if after else "0 (a dump)")
+                            type(err).__name__, str(err).splitlines()[0] if str(err) else "", after[1] if after else "0 (a dump)")
                 await asyncio.sleep(REOPEN_S)
 
     async def _read(self, replica: str, after: tuple[str, int] | None) -> None:

@@ -26,6 +26,7 @@ from ..server.app import build_app
 from ..server.gate import GateLimits
 from .front import FrontEngine
 from .ingress import ReplicaLoop, ReplicaRouter
+from .logs import AccessLines, log_queue, print_relayed, relay_logs
 from .replica import Replica
 from .routing import policy_named
 from .state import ClusterState, register_state
@@ -44,7 +45,9 @@ class Ingress:
     that address by this replica itself."""
 
     async def __init__(self, replicas: Any, args: argparse.Namespace, limits: GateLimits, info: Any,
-                       listen: tuple[str, int] | None = None) -> None:
+                       listen: tuple[str, int] | None = None, logs: Any = None) -> None:
+        access = logging.getLevelName(args.log_level.upper()) <= logging.INFO  # a line per request, as one server writes
+        relay_logs(logs, "ingress", args.log_level)
         front = FrontEngine(Path(info.model_path), args.dtype, args.device, args.seam_width, args.pic_separator,
                             args.snapshot_interval)
         self.state = ClusterState(policy_named(args.router_policy))
@@ -56,7 +59,7 @@ class Ingress:
         self.asgi = OnServingLoop(build_app(self.loop, info, None, limits), self.loop.serve_on)
         self.listener = None
         if listen is not None:  # several ingresses share the address (each its own socket, the kernel spreads them)
-            self.listener = await Listener.start(self.asgi, *listen, shared=args.ingress_replicas > 1)
+            self.listener = await Listener.start(self.asgi, *listen, shared=args.ingress_replicas > 1, access=access)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.asgi
@@ -82,11 +85,11 @@ class Listener:
     task: asyncio.Task
 
     @classmethod
-    async def start(cls, app: Any, host: str, port: int, shared: bool = False) -> "Listener":
+    async def start(cls, app: Any, host: str, port: int, shared: bool = False, access: bool = False) -> "Listener":
         """Listening, or an error naming the address. The socket reuses the address: a restarted
         ingress takes its port back at once, while its predecessor's connections linger. ``shared``:
         other ingresses listen on the same port (SO_REUSEPORT: the kernel spreads new connections
-        over the live ones)."""
+        over the live ones); ``access``: a log line per request."""
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if shared:
@@ -96,6 +99,7 @@ class Listener:
         except OSError as err:
             sock.close()
             raise HypicError(f"the ingress cannot listen on {host}:{port}: {err}") from err
+        app = AccessLines(app) if access else app
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
         listener = cls(f"{host}:{port}", server, asyncio.get_running_loop().create_task(server.serve(sockets=[sock])))
         deadline = time.monotonic() + LISTEN_TIMEOUT_S
@@ -125,9 +129,10 @@ class OnServingLoop:
 
 
 def application(args: argparse.Namespace, start_instance: Callable[..., Any], limits: GateLimits,
-                info: Any, listen: tuple[str, int] | None = None) -> Any:
+                info: Any, listen: tuple[str, int] | None = None, logs: Any = None) -> Any:
     """The bound Ray Serve application of ``hypic serve ARGS`` with ``--dp-size`` replicas; ``listen``:
-    the address its ingress serves HTTP on itself (none: only through Ray Serve's proxy)."""
+    the address its ingress serves HTTP on itself (none: only through Ray Serve's proxy); ``logs``:
+    the queue its processes' log lines go to (``hypic.cluster.logs``)."""
     replicas = serve.deployment(Replica, name="HypicReplica").options(
         num_replicas=args.dp_size, max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
         ray_actor_options={"num_cpus": (args.threads or 1) * args.tp_size},
@@ -140,7 +145,7 @@ def application(args: argparse.Namespace, start_instance: Callable[..., Any], li
     ingress = serve.deployment(Ingress, name="HypicIngress").options(
         num_replicas=args.ingress_replicas, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "resources": here})
-    return ingress.bind(replicas.bind(args, start_instance), args, limits, info, listen)
+    return ingress.bind(replicas.bind(args, start_instance, logs=logs), args, limits, info, listen, logs)
 
 
 def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], limits: GateLimits, info: Any) -> None:
@@ -148,10 +153,13 @@ def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], 
     threads = args.threads or 1
     args.threads = threads
     start_ray(args.dp_size * threads * args.tp_size + 1, args.ray_address)
+    printed = threading.Event()
     try:
+        logs = log_queue({f"node:{ray.util.get_node_ip_address()}": 0.001})
+        print_relayed(logs, printed)
         # no proxy: the ingress (on this node) listens on --host:--port itself
         serve.start(proxy_location=ProxyLocation.Disabled, logging_config={"log_level": "WARNING"})
-        serve.run(application(args, start_instance, limits, info, (args.host, args.port)), name=APP_NAME,
+        serve.run(application(args, start_instance, limits, info, (args.host, args.port), logs), name=APP_NAME,
                   route_prefix=None, blocking=False)
         ingresses = f" and {args.ingress_replicas} ingresses" if args.ingress_replicas > 1 else ""
         print(f"hypic: serving {info.served_model_name} with {args.dp_size} replicas ({args.router_policy} "
@@ -160,6 +168,7 @@ def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], 
     except ray.exceptions.RayError as err:
         raise HypicError(f"the replicas could not start: {type(err).__name__}: {err}") from err
     finally:
+        printed.set()
         serve.shutdown()
         stop_ray()
 

@@ -24,6 +24,7 @@ from ..scheduler.loop import DoneEvent, ErrorEvent, Event, ProgressEvent
 from ..server.protocol import GenerationRequest
 from .holdings import HoldingsMark, holdings_of
 from .index import Announcement
+from .logs import relay_logs
 
 log = logging.getLogger("hypic.cluster")
 LOOP_CHECK_S = 1.0  # how often a request waiting for its next event looks whether the loop still runs
@@ -88,9 +89,12 @@ def told(events: list[Event], streamed: bool) -> list[Event]:
 
 class Replica:
     """The replica deployment's body. ``start_instance(args)`` builds the instance as ``hypic
-    serve ARGS`` would (its loop started); ``replica``: this replica's id (Ray Serve's)."""
+    serve ARGS`` would (its loop started); ``replica``: this replica's id (Ray Serve's); ``logs``:
+    the queue its log lines go to (``hypic.cluster.logs``; None: its own log files only)."""
 
-    def __init__(self, args: Any, start_instance: Callable[[Any], Any], replica: str | None = None) -> None:
+    def __init__(self, args: Any, start_instance: Callable[[Any], Any], replica: str | None = None,
+                 logs: Any = None) -> None:
+        relay_logs(logs, "replica", args.log_level)  # its warnings reach `hypic serve`'s output
         register_tensor_serializer()  # entries between replicas travel as numpy arrays, not pickled tensors
         self.instance = start_instance(args)
         self.replica = replica or _serve_replica_id()

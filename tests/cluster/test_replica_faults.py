@@ -56,6 +56,8 @@ def test_a_killed_replica_costs_no_request_that_had_not_answered(tmp_path: Any) 
         victim = _busy_replica(cluster)
         os.kill(victim["pid"], signal.SIGKILL)
         gone_s = _wait(lambda: victim["replica"] not in {r["replica"] for r in _replicas(cluster)}, 10, "the replica to leave")
+        _wait(lambda: f"replica {victim['replica']} is gone" in cluster.log.read_text(), 10,
+              "the loss to be told in the service's output")
         assert cluster.request("GET", "/health")[0] == 200
         waiting.join(timeout=120)
         status, answer = answers[0]
@@ -83,8 +85,10 @@ def _more_than_fits_is_refused_as_one_server_refuses(cluster: ServerProcess, exp
         answers = list(pool.map(lambda _: cluster.exchange("POST", "/generate", body, timeout=120), range(4 * ROOM)))
     statuses = [status for status, _, _ in answers]
     assert set(statuses) <= {200, 503} and statuses.count(200) >= ROOM and 503 in statuses, statuses
-    # each refusal was first tried on the other replica
+    # each refusal was first tried on the other replica, and both are told in the service's output
     assert cluster.get("/get_server_info")["routing"]["retried"] - retried >= statuses.count(503)
+    _wait(lambda: "retried on another" in cluster.log.read_text() and "refused: every replica tried was full"
+          in cluster.log.read_text(), 10, "the retries and refusals to be told in the service's output")
     for status, answer, headers in answers:
         if status == 503:
             assert "retry-after" in headers and "--max-queued-requests" in answer["error"]["message"], answer

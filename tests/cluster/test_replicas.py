@@ -3,6 +3,7 @@ replica is a whole instance, so the oracle of a replica is one engine that ran t
 the same order: every answer, and every hit and miss, must equal that engine's. The router must send a
 request to the replica that holds its documents, in whatever order the prompt names them."""
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ def _prompt(indices: list[int], question: str = "Who was born first?") -> str:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("replicas") / "server.log"
     # float32: answers are compared with in-process engines (bf16 rounds a resumed state differently)
-    process = start_server(["--dp-size", "2", "--dtype", "float32", "--log-level", "warning"], log, threads=1,
+    process = start_server(["--dp-size", "2", "--dtype", "float32", "--log-level", "info"], log, threads=1,
                            timeout_s=300)
     yield process
     process.stop()
@@ -193,3 +194,19 @@ def test_cold_documents_are_built_on_both_replicas_and_answer_as_one_engine(clus
     reordered = DEFAULT_SEPARATOR.join(["Answer from the records.", *reversed(long_docs), "Question: who?"])
     again = _generate(cluster, reordered)["meta_info"]
     assert (again["replica"], again["segments_hit"]) == (meta["replica"], 4)
+
+
+def test_each_request_leaves_an_access_line_in_the_services_output(cluster: ServerProcess) -> None:
+    """As one server's uvicorn writes one: the client, the request line and the status, printed by
+    ``hypic serve`` itself (the ingress runs in a Ray process of its own)."""
+    for probe in range(3):
+        assert cluster.request("GET", f"/get_server_info?probe={probe}")[0] == 200
+    assert cluster.request("POST", "/generate", {"text": ""})[0] == 400
+    lines = r'"GET /get_server_info\?probe=(\d) HTTP/1.1" 200'
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = cluster.log.read_text()
+        if sorted(re.findall(lines, text)) == ["0", "1", "2"] and '"POST /generate HTTP/1.1" 400' in text:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no access lines for the requests in the service's output:\n{cluster.log.read_text()[-2000:]}")
