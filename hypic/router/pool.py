@@ -8,9 +8,12 @@ under it, so a thread that plans or dispatches (the server's engine loop) never 
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 import hypic
+from hypic.errors import HypicError
 from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest, PrefillStats
 from hypic.cache.modes import Mode
@@ -40,6 +44,8 @@ START_TIMEOUT_S = 600.0  # a worker still loading its checkpoint after this long
 # a worker's longest wait on its own engine loop, in pool timeouts: past the pool's longest chain of
 # waits on one call (a remote combine's early combine, builds, installs), so the pool decides first
 WORKER_WAIT_FACTOR = 4.0
+JOIN_TIMEOUT_S = 25.0  # a --ray-address that does not let this process join in this long fails the start (in 30 s)
+CONNECT_TIMEOUT_S = 5.0  # the first check of a --ray-address: something listens there
 
 
 log = logging.getLogger("hypic.router")
@@ -63,8 +69,56 @@ def start_ray(cpus: int, address: str | None) -> None:
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
                 _started_sessions.extend(_session_started_here())
             else:
-                ray.init(address=address, log_to_driver=False)
+                _join(address)
     register_tensor_serializer()
+
+
+def _join(address: str) -> None:
+    """Join the Ray cluster at ``address`` within ``JOIN_TIMEOUT_S``, or a ``HypicError`` naming why:
+    nothing listens there, it does not answer as Ray, or it refuses this machine's auth token."""
+    _reachable(address)
+    joined: Future = Future()
+
+    def join() -> None:
+        try:
+            ray.init(address=address, log_to_driver=False)
+            joined.set_result(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            joined.set_exception(err)
+
+    threading.Thread(target=join, name="hypic-ray-join", daemon=True).start()
+    try:
+        joined.result(timeout=JOIN_TIMEOUT_S)
+    except FutureTimeout:
+        raise HypicError(f"cannot join the Ray cluster at {address}: it did not answer as Ray's GCS in "
+                         f"{JOIN_TIMEOUT_S:.0f} s (the head's address and port, as `ray start --head` printed them?)") from None
+    except ConnectionError as err:
+        if any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e) for e in _chain(err)):
+            raise HypicError(f"cannot join the Ray cluster at {address}: it refused this machine's auth token "
+                             "(Ray's token auth: give this machine the cluster's token in RAY_AUTH_TOKEN or "
+                             "~/.ray/auth_token)") from err
+        raise HypicError(f"cannot join the Ray cluster at {address}: {err}") from err
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and the errors it was raised from or while handling, innermost last."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+
+
+def _reachable(address: str) -> None:
+    """A TCP connection to ``host:port`` within ``CONNECT_TIMEOUT_S`` (other address forms are Ray's to read)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise HypicError(f"cannot join the Ray cluster at {address}: {err.strerror or err} "
+                         "(is `ray start --head` running there, on that port?)") from None
 
 
 def _session_started_here() -> list[Path]:

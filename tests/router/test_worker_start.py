@@ -1,9 +1,13 @@
 """Starting ``hypic serve --workers 2``: a worker that cannot start fails the start at once, its
 error in the server's output; workers import the package the server imports, whatever folder the
 server was started in."""
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -68,3 +72,38 @@ def test_a_plain_start_runs_a_ray_of_its_own_whatever_the_environment_names() ->
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
     done = subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["own", "1.0"], done.stderr[-2000:]
+
+
+def _serve_joining(address: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "hypic.cli", "serve", "--dp-size", "2", "--ray-address", address],
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=120)
+    return done, time.monotonic() - start
+
+
+def test_a_ray_address_nothing_listens_on_fails_the_start_at_once_in_one_line() -> None:
+    done, took_s = _serve_joining(f"127.0.0.1:{free_port()}")
+    assert done.returncode == 2 and took_s < 30
+    assert done.stderr.strip().splitlines()[-1].startswith("hypic: error: cannot join the Ray cluster at 127.0.0.1:")
+    assert "Connection refused" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_cluster_that_refuses_this_machines_auth_token_fails_the_start_within_30_s_naming_it() -> None:
+    """A Ray head with token auth (this Ray's default) and a client holding another token."""
+    port, temp = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's sockets live in it
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port), "--num-cpus", "1",
+                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout.strip() == "":
+            assert time.monotonic() < deadline and head.poll() is None, "the Ray head did not start"
+            time.sleep(0.5)
+        done, took_s = _serve_joining(f"127.0.0.1:{port}", {"RAY_AUTH_TOKEN": "f" * 32})
+        assert done.returncode == 2 and took_s < 30, (took_s, done.stderr[-2000:])
+        assert "it refused this machine's auth token" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # its daemons are in its process group (a SIGTERM drains for 30 s)
+        head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
