@@ -180,6 +180,7 @@ class DocumentIndex:
         self._namespace_rows: dict[int, int] = {}  # namespace id -> rows of the table in it (0: forgotten)
         self._namespace_held: dict[int, dict[int, int]] = {}  # namespace id -> replica slot -> entries in its memory
         self._free_namespaces: list[int] = []
+        self._pending: dict[tuple[str, str], dict[str, int]] = {}  # (namespace, key) -> replica -> calls building it
         self._heard: dict[str, _Heard] = {}
         self.prefixes = prefixes or PrefixIndex()
 
@@ -309,7 +310,15 @@ class DocumentIndex:
 
     # ----- queries ------------------------------------------------------------------------------
     def holders(self, namespace: str, key: str) -> dict[str, Tier]:
-        """Replica -> the cheapest tier it holds the entry of ``key`` (in ``namespace``) in."""
+        """Replica -> the cheapest tier it holds the entry of ``key`` (in ``namespace``) in; a replica
+        a request was sent to that will store it (``pend``) counts as holding it in memory."""
+        out = self.held_by(namespace, key)
+        for replica in self._pending.get((namespace, key), ()):
+            out.setdefault(replica, Tier.MEMORY)
+        return out
+
+    def held_by(self, namespace: str, key: str) -> dict[str, Tier]:
+        """``holders`` as the replicas' holdings say, documents on their way left out."""
         table = self._table
         row = table.find(key_hash(key))
         if row < 0 or self._namespace_names[table.namespaces.item(row)] != namespace:
@@ -360,6 +369,31 @@ class DocumentIndex:
             del self._replica_of[slot]
         self._heard.pop(replica, None)
         self.prefixes.forget_worker(replica)
+        for document in [d for d, calls in self._pending.items() if replica in calls]:
+            self.unpend(replica, document[0], [document[1]])
+
+    # ----- documents on their way ------------------------------------------------------------------
+    def pend(self, replica: str, namespace: str, keys: Iterable[str]) -> None:
+        """``replica`` was sent a request that will store ``keys``: until ``unpend``, a request for
+        them counts them as there (concurrent requests for a new document go where it is being built)."""
+        for key in keys:
+            calls = self._pending.setdefault((namespace, key), {})
+            calls[replica] = calls.get(replica, 0) + 1
+
+    def unpend(self, replica: str, namespace: str, keys: Iterable[str]) -> None:
+        """That request ended: what ``replica`` stored is known from its holdings now."""
+        for key in keys:
+            calls = self._pending.get((namespace, key), {})
+            if calls.get(replica, 0) > 1:
+                calls[replica] -= 1
+                continue
+            calls.pop(replica, None)
+            if not calls:
+                self._pending.pop((namespace, key), None)
+
+    def pending(self) -> int:
+        """How many documents are on their way to some replica (requests sent, not yet ended)."""
+        return len(self._pending)
 
     # ----- prefixes -----------------------------------------------------------------------------
     def record_prefix(self, replica: str, token_ids: list[int] | tuple[int, ...], namespace: str = "") -> None:

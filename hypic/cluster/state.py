@@ -33,6 +33,8 @@ class InFlight:
     replica: str
     prefill_tokens: int
     decode_tokens: int
+    namespace: str = ""
+    new_documents: tuple[str, ...] = ()  # documents its replica did not hold when it was routed: pending there
 
 
 class ClusterState:
@@ -64,13 +66,15 @@ class ClusterState:
         that replica's load; it counts as routed for ``reason`` (None: the one ``choose`` kept, else "load")."""
         with self.lock:
             reason = self.reasons.pop(key, "load") if reason is None else reason
-            cold = request.prompt_tokens - sum(t for document, t in request.documents
-                                               if replica in self.index.holders(request.namespace, document))
+            holders = {document: self.index.holders(request.namespace, document) for document, _ in request.documents}
+            cold = request.prompt_tokens - sum(t for document, t in request.documents if replica in holders[document])
             load = self.loads.setdefault(replica, ReplicaLoad(replica))
             load.queued_prefill_tokens += cold
             load.running += 1
             load.decode_tokens += decode_tokens
-            self.inflight[key] = InFlight(replica, cold, decode_tokens)
+            new = tuple(document for document in holders if replica not in self.index.held_by(request.namespace, document))
+            self.index.pend(replica, request.namespace, new)
+            self.inflight[key] = InFlight(replica, cold, decode_tokens, request.namespace, new)
             self.index.record_prefix(replica, request.token_ids, request.namespace)  # its private pool keeps it
             self.counters[f"routed_by_{reason}"] += 1
 
@@ -103,6 +107,8 @@ class ClusterState:
             self._release_prefill(key)
             self.reasons.pop(key, None)
             done = self.inflight.pop(key, None)
+            if done is not None:
+                self.index.unpend(done.replica, done.namespace, done.new_documents)
             load = self.loads.get(done.replica) if done is not None else None
             if load is not None:
                 load.running -= 1

@@ -65,3 +65,26 @@ def test_a_request_counts_as_routed_for_why_its_replica_was_chosen_and_nothing_i
     _routed(router, RouteTo("unscored", REQUEST), "r0")  # routed without a choice kept: by load
     assert (state.counters["routed_by_cache"], state.counters["routed_by_load"]) == (2, 1)
     assert not state.reasons
+
+
+def test_a_second_request_for_a_document_being_built_goes_where_it_is_built() -> None:
+    """Two requests for one document no replica holds, both pools nearly full (a second copy would
+    evict documents in use), the second routed while the first is still on its replica: it goes
+    there too (one copy), not to the idle replica, which costs 2,100 + 2 x 0.9 x 2,000 x 2 = 9,300
+    against 100 + 2,100 queued; once the first ends, what that replica holds is its holdings' word
+    alone."""
+    state = ClusterState(policy_named("cache_aware"))
+    state.set_replicas(["r0", "r1"])
+    state.pools_filled({"r0": 0.9, "r1": 0.9})
+    request = RouteRequest("t", (("d", 2000),), 2100)
+    first = state.choose(request, ["r0", "r1"])
+    state.routed("k1", first.replica, request, 8)
+    second = state.choose(request, ["r0", "r1"])
+    assert second.replica == first.replica and state.index.holders("t", "d") == {first.replica: Tier.MEMORY}
+    state.routed("k2", second.replica, request, 8)
+    assert state.finished("k1") == first.replica and state.index.holders("t", "d") == {first.replica: Tier.MEMORY}
+    state.finished("k2")
+    assert state.index.holders("t", "d") == {} and state.index.pending() == 0  # never stored: not held
+    state.routed("k3", "r1", request, 8)
+    state.set_replicas(["r0"])  # r1 died with the request on it
+    assert state.index.holders("t", "d") == {} and state.index.pending() == 0
