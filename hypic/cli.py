@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import torch
 
 from . import DEFAULT_SEPARATOR, Engine, HypicError
-from .cpus import physical_cores
+from .cpus import allowed_cpus, physical_cores
 from .errors import CheckpointError, as_written
 from .evaluation.cli import add_eval_parser, eval_main
 from .cache.eviction import Eviction
@@ -224,6 +224,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --dp-size: ingresses serving --host:--port together (the kernel spreads the "
                             "connections), each following every replica's holdings; one killed costs only the "
                             "requests it held, and Ray Serve restarts it (default: 1)")
+    serve.add_argument("--allow-cpu-oversubscription", action="store_true",
+                       help="with --dp-size on this machine alone: start even if the replicas' threads (--dp-size x "
+                            "--threads x --tp-size) outnumber the CPUs this process may use (each then computes "
+                            "slower; refused otherwise)")
     serve.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
                        help="how --dp-size routes a request: cache_aware = the replica with the fewest tokens to "
                             "prefill given the documents and prefix it holds, plus its queued work, skipping one far "
@@ -367,12 +371,25 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise HypicError("--tp-size above 1 with --workers above 1 is not served: each peer worker would need its "
                          "own group of tensor-parallel ranks, and the documents it builds would have to travel shard "
                          "by shard to the matching rank here; use one or the other")
+    _check_cpus(args)
     if args.ingress_replicas > 1 and args.dp_size == 1:
         raise HypicError("--ingress-replicas above 1 needs --dp-size above 1: one instance is its own ingress")
     if args.dp_size > 1 and args.workers > 1:
         raise HypicError("--dp-size above 1 with --workers above 1 is not served: replicas already build each "
                          "other's documents; use --dp-size")
     check_device(args.device, args.tp_size)
+
+
+def _check_cpus(args: argparse.Namespace) -> None:
+    """Refuse replicas on this machine alone whose threads outnumber its CPUs (they would share
+    cores and each run slower than one instance), unless asked to start anyway."""
+    if args.dp_size == 1 or args.ray_address is not None or args.allow_cpu_oversubscription:
+        return
+    threads, cpus = args.dp_size * (args.threads or 1) * args.tp_size, len(allowed_cpus())
+    if threads > cpus:
+        raise HypicError(f"--dp-size {args.dp_size} x --threads {args.threads or 1} x --tp-size {args.tp_size} = "
+                         f"{threads} threads on {cpus} CPU(s): lower one of them, join a Ray cluster "
+                         "(--ray-address), or pass --allow-cpu-oversubscription")
 
 
 def check_device(device: str, tp_size: int) -> None:

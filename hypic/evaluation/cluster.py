@@ -194,7 +194,9 @@ def server_options(config: Config, args: argparse.Namespace, pool_bytes: int) ->
     options = ["--public-pool-size", str(pool_bytes * scale),
                "--private-pool-size", str(_size(args.private_pool_size, "--private-pool-size") * scale),
                "--max-running-requests", str(args.max_running)]
-    return options + (["--dp-size", str(config.dp_size), "--router-policy", config.policy] if config.dp_size > 1 else [])
+    replicas = ["--dp-size", str(config.dp_size), "--router-policy", config.policy,
+                "--allow-cpu-oversubscription"]  # the untimed hit-rate configuration has more replicas than cores
+    return options + (replicas if config.dp_size > 1 else [])
 
 
 def measure_working_set(workload: TenantWorkload, args: argparse.Namespace, logs: Path) -> dict[str, int]:

@@ -5,8 +5,6 @@ holdings streams (every warmed document is a hit, whichever ingress a request re
 checked against one engine's."""
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -92,8 +90,3 @@ def test_a_killed_ingress_costs_only_its_requests_and_its_successor_knows_what_t
     finally:
         cluster.stop()
 
-
-def test_several_ingresses_without_replicas_are_refused_in_one_line() -> None:
-    done = subprocess.run([sys.executable, "-m", "hypic.cli", "serve", "--ingress-replicas", "2"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "--ingress-replicas above 1 needs --dp-size above 1" in done.stderr

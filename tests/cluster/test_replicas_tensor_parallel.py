@@ -15,7 +15,8 @@ from .test_replicas import Replay, _generate, _prompt
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("replicas_tp") / "server.log"
-    process = start_server(["--dp-size", "2", "--tp-size", "2", "--dtype", "float32", "--log-level", "warning"],
+    process = start_server(["--dp-size", "2", "--tp-size", "2", "--dtype", "float32", "--log-level", "warning",
+                            "--allow-cpu-oversubscription"],  # four ranks on a 2-core machine
                            log, threads=1, timeout_s=300)
     yield process
     process.stop()
