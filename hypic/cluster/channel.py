@@ -34,7 +34,7 @@ class HoldingsChannel:
         """Follow each replica the state lists (on the running event loop); stop following those gone."""
         with self.state.lock:
             live = set(self.state.replicas)
-        for replica in sorted(live - self.followers.keys()):
+        for replica in sorted(r for r in live if r not in self.followers or self.followers[r].done()):
             self.followers[replica] = asyncio.get_running_loop().create_task(self._follow(replica))
         for replica in sorted(self.followers.keys() - live):
             self.followers.pop(replica).cancel()

@@ -146,6 +146,7 @@ class ClusterState:
                 self.loads.pop(replica, None)
                 self.gone[replica] = None
             for replica in new:
+                self.gone.pop(replica, None)  # listed again (the router's list flapped): its news counts
                 log.info("replica %s joined (%d serving)", replica, len(replicas))
             for replica in list(self.gone)[: max(0, len(self.gone) - GONE_KEPT)]:
                 del self.gone[replica]  # long gone: no late news of it is still on its way

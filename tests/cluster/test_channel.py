@@ -189,3 +189,33 @@ def test_namespaces_left_empty_are_forgotten() -> None:
     assert len(index._namespace_names) <= 1
     index.apply(Announcement("a", "i", seq + 1, (HoldingEvent("stored", "k", "t"),)))
     assert index.namespace_holders("t") == {"a": 1} and index.holders("t", "k") == {"a": Tier.MEMORY}
+
+
+def test_a_replica_that_leaves_and_comes_back_is_followed_again() -> None:
+    """The router may list a replica, drop it and list it again: its follower, which stopped when it
+    left, starts again, and what it stores meanwhile reaches the index."""
+
+    left = asyncio.Event()
+
+    async def dies_once_gone(log: HoldingsLog, after: Any) -> AsyncIterator[Announcement]:
+        yield log.since(after)
+        await left.wait()
+        raise ConnectionError("the replica's stream broke")
+
+    async def run() -> None:
+        state, replicas, channel = _channel(["r0"])
+        replicas.faults["r0"] = dies_once_gone
+        channel.sync()
+        await channel.heard_from_all(2.0)
+        state.set_replicas([])  # gone, and its stream fails: the follower stops
+        left.set()
+        await asyncio.sleep(0.1)
+        assert channel.followers["r0"].done()
+        state.set_replicas(["r0"])
+        _store(replicas.logs["r0"], "d9")
+        channel.sync()
+        assert await channel.caught_up(replicas.logs["r0"].mark(), 2.0)
+        assert state.index.holders("", "d9") == {"r0": Tier.MEMORY}
+        channel.close()
+
+    asyncio.run(run())
