@@ -71,7 +71,9 @@ def test_a_killed_ingress_costs_only_its_requests_and_its_successor_knows_what_t
             client.join(timeout=90)
         failed = [entry for entry in log if entry[2] != 200]
         after = [entry for entry in log if entry[0] > killed_at + 0.5]
-        assert len(failed) <= 3 and all(sent < killed_at + 0.5 for sent, _, _, _ in failed), failed
+        # what failed was the killed ingress's: connections it held or had queued when it died (a client
+        # may lose two, its next one queued on the dying socket), never an answer of the other
+        assert all(status == 0 and sent < killed_at + 0.5 for sent, _, status, _ in failed), failed
         assert after and all(status == 200 for _, _, status, _ in after)  # the other ingress served on
         for sent, _, status, answer in log:
             if status == 200:
