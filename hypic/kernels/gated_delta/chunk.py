@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..affine_chain import AffineMaps
 from ..dispatch import ChunkMaps, prefix_decays
+from ..triangular import unit_lower_solve
 
 
 def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -45,10 +46,9 @@ def chunk_gated_delta_rule_heads_first(
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device).tril()
     decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     # UT transform: (I + strictly-lower(beta K K^T * decay)) W = beta [V | K exp(g)]
-    eye = torch.eye(chunk_size, device=k.device)
-    system = ((k * beta) @ k.transpose(-1, -2) * decay).tril(-1) + eye
+    lower = ((k * beta) @ k.transpose(-1, -2) * decay).tril(-1)
     rhs = torch.cat([v * beta, k * beta * g.exp()[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    solved = unit_lower_solve(lower, rhs)
     u, w = solved.split([dv, dk], dim=-1)
     attn = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * g.exp()[..., None]
@@ -116,9 +116,9 @@ def gated_delta_chunk_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     causal = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
     decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     written = k * beta
-    system = (written @ k.transpose(-1, -2) * decay).tril(-1) + torch.eye(size, device=k.device)
+    lower = (written @ k.transpose(-1, -2) * decay).tril(-1)
     rhs = torch.cat([v * beta, written * g.exp()[..., None]], dim=-1)
-    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([v.shape[-1], dk], -1)
+    u, w = unit_lower_solve(lower, rhs).split([v.shape[-1], dk], -1)
     k_to_end = (k * (g[..., -1:] - g).exp()[..., None]).transpose(-1, -2)
     maps = AffineMaps(scale=g[..., -1].exp(), left=k_to_end, right=w, values=u)
     attn = (q @ k.transpose(-1, -2)) * decay * scale

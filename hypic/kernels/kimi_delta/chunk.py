@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..affine_chain import AffineMaps
 from ..dispatch import ChunkMaps, prefix_decays
+from ..triangular import unit_lower_solve
 
 GROUP_ELEMENTS = 1 << 20  # the most elements of one c x c x K factor per group of chunks (cache-sized)
 EXP_FLOOR = -80.0  # exp(-80) ~ 2e-35: a normal float, far below the fp32 resolution of O(1) terms
@@ -32,16 +33,13 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Ten
     beta [H, N, C, 1]. Returns U [H, N, C, V], W [H, N, C, K], the decayed queries [H, N, C, K], the
     causal scores [H, N, C, C], the keys decayed to the chunk end, transposed [H, N, K, C], and the
     chunk's decay [H, N, K, 1]."""
-    size = k.shape[-2]
     # exp(b_i - b_j) for j <= i; the clamp bounds j > i (zeroed after the sums) and keeps exp off its
     # slow path for huge negative inputs (e^-80 is below any fp32 output's resolution)
     gaps = (b[..., :, None, :] - b[..., None, :, :]).clamp_(EXP_FLOOR, 0.0).exp_()  # [.., i, j, K]
     # row i of (k_j * exp(b_i - b_j)) against k_i and q_i in one batched matvec
     kk, qk = ((gaps * k[..., None, :, :]) @ torch.stack([k, q], dim=-1)).unbind(-1)
-    system = (kk * beta).tril(-1) + torch.eye(size, device=k.device)
     rhs = torch.cat([v * beta, k * beta * b.exp()], dim=-1)
-    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], k.shape[-1]], dim=-1)
+    u, w = unit_lower_solve((kk * beta).tril(-1), rhs).split([v.shape[-1], k.shape[-1]], dim=-1)
     k_to_end = (k * (b[..., -1:, :] - b).exp()).transpose(-1, -2)
     return u, w, q * b.exp(), qk.tril(), k_to_end, b[..., -1, :, None].exp()
 
