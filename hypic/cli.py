@@ -113,10 +113,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class MachineShare(int):
+    """``--max-state-memory auto``: bytes that are a share of the machine's memory, divided among the
+    replicas that run on it once their count is known (``_check_memory``)."""
+
+
+STATE_MEMORY_SHARE = 0.4  # of the machine's physical memory, for --max-state-memory auto
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def state_memory(text: str) -> int | None:
     """``--max-state-memory``: a size, none, or auto (40 % of the machine's physical memory)."""
     if text.strip().lower() == "auto":
-        return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return MachineShare(STATE_MEMORY_SHARE * physical_memory())
     return parse_size(text)
 
 
@@ -185,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="memory the states of running and prefilling requests may take together (KV of the "
                             "prompt, shared by its samples, plus max_new_tokens and linear states per sample); a "
                             "request starts only when it fits, "
-                            "e.g. 8G, none; auto: 40%% of the machine's memory (default: auto)")
+                            "e.g. 8G, none; auto: 40%% of the machine's memory (with --dp-size on this machine, shared by the "
+                            "replicas) (default: auto)")
     serve.add_argument("--chunked-prefill-size", type=int, default=1024,
                        help="most prefill tokens run between two decode steps (a chunk of one long prompt, or the "
                             "passes of several requests together), so long prompts do not stall running requests "
@@ -372,6 +385,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
                          "own group of tensor-parallel ranks, and the documents it builds would have to travel shard "
                          "by shard to the matching rank here; use one or the other")
     _check_cpus(args)
+    _check_memory(args)
     if args.ingress_replicas > 1 and args.dp_size == 1:
         raise HypicError("--ingress-replicas above 1 needs --dp-size above 1: one instance is its own ingress")
     if args.dp_size > 1 and args.workers > 1:
@@ -390,6 +404,29 @@ def _check_cpus(args: argparse.Namespace) -> None:
         raise HypicError(f"--dp-size {args.dp_size} x --threads {args.threads or 1} x --tp-size {args.tp_size} = "
                          f"{threads} threads on {cpus} CPU(s): lower one of them, join a Ray cluster "
                          "(--ray-address), or pass --allow-cpu-oversubscription")
+
+
+def _check_memory(args: argparse.Namespace, machine: int | None = None) -> None:
+    """With replicas on this machine alone, ``--max-state-memory auto`` is their share together (and
+    no more than what their pools leave of the machine), each replica taking its part; budgets that
+    together pass the machine's memory are refused (a replica would be killed for memory before its
+    pools filled)."""
+    here = args.dp_size if args.dp_size > 1 and args.ray_address is None else 1
+    machine = physical_memory() if machine is None else machine
+    pools = sum(b for b in (args.public_pool_size, args.private_pool_size) if b is not None)
+    if isinstance(args.max_state_memory, MachineShare):
+        share = min(int(STATE_MEMORY_SHARE * machine), machine - here * pools)
+        args.max_state_memory = MachineShare(max(0, share) // here)
+    total = here * (pools + (args.max_state_memory or 0))
+    if here > 1 and (total > machine or args.max_state_memory == 0):
+        raise HypicError(f"--dp-size {here} x (--public-pool-size {_size(args.public_pool_size)} + --private-pool-size "
+                         f"{_size(args.private_pool_size)} + --max-state-memory {_size(args.max_state_memory)}) is "
+                         f"more than this machine's {_size(machine)} of memory: lower them, or join a Ray cluster "
+                         "(--ray-address)")
+
+
+def _size(value: int | None) -> str:
+    return "none" if value is None else f"{value / 2**30:.1f}G"
 
 
 def check_device(device: str, tp_size: int) -> None:
