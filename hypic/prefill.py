@@ -7,6 +7,9 @@ built alone and offered to the public pool), lay the prompt out around them, run
 in chunks, keep its states in the private pool. Everything is ``Steps``: the serving loop batches
 the passes of many requests; ``drain`` runs one alone.
 """
+import logging
+import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,6 +23,9 @@ from .cache.store import SegmentEntry
 from .model_runner import ModelRunner
 from .prefill_stats import BuiltForRequest, PrefillStats, Reuse
 from .state import RequestState
+
+log = logging.getLogger("hypic")
+BUILD_WAIT_S = 600.0  # a request waits this long for another's build of a document it needs, then builds it too
 
 
 @dataclass
@@ -50,13 +56,34 @@ class Prefiller:
 
     def __init__(self, cache: HybridCache, runner: ModelRunner) -> None:
         self.cache, self.runner = cache, runner
+        self.building: Counter[str] = Counter()  # documents being built for this engine's pool, by key
 
     def document_steps(self, key: str, token_ids: tuple[int, ...], policy: ModePolicy,
                        keep: bool = True) -> Steps[SegmentEntry]:
         """Build a document's entry alone and offer it to the public pool; returns the pool's copy
-        (or the entry, if it did not fit). ``keep=False``: built for someone else, not offered."""
-        entry = yield from self.runner.entry_steps(key, token_ids, policy)
-        return self.cache.insert_document(entry) if keep else entry
+        (or the entry, if it did not fit). ``keep=False``: built for someone else, not offered.
+        While it is built, other requests that need it wait for it (``_built_elsewhere``)."""
+        if not keep:
+            return (yield from self.runner.entry_steps(key, token_ids, policy))
+        self.building[key] += 1
+        try:
+            entry = yield from self.runner.entry_steps(key, token_ids, policy)
+        finally:
+            self.building[key] -= 1
+            if not self.building[key]:
+                del self.building[key]
+        return self.cache.insert_document(entry)
+
+    def _built_elsewhere(self, key: str) -> Steps[None]:
+        """Pauses, a turn at a time, while another request's steps build ``key`` for the pool (two
+        requests for one new document build it once); past ``BUILD_WAIT_S`` the caller builds it too."""
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while key in self.building:
+            if time.monotonic() > deadline:
+                log.warning("document %s was still being built after %.0f s: built again for another request",
+                            key[:16], BUILD_WAIT_S)
+                return
+            yield None
 
     def documents_steps(self, policy: ModePolicy, documents: list[tuple[int, ...]]) -> Steps[list[int]]:
         """Cache each tokenized document memory lacks (those too short to have an interior are
@@ -64,6 +91,9 @@ class Prefiller:
         for ids in documents:
             if policy.seams is not None and policy.seams.interior(len(ids)) is not None:
                 entry, key = self.cache.lookup_document(ids, policy)
+                if entry is None and key in self.building:
+                    yield from self._built_elsewhere(key)
+                    entry, key = self.cache.lookup_document(ids, policy)
                 if entry is None:
                     yield from self.document_steps(key, ids, policy)
         return [len(ids) for ids in documents]
@@ -77,6 +107,9 @@ class Prefiller:
         for index in indices:
             segment, key = plan.parts.segments[index], plan.entry_keys[index]
             entry, tier = self.cache.match_document(key, segment, plan.policy.namespace)
+            if entry is None and key in self.building:
+                yield from self._built_elsewhere(key)
+                entry, tier = self.cache.match_document(key, segment, plan.policy.namespace)
             pinned.append(key)
             if entry is None:
                 entry, tier = (yield from self.document_steps(key, segment, plan.policy)), None

@@ -641,3 +641,40 @@ def test_the_loop_hands_freed_heap_memory_back_as_often_as_the_environment_says(
         loop.stop()
     assert (loop.snapshot["heap_trims"] >= 2) is trims and (loop.snapshot["heap_trims"] == 0) is not trims
     assert loop.snapshot["heap_trim_seconds"] >= 0 and loop.snapshot["heap_trimmed_bytes"] >= 0
+
+
+def test_two_requests_for_one_new_document_build_it_once(tiny_checkpoint: Path) -> None:
+    """Two requests that name one cold 300-token document (in 64-token chunks its build takes several
+    steps) and one document each of their own, submitted together: the shared one is built once, by
+    the first to reach it, while the other waits for it and then splices it as a hit; answers equal
+    an engine that ran them one after the other."""
+    from hypic import DEFAULT_SEPARATOR as SEP
+
+    engine = Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64)
+    shared, own = _text(41, 300), [_text(42, 120), _text(43, 120)]
+    prompts = {f"r{i}": SEP.join(["lead", shared, own[i], "which?"]) for i in range(2)}
+    built: list[tuple[int, ...]] = []
+    entry_steps = engine.runner.entry_steps
+
+    def counted(key: str, token_ids: tuple[int, ...], policy: Any):
+        built.append(token_ids)
+        return entry_steps(key, token_ids, policy)
+
+    engine.runner.entry_steps = counted  # type: ignore[method-assign]
+    loop = EngineLoop(engine, "hypic", max_prefill_batch=2)
+    collector = Collector()
+    for name, prompt in prompts.items():
+        _submit(loop, collector, name, prompt)
+    loop.start()
+    try:
+        collector.wait(2)
+    finally:
+        loop.stop()
+    shared_ids = engine.parse(prompts["r0"]).segments[0]
+    assert built.count(shared_ids) == 1 and len(built) == 3
+    stats = [collector.done[name].completion.prefill for name in prompts]
+    assert sorted((s.segments_hit, s.segments_missed) for s in stats) == [(0, 2), (1, 1)]
+    other = Engine.from_pretrained(tiny_checkpoint, seam_width=4, chunk_tokens=64)
+    for name, prompt in prompts.items():
+        assert collector.done[name].completion.samples[0].output_ids == other.generate(
+            prompt, max_new_tokens=4, ignore_eos=True).output_ids, name
