@@ -1,15 +1,15 @@
 """What the ingress of a replicated service knows of the model: its tokenizer, configuration and
-planner, never its weights. It parses, checks and plans each request once, with the engine's own
-methods, and the plan travels to the replica that runs it."""
+planner, never its weights. It parses, checks and plans each request once, as the replicas' engines
+would (``RequestIntake``, which ``Engine`` is too), and the plan travels to the replica that runs it."""
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..engine import Engine
 from ..sampling.grammar import GrammarCompiler
 from ..loading.loader import ModelConfig, model_fingerprint, read_config, read_quantization, resolve_dtype
+from ..intake import RequestIntake
 from ..planner import Planner
 from ..sizing import default_snapshot_interval
 from ..tokenizer import TextTokenizer
@@ -29,13 +29,9 @@ class FrontModel:
         return ()
 
 
-class FrontEngine:
-    """An engine without weights: parse, plan, check sequences, documents and state sizes exactly
-    as the replicas' engines do (the same methods, bound to a model that is only a configuration)."""
-
-    parse, plan, policy, sequences = Engine.parse, Engine.plan, Engine.policy, Engine.sequences
-    check_documents, _check_document_tokens, state_bytes = (Engine.check_documents, Engine._check_document_tokens,
-                                                            Engine.state_bytes)
+class FrontEngine(RequestIntake):
+    """An engine without weights: it parses, plans and checks requests, documents and state sizes
+    exactly as the replicas' engines do, over a model that is only a configuration."""
 
     def __init__(self, path: Path, dtype: str, device: str, seam_width: int, separator: str,
                  snapshot_interval: int | None) -> None:

@@ -22,7 +22,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from ..cache.modes import Mode
 from ..errors import HypicError
 from ..router.plan import SegmentJob
-from ..scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, Job, ProgressEvent, QueueFull
+from ..cache.plan import RequestPlan
+from ..cache.segments import PromptParts
+from ..sampling.sequence import Sequence
+from ..scheduler.loop import DoneEvent, ErrorEvent, Event, Job, PeerWork, ProgressEvent, QueueFull, planned_job
+from ..scheduler.requests import Request
 from ..scheduler.policy import SchedulingPolicy
 from ..scheduler.stats import LoopStats
 from .channel import HoldingsChannel
@@ -113,10 +117,8 @@ def refused_for_room(err: BaseException) -> QueueFull | None:
 
 
 class ReplicaLoop:
-    """An engine loop's face over replicas: ``job_for``, ``enqueue``, ``warmup``, ``flush``,
-    ``snapshot`` as ``EngineLoop`` offers them, each request run on the replica its router picks."""
-
-    job_for = EngineLoop.job_for
+    """The ``ServingLoop`` of a replicated service's ingress: each request run on the replica its
+    router picks."""
 
     def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
                  max_state_bytes: int | None, spreads: bool = True, silence_s: float = SILENCE_S,
@@ -137,8 +139,13 @@ class ReplicaLoop:
     def sample_seed(self) -> int | None:
         return None  # each replica's own generator (a tensor-parallel replica draws one for its ranks)
 
+    def job_for(self, parts: PromptParts, request: Request, sequences: list[Sequence],
+                plan: RequestPlan | None = None) -> Job:
+        """``planned_job`` of the front engine: planned here once, run on a replica as it is."""
+        return planned_job(self.engine, self.mode, self.policy, parts, request, sequences, plan)
+
     # ----- requests ----------------------------------------------------------------------------
-    def enqueue(self, job: Job, emit: Callable[[Event], None], peer_work: Any = None) -> Job:
+    def enqueue(self, job: Job, emit: Callable[[Event], None], peer_work: PeerWork | None = None) -> Job:
         """Start ``job`` on a replica; its events reach ``emit``. Called on the ingress's event loop."""
         task = asyncio.get_running_loop().create_task(self._run(job, emit))
         self.tasks.add(task)

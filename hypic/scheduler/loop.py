@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,7 @@ from ..cache.plan import RequestPlan
 from ..cache.modes import Mode
 from ..errors import InvalidRequest
 from ..heap import HeapTrimmer, heap_trim_interval
+from ..intake import RequestIntake
 from ..prefill_stats import BuiltForRequest
 from ..cache.segments import PromptParts
 from ..sampling.sequence import Sequence
@@ -60,7 +61,7 @@ def _nobody_told(message: str) -> None:
     """The default ``on_fatal``: the loop's clients heard of it already; nothing else is told."""
 
 
-def state_footprint(engine: Engine, policy: SchedulingPolicy, parts: PromptParts, request: Request,
+def state_footprint(engine: RequestIntake, policy: SchedulingPolicy, parts: PromptParts, request: Request,
                     samples: int) -> int:
     """The state bytes a request may hold (KV of the prompt, which its samples share, and of
     max_new_tokens and linear states per sample); raises ``InvalidRequest`` if that can never fit the
@@ -72,6 +73,47 @@ def state_footprint(engine: Engine, policy: SchedulingPolicy, parts: PromptParts
                              f"and linear states, times n), over the server's --max-state-memory of "
                              f"{policy.max_state_bytes} bytes")
     return footprint
+
+
+def planned_job(engine: RequestIntake, mode: Mode, policy: SchedulingPolicy, parts: PromptParts, request: Request,
+                sequences: list[Sequence], plan: RequestPlan | None = None) -> Job:
+    """A validated request as a loop runs it, planned once (``engine.plan``: its keys and layout; or
+    ``plan``, made where the request arrived) and its state footprint checked (``state_footprint``);
+    pure, so its caller may make it on any thread. Its TTFT counts from now (set ``start`` to when it
+    reached the server)."""
+    plan = plan or engine.plan(parts, mode, input_logits_from(request, len(parts.token_ids)))
+    job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, mode, sequences, _unheard, plan)
+    job.footprint = state_footprint(engine, policy, parts, request, len(sequences))
+    return job
+
+
+class ServingLoop(Protocol):
+    """What the HTTP app (``hypic.server.app``) drives: one engine loop in this process
+    (``EngineLoop``) or the ingress's face over a replicated service's replicas
+    (``hypic.cluster.ingress.ReplicaLoop``). Requests are made into jobs with ``job_for`` on the
+    caller's thread, then handed over with ``enqueue``."""
+
+    engine: Any  # its ``RequestIntake``: an ``Engine``, or the ingress's weightless ``FrontEngine``
+    mode: Mode
+    policy: SchedulingPolicy  # what a request's state may take (refused at once if it never fits)
+    snapshot: dict[str, Any]  # the counters as last published
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    def sample_seed(self) -> int | None: ...
+
+    def job_for(self, parts: PromptParts, request: Request, sequences: list[Sequence],
+                plan: RequestPlan | None = None) -> Job: ...
+
+    def enqueue(self, job: Job, emit: Callable[[Event], None], peer_work: PeerWork | None = None) -> Job: ...
+
+    def warmup(self, documents: list[str], namespace: str = "") -> Future: ...
+
+    def flush(self, namespace: str | None, tiers: frozenset[str]) -> Future: ...
 
 
 class EngineLoop(Batching):
@@ -126,15 +168,8 @@ class EngineLoop(Batching):
 
     def job_for(self, parts: PromptParts, request: Request, sequences: list[Sequence],
                 plan: RequestPlan | None = None) -> Job:
-        """A validated request as the loop runs it, planned once (``Engine.plan``: its keys and layout;
-        or ``plan``, made where the request arrived) and its state footprint checked
-        (``state_footprint``); pure, so its caller may make it on any thread. Its TTFT counts from
-        now (set ``start`` to when it reached the server)."""
-        plan = plan or self.engine.plan(parts, self.mode, input_logits_from(request, len(parts.token_ids)))
-        job = Job(request.rid or f"hypic-{uuid.uuid4().hex[:16]}", parts, request, self.mode, sequences,
-                  _unheard, plan)
-        job.footprint = state_footprint(self.engine, self.policy, parts, request, len(sequences))
-        return job
+        """``planned_job`` of this loop's engine, mode and policy."""
+        return planned_job(self.engine, self.mode, self.policy, parts, request, sequences, plan)
 
     def enqueue(self, job: Job, emit: Callable[[Event], None], peer_work: PeerWork | None = None) -> Job:
         """Queue ``job`` (``job_for``), its events to ``emit``. ``peer_work``: with peers, what starts its

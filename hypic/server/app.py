@@ -21,7 +21,7 @@ from ..cache.modes import Mode
 from ..cache.plan import RequestPlan
 from .chat import chat_renderer
 from ..scheduler.loop import (
-    DoneEvent, EngineLoop, ErrorEvent, Event, Job, LoopStopped, PeerWork, ProgressEvent, QueueFull)
+    DoneEvent, EngineLoop, ErrorEvent, Event, Job, LoopStopped, PeerWork, ProgressEvent, QueueFull, ServingLoop)
 from .fields import check_fields
 from .gate import BodyTooLarge, Gate, GateLimits
 from .protocol import (Completion, GenerationRequest, json_object, parse_chat, parse_completion, parse_flush,
@@ -113,7 +113,7 @@ Shape = Callable[[int, Event], list[Any]]
 class Server:
     """Binds the FastAPI routes to one engine loop."""
 
-    def __init__(self, loop: EngineLoop, info: ServerInfo, peers: Peers | None = None) -> None:
+    def __init__(self, loop: ServingLoop, info: ServerInfo, peers: Peers | None = None) -> None:
         self.loop, self.info, self.peers = loop, info, peers
         self.render_chat = chat_renderer(info.chat_template)
         self.shaper = Shaper(loop.engine.tokenizer, info.served_model_name)
@@ -392,7 +392,7 @@ class ModelNotFound(HypicError):
     """An OpenAI request named a model this server does not serve."""
 
 
-def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None,
+def build_app(loop: ServingLoop, info: ServerInfo, peers: Peers | None = None,
               limits: GateLimits = GateLimits()) -> Gate:
     """The application behind its ``Gate`` (API keys and request limits); errors always come back
     as ``{"error": {"message", ...}}``."""
@@ -401,7 +401,7 @@ def build_app(loop: EngineLoop, info: ServerInfo, peers: Peers | None = None,
     return Gate(_routes(loop, info, peers), limits)
 
 
-def _routes(loop: EngineLoop, info: ServerInfo, peers: Peers | None) -> FastAPI:
+def _routes(loop: ServingLoop, info: ServerInfo, peers: Peers | None) -> FastAPI:
     server = Server(loop, info, peers)
 
     @contextlib.asynccontextmanager

@@ -88,3 +88,24 @@ def test_a_second_request_for_a_document_being_built_goes_where_it_is_built() ->
     state.routed("k3", "r1", request, 8)
     state.set_replicas(["r0"])  # r1 died with the request on it
     assert state.index.holders("t", "d") == {} and state.index.pending() == 0
+
+
+def test_a_replica_gone_leaves_the_index_with_everything_it_held() -> None:
+    """r0 held two documents in memory, one on disk and a prompt prefix; once Ray Serve no longer lists
+    it, no lookup names it and a request for those documents costs each replica the whole prompt;
+    news of it that was still on its way is not applied."""
+    state = ClusterState(policy_named("cache_aware", decode_weight=0.0))
+    state.set_replicas(["r0", "r1"])
+    stored = tuple(HoldingEvent("stored", key, "t", tier, 500) for key, tier in
+                   (("a", Tier.MEMORY), ("b", Tier.MEMORY), ("c", Tier.DISK)))
+    assert state.announce(Announcement("r0", "i", 3, stored, full=True))
+    state.index.record_prefix("r0", tuple(range(128)), "t")
+    request = RouteRequest("t", (("a", 500), ("b", 500), ("c", 500)), 1600, tuple(range(128)))
+    assert state.choose(request, ["r0", "r1"]).replica == "r0"
+    assert state.index.prefix_matched(tuple(range(128)), "t") == {"r0": 128}
+    state.set_replicas(["r1"])
+    assert all(state.index.holders("t", key) == {} for key in "abc")
+    assert state.index.prefix_matched(tuple(range(128)), "t") == {}
+    late = Announcement("r0", "i", 4, (HoldingEvent("stored", "d", "t", Tier.MEMORY, 10),))
+    assert state.announce(late) and state.index.holders("t", "d") == {}
+    assert state.choose(request, ["r1"]).costs == {"r1": 1600.0}

@@ -15,7 +15,7 @@ from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest
 from hypic.sampling.params import SamplingParams
 from hypic.scheduler import loop as loop_module
-from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, PeerWork, Phase, QueueFull
+from hypic.scheduler.loop import DoneEvent, EngineLoop, ErrorEvent, Event, LoopStopped, PeerWork, Phase, QueueFull
 from hypic.server.protocol import GenerationRequest, LogprobRequest
 
 
@@ -678,3 +678,31 @@ def test_two_requests_for_one_new_document_build_it_once(tiny_checkpoint: Path) 
     for name, prompt in prompts.items():
         assert collector.done[name].completion.samples[0].output_ids == other.generate(
             prompt, max_new_tokens=4, ignore_eos=True).output_ids, name
+
+
+class _Halt(BaseException):
+    """Not an ``Exception``: what a bare ``except Exception`` lets through (as SystemExit would)."""
+
+
+def test_whatever_ends_the_loop_every_waiting_client_hears_why_and_the_server_is_told(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``BaseException`` out of an iteration (not an ``Exception``) still ends the loop through its
+    one boundary: the requests queued hear the cause at once, later submissions are refused with it,
+    and ``on_fatal`` is told once."""
+    told: list[str] = []
+    loop = EngineLoop(engine, "hypic", on_fatal=told.append)
+
+    def halt() -> None:
+        raise _Halt("halted from inside an iteration")
+
+    monkeypatch.setattr(loop, "iterate", halt)
+    collector = Collector()
+    for name in ("a", "b"):
+        _submit(loop, collector, name, _text(50, 40))
+    loop.start()
+    collector.wait(2, timeout=10)
+    loop._thread.join(timeout=10)
+    assert not loop.alive and len(told) == 1 and "_Halt: halted from inside an iteration" in told[0]
+    assert all(isinstance(collector.done[n], ErrorEvent) and "halted" in collector.done[n].message for n in "ab")
+    with pytest.raises(LoopStopped, match="halted"):
+        _submit(loop, collector, "late", _text(51, 40))
