@@ -185,22 +185,28 @@ class Replica:
         return frozenset(jobs), loop.run_steps(steps, sum(len(job.token_ids) for job in jobs.values()))
 
     async def _received(self, builds: RemoteBuilds, own: tuple[frozenset[str], Future], outcome: Future) -> None:
-        """Off the loop: the other replicas' entries awaited within ``builds.timeout_s`` and stored
+        """Off the loop, within ``builds.timeout_s``: the other replicas' entries received and stored
         (checked; a refused one is recomputed), and this replica's own builds done: ``outcome`` holds
         what was built for the request. On a failure or the deadline it fails instead, and the
         request's prefill builds here whatever it still misses."""
-        engine, loop = self.instance.engine, self.instance.loop
         try:
-            batches = await asyncio.wait_for(asyncio.gather(*builds.refs), builds.timeout_s)
-            entries = [entry for batch in batches for entry in batch]
-            await asyncio.wrap_future(loop.call(lambda: install_entries(engine, entries, loop.mode)))
-            await asyncio.wrap_future(own[1])
-        except Exception as err:  # noqa: BLE001 - documents not built elsewhere are built here
-            log.warning("documents built on other replicas did not come (%s: %s); built here instead",
-                        type(err).__name__, err)
+            await asyncio.wait_for(self._all_built(builds, own[1]), builds.timeout_s)
+        except Exception as err:  # noqa: BLE001 - what is missing is built by the request's prefill
+            log.warning("a request's documents were not all built and stored within %.0f s (%s: %s); its prefill "
+                        "builds what it misses", builds.timeout_s, type(err).__name__, err)
             outcome.set_exception(err)
             return
         outcome.set_result((None, BuiltForRequest(own[0] | builds.keys, builds.remote)))
+
+    async def _all_built(self, builds: RemoteBuilds, own: Future) -> None:
+        """The other replicas' entries received and stored (checked), and this replica's own builds
+        done. The caller's deadline covers all three: a build still running here when it passes is
+        not repeated by the request's prefill, which waits for it (``Prefiller``)."""
+        engine, loop = self.instance.engine, self.instance.loop
+        batches = await asyncio.gather(*builds.refs)
+        entries = [entry for batch in batches for entry in batch]
+        await asyncio.wrap_future(loop.call(lambda: install_entries(engine, entries, loop.mode)))
+        await asyncio.wrap_future(own)
 
     def _job(self, work: ReplicaWork) -> Any:
         loop, request = self.instance.loop, work.request

@@ -117,12 +117,13 @@ class BuildsHere:
 
     alive, failure, mode = True, None, "hypic"
 
-    def __init__(self) -> None:
+    def __init__(self, own_builds_end: bool = True) -> None:
         self.queued_at: float | None = None
+        self.own_builds_end = own_builds_end
 
     def run_steps(self, steps: Any, priority: float) -> Future:
         self.queued_at = time.perf_counter()
-        return _finished([])
+        return _finished([]) if self.own_builds_end else Future()  # a build stuck on this replica's loop
 
     def call(self, step: Any) -> Future:
         return _finished(step())
@@ -134,13 +135,14 @@ def _finished(value: Any) -> Future:
     return future
 
 
-def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: float) -> tuple[Any, float, float | None, list]:
+def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: float,
+                  own_builds_end: bool = True) -> tuple[Any, float, float | None, list]:
     """Start a replica's peer work for a request of documents "a" (its own to build) and "b" (built on
     another replica, its entry arriving after ``arrives_after_s``; None: never); the outcome (or its
     error), when it came, when the own build was queued, what was installed."""
     installed: list = []
     monkeypatch.setattr(replica_module, "install_entries", lambda engine, entries, mode: installed.extend(entries))
-    loop = BuildsHere()
+    loop = BuildsHere(own_builds_end)
     replica = object.__new__(Replica)
     cache = SimpleNamespace(document_keys=frozenset, lower_tiers_of=lambda key, namespace: [])
     replica.instance = SimpleNamespace(loop=loop, engine=SimpleNamespace(cache=cache), close=lambda: None)
@@ -175,3 +177,10 @@ def test_documents_that_never_come_from_another_replica_fail_the_peer_work_at_it
     request here alone, building what it misses; nothing late is installed."""
     value, start, _, installed = _peer_outcome(monkeypatch, arrives_after_s=None, timeout_s=0.2)
     assert isinstance(value, TimeoutError) and time.perf_counter() - start < 2 and installed == []
+
+
+def test_own_builds_that_do_not_end_fail_the_peer_work_at_the_same_deadline(monkeypatch: Any) -> None:
+    """The other replica's entry comes at once, this replica's own build never ends: the outcome fails
+    at the deadline (0.3 s) rather than waiting on its own loop for good."""
+    value, start, _, installed = _peer_outcome(monkeypatch, arrives_after_s=0.0, timeout_s=0.3, own_builds_end=False)
+    assert isinstance(value, TimeoutError) and time.perf_counter() - start < 2 and installed == ["entry-b"]
