@@ -33,7 +33,7 @@ from .channel import HoldingsChannel
 from .front import FrontEngine
 from .holdings import HoldingsMark
 from .replica import PREFILLED, Mark, RemoteBuilds, ReplicaWork
-from .routing import ReplicaLoad, RouteRequest, spread_cold_documents, spread_documents
+from .routing import RouteRequest, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
 
 log = logging.getLogger("hypic.cluster")
@@ -228,8 +228,8 @@ class ReplicaLoop:
         replicas = list(self.state.replicas)
         decision = self.state.choose(route.request, replicas)
         with self.state.lock:
-            loads = [self.state.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(replicas)]
-            shares = spread_cold_documents(route.request, decision.replica, loads, self.state.index)
+            shares = spread_cold_documents(route.request, decision.replica, self.state.current_loads(replicas),
+                                           self.state.index)
         if not shares:
             return route, None
         documents, calls = list(job.plan.documents()), []
@@ -325,7 +325,7 @@ class ReplicaLoop:
     async def _warmup(self, documents: list[str], namespace: str) -> list[int]:
         tokens = [len(self.engine.tokenizer.encode(d)) for d in documents]
         with self.state.lock:
-            loads = [self.state.loads.setdefault(r, ReplicaLoad(r)) for r in self.state.replicas]
+            loads = self.state.current_loads(self.state.replicas)
         where = spread_documents(tokens, loads)
         shares = {r: [i for i, w in enumerate(where) if w == r] for r in set(where)}
         answers = await asyncio.gather(*(self._call(r, "warmup", [documents[i] for i in idx], namespace)
@@ -368,6 +368,8 @@ class ReplicaLoop:
                                        return_exceptions=True)
         fresh = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
         self.state.pools_filled({r: a["public_pool_fill"] for r, a in fresh.items()})
+        if self.ingresses > 1:  # the others' work on the replicas: one ingress knows all its replicas do
+            self.state.loads_reported({r: a["counters"]["load"] for r, a in fresh.items() if "load" in a["counters"]})
         self.statuses.update(fresh)  # a replica slow to answer this time keeps its last status
         self._retire_gone()
 

@@ -45,7 +45,8 @@ class ClusterState:
         self.policy, self.index = policy, DocumentIndex()
         self.replicas: list[str] = []
         self.gone: dict[str, None] = {}  # the replicas last gone, oldest first (their late news is ignored)
-        self.loads: dict[str, ReplicaLoad] = {}
+        self.loads: dict[str, ReplicaLoad] = {}  # what this ingress sent each replica and it has not done
+        self.foreign: dict[str, ReplicaLoad] = {}  # what other ingresses did, as the replica's last status told
         self.inflight: dict[str, InFlight] = {}  # by call key
         self.builds: dict[str, list[tuple[str, int]]] = {}  # call key -> (replica, tokens) others build for it
         self.reasons: dict[str, str] = {}  # call key -> why the router chose its replica, until it is routed
@@ -55,8 +56,7 @@ class ClusterState:
     def choose(self, request: RouteRequest, candidates: list[str], key: str | None = None) -> Decision:
         """The policy's pick among ``candidates``; with ``key``, its reason is kept for ``routed``."""
         with self.lock:
-            loads = [self.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(candidates)]
-            decision = self.policy.choose(request, loads, self.index)
+            decision = self.policy.choose(request, self.current_loads(candidates), self.index)
             if key is not None:
                 self.reasons[key] = decision.reason
             return decision
@@ -84,6 +84,27 @@ class ClusterState:
             for replica, fill in fills.items():
                 if replica not in self.gone:  # a status read before it died
                     self.loads.setdefault(replica, ReplicaLoad(replica)).pool_fill = min(1.0, fill)
+
+    def current_loads(self, replicas: list[str]) -> list[ReplicaLoad]:
+        """Each replica's load, in id order: what this ingress sent it, plus what other ingresses did
+        (``loads_reported``). Call under ``lock``."""
+        loads = [self.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(replicas)]
+        return [load if load.replica not in self.foreign else with_added(load, self.foreign[load.replica])
+                for load in loads]
+
+    def loads_reported(self, reports: dict[str, dict[str, int]]) -> None:
+        """Each replica's own count of its load (its status, once a second), where several ingresses
+        share the replicas and each knows only what it sent: what a replica counts beyond what this
+        ingress sent it is the others', added to this ingress's own count until the next report (a
+        restarted ingress starts from the replicas' counts, not from zero)."""
+        with self.lock:
+            for replica, report in reports.items():
+                if replica in self.gone:
+                    continue
+                own = self.loads.setdefault(replica, ReplicaLoad(replica))
+                self.foreign[replica] = ReplicaLoad(
+                    replica, max(0, report["queued_prefill_tokens"] - own.queued_prefill_tokens),
+                    max(0, report["requests"] - own.running), max(0, report["decode_tokens"] - own.decode_tokens))
 
     def count(self, name: str) -> None:
         with self.lock:
@@ -144,6 +165,7 @@ class ClusterState:
                 log.warning("replica %s is gone: dropped from the document index", replica)
                 self.index.forget(replica)
                 self.loads.pop(replica, None)
+                self.foreign.pop(replica, None)
                 self.gone[replica] = None
             for replica in new:
                 self.gone.pop(replica, None)  # listed again (the router's list flapped): its news counts
@@ -152,6 +174,12 @@ class ClusterState:
                 del self.gone[replica]  # long gone: no late news of it is still on its way
             self.replicas = sorted(replicas)
             return new
+
+
+def with_added(load: ReplicaLoad, other: ReplicaLoad) -> ReplicaLoad:
+    """``load`` with ``other``'s work added (its pool fill kept)."""
+    return ReplicaLoad(load.replica, load.queued_prefill_tokens + other.queued_prefill_tokens,
+                       load.running + other.running, load.decode_tokens + other.decode_tokens, load.pool_fill)
 
 
 _states: dict[str, ClusterState] = {}

@@ -1,6 +1,7 @@
 """What the engine loop holds and hands back: a request inside it (``Job``) and its phases, a warm-up
 or any other prefill work (``WarmupTask``), a command run on the loop thread, the events a request's
 client hears, and the numbers the loop reports about what it holds."""
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -189,6 +190,17 @@ def held_bytes(waiting: Iterable[Pending], running: Iterable[Job]) -> int:
     """State memory that running and admitted requests may hold."""
     admitted = sum(p.footprint for p in waiting if isinstance(p, Job) and p.admitted)
     return sum(job.footprint for job in running) + admitted
+
+
+def queued_load(waiting: Iterable[Pending], running: Iterable[Job]) -> dict[str, int]:
+    """What a router would count as this loop's load: prompt tokens its waiting work still prefills,
+    requests it holds, and tokens its requests may still decode (their max_new_tokens budgets)."""
+    waiting, running = list(waiting), list(running)
+    queued = sum(int(p.remaining) for p in waiting if math.isfinite(p.remaining) and p.remaining > 0)
+    decode = sum(max(0, s.params.max_new_tokens - len(s.output_ids)) for job in running for s in job.sequences
+                 if not s.finished)
+    return {"queued_prefill_tokens": queued, "requests": len(running) + sum(isinstance(p, Job) for p in waiting),
+            "decode_tokens": decode}
 
 
 def by_phase(pendings: Iterable[Pending]) -> dict[str, int]:

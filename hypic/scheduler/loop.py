@@ -36,7 +36,8 @@ from .flushes import BackgroundFlushes
 from .inbox import Inbox
 from .jobs import (  # noqa: F401 - the events, errors and items are named from here by the loop's callers
     Command, DoneEvent, ErrorEvent, Event, FlushCommand, Job, LoopStopped, PeerWork, Pending, Phase, ProgressEvent,
-    QueueFull, WarmupTask, abandon, by_phase, held_bytes, input_logits_from, shared_bytes, state_bytes, wake_only)
+    QueueFull, WarmupTask, abandon, by_phase, held_bytes, input_logits_from, queued_load, shared_bytes, state_bytes,
+    wake_only)
 from .peer_stage import PeerStage
 from .policy import URGENT, WAIT_CREDIT_TOKENS_PER_S, SchedulingPolicy  # noqa: F401 - re-exported
 from .requests import Request
@@ -364,6 +365,7 @@ class EngineLoop(Batching):
             "running_requests": len(self.running),
             "held_state_bytes": held_bytes(self.waiting, self.running), "max_state_bytes": self.policy.max_state_bytes,
             "requests_by_phase": by_phase((*self.running, *self.waiting)),
+            "load": queued_load(self.waiting, self.running),
             "running_state_bytes": state_bytes(self.running), "running_shared_bytes": shared_bytes(self.running),
             **self.engine.cache.describe(),
         }

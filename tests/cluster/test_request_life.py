@@ -390,3 +390,29 @@ def test_an_answer_goes_out_once_the_index_has_what_its_replica_held_then(monkey
 
     asyncio.run(run())
     assert seen == [{"r0": Tier.MEMORY}]
+
+
+class LoadedStatusHandle(StatusHandle):
+    """``StatusHandle`` whose replicas also count their load: r0 5,000 queued tokens in 2 requests."""
+
+    async def _status(self, replica: str) -> dict[str, Any]:
+        status = await super()._status(replica)
+        queued = 5000 if replica == "r0" else 0
+        status["counters"]["load"] = {"queued_prefill_tokens": queued, "requests": 2 if queued else 0,
+                                      "decode_tokens": 0}
+        return status
+
+
+@pytest.mark.parametrize("ingresses", [1, 2])
+def test_the_replicas_own_load_counts_at_an_ingress_only_beside_other_ingresses(ingresses: int) -> None:
+    """An ingress that sent nothing hears r0 count 5,000 queued tokens: beside another ingress, that is
+    the other's work and routing counts it; alone, it is its own work already counted or ended since
+    (a report is up to a second old), and routing goes by its own count."""
+    state = ClusterState(policy_named("cache_aware"))
+    state.set_replicas(["r0", "r1"])
+    loop = ReplicaLoop(None, LoadedStatusHandle({"r0": 0, "r1": 0}), state, "hypic", None, spreads=False,  # type: ignore[arg-type]
+                       ingresses=ingresses)
+    asyncio.run(loop.refresh())
+    with state.lock:
+        queued = [load.queued_prefill_tokens for load in state.current_loads(["r0", "r1"])]
+    assert queued == ([5000, 0] if ingresses > 1 else [0, 0])

@@ -109,3 +109,29 @@ def test_a_replica_gone_leaves_the_index_with_everything_it_held() -> None:
     late = Announcement("r0", "i", 4, (HoldingEvent("stored", "d", "t", Tier.MEMORY, 10),))
     assert state.announce(late) and state.index.holders("t", "d") == {}
     assert state.choose(request, ["r1"]).costs == {"r1": 1600.0}
+
+
+def test_with_several_ingresses_a_replica_busy_with_the_others_work_is_passed_over() -> None:
+    """Two ingresses share r0 and r1. This one sent r0 one request (1,000 cold tokens); r0's status
+    counts 9,000 queued tokens and 3 requests, r1's nothing: the other ingress sent r0 8,000 tokens
+    and 2 requests, which this one now counts too (its own are not counted twice). A cold 2,000-token
+    request, which by this ingress's own count would go to r1 anyway, costs r0 2,000 + 9,000 and r1
+    2,000; a request r0 holds the documents of (3,100 tokens, 100 to prefill there) still goes to r1
+    once r0's queue is over twice the others' (the imbalance guard sees the other ingress's work)."""
+    state = ClusterState(policy_named("cache_aware", decode_weight=0.0))
+    state.set_replicas(["r0", "r1"])
+    state.routed("own", "r0", RouteRequest("", (), 1000), 0)
+    state.loads_reported({"r0": {"queued_prefill_tokens": 9000, "requests": 3, "decode_tokens": 0},
+                          "r1": {"queued_prefill_tokens": 0, "requests": 0, "decode_tokens": 0}})
+    with state.lock:
+        loads = {load.replica: load for load in state.current_loads(["r0", "r1"])}
+    assert (loads["r0"].queued_prefill_tokens, loads["r0"].running) == (9000, 3)
+    assert state.loads["r0"].queued_prefill_tokens == 1000  # its own count is left as it is
+    cold = state.choose(RouteRequest("", (("new", 2000),), 2000), ["r0", "r1"])
+    assert cold.replica == "r1" and cold.costs == {"r0": 11000.0, "r1": 2000.0}
+    events = tuple(HoldingEvent("stored", key, "t", Tier.MEMORY, 1) for key, _ in REQUEST.documents)
+    assert state.announce(Announcement("r0", "i", len(events), events, full=True))
+    assert state.choose(REQUEST, ["r0", "r1"]).replica == "r1"
+    state.set_replicas(["r1"])
+    assert "r0" not in state.foreign
+

@@ -706,3 +706,29 @@ def test_whatever_ends_the_loop_every_waiting_client_hears_why_and_the_server_is
     assert all(isinstance(collector.done[n], ErrorEvent) and "halted" in collector.done[n].message for n in "ab")
     with pytest.raises(LoopStopped, match="halted"):
         _submit(loop, collector, "late", _text(51, 40))
+
+
+def test_the_load_a_loop_reports_counts_what_it_still_prefills_and_may_decode(engine: Engine) -> None:
+    """Two requests waiting (300 and 40 prompt tokens still to prefill; a warm-up of 50 tokens; a
+    worker's urgent combine pass, whose rank is not a token count) and one decoding (2 samples of 8
+    new tokens: 3 made, and 5 made before a stop ended it, which owes nothing): the report a router
+    adds up."""
+    from hypic.scheduler.jobs import WarmupTask, queued_load
+    from hypic.scheduler.policy import URGENT
+
+    loop = EngineLoop(engine, "hypic")
+    waiting = [_job_of(loop, _text(60, 300), 4), _job_of(loop, _text(61, 40), 4)]
+    waiting[0].remaining, waiting[1].remaining = 300, 40
+    decoding = _job_of(loop, _text(62, 40), 8, samples=2)
+    for sequence, made in zip(decoding.sequences, (3, 5)):
+        sequence.output_ids.extend([1] * made)
+    decoding.sequences[1].finish_reason = "stop"
+    tasks = [WarmupTask(iter(()), 50), WarmupTask(iter(()), URGENT)]  # type: ignore[arg-type]
+    assert queued_load([*waiting, *tasks], [decoding]) == {
+        "queued_prefill_tokens": 390, "requests": 3, "decode_tokens": 5}
+
+
+def _job_of(loop: EngineLoop, prompt: str, tokens: int, samples: int = 1) -> Any:
+    params = SamplingParams(max_new_tokens=tokens, n=samples, ignore_eos=True)
+    parts = loop.engine.parse(prompt)
+    return loop.job_for(parts, GenerationRequest(prompt, params), loop.engine.sequences(params, parts.token_ids))
