@@ -2,11 +2,16 @@
 replica is a whole instance, so the oracle of a replica is one engine that ran the same requests in
 the same order: every answer, and every hit and miss, must equal that engine's. The router must send a
 request to the replica that holds its documents, in whatever order the prompt names them."""
+import contextlib
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -210,3 +215,50 @@ def test_each_request_leaves_an_access_line_in_the_services_output(cluster: Serv
             return
         time.sleep(0.2)
     raise AssertionError(f"no access lines for the requests in the service's output:\n{cluster.log.read_text()[-2000:]}")
+
+
+def _tree(root: int) -> dict[int, str]:
+    """pid -> command name of ``root`` and every process below it (read from /proc)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                names[int(entry.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+                parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    tree, grown = {root}, True
+    while grown:
+        below = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree, grown = tree | below, bool(below)
+    return {pid: names.get(pid, "?") for pid in tree}
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket these processes listen on (``ss``)."""
+    found = []
+    for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines():
+        local = line.split()[3]
+        address, _, port = local.rpartition(":")
+        found += [(address.strip("[]"), int(port), int(pid)) for pid in re.findall(r"pid=(\d+)", line)
+                  if int(pid) in pids]
+    return found
+
+
+def test_the_service_listens_where_asked_and_its_ray_refuses_a_stranger(cluster: ServerProcess) -> None:
+    """``--host 127.0.0.1``: the service's own HTTP socket is on loopback alone. Ray's daemons (its GCS,
+    raylet, agents, workers) listen on every interface whatever its node address (Ray has no bind
+    setting for them): every other socket of the service's processes is theirs, and the local Ray
+    runs with Ray's token auth, so a client holding another token is refused by its GCS."""
+    tree = _tree(cluster.process.pid)
+    sockets = _listening(set(tree))
+    port = int(cluster.url.rsplit(":", 1)[1])
+    assert {address for address, at, _ in sockets if at == port} == {"127.0.0.1"}
+    elsewhere = {tree[pid] for address, at, pid in sockets if at != port}
+    assert "gcs_server" in elsewhere and "raylet" in elsewhere
+    gcs = next(at for address, at, pid in sockets if tree[pid] == "gcs_server" and address in ("*", "0.0.0.0"))
+    stranger = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 32}
+    done = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{gcs}')"], env=stranger,
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode != 0 and ("InvalidAuthToken" in done.stderr or "AuthenticationError" in done.stderr), \
+        done.stderr[-2000:]
