@@ -149,33 +149,70 @@ def application(args: argparse.Namespace, start_instance: Callable[..., Any], li
 
 
 def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], limits: GateLimits, info: Any) -> None:
-    """Run the service until SIGINT or SIGTERM, then stop it and the Ray runtime it started."""
+    """Run the service until SIGINT or SIGTERM, then stop it and the Ray runtime it started. A signal
+    at any moment of the start stops it as well, once the step under way returns (each step is
+    bounded: Ray's start, the replicas' within ``START_TIMEOUT_S``): whatever Ray started so far is
+    ended and its session folder deleted."""
     threads = args.threads or 1
     args.threads = threads
-    start_ray(args.dp_size * threads * args.tp_size + 1, args.ray_address)
-    printed = threading.Event()
+    printed, serving, stop = threading.Event(), False, _stop_on_signals()
     try:
+        start_ray(args.dp_size * threads * args.tp_size + 1, args.ray_address)
+        _stop_on_signals(stop)  # Ray's start put its own handler in, which exits the process at once
         logs = log_queue({f"node:{ray.util.get_node_ip_address()}": 0.001})
         print_relayed(logs, printed)
         # no proxy: the ingress (on this node) listens on --host:--port itself
         serve.start(proxy_location=ProxyLocation.Disabled, logging_config={"log_level": "WARNING"})
-        serve.run(application(args, start_instance, limits, info, (args.host, args.port), logs), name=APP_NAME,
-                  route_prefix=None, blocking=False)
-        ingresses = f" and {args.ingress_replicas} ingresses" if args.ingress_replicas > 1 else ""
-        print(f"hypic: serving {info.served_model_name} with {args.dp_size} replicas ({args.router_policy} "
-              f"routing){ingresses} on http://{args.host}:{args.port}", flush=True)
-        _wait_for_signal()
+        serve._run(application(args, start_instance, limits, info, (args.host, args.port), logs), name=APP_NAME,
+                   route_prefix=None, _blocking=False)
+        serving = _running(stop)
+        if serving:
+            ingresses = f" and {args.ingress_replicas} ingresses" if args.ingress_replicas > 1 else ""
+            print(f"hypic: serving {info.served_model_name} with {args.dp_size} replicas ({args.router_policy} "
+                  f"routing){ingresses} on http://{args.host}:{args.port}", flush=True)
+            while not stop.wait(1.0):  # woken by the signal's handler, on this thread
+                pass
+        print(f"hypic: {stop.cause}: stopping{'' if serving else ' the start'}", flush=True)
     except ray.exceptions.RayError as err:
         raise HypicError(f"the replicas could not start: {type(err).__name__}: {err}") from err
     finally:
         printed.set()
-        serve.shutdown()
+        if serving:
+            serve.shutdown()
         stop_ray()
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
+class StopSignal(threading.Event):
+    """Set by SIGINT or SIGTERM; ``cause`` names the signal."""
+
+    cause = ""
+
+
+def _stop_on_signals(stop: StopSignal | None = None) -> StopSignal:
+    """SIGINT and SIGTERM set ``stop`` (a new one if None): the start checks it between its steps and
+    the service waits on it, so no signal cuts into Ray's own calls."""
+    stop = stop if stop is not None else StopSignal()
+
+    def on_signal(signum: int, _: Any) -> None:
+        stop.cause = signal.Signals(signum).name
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+        signal.signal(sig, on_signal)
+    return stop
+
+
+def _running(stop: StopSignal) -> bool:
+    """Wait until the application runs (True), or a stop signal (False); its deployment failing, or
+    not running within ``START_TIMEOUT_S``, fails the start naming why."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not stop.wait(0.5):
+        app = serve.status().applications.get(APP_NAME)
+        status = app.status if app is not None else "NOT_STARTED"
+        if status == "RUNNING":
+            return True
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise HypicError(f"the replicas could not start: {app.message}")
+        if time.monotonic() > deadline:
+            raise HypicError(f"the replicas did not start within {START_TIMEOUT_S:.0f} s (status {status})")
+    return False

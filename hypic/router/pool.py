@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 import hypic
@@ -31,6 +32,7 @@ from hypic.cache.store import SegmentEntry
 
 from .group import BulkGroup
 from .index import SegmentIndex
+from .leftovers import end_processes, processes_naming, ray_processes_below, sessions_of
 from .prefix_index import PrefixIndex
 from .transfer import ReceiveCounts
 from .plan import PROMPT_ORDER_TOKENS, Plan
@@ -59,6 +61,8 @@ WorkerLost = RayActorError  # the actor died (a task that raised is a RayTaskErr
 
 
 _started_sessions: list[Path] = []  # session folders of the local Ray runtimes start_ray started
+_starting: list[bool] = []  # a local runtime was being started here (its start may have been cut short)
+RAY_TEMP_DIR = Path("/tmp/ray")  # where a local runtime keeps its sessions (Ray's default)
 
 
 def start_ray(cpus: int, address: str | None) -> None:
@@ -66,6 +70,10 @@ def start_ray(cpus: int, address: str | None) -> None:
     if not ray.is_initialized():
         with _in_folder(PACKAGE_ROOT):
             if address is None:  # a runtime of its own, even where `ray start` or RAY_ADDRESS names one
+                _starting[:] = [True]
+                # the driver's own: Ray's C++ failure handler would turn a signal during the start into an
+                # abort that leaves its daemons behind; the stop on SIGTERM is the caller's
+                ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
                 _started_sessions.extend(_session_started_here())
             else:
@@ -129,11 +137,20 @@ def _session_started_here() -> list[Path]:
 
 
 def stop_ray() -> None:
-    """Stop the local Ray runtime ``start_ray`` started, and delete its session folder (nothing of
-    a runtime it joined). Other processes' sessions, and ``session_latest`` when it names one, stay."""
-    if not _started_sessions:
+    """Stop the local Ray runtime ``start_ray`` started, or was starting when it was cut short, and
+    delete its session folder (nothing of a runtime it joined): Ray's processes below this one that
+    outlive the shutdown are ended too. Other processes' sessions, and ``session_latest`` when it
+    names one, stay."""
+    if not _starting:
         return
+    below = ray_processes_below(os.getpid())
     ray.shutdown()
+    _started_sessions.extend(s for s in sessions_of(os.getpid(), RAY_TEMP_DIR) if s not in _started_sessions)
+    left = end_processes(sorted({*below, *processes_naming(_started_sessions)}))
+    left += end_processes(processes_naming(_started_sessions))  # any a daemon started before it ended
+    if left:
+        log.warning("killed %d Ray processes left after its shutdown: %s", len(left), left)
+    _starting.clear()
     while _started_sessions:
         session = _started_sessions.pop()
         for _ in range(3):  # a Ray process still exiting may write a last log line meanwhile
