@@ -5,8 +5,9 @@
 requests; dropped streams, bad bodies, warm-ups and one namespace's flushes; two cache namespaces
 and the shared one) to a ``hypic serve`` started here with small pools (``--pool-size``), while
 faults are injected every ``--fault-every`` seconds: the server killed with SIGKILL and restarted on
-its port, or, with ``--workers 2``, a Ray worker killed. Every ``--sample-s`` seconds the server's
-RSS, its Ray worker actors' RSS (each by pid) and the pool bytes are read. At the end every
+its port, or, with ``--workers 2``, a Ray worker killed, or, with ``--dp-size 2``, a replica killed (Ray
+Serve starts another). Every ``--sample-s`` seconds the server's RSS, its Ray worker actors' RSS
+(the replicas and the ingress with ``--dp-size``; each by pid) and the pool bytes are read. At the end every
 ``--replay-every``-th greedy answer is sent again to a quiet server of the same mode and model
 (started here, or ``--reference-url``): under load, eviction and faults the answer must not
 change (a PIC answer is compared with HYPIC's own quiet answer, not with full recompute: how far
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--documents", type=int, default=80, help="documents in the Zipf pool")
     parser.add_argument("--pool-size", default="24M", help="the started server's --public-pool-size and --private-pool-size")
     parser.add_argument("--workers", type=int, default=1, help="the started server's --workers (2: Ray worker faults)")
+    parser.add_argument("--dp-size", type=int, default=1,
+                        help="the started server's --dp-size (2: replica faults; each replica one thread)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="the started server's --cache-dir, kept across its restarts (documents come back from "
                              "disk after each SIGKILL, writes killed midway included); default: no disk tier")
@@ -88,13 +91,14 @@ class SoakedServer:
         model = [] if args.model == "default" else ["--model", str(args.model)]
         tiers = [] if args.cache_dir is None else ["--cache-dir", str(args.cache_dir)]
         return [*model, "--mode", args.mode, "--dtype", args.dtype, "--public-pool-size", args.pool_size, "--private-pool-size", args.pool_size,
-                "--workers", str(args.workers), "--log-level", "warning", *tiers]
+                "--workers", str(args.workers), "--dp-size", str(args.dp_size), "--log-level", "warning", *tiers]
 
     def start(self) -> None:
         from hypic.server.launch import start_server
         self.lives += 1
-        threads = None if self.args.workers > 1 else self.args.threads
-        extra = ["--threads", str(self.args.threads)] if self.args.workers > 1 else []
+        on_ray = self.args.workers > 1 or self.args.dp_size > 1  # each Ray process its own --threads
+        threads = None if on_ray else self.args.threads
+        extra = ["--threads", str(self.args.threads)] if on_ray else []
         self.server = start_server([*self.options(), *extra], self.logs / f"server-{self.lives}.log", threads=threads,
                                    port=self.port, timeout_s=300)
         self.url = self.server.url
@@ -109,9 +113,10 @@ class SoakedServer:
         self.server.process.wait()
         self.start()
 
-    def kill_worker(self) -> bool:
-        """SIGKILL one of this server's Ray worker actor processes; False if none is left."""
-        for pid in _ray_worker_pids(self.pid):
+    def kill_worker(self, kind: bytes = b"ray::Worker") -> bool:
+        """SIGKILL one of this server's Ray actor processes whose command line starts with ``kind``
+        (a worker; a replica: ``ray::ServeReplica:hypic:HypicReplica``); False if none is left."""
+        for pid in _ray_worker_pids(self.pid, kind):
             os.kill(pid, signal.SIGKILL)
             return True
         return False
@@ -121,14 +126,18 @@ class SoakedServer:
             self.server.stop()
 
 
-def _ray_worker_pids(server: int | None) -> list[int]:
-    """The Ray worker actors descending from process ``server`` (its raylet's children)."""
+ACTORS = (b"ray::Worker", b"ray::ServeReplica")  # --workers' actors; --dp-size's replicas and ingress
+
+
+def _ray_worker_pids(server: int | None, kind: bytes | tuple[bytes, ...] = ACTORS) -> list[int]:
+    """The Ray actors descending from process ``server`` (its raylet's children) whose command line
+    starts with ``kind``."""
     parents, workers = {}, []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if (entry / "cmdline").read_bytes().startswith(b"ray::Worker"):
+                if (entry / "cmdline").read_bytes().startswith(kind):
                     workers.append(int(entry.name))
             except (OSError, IndexError, ValueError):
                 continue
@@ -217,6 +226,9 @@ def _faults(server: SoakedServer, args: argparse.Namespace) -> list[Callable[[],
         return []
     if args.workers > 1:
         return [lambda: "kill_worker" if server.kill_worker() else "kill_worker_none_found"]
+    if args.dp_size > 1:
+        replica = b"ray::ServeReplica:hypic:HypicReplica"
+        return [lambda: "kill_replica" if server.kill_worker(replica) else "kill_replica_none_found"]
     return [lambda: (server.kill_and_restart(), "kill_server")[1]]
 
 
@@ -279,8 +291,10 @@ def _reference(args: argparse.Namespace, logs: Path) -> tuple[str, Callable[[], 
 def _check(args: argparse.Namespace) -> None:
     if args.minutes <= 0 or args.clients < 1 or args.documents < 5 or args.sample_s <= 0 or args.replay_every < 1:
         raise DataError("--minutes and --sample-s must be > 0, --clients and --replay-every >= 1, --documents >= 5")
-    if not 0 <= args.warmup_fraction < 1 or args.max_rss_growth <= 0 or args.workers < 1:
-        raise DataError("--warmup-fraction must be in [0, 1), --max-rss-growth > 0, --workers >= 1")
+    if not 0 <= args.warmup_fraction < 1 or args.max_rss_growth <= 0 or args.workers < 1 or args.dp_size < 1:
+        raise DataError("--warmup-fraction must be in [0, 1), --max-rss-growth > 0, --workers and --dp-size >= 1")
+    if args.workers > 1 and args.dp_size > 1:
+        raise DataError("--workers and --dp-size above 1 together: the server serves one or the other")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -296,7 +310,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     records = _earlier(path, _options(args))
     if records is None:
         print(f"hypic eval soak: {args.minutes:g} min, {args.clients} clients, pools {args.pool_size}, "
-              f"{args.workers} worker(s), a fault every {args.fault_every:g} s, into {path}", file=sys.stderr)
+              f"{args.workers} worker(s), {args.dp_size} replica(s), a fault every {args.fault_every:g} s, into {path}", file=sys.stderr)
         records = _run(args, path)
     summary = summarize_soak(records, args)
     (args.out / "soak_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

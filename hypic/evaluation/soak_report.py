@@ -153,6 +153,7 @@ def summarize_soak(records: Sequence[dict[str, Any]], args: argparse.Namespace) 
     }
     width = max(10.0, round(args.minutes * 60 / 20))
     return {"study": "soak", "minutes": args.minutes, "clients": args.clients, "workers": args.workers,
+            "dp_size": getattr(args, "dp_size", 1),
             "pool_size": args.pool_size, "cache_dir": None if getattr(args, "cache_dir", None) is None else str(args.cache_dir),
             "disk_cached_tokens": sum(r.get("disk_tokens", 0) for r in requests), "requests": len(requests),
             "outcomes": dict(Counter(r["outcome"] for r in requests)),
@@ -172,7 +173,8 @@ def _near_fault(request: dict[str, Any], faults: Sequence[dict[str, Any]]) -> bo
 
 def format_soak(summary: dict[str, Any]) -> str:
     """The summary as Markdown: outcomes by kind, faults, RSS per server life, the checks."""
-    lines = [f"soak: {summary['minutes']:g} min, {summary['clients']} clients, {summary['workers']} worker(s), pools "
+    replicas = f"{summary['dp_size']} replicas, " if summary.get("dp_size", 1) > 1 else ""
+    lines = [f"soak: {summary['minutes']:g} min, {summary['clients']} clients, {summary['workers']} worker(s), {replicas}pools "
              f"{summary['pool_size']}: {summary['requests']} requests, {summary['replays_same']}/{summary['replays']} "
              f"replays unchanged, {len(summary['wrong'])} wrong", "",
              "| kind | " + " | ".join(OUTCOMES) + " |", "|---|" + "---|" * len(OUTCOMES)]
