@@ -132,6 +132,7 @@ class CacheAware:
     namespace_weight: float = NAMESPACE_WEIGHT
     imbalance_factor: float = IMBALANCE_FACTOR
     imbalance_floor: int = IMBALANCE_FLOOR
+    fetch_credit: float | None = None  # a document another replica holds in memory, fetched from it (None: rebuilt)
     name: str = "cache_aware"
 
     def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
@@ -165,6 +166,8 @@ class CacheAware:
         saved = dict.fromkeys(replicas, 0.0)
         for (key, tokens), holders in zip(request.documents, held_by):
             everyone = tokens * (1.0 - self.tier_costs.shared) if index.shared(request.namespace, key) else 0.0
+            if self.fetch_credit is not None and Tier.MEMORY in holders.values():  # any replica may fetch it
+                everyone = max(everyone, tokens * (1.0 - self.fetch_credit))
             for replica in saved:
                 tier = holders.get(replica)
                 saved[replica] += max(everyone, tokens * (1.0 - self.tier_costs.of(tier)) if tier is not None else 0.0)
@@ -281,17 +284,39 @@ def spread_documents(tokens: list[int], loads: list[ReplicaLoad]) -> list[str]:
 
 
 MIN_SPREAD_TOKENS = 128  # a shorter document is built where it is needed: shipping it costs about what building it saves
+# what moving a document's entry from the replica that holds it costs, in prefill tokens of it: a 285-token
+# document's entry (1.7 MB on the shipped model) crosses Ray's object store and is checked in a few ms, where
+# prefilling it takes some 100 ms on a CPU core
+FETCH_CREDIT = 0.05
+
+
+def fetch_sources(request: RouteRequest, combine: str, loads: list[ReplicaLoad], index: DocumentIndex,
+                  min_tokens: int = MIN_SPREAD_TOKENS) -> dict[str, list[int]]:
+    """Which of ``request``'s documents ``combine`` (the replica that serves it) holds in no tier while
+    another replica holds them in memory: fetched from that one (the least queued of their holders)
+    instead of built. Replica -> the indices (into ``request.documents``) it sends; documents shorter
+    than ``min_tokens`` are built where they are needed."""
+    queued = {load.replica: load.queued_prefill_tokens for load in loads}
+    sources: dict[str, list[int]] = {}
+    for number, (key, tokens) in enumerate(request.documents):
+        holders = index.holders(request.namespace, key)
+        held = [r for r, tier in holders.items() if tier == Tier.MEMORY and r in queued and r != combine]
+        if tokens >= min_tokens and combine not in holders and held:
+            sources.setdefault(min(held, key=lambda r: (queued[r], r)), []).append(number)
+    return sources
 
 
 def spread_cold_documents(request: RouteRequest, combine: str, loads: list[ReplicaLoad], index: DocumentIndex,
-                          min_tokens: int = MIN_SPREAD_TOKENS) -> dict[str, list[int]]:
+                          min_tokens: int = MIN_SPREAD_TOKENS, fetched: frozenset[int] = frozenset()) -> dict[str, list[int]]:
     """Which of ``request``'s documents other replicas build for it, in parallel with ``combine``
     (the replica that serves it): replica -> the indices (into ``request.documents``) it builds.
     The documents ``combine`` does not hold (of at least ``min_tokens``) are placed longest first,
     each on the replica least loaded so far (LPT), ``combine``'s load counting the rest of the
-    prompt it computes anyway; those it keeps, and any other replica's empty share, are left out."""
+    prompt it computes anyway; those it keeps, and any other replica's empty share, are left out, as
+    are the documents in ``fetched`` (indices: ``fetch_sources``)."""
     _check_loads(loads)
     held = {i for i, (key, _) in enumerate(request.documents) if combine in index.holders(request.namespace, key)}
+    held |= fetched
     cold = [i for i, (_, tokens) in enumerate(request.documents) if i not in held and tokens >= min_tokens]
     rest = request.prompt_tokens - sum(request.documents[i][1] for i in cold)
     queued = [load.queued_prefill_tokens + (rest if load.replica == combine else 0) for load in loads]

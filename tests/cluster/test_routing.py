@@ -4,8 +4,8 @@ import random
 import pytest
 
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
-from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, policy_named, spread_cold_documents,
-                                   spread_documents)
+from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, fetch_sources, policy_named,
+                                   spread_cold_documents, spread_documents)
 from hypic.cluster.state import ClusterState
 
 
@@ -291,3 +291,32 @@ def test_only_documents_new_to_the_cluster_are_charged_for_leaving_their_namespa
     decision = policy.choose(RouteRequest("t", (("a1", 1000), ("new", 500)), 1600), idle("r0", "r1"), index)
     assert decision.replica == "r0"
     assert decision.costs == pytest.approx({"r0": 600 + 500 / 3, "r1": 1600 + 250 / 3})
+
+
+def test_where_documents_can_be_fetched_a_request_goes_by_load_not_to_their_holder() -> None:
+    """a holds d1 and d2 (3,000 tokens) and has 2,000 tokens queued; b is idle. Rebuilding what a holds
+    elsewhere (today), b costs 3,100 and a 100 + 2,000: a wins. If the replicas fetch what another
+    holds at 5 % of its tokens, b costs 100 + 0.05 x 3,000 = 250 against a's 2,100: b wins, and a
+    document no replica holds is still counted whole."""
+    index = cluster({"a": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)]})
+    loads = [ReplicaLoad("a", queued_prefill_tokens=2000), ReplicaLoad("b")]
+    weights = {"decode_weight": 0.0, "eviction_weight": 0.0, "namespace_weight": 0.0}
+    rebuild, fetch = policy_named("cache_aware", **weights), policy_named("cache_aware", **weights, fetch_credit=0.05)
+    assert rebuild.choose(REQUEST, loads, index).costs == pytest.approx({"a": 2100.0, "b": 3100.0})
+    decision = fetch.choose(REQUEST, loads, index)
+    assert decision.replica == "b" and decision.costs == pytest.approx({"a": 2100.0, "b": 250.0})
+    cold = RouteRequest("t", (("d1", 1000), ("new", 500)), 1600)
+    assert fetch.choose(cold, loads, index).costs == pytest.approx({"a": 2600.0, "b": 650.0})
+
+
+def test_the_documents_a_replica_lacks_come_from_the_least_loaded_replica_holding_them() -> None:
+    """c serves a request of d1 (held in memory by a and b), d2 (held by b), d3 (no one), d4 (c's own
+    disk holds it) and d5 (held by a, 100 tokens: built where needed). With b less queued than a, d1
+    and d2 come from b; nothing else is fetched. The cold d3 is left to the builds, which place it on
+    the least queued counting c's rest of the prompt (2,200 - 500 = 1,700 tokens): b's 300."""
+    index = cluster({"a": [("d1", Tier.MEMORY), ("d5", Tier.MEMORY)], "b": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)],
+                     "c": [("d4", Tier.DISK)]})
+    request = RouteRequest("t", (("d1", 500), ("d2", 500), ("d3", 500), ("d4", 500), ("d5", 100)), 2200)
+    loads = [ReplicaLoad("a", queued_prefill_tokens=900), ReplicaLoad("b", queued_prefill_tokens=300), ReplicaLoad("c")]
+    assert fetch_sources(request, "c", loads, index) == {"b": [0, 1]}
+    assert spread_cold_documents(request, "c", loads, index, fetched=frozenset({0, 1})) == {"b": [2]}
