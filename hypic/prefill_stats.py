@@ -26,21 +26,25 @@ class PrefillStats:
     disk_cached_tokens: int = 0  # of cached_tokens, those of documents loaded from the disk tier
     mooncake_cached_tokens: int = 0  # ... and from Mooncake Store
     host_cached_tokens: int = 0  # ... and from host memory below a GPU's pool (L2)
+    segments_fetched: int = 0  # of the hit, those fetched from another replica's pool for this request
+    replica_cached_tokens: int = 0  # ... their tokens
 
     @property
     def cached_tokens_by_tier(self) -> dict[str, int]:
         """Where the reused tokens came from: memory (``device``; host memory on a CPU server), host
-        memory below a GPU's pool, the disk, Mooncake."""
-        lower = self.disk_cached_tokens + self.mooncake_cached_tokens + self.host_cached_tokens
+        memory below a GPU's pool, the disk, Mooncake, another replica's pool."""
+        lower = self.disk_cached_tokens + self.mooncake_cached_tokens + self.host_cached_tokens + self.replica_cached_tokens
         return {"device": self.cached_tokens - lower, "host": self.host_cached_tokens, "disk": self.disk_cached_tokens,
-                "mooncake": self.mooncake_cached_tokens}
+                "mooncake": self.mooncake_cached_tokens, "replica": self.replica_cached_tokens}
 
     def count_hit(self, tokens: int, tier: str) -> None:
-        """A document of ``tokens`` cached tokens reused from ``tier``."""
+        """A document of ``tokens`` cached tokens reused from ``tier`` ("replica": fetched from another
+        replica's pool for this request)."""
         self.segments_hit += 1
         self.cached_tokens += tokens
-        if tier in ("disk", "mooncake", "host"):
+        if tier in ("disk", "mooncake", "host", "replica"):
             setattr(self, f"{tier}_cached_tokens", getattr(self, f"{tier}_cached_tokens") + tokens)
+        self.segments_fetched += tier == "replica"
 
     @property
     def recomputed_tokens(self) -> int:
@@ -59,6 +63,8 @@ class PrefillStats:
         self.disk_cached_tokens += head.disk_cached_tokens
         self.mooncake_cached_tokens += head.mooncake_cached_tokens
         self.host_cached_tokens += head.host_cached_tokens
+        self.replica_cached_tokens += head.replica_cached_tokens
+        self.segments_fetched += head.segments_fetched
         self.prefix_hit_tokens = head.prefix_hit_tokens
         self.combined_early_tokens = head.prompt_tokens
         self.segments_hit += head.segments_hit

@@ -17,6 +17,8 @@ from .plan import RequestPlan
 from .prefix_cache import PrefixCache
 from .resume_points import ResumePoints
 from .store import HoldingsListener, Load, SegmentEntry, SegmentStore, entry_key
+
+LENT_TIER = "replica"  # where a document lent to a request came from: another replica's pool
 from ..state import LinearLayerState, RequestState, WindowLayerState
 
 
@@ -28,6 +30,7 @@ class HybridCache:
                  entry_bytes: Callable[[int, str], int]) -> None:
         self.fingerprint, self.public, self.private = fingerprint, public, private
         self.resume_points, self.entry_bytes = resume_points, entry_bytes
+        self.lent: dict[str, tuple[SegmentEntry, int]] = {}  # documents lent to requests: (entry, requests holding it)
 
     # ----- documents: the public pool and its tiers ---------------------------------------------
     def document_key(self, token_ids: tuple[int, ...], policy: ModePolicy) -> str:
@@ -44,11 +47,33 @@ class HybridCache:
         return found, key
 
     def match_document(self, key: str, token_ids: tuple[int, ...], namespace: str) -> tuple[SegmentEntry | None, str]:
-        """A document's entry from memory or a tier below it (brought into memory), and the tier it
-        came from; pinned, found or not, until ``unpin``: its request's own inserts cannot evict it."""
+        """A document's entry from memory, lent to a request here (``lend_document``: tier
+        ``LENT_TIER``), or a tier below memory (brought into memory), and the tier it came from;
+        pinned, found or not, until ``unpin``: its request's own inserts cannot evict it."""
+        lent = self.lent.get(key)
+        if lent is not None and lent[0].token_ids == token_ids and self.public.peek(key, token_ids) is None:
+            self.public.pin(key)
+            return lent[0], LENT_TIER
         found = self.public.fetch(key, token_ids, namespace)
         self.public.pin(key)
         return found
+
+    def lend_document(self, entry: SegmentEntry) -> bool:
+        """A copy of a document another pool holds (fetched from it, checked by the caller), for a
+        request here: kept in memory only if it fits beside what is held (evicting nothing), else
+        lent until ``return_documents``. True: kept."""
+        if self.public.put_in_room(entry):
+            return True
+        held = self.lent.get(entry.key)
+        self.lent[entry.key] = (entry, 1 + (held[1] if held is not None else 0))
+        return False
+
+    def return_documents(self, keys: list[str]) -> None:
+        """The requests that were lent ``keys`` are done with them: each goes once none holds it."""
+        for key in keys:
+            held = self.lent.pop(key, None)
+            if held is not None and held[1] > 1:
+                self.lent[key] = (held[0], held[1] - 1)
 
     def unpin(self, keys: list[str]) -> None:
         """Let the documents ``match_document`` pinned be evicted again."""

@@ -291,6 +291,15 @@ class SegmentStore:
             self.lower.offer(entry, Event.MADE)
         return self._store(entry)
 
+    def put_in_room(self, entry: SegmentEntry) -> bool:
+        """Insert an entry only if it fits beside what is held, evicting nothing (a copy of what
+        another pool holds must not push out what only this one holds); not offered below."""
+        if entry.key in self.entries:
+            return True
+        if self.budget_bytes is not None and self.nbytes + entry.nbytes > self.budget_bytes:
+            return False
+        return self._store(entry)
+
     def _store(self, entry: SegmentEntry) -> bool:
         size = entry.nbytes
         if not self._make_room(size):

@@ -33,12 +33,12 @@ from .channel import HoldingsChannel
 from .front import FrontEngine
 from .holdings import HoldingsMark
 from .replica import PREFILLED, Mark, RemoteBuilds, ReplicaWork
-from .routing import RouteRequest, spread_cold_documents, spread_documents
+from .routing import RouteRequest, fetch_sources, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
 
 log = logging.getLogger("hypic.cluster")
 STATUS_EVERY_S = 1.0  # how often the ingress refreshes the replicas' counters (/metrics, /get_server_info)
-ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried")
+ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried", "documents_fetched")
 CALL_TIMEOUT_S = 300.0  # the most a call to a replica (warm-up, flush, status) may take
 STATUS_TIMEOUT_S = 10.0  # a replica whose status takes longer (its host cut off) is left out of that refresh
 ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
@@ -179,7 +179,10 @@ class ReplicaLoop:
                 log.warning("request %s refused: every replica tried was full (%s)", job.rid, full)
                 emit(ErrorEvent(f"every replica tried is full: {full}", busy=True))
                 return
-            log.error("request %s failed on its replica: %s", job.rid, err)
+            if job.cancelled.is_set():  # its client left: the replica's work was cancelled on purpose
+                log.info("request %s cancelled by its client", job.rid)
+            else:
+                log.error("request %s failed on its replica: %s", job.rid, err)
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
 
     async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool, tried: set[str]) -> None:
@@ -219,30 +222,36 @@ class ReplicaLoop:
                 raise ReplicaSilent(f"its replica sent nothing in {self.silence_s:g} s") from None
 
     async def _spread(self, job: Job, route: RouteTo) -> tuple[RouteTo, RemoteBuilds | None]:
-        """The replica the policy picks for ``job``, pinned, and the build calls of the documents
-        others build for it, started (None: the router picks as usual). The builds travel to the
-        chosen replica as object references inside ``RemoteBuilds``: Ray Serve would wait for
-        results passed as arguments before it delivers the call, and the replica's own builds would
-        start only after theirs."""
+        """The replica the policy picks for ``job``, pinned, and the calls that bring it the documents
+        it does not hold, started: those another replica holds in memory fetched from it
+        (``fetch_sources``), those none holds built on the least loaded (``spread_cold_documents``);
+        None: the router picks as usual. The calls' results travel to the chosen replica as object
+        references inside ``RemoteBuilds``: Ray Serve would wait for results passed as arguments
+        before it delivers the call, and the replica's own builds would start only after theirs."""
         assert route.request is not None
         replicas = list(self.state.replicas)
         decision = self.state.choose(route.request, replicas)
         with self.state.lock:
-            shares = spread_cold_documents(route.request, decision.replica, self.state.current_loads(replicas),
-                                           self.state.index)
-        if not shares:
+            loads = self.state.current_loads(replicas)
+            fetches = fetch_sources(route.request, decision.replica, loads, self.state.index)
+            fetched = frozenset(i for indices in fetches.values() for i in indices)
+            builds = spread_cold_documents(route.request, decision.replica, loads, self.state.index, fetched=fetched)
+        if not builds and not fetches:
             return route, None
         documents, calls = list(job.plan.documents()), []
-        for replica, indices in shares.items():
+        for replica, indices in [*builds.items(), *fetches.items()]:
             jobs = [SegmentJob(documents[i][1], documents[i][2], job.parts.namespace) for i in indices]
-            self.state.building(route.key, replica, sum(route.request.documents[i][1] for i in indices))
+            if replica in builds:
+                self.state.building(route.key, replica, sum(route.request.documents[i][1] for i in builds[replica]))
             pinned = RouteTo(f"{route.key}-build", replica=replica)
             calls.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
         # each reference once its call is placed (a replica that left never takes it: the deadline)
         refs = await asyncio.wait_for(asyncio.gather(*(call._to_object_ref() for call in calls)), self.silence_s)
-        remote = tuple((documents[i][1], route.request.documents[i][1]) for indices in shares.values() for i in indices)
-        builds = RemoteBuilds(tuple(refs), remote, self.silence_s)
-        return replace(route, replica=decision.replica, reason=decision.reason), builds
+        remote = tuple((documents[i][1], route.request.documents[i][1]) for indices in builds.values() for i in indices)
+        copies = tuple(documents[i][1] for i in sorted(fetched))
+        self.state.count("documents_fetched", len(copies))
+        placed = replace(route, replica=decision.replica, reason=decision.reason, fetched=frozenset(copies))
+        return placed, RemoteBuilds(tuple(refs), remote, self.silence_s, copies)
 
     async def _relay(self, attempt: Attempt, item: list[Event] | HoldingsMark | Mark, emit: Callable[[Event], None]) -> None:
         if isinstance(item, HoldingsMark):
@@ -323,20 +332,34 @@ class ReplicaLoop:
         return asyncio.run_coroutine_threadsafe(self._warmup(documents, namespace), self._loop())
 
     async def _warmup(self, documents: list[str], namespace: str) -> list[int]:
+        """Each document warmed on one replica (longest first to the least loaded); a share whose
+        replica died meanwhile is warmed again on those left (once)."""
         tokens = [len(self.engine.tokenizer.encode(d)) for d in documents]
-        with self.state.lock:
-            loads = self.state.current_loads(self.state.replicas)
-        where = spread_documents(tokens, loads)
-        shares = {r: [i for i, w in enumerate(where) if w == r] for r in set(where)}
-        answers = await asyncio.gather(*(self._call(r, "warmup", [documents[i] for i in idx], namespace)
-                                         for r, idx in shares.items()))
-        counts = [0] * len(documents)
-        for (replica, indices), (share_counts, mark) in zip(shares.items(), answers):
-            await self._caught_up(mark)
-            for i, count in zip(indices, share_counts):
-                counts[i] = count
+        counts: list[int | None] = [None] * len(documents)
+        dead: set[str] = set()
+        for last in (False, True):
+            wanted = [i for i, count in enumerate(counts) if count is None]
+            with self.state.lock:
+                loads = self.state.current_loads([r for r in self.state.replicas if r not in dead] or self.state.replicas)
+            where = spread_documents([tokens[i] for i in wanted], loads)
+            shares = {r: [wanted[n] for n, w in enumerate(where) if w == r] for r in set(where)}
+            answers = await asyncio.gather(*(self._call(r, "warmup", [documents[i] for i in idx], namespace)
+                                             for r, idx in shares.items()), return_exceptions=True)
+            for (replica, indices), answer in zip(shares.items(), answers):
+                if isinstance(answer, RayActorError) and not last:
+                    log.warning("replica %s died while it warmed %d documents: warmed on another", replica, len(indices))
+                    dead.add(replica)
+                    continue
+                if isinstance(answer, BaseException):
+                    raise answer
+                share_counts, mark = answer
+                await self._caught_up(mark)
+                for i, count in zip(indices, share_counts):
+                    counts[i] = count
+            if all(count is not None for count in counts):
+                break
         await self.refresh()
-        return counts
+        return [count or 0 for count in counts]
 
     def flush(self, namespace: str | None, tiers: frozenset[str]) -> Future:
         """Flush every replica; the future holds the summed counts (public, private, lower tiers)."""
@@ -465,7 +488,7 @@ class ReplicaRouter(RequestRouter):
         route = pending_request.args[0] if pending_request.args else None
         if isinstance(route, RouteTo) and route.request is not None:
             self._state().routed(route.key, replica_id.unique_id, route.request, route.decode_tokens,
-                                 route.reason if route.replica is not None else None)
+                                 route.reason if route.replica is not None else None, route.fetched)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

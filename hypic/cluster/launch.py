@@ -28,7 +28,7 @@ from .front import FrontEngine
 from .ingress import ReplicaLoop, ReplicaRouter
 from .logs import AccessLines, log_queue, print_relayed, relay_logs
 from .replica import Replica
-from .routing import policy_named
+from .routing import FETCH_CREDIT, policy_named
 from .state import ClusterState, register_state
 
 log = logging.getLogger("hypic.cluster")
@@ -50,10 +50,11 @@ class Ingress:
         relay_logs(logs, "ingress", args.log_level)
         front = FrontEngine(Path(info.model_path), args.dtype, args.device, args.seam_width, args.pic_separator,
                             args.snapshot_interval)
-        self.state = ClusterState(policy_named(args.router_policy))
+        fetches = args.tp_size == 1 and args.router_policy == "cache_aware"  # a replica of shards: documents stay put
+        self.state = ClusterState(policy_named(args.router_policy, **({"fetch_credit": FETCH_CREDIT} if fetches else {})))
         register_state(STATE_NAME, self.state)
         self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,
-                                spreads=args.tp_size == 1 and args.router_policy == "cache_aware",
+                                spreads=fetches,
                                 silence_s=args.worker_timeout, ingresses=args.ingress_replicas)
         await self.loop.wait_for_replicas(args.dp_size, START_TIMEOUT_S)
         self.asgi = OnServingLoop(build_app(self.loop, info, None, limits), self.loop.serve_on)

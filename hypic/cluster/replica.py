@@ -17,7 +17,8 @@ from ..cache.store import SegmentEntry
 from ..prefill_stats import BuiltForRequest
 from ..router.plan import SegmentJob
 from ..router.serialization import register_tensor_serializer
-from ..router.transfer import install_entries
+from ..router.transfer import install_entries, lend_entries
+from ..cache.hybrid_cache import LENT_TIER
 from ..router.worker import document_build_steps
 from ..scheduler.jobs import PeerWork
 from ..scheduler.loop import DoneEvent, ErrorEvent, Event, ProgressEvent
@@ -57,14 +58,15 @@ class ReplicaWork:
 
 @dataclass(frozen=True)
 class RemoteBuilds:
-    """Documents other replicas build for a request: each build call's Ray object reference (a
-    ``list[SegmentEntry]``), held inside this record so that Ray Serve delivers the request's call at
-    once instead of waiting for them; ``timeout_s``: how long the replica waits for them before it
-    builds them itself."""
+    """Documents other replicas build for a request, or fetch it from their pools: each call's Ray
+    object reference (a ``list[SegmentEntry]``), held inside this record so that Ray Serve delivers
+    the request's call at once instead of waiting for them; ``timeout_s``: how long the replica waits
+    for them before it builds them itself."""
 
     refs: tuple[Any, ...]
     remote: tuple[tuple[str, int], ...]  # (key, tokens) of each document built elsewhere
     timeout_s: float
+    fetched: tuple[str, ...] = ()  # of the entries the calls return, those another replica held: lent, not built
 
     @property
     def keys(self) -> frozenset[str]:
@@ -101,6 +103,9 @@ class Replica:
         self.holdings_log = holdings_of(self.instance.engine.cache, self.replica)
         self.started = time.time()
         self.weight_bytes = self.instance.engine.weight_bytes()  # reported with every status: counted once
+        # documents fetched from other replicas' pools for requests here: how many, their bytes, and how
+        # long their requests waited for the other replicas' entries
+        self.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetch_wait_seconds": 0.0}
 
     async def run(self, route: Any, work: ReplicaWork,
                   builds: RemoteBuilds | None = None) -> AsyncIterator[Event | HoldingsMark | Mark]:
@@ -111,8 +116,8 @@ class Replica:
         ignores it. ``builds``: documents other
         replicas build for it meanwhile, stored here (checked) as they arrive while this replica
         builds the rest itself."""
-        job, running = self._job(work), asyncio.get_running_loop()
-        peer_work = self._peer_work(builds, running) if builds is not None else None
+        job, running, lent = self._job(work), asyncio.get_running_loop(), []
+        peer_work = self._peer_work(builds, running, lent) if builds is not None else None
         events: asyncio.Queue[Event] = asyncio.Queue()
         self.instance.loop.enqueue(job, lambda event: running.call_soon_threadsafe(events.put_nowait, event),
                                    peer_work)
@@ -136,6 +141,8 @@ class Replica:
                     break
         finally:
             job.cancel()  # no-op once finished; a client that left stops the work here
+            if lent:  # the documents fetched for it and not kept go back
+                self.instance.loop.call(lambda: self.instance.engine.cache.return_documents(lent))
 
     async def _batch(self, events: asyncio.Queue[Event]) -> list[Event]:
         """The next event and every one already queued behind it (a slow reader gets them in one
@@ -156,15 +163,16 @@ class Replica:
         steps = document_build_steps(self.instance.engine, jobs, loop.mode, keep=False)
         return await asyncio.wrap_future(loop.run_steps(steps, sum(len(job.token_ids) for job in jobs)))
 
-    def _peer_work(self, builds: RemoteBuilds, running: asyncio.AbstractEventLoop) -> PeerWork:
+    def _peer_work(self, builds: RemoteBuilds, running: asyncio.AbstractEventLoop, lent: list[str]) -> PeerWork:
         """The request's peer work, started by the loop once the request holds its room: this
         replica's own cold documents built on the loop while the others' entries are awaited here;
-        its outcome, once both are in, what the prefill is told was built for it."""
+        its outcome, once both are in, what the prefill is told was built for it. The keys of the
+        fetched documents lent to it (not kept in the pool) go to ``lent``."""
 
         def start(plan: RequestPlan) -> Future:  # on the loop's thread
             outcome: Future = Future()
-            own = self._own_builds(plan, builds.keys)
-            asyncio.run_coroutine_threadsafe(self._received(builds, own, outcome), running)
+            own = self._own_builds(plan, builds.keys | set(builds.fetched))
+            asyncio.run_coroutine_threadsafe(self._received(builds, own, outcome, lent), running)
             return outcome
 
         return start
@@ -184,28 +192,39 @@ class Replica:
         steps = document_build_steps(engine, list(jobs.values()), loop.mode)
         return frozenset(jobs), loop.run_steps(steps, sum(len(job.token_ids) for job in jobs.values()))
 
-    async def _received(self, builds: RemoteBuilds, own: tuple[frozenset[str], Future], outcome: Future) -> None:
+    async def _received(self, builds: RemoteBuilds, own: tuple[frozenset[str], Future], outcome: Future,
+                        lent: list[str]) -> None:
         """Off the loop, within ``builds.timeout_s``: the other replicas' entries received and stored
         (checked; a refused one is recomputed), and this replica's own builds done: ``outcome`` holds
         what was built for the request. On a failure or the deadline it fails instead, and the
         request's prefill builds here whatever it still misses."""
         try:
-            await asyncio.wait_for(self._all_built(builds, own[1]), builds.timeout_s)
+            await asyncio.wait_for(self._all_built(builds, own[1], lent), builds.timeout_s)
         except Exception as err:  # noqa: BLE001 - what is missing is built by the request's prefill
-            log.warning("a request's documents were not all built and stored within %.0f s (%s: %s); its prefill "
-                        "builds what it misses", builds.timeout_s, type(err).__name__, err)
+            why = f"not within {builds.timeout_s:.0f} s" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
+            log.warning("a request's documents from other replicas did not all come (%s); its prefill builds what "
+                        "it misses", why)
             outcome.set_exception(err)
             return
-        outcome.set_result((None, BuiltForRequest(own[0] | builds.keys, builds.remote)))
+        fetched = tuple((key, LENT_TIER) for key in builds.fetched)
+        outcome.set_result((None, BuiltForRequest(own[0] | builds.keys, builds.remote, loaded=fetched)))
 
-    async def _all_built(self, builds: RemoteBuilds, own: Future) -> None:
-        """The other replicas' entries received and stored (checked), and this replica's own builds
-        done. The caller's deadline covers all three: a build still running here when it passes is
-        not repeated by the request's prefill, which waits for it (``Prefiller``)."""
-        engine, loop = self.instance.engine, self.instance.loop
+    async def _all_built(self, builds: RemoteBuilds, own: Future, lent: list[str]) -> None:
+        """The other replicas' entries received and stored (checked) or, those fetched from another's
+        pool, lent to the request (kept only where there is room: ``lend_document``), and this
+        replica's own builds done. The caller's deadline covers all three: a build still running here
+        when it passes is not repeated by the request's prefill, which waits for it (``Prefiller``)."""
+        engine, loop, start = self.instance.engine, self.instance.loop, time.perf_counter()
         batches = await asyncio.gather(*builds.refs)
         entries = [entry for batch in batches for entry in batch]
-        await asyncio.wrap_future(loop.call(lambda: install_entries(engine, entries, loop.mode)))
+        fetched = set(builds.fetched)
+        built, copies = [e for e in entries if e.key not in fetched], [e for e in entries if e.key in fetched]
+        if copies:
+            self.fetches["fetched_documents"] += len(copies)
+            self.fetches["fetched_bytes"] += sum(entry.nbytes for entry in copies)
+            self.fetches["fetch_wait_seconds"] += time.perf_counter() - start
+        await asyncio.wrap_future(loop.call(lambda: install_entries(engine, built, loop.mode)))
+        lent += await asyncio.wrap_future(loop.call(lambda: lend_entries(engine, copies, loop.mode)))
         await asyncio.wrap_future(own)
 
     def _job(self, work: ReplicaWork) -> Any:
@@ -258,7 +277,7 @@ class Replica:
         pools = cache.describe()
         return {"replica": self.replica, "pid": os.getpid(), "node": socket.gethostname(), "node_ip": _node_ip(),
                 "node_id": _node_id(),
-                "counters": loop.snapshot, "documents_held": len(cache.document_keys()),
+                "counters": {**loop.snapshot, **self.fetches}, "documents_held": len(cache.document_keys()),
                 "public_pool_bytes": pools["public_pool"]["bytes"],
                 "public_pool_budget_bytes": pools["public_pool"]["budget_bytes"], "public_pool_fill": cache.public_fill(),
                 "private_pool_bytes": pools["private_pool"]["bytes"], "weight_bytes": self.weight_bytes,

@@ -26,6 +26,7 @@ class RouteTo:
     decode_tokens: int = 0  # the tokens it may decode (max_new_tokens times its samples)
     avoid: frozenset[str] = frozenset()  # replicas that already failed or refused it: others first
     reason: str = "load"  # why the ingress placed it on ``replica`` (counted as ``routed_by_<reason>``)
+    fetched: frozenset[str] = frozenset()  # its documents another replica sends it from its pool: no prefill
 
 
 @dataclass
@@ -61,13 +62,16 @@ class ClusterState:
                 self.reasons[key] = decision.reason
             return decision
 
-    def routed(self, key: str, replica: str, request: RouteRequest, decode_tokens: int, reason: str | None = None) -> None:
-        """Call ``key`` with ``request`` went to ``replica``: its cold tokens and decode budget count as
-        that replica's load; it counts as routed for ``reason`` (None: the one ``choose`` kept, else "load")."""
+    def routed(self, key: str, replica: str, request: RouteRequest, decode_tokens: int, reason: str | None = None,
+               fetched: frozenset[str] = frozenset()) -> None:
+        """Call ``key`` with ``request`` went to ``replica``: its cold tokens (what it holds and what is
+        ``fetched`` for it left out) and decode budget count as that replica's load; it counts as
+        routed for ``reason`` (None: the one ``choose`` kept, else "load")."""
         with self.lock:
             reason = self.reasons.pop(key, "load") if reason is None else reason
             holders = {document: self.index.holders(request.namespace, document) for document, _ in request.documents}
-            cold = request.prompt_tokens - sum(t for document, t in request.documents if replica in holders[document])
+            cold = request.prompt_tokens - sum(t for document, t in request.documents
+                                               if replica in holders[document] or document in fetched)
             load = self.loads.setdefault(replica, ReplicaLoad(replica))
             load.queued_prefill_tokens += cold
             load.running += 1
@@ -106,9 +110,9 @@ class ClusterState:
                     replica, max(0, report["queued_prefill_tokens"] - own.queued_prefill_tokens),
                     max(0, report["requests"] - own.running), max(0, report["decode_tokens"] - own.decode_tokens))
 
-    def count(self, name: str) -> None:
+    def count(self, name: str, amount: int = 1) -> None:
         with self.lock:
-            self.counters[name] += 1
+            self.counters[name] += amount
 
     def building(self, key: str, replica: str, tokens: int) -> None:
         """``replica`` builds ``tokens`` of documents for call ``key``: load until its prefill is done."""

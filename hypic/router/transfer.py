@@ -33,6 +33,21 @@ def install_entries(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> 
     return kept, refused
 
 
+def lend_entries(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> list[str]:
+    """Check received copies of entries another pool holds and lend them to a request here (kept
+    only if they fit beside what is held); returns the keys lent (to be returned once the request is
+    done with them). A refused one is left out: the combine pass recomputes it."""
+    check, lent = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config), []
+    for entry in entries:
+        try:
+            check(entry)
+        except TransferError:
+            continue
+        if not engine.cache.lend_document(entry):
+            lent.append(entry.key)
+    return lent
+
+
 def entry_check(fingerprint: str, role: Role, config: ModelConfig) -> Callable[[SegmentEntry], None]:
     """``check_entry`` against one model and role."""
     linear = linear_shapes(config)

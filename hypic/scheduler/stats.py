@@ -9,7 +9,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 PREFILL_TOTALS = ("prompt_tokens", "cached_tokens", "recomputed_tokens", "segments_hit", "segments_missed",
-                  "segments_built_remotely", "remote_prefill_tokens")  # exported as hypic_<name>_total
+                  "segments_built_remotely", "remote_prefill_tokens", "segments_fetched",
+                  "replica_cached_tokens")  # exported as hypic_<name>_total
 
 
 @dataclass

@@ -61,6 +61,7 @@ class Shaper:
             "cached_tokens": stats.cached_tokens, "ttft": c.ttft_s, "recomputed_tokens": stats.recomputed_tokens,
             "prefix_hit_tokens": stats.prefix_hit_tokens, "segments_hit": stats.segments_hit,
             "segments_missed": stats.segments_missed, "segments_built_remotely": stats.segments_built_remotely,
+            "segments_fetched": stats.segments_fetched,
             "remote_prefill_tokens": stats.remote_prefill_tokens, "combined_early_tokens": stats.combined_early_tokens,
             "combine_tokens": stats.combine_tokens, "cached_tokens_by_tier": stats.cached_tokens_by_tier, "mode": c.mode}
         if sample.finish_reason is not None:

@@ -51,6 +51,8 @@ def prometheus_text(snapshot: dict[str, Any], workers: dict[str, Any] | None = N
     lines.append(f"hypic_time_to_first_token_seconds_count{_labels(own)} {timed}")
     if "data_parallel" in snapshot:
         lines += _replica_lines(snapshot["data_parallel"], snapshot["routing"])
+        for name, help_text in FETCH_TOTALS:
+            metric(f"{name}_total", "counter", snapshot.get(name, 0), help_text)
     if workers is not None:
         metric("workers_live", "gauge", len(workers["workers"]), "workers serving (this process included)")
         metric("workers_lost_total", "counter", len(workers["lost_workers"]), "workers lost (died or timed out)")
@@ -84,12 +86,20 @@ def _labels(*pairs: str) -> str:
     return "{" + ",".join(given) + "}" if given else ""
 
 
+ROUTING_HELP = {"documents_fetched": "documents a request's replica was sent from the replica holding them, not built"}
+FETCH_TOTALS = (  # the replicas' own counts of what they fetched
+    ("fetched_documents", "documents fetched from other replicas' pools for requests here"),
+    ("fetched_bytes", "bytes of those documents' entries"),
+    ("fetch_wait_seconds", "seconds requests with fetched documents waited for other replicas' entries"))
+
+
 def _replica_lines(replicas: dict[str, Any], routing: dict[str, int]) -> list[str]:
     """A replicated service's replicas and its router's decisions (``hypic serve --dp-size``)."""
     lines = _metric_lines("replicas_live", "gauge", "replicas serving", {"": replicas["dp_size"]})
     own = _labels(_ingress_label(replicas))
     for name, count in routing.items():
-        lines += _metric_lines(f"{name}_total", "counter", f"requests {name.replace('_', ' ')}", {own: count})
+        help_text = ROUTING_HELP.get(name, f"requests {name.replace('_', ' ')}")
+        lines += _metric_lines(f"{name}_total", "counter", help_text, {own: count})
     lines += _metric_lines("replica_documents_held", "gauge", "documents each replica's memory holds",
                            {f'{{replica="{r["replica"]}"}}': r["documents_held"] for r in replicas["replicas"]})
     return lines

@@ -135,26 +135,33 @@ def _finished(value: Any) -> Future:
     return future
 
 
-def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: float,
-                  own_builds_end: bool = True) -> tuple[Any, float, float | None, list]:
+ENTRY_B = SimpleNamespace(key="b", nbytes=100)  # document b's entry as another replica sends it
+
+
+def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: float, own_builds_end: bool = True,
+                  fetched: bool = False, lent: list | None = None) -> tuple[Any, float, float | None, list]:
     """Start a replica's peer work for a request of documents "a" (its own to build) and "b" (built on
-    another replica, its entry arriving after ``arrives_after_s``; None: never); the outcome (or its
-    error), when it came, when the own build was queued, what was installed."""
+    another replica, or with ``fetched`` fetched from its pool, its entry arriving after
+    ``arrives_after_s``; None: never); the outcome (or its error), when it came, when the own build
+    was queued, what was installed. What was lent to the request goes to ``lent``."""
     installed: list = []
     monkeypatch.setattr(replica_module, "install_entries", lambda engine, entries, mode: installed.extend(entries))
+    monkeypatch.setattr(replica_module, "lend_entries", lambda engine, entries, mode: [e.key for e in entries])
     loop = BuildsHere(own_builds_end)
     replica = object.__new__(Replica)
     cache = SimpleNamespace(document_keys=frozenset, lower_tiers_of=lambda key, namespace: [])
     replica.instance = SimpleNamespace(loop=loop, engine=SimpleNamespace(cache=cache), close=lambda: None)
+    replica.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetch_wait_seconds": 0.0}
     plan = SimpleNamespace(parts=SimpleNamespace(namespace=""), documents=lambda: [(0, "a", (1, 2)), (1, "b", (3, 4, 5))])
 
     async def run() -> tuple[Any, float]:
         entry: asyncio.Future = asyncio.get_running_loop().create_future()
         if arrives_after_s is not None:
-            asyncio.get_running_loop().call_later(arrives_after_s, entry.set_result, ["entry-b"])
-        builds = RemoteBuilds((entry,), (("b", 3),), timeout_s)
+            asyncio.get_running_loop().call_later(arrives_after_s, entry.set_result, [ENTRY_B])
+        builds = RemoteBuilds((entry,), (), timeout_s, ("b",)) if fetched else RemoteBuilds((entry,), (("b", 3),), timeout_s)
         start = time.perf_counter()
-        outcome = asyncio.wrap_future(replica._peer_work(builds, asyncio.get_running_loop())(plan))
+        outcome = asyncio.wrap_future(replica._peer_work(builds, asyncio.get_running_loop(),
+                                                         lent if lent is not None else [])(plan))
         done, _ = await asyncio.wait({outcome}, timeout=5)  # the test's own deadline
         if not done:
             return "no outcome in 5 s", start
@@ -169,7 +176,7 @@ def test_a_replica_builds_its_own_documents_while_the_others_are_built_elsewhere
     arrives (0.3 s later); the request's outcome waits for both and says what was built for it."""
     value, start, queued_at, installed = _peer_outcome(monkeypatch, arrives_after_s=0.3, timeout_s=5.0)
     assert queued_at is not None and queued_at - start < 0.1
-    assert value == (None, BuiltForRequest(frozenset({"a", "b"}), (("b", 3),))) and installed == ["entry-b"]
+    assert value == (None, BuiltForRequest(frozenset({"a", "b"}), (("b", 3),))) and installed == [ENTRY_B]
 
 
 def test_documents_that_never_come_from_another_replica_fail_the_peer_work_at_its_deadline(monkeypatch: Any) -> None:
@@ -183,4 +190,16 @@ def test_own_builds_that_do_not_end_fail_the_peer_work_at_the_same_deadline(monk
     """The other replica's entry comes at once, this replica's own build never ends: the outcome fails
     at the deadline (0.3 s) rather than waiting on its own loop for good."""
     value, start, _, installed = _peer_outcome(monkeypatch, arrives_after_s=0.0, timeout_s=0.3, own_builds_end=False)
-    assert isinstance(value, TimeoutError) and time.perf_counter() - start < 2 and installed == ["entry-b"]
+    assert isinstance(value, TimeoutError) and time.perf_counter() - start < 2 and installed == [ENTRY_B]
+
+
+def test_a_document_fetched_from_another_replicas_pool_is_lent_to_the_request_and_counted_as_fetched(
+        monkeypatch: Any) -> None:
+    """b comes from another replica's pool, not built for the request: it is lent (not installed as a
+    build), the outcome counts it as loaded from another replica (a hit, not a miss) and only a as
+    built here."""
+    lent: list[str] = []
+    value, _, queued_at, installed = _peer_outcome(monkeypatch, arrives_after_s=0.05, timeout_s=5.0, fetched=True,
+                                                   lent=lent)
+    assert value == (None, BuiltForRequest(frozenset({"a"}), (), loaded=(("b", "replica"),)))
+    assert installed == [] and lent == ["b"] and queued_at is not None

@@ -262,3 +262,31 @@ def test_the_service_listens_where_asked_and_its_ray_refuses_a_stranger(cluster:
                           capture_output=True, text=True, timeout=90)
     assert done.returncode != 0 and ("InvalidAuthToken" in done.stderr or "AuthenticationError" in done.stderr), \
         done.stderr[-2000:]
+
+
+def test_a_document_another_replica_holds_is_fetched_from_it_and_answers_as_one_engine(cluster: ServerProcess) -> None:
+    """Two documents of over 128 tokens warmed, one on each replica: a request naming both goes to
+    one of them and gets the other's document from the replica that holds it (a hit, counted as
+    fetched; nothing missed or built), and answers as an engine that holds both; the service counts
+    the fetch and its bytes."""
+    cluster.post("/flush_cache", {})
+    before = cluster.get("/get_server_info")
+    long_docs = [" ".join(DOCS[0:3]), " ".join(DOCS[3:6])]
+    assert cluster.post("/warmup", {"documents": long_docs})["documents"] == 2
+    assert sorted(_held(cluster, lambda held: sorted(held.values()) == [1, 1]).values()) == [1, 1]
+    prompt = DEFAULT_SEPARATOR.join(["Answer from the records.", *long_docs, "Question: who was born first?"])
+    answer = _generate(cluster, prompt)
+    meta = answer["meta_info"]
+    engine = Engine.from_pretrained("default", dtype="float32")
+    engine.warmup(long_docs)
+    assert answer["output_ids"] == engine.generate(prompt, max_new_tokens=6).output_ids
+    assert (meta["segments_hit"], meta["segments_missed"], meta["segments_fetched"]) == (2, 0, 1), meta
+    assert meta["cached_tokens_by_tier"]["replica"] > 0 and meta["segments_built_remotely"] == 0
+    deadline, fetched = time.monotonic() + 10, before.get("fetched_documents", 0)
+    while (after := cluster.get("/get_server_info")).get("fetched_documents", 0) <= fetched:
+        assert time.monotonic() < deadline, after  # the replicas' statuses refresh every second
+        time.sleep(0.2)
+    assert after["routing"]["documents_fetched"] == before["routing"]["documents_fetched"] + 1
+    assert after["fetched_documents"] == fetched + 1 and after["fetched_bytes"] > 0
+    metrics = cluster.request("GET", "/metrics")[1]
+    assert re.search(r"^hypic_fetched_bytes_total [1-9]", metrics, re.M), metrics[-2000:]

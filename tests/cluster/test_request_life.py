@@ -416,3 +416,50 @@ def test_the_replicas_own_load_counts_at_an_ingress_only_beside_other_ingresses(
     with state.lock:
         queued = [load.queued_prefill_tokens for load in state.current_loads(["r0", "r1"])]
     assert queued == ([5000, 0] if ingresses > 1 else [0, 0])
+
+
+class WarmupHandle(FlushHandle):
+    """A deployment handle whose replicas warm their share (each document counted as its length in
+    characters), except those in ``dead``, whose call fails as a killed replica's does."""
+
+    def __init__(self, dead: set[str]) -> None:
+        super().__init__({})
+        self.dead, self.shares = dead, []
+
+    def remote(self, route: RouteTo, *args: Any) -> Any:
+        if self.method == "warmup":
+            return self._warm(route.replica, args[0])
+        return super().remote(route, *args)
+
+    async def _warm(self, replica: str, documents: list[str]) -> Any:
+        self.shares.append((replica, list(documents)))
+        if replica in self.dead:
+            raise ActorDiedError()
+        return [len(d) for d in documents], HoldingsMark(replica, "i", 0)
+
+
+def test_a_warm_up_share_whose_replica_dies_is_warmed_on_another() -> None:
+    """Four documents spread over r0 and r1; r0 dies with its share: that share is warmed on r1, and
+    every document's count comes back in order; with every replica dead the warm-up fails."""
+    documents = ["a" * 40, "b" * 30, "c" * 20, "d" * 10]
+
+    def warm(dead: set[str]) -> tuple[Any, list]:
+        state = ClusterState(policy_named("cache_aware"))
+        state.set_replicas(["r0", "r1"])
+        handle = WarmupHandle(dead)
+        front = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text: list(text)),
+                                check_documents=lambda docs: None, policy=lambda mode: SimpleNamespace(caches_segments=True))
+        loop = ReplicaLoop(front, handle, state, "hypic", None, spreads=False)  # type: ignore[arg-type]
+
+        async def run() -> Any:
+            loop.serve_on(asyncio.get_running_loop())
+            return await asyncio.wrap_future(loop.warmup(documents, ""))
+
+        return asyncio.run(run()), handle.shares
+
+    counts, shares = warm({"r0"})
+    assert counts == [40, 30, 20, 10]
+    first = {replica for replica, _ in shares[:2]}
+    assert first == {"r0", "r1"} and all(replica == "r1" for replica, _ in shares[2:])
+    with pytest.raises(ActorDiedError):
+        warm({"r0", "r1"})

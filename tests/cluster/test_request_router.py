@@ -135,3 +135,14 @@ def test_with_several_ingresses_a_replica_busy_with_the_others_work_is_passed_ov
     state.set_replicas(["r1"])
     assert "r0" not in state.foreign
 
+
+
+def test_a_document_fetched_for_a_request_is_no_prefill_load_on_its_replica() -> None:
+    """A request of 3,100 tokens whose 2,000-token document another replica sends: its replica's
+    queued prefill grows by 1,100 (the rest), not 3,100; without the fetch, by 3,100."""
+    state = ClusterState(policy_named("cache_aware"))
+    state.set_replicas(["r0", "r1"])
+    request = RouteRequest("t", (("d1", 1000), ("d2", 2000)), 3100)
+    state.routed("fetching", "r0", request, 0, fetched=frozenset({"d2"}))
+    state.routed("building", "r1", request, 0)
+    assert (state.loads["r0"].queued_prefill_tokens, state.loads["r1"].queued_prefill_tokens) == (1100, 3100)

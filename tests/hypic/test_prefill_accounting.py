@@ -13,18 +13,20 @@ def test_nothing_built_beforehand_counts_what_the_prefill_found() -> None:
     stats = Reuse(400, (100, "disk"), DOCUMENTS, combine_tokens=90).stats()
     assert (stats.prompt_tokens, stats.cached_tokens, stats.prefix_hit_tokens) == (400, 100 + 50 + 40 + 20, 100)
     assert (stats.segments_hit, stats.segments_missed, stats.combine_tokens) == (3, 1, 90)
-    assert stats.cached_tokens_by_tier == {"device": 70, "host": 0, "disk": 100, "mooncake": 40}
+    assert stats.cached_tokens_by_tier == {"device": 70, "host": 0, "disk": 100, "mooncake": 40, "replica": 0}
     assert stats.recomputed_tokens == 400 - 210
 
 
 def test_documents_built_for_the_request_are_misses_and_loaded_ones_count_their_tier() -> None:
     """Peers were to build b and c (of 36 and 48 tokens, seams included); b's build failed (the
-    prefill built it: tier None), c's entry arrived."""
-    built = BuiltForRequest(keys=frozenset({"b", "c"}), remote=(("b", 36), ("c", 48)), loaded=(("d", "disk"),))
+    prefill built it: tier None), c's entry arrived; a was fetched from another replica's pool."""
+    built = BuiltForRequest(keys=frozenset({"b", "c"}), remote=(("b", 36), ("c", 48)),
+                            loaded=(("d", "disk"), ("a", "replica")))
     stats = Reuse(400, None, DOCUMENTS, combine_tokens=90).stats(built)
     assert (stats.cached_tokens, stats.segments_hit, stats.segments_missed) == (50 + 20, 2, 2)
     assert (stats.segments_built_remotely, stats.remote_prefill_tokens) == (1, 48)
-    assert stats.cached_tokens_by_tier == {"device": 50, "host": 0, "disk": 20, "mooncake": 0}
+    assert (stats.segments_fetched, stats.replica_cached_tokens) == (1, 50)
+    assert stats.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 20, "mooncake": 0, "replica": 50}
 
 
 def test_a_resume_at_a_head_combined_early_counts_as_that_heads_reuse() -> None:

@@ -685,7 +685,8 @@ def test_host_memory_keeps_what_the_device_pool_evicts(make: MakeEngine) -> None
     result = engine.generate(text, max_new_tokens=8)
     parts = engine.parse(text)
     interiors = [hi - lo for lo, hi in (engine.seams.interior(len(s)) for s in parts.segments)]
-    assert result.stats.cached_tokens_by_tier == {"device": 0, "host": sum(interiors), "disk": 0, "mooncake": 0}
+    assert result.stats.cached_tokens_by_tier == {"device": 0, "host": sum(interiors), "disk": 0, "mooncake": 0,
+                                                  "replica": 0}
     assert host.staged == {} and host.counters.hits == 3
     assert result.output_ids == cold_tokens(make, text)
     from hypic.server.stats import _tier_lines
@@ -709,7 +710,7 @@ def test_host_memory_sends_its_least_recently_used_below(make: MakeEngine, tmp_p
     parts = engine.parse(prompt([2, 1, 0]))
     interiors = [hi - lo for lo, hi in (engine.seams.interior(len(s)) for s in parts.segments)]
     assert result.stats.cached_tokens_by_tier == {"device": interiors[0], "host": interiors[1], "disk": interiors[2],
-                                                  "mooncake": 0}
+                                                  "mooncake": 0, "replica": 0}
     assert result.output_ids == cold_tokens(make, prompt([2, 1, 0]))
 
 

@@ -1,0 +1,62 @@
+"""A document fetched from the pool of the replica that holds it, as ``--dp-size`` replicas do, is the
+entry that replica built, not built again: shipped as Ray ships it (tensors as numpy arrays), checked
+and lent to the request here, it equals the entry this engine would build, tensor for tensor, and the
+answer of a request that splices it equals one engine's that built every document itself."""
+import copyreg
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from hypic import DEFAULT_SEPARATOR, Engine
+from hypic.assembler import drain
+from hypic.cache.modes import Mode
+from hypic.cache.store import entry_tensors
+from hypic.router.plan import SegmentJob
+from hypic.router.serialization import tensor_from_array, tensor_to_array
+from hypic.router.transfer import lend_entries
+from hypic.router.worker import document_build_steps
+
+DOCUMENT = "Record 7: the heron of Welby was born in 1949 and studied herons near the river of Welby each spring."
+
+
+def _shipped(entries: list) -> list:
+    """``entries`` through pickle with tensors as numpy arrays (Ray's object store, as the replicas
+    register it)."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer)
+    pickler.dispatch_table = copyreg.dispatch_table.copy()
+    pickler.dispatch_table[torch.Tensor] = lambda t: (tensor_from_array, (tensor_to_array(t),))
+    pickler.dump(entries)
+    return pickle.loads(buffer.getvalue())
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["kept", "lent"])
+def test_a_fetched_document_equals_the_one_built_here_and_answers_alike(tiny_checkpoint: Path, room: bool) -> None:
+    """The holder's pool serves the entry (no build); here it is kept if the pool has room beside what
+    it holds, else lent to the request only and gone from memory once returned."""
+    holder = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
+    here = Engine.from_pretrained(tiny_checkpoint, seam_width=4, public_pool_bytes=None if room else 1)
+    oracle = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
+    holder.warmup([DOCUMENT])
+    ids = tuple(holder.tokenizer.encode(DOCUMENT))
+    key = holder.cache.document_key(ids, holder.policy("hypic"))
+    built: list = []
+    holder.prefiller.document_steps = lambda *a, **k: built.append(a)  # type: ignore[method-assign]
+    fetched = _shipped(drain(document_build_steps(holder, [SegmentJob(key, ids, "")], Mode.HYPIC, keep=False)))
+    assert built == []  # served from the holder's pool
+    lent = lend_entries(here, fetched, Mode.HYPIC)
+    assert lent == ([] if room else [key])
+    entry, tier = here.cache.match_document(key, ids, "")
+    assert tier == ("device" if room else "replica")
+    rebuilt = drain(oracle.prefiller.document_steps(key, ids, oracle.policy("hypic"), keep=False))
+    for got, want in zip(entry_tensors(entry), entry_tensors(rebuilt), strict=True):
+        assert torch.equal(got, want)
+    here.cache.unpin([key])
+    prompt = DEFAULT_SEPARATOR.join(["Answer from the record.", DOCUMENT, "Question: where was the heron born?"])
+    answer = here.generate(prompt, max_new_tokens=6)
+    assert answer.output_ids == oracle.generate(prompt, max_new_tokens=6).output_ids and answer.segments_missed == 0
+    here.cache.return_documents(lent)
+    assert here.cache.match_document(key, ids, "")[0] is (entry if room else None)
