@@ -15,11 +15,14 @@ both fp32. Op counts do not depend on the machine.
 
 Part ``time``: the shipped model in bfloat16 on ``--threads`` threads (1 by default): seconds from
 planning to the first token's logits of an all-hit request with 4 and with 16 documents in modes
-``hypic`` and ``naive`` (whole documents added without transitions, no seams) and of the same
-prompt under full recompute. Each point is measured on fresh pools (flushed, the documents warmed
-again, untimed) so no request resumes from another's states. ``--rounds`` rounds, each a warm-up
-request and ``--runs`` timed ones per point; with a baseline the rounds alternate between the two
-trees (each in a process of its own), so both see the same machine.
+``hypic`` and ``naive`` (whole documents added without transitions, no seams), in mode ``seams``
+(HYPIC's plan: the same seams recomputed and entries spliced, every document composed by addition
+instead of ``T_C``; wrong like ``naive``, it prices the transitions, the rest of a hit being the
+seams' compute), and of the same prompt under full recompute. Each point is measured on fresh pools
+(flushed, the documents warmed again, untimed) so no request resumes from another's states.
+``--rounds`` rounds, each a warm-up request per point, then ``--runs`` timed ones per point, the
+points taken in turn; with a baseline the rounds alternate between the two trees (each in a process
+of its own), so both see the same machine.
 
     python eval/bench_hit_host.py [--baseline REV] [--rounds 5] [--runs 2] [--json OUT]
 """
@@ -42,7 +45,8 @@ WORDS = ("the river stone cloud paper lamp green quiet north city field market w
          "morning evening island valley mountain kitchen station picture language history science").split()
 DOCUMENT_COUNTS = (2, 4, 8, 16)
 TIMED_COUNTS = (4, 16)
-MODES = ("hypic", "naive", "full")
+MODES = ("hypic", "seams", "naive", "full")
+SEAMS = "seams"  # HYPIC's plan, its documents added without T_C
 
 
 # ----- the worker: one tree's code ----------------------------------------------------------------------
@@ -88,8 +92,11 @@ def _shipped_model() -> str:
 
 
 def _prefill(engine: Any, text: str, mode: str) -> Any:
+    from dataclasses import replace
     from hypic.assembler import drain
-    plan = engine.plan(engine.parse(text), mode)
+    plan = engine.plan(engine.parse(text), "hypic" if mode == SEAMS else mode)
+    if mode == SEAMS:
+        plan = replace(plan, policy=replace(plan.policy, transitions=False))
     return drain(engine.prefiller.prefill_steps(plan))
 
 
@@ -136,8 +143,8 @@ def ops_part() -> dict[str, Any]:
 
 def _timed(engine: Any, docs: list[str], mode: str, count: int, order_seed: int) -> float:
     engine.flush()
-    if mode in ("hypic", "naive"):
-        engine.warmup(docs[:count], mode)
+    if mode != "full":
+        engine.warmup(docs[:count], "hypic" if mode == SEAMS else mode)
     text = prompt(docs, count, order_seed)
     start = time.perf_counter()
     prefill = _prefill(engine, text, mode)
@@ -151,11 +158,13 @@ def time_part(threads: int, runs: int, round_number: int) -> dict[str, Any]:
     import torch
     torch.set_num_threads(threads)
     engine, docs = _engine(_shipped_model(), "bfloat16"), documents(max(TIMED_COUNTS))
-    found: dict[str, list[float]] = {}
-    for mode in MODES:
-        for count in TIMED_COUNTS:
-            _timed(engine, docs, mode, count, 7)  # a warm-up, not kept
-            found[f"{mode}/{count}"] = [_timed(engine, docs, mode, count, 100 * round_number + run) for run in range(runs)]
+    points = [(mode, count) for mode in MODES for count in TIMED_COUNTS]
+    for mode, count in points:
+        _timed(engine, docs, mode, count, 7)  # a warm-up, not kept
+    found: dict[str, list[float]] = {f"{mode}/{count}": [] for mode, count in points}
+    for run in range(runs):  # the points in turn, so a slow spell of the machine falls on all of them
+        for mode, count in points:
+            found[f"{mode}/{count}"].append(_timed(engine, docs, mode, count, 100 * round_number + run))
     return found
 
 
@@ -195,6 +204,7 @@ def _medians(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
 def _ratios(median: dict[str, float]) -> dict[str, float]:
     return {"hypic 16 / hypic 4": median["hypic/16"] / median["hypic/4"],
             "hypic / naive at 16": median["hypic/16"] / median["naive/16"],
+            "hypic / seams at 16": median["hypic/16"] / median["seams/16"] if "seams/16" in median else float("nan"),
             "hypic / naive at 4": median["hypic/4"] / median["naive/4"],
             "full / hypic at 16": median["full/16"] / median["hypic/16"],
             "full / hypic at 4": median["full/4"] / median["hypic/4"]}
