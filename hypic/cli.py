@@ -87,6 +87,17 @@ def positive(text: str) -> int:
     return _at_least(1, text)
 
 
+def positive_float(text: str) -> float:
+    """A number of seconds above 0 (``--ttft-slo``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {as_written(text)}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def non_negative(text: str) -> int:
     """A count that may be 0 (``--seam-width``)."""
     return _at_least(0, text)
@@ -241,6 +252,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --dp-size on this machine alone: start even if the replicas' threads (--dp-size x "
                             "--threads x --tp-size) outnumber the CPUs this process may use (each then computes "
                             "slower; refused otherwise)")
+    serve.add_argument("--ttft-slo", type=positive_float, default=None,
+                       help="with --dp-size: refuse at once (503 with retry-after) a request every replica is predicted "
+                            "to give its first token later than this many seconds (the prefill queued on it and its "
+                            "own, at the prefill rate each replica measured), instead of letting it wait in a queue; "
+                            "counted in /metrics (hypic_refused_for_slo_total) (default: none)")
     serve.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
                        help="how --dp-size routes a request: cache_aware = the replica with the fewest tokens to "
                             "prefill given the documents and prefix it holds, plus its queued work, skipping one far "
@@ -388,6 +404,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     _check_memory(args)
     if args.ingress_replicas > 1 and args.dp_size == 1:
         raise HypicError("--ingress-replicas above 1 needs --dp-size above 1: one instance is its own ingress")
+    if args.ttft_slo is not None and args.dp_size == 1:
+        raise HypicError("--ttft-slo needs --dp-size above 1: it refuses a request when every replica is too busy")
     if args.dp_size > 1 and args.workers > 1:
         raise HypicError("--dp-size above 1 with --workers above 1 is not served: replicas already build each "
                          "other's documents; use --dp-size")

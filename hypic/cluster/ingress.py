@@ -38,7 +38,7 @@ from .state import ClusterState, RouteTo, state_named
 
 log = logging.getLogger("hypic.cluster")
 STATUS_EVERY_S = 1.0  # how often the ingress refreshes the replicas' counters (/metrics, /get_server_info)
-ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried", "documents_fetched")
+ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried", "documents_fetched", "refused_for_slo")
 CALL_TIMEOUT_S = 300.0  # the most a call to a replica (warm-up, flush, status) may take
 STATUS_TIMEOUT_S = 10.0  # a replica whose status takes longer (its host cut off) is left out of that refresh
 ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
@@ -122,9 +122,10 @@ class ReplicaLoop:
 
     def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
                  max_state_bytes: int | None, spreads: bool = True, silence_s: float = SILENCE_S,
-                 ingresses: int = 1) -> None:
+                 ingresses: int = 1, ttft_slo_s: float | None = None) -> None:
         self.engine, self.mode, self.state, self.silence_s = front, Mode.parse(mode), state, silence_s
         self.ingresses = ingresses  # of the service (this one included): its own counters are labelled by name
+        self.ttft_slo_s = ttft_slo_s  # a request every replica would answer later than this is refused at once
         self.name, self.calls = uuid.uuid4().hex[:8], itertools.count()  # call keys: unique across ingresses
         # a replica of several ranks holds shards: its documents are not built by another replica
         self.spreads = spreads and front.policy(self.mode).caches_segments
@@ -162,6 +163,11 @@ class ReplicaLoop:
             heard = heard or job.request.stream or isinstance(event, (DoneEvent, ErrorEvent))
             emit(event)
 
+        over = self._over_slo(job)
+        if over is not None:
+            self.state.count("refused_for_slo")
+            emit(ErrorEvent(over, busy=True))
+            return
         tried: set[str] = set()  # the replicas that failed it, filled by each attempt
         try:
             for attempt in range(1, ATTEMPTS + 1):
@@ -184,6 +190,17 @@ class ReplicaLoop:
             else:
                 log.error("request %s failed on its replica: %s", job.rid, err)
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
+
+    def _over_slo(self, job: Job) -> str | None:
+        """Why ``job`` is refused at once (None: it is not): every replica measured so far is
+        predicted to give its first token later than ``ttft_slo_s`` (``ClusterState.predicted_ttft``)."""
+        if self.ttft_slo_s is None:
+            return None
+        predicted = self.state.predicted_ttft(route_request(job), list(self.state.replicas))
+        if not predicted or min(predicted.values()) <= self.ttft_slo_s:
+            return None
+        return (f"every replica would give the first token later than the --ttft-slo of {self.ttft_slo_s:g} s "
+                f"(the soonest in {min(predicted.values()):.2f} s, at the prefill queued on it)")
 
     async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool, tried: set[str]) -> None:
         """One try at ``job``, on a replica not in ``tried`` while there is one (the one it reached is
@@ -391,6 +408,8 @@ class ReplicaLoop:
                                        return_exceptions=True)
         fresh = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
         self.state.pools_filled({r: a["public_pool_fill"] for r, a in fresh.items()})
+        self.state.passes_reported({r: (a["counters"]["pass_tokens"], a["counters"]["pass_seconds"])
+                                    for r, a in fresh.items() if "pass_tokens" in a["counters"]})
         if self.ingresses > 1:  # the others' work on the replicas: one ingress knows all its replicas do
             self.state.loads_reported({r: a["counters"]["load"] for r, a in fresh.items() if "load" in a["counters"]})
         self.statuses.update(fresh)  # a replica slow to answer this time keeps its last status

@@ -54,7 +54,7 @@ class Ingress:
         self.state = ClusterState(policy_named(args.router_policy, **({"fetch_credit": FETCH_CREDIT} if fetches else {})))
         register_state(STATE_NAME, self.state)
         self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,
-                                spreads=fetches,
+                                spreads=fetches, ttft_slo_s=args.ttft_slo,
                                 silence_s=args.worker_timeout, ingresses=args.ingress_replicas)
         await self.loop.wait_for_replicas(args.dp_size, START_TIMEOUT_S)
         self.asgi = OnServingLoop(build_app(self.loop, info, None, limits), self.loop.serve_on)

@@ -48,6 +48,7 @@ class ClusterState:
         self.gone: dict[str, None] = {}  # the replicas last gone, oldest first (their late news is ignored)
         self.loads: dict[str, ReplicaLoad] = {}  # what this ingress sent each replica and it has not done
         self.foreign: dict[str, ReplicaLoad] = {}  # what other ingresses did, as the replica's last status told
+        self.rates: dict[str, PrefillRate] = {}  # each replica's prefill tokens per second, as its passes measured
         self.inflight: dict[str, InFlight] = {}  # by call key
         self.builds: dict[str, list[tuple[str, int]]] = {}  # call key -> (replica, tokens) others build for it
         self.reasons: dict[str, str] = {}  # call key -> why the router chose its replica, until it is routed
@@ -110,6 +111,24 @@ class ClusterState:
                     replica, max(0, report["queued_prefill_tokens"] - own.queued_prefill_tokens),
                     max(0, report["requests"] - own.running), max(0, report["decode_tokens"] - own.decode_tokens))
 
+    def passes_reported(self, reports: dict[str, tuple[int, float]]) -> None:
+        """Each replica's prefill passes so far (tokens computed, seconds), from its status."""
+        with self.lock:
+            for replica, (tokens, seconds) in reports.items():
+                if replica not in self.gone:
+                    self.rates.setdefault(replica, PrefillRate()).update(tokens, seconds)
+
+    def predicted_ttft(self, request: RouteRequest, candidates: list[str]) -> dict[str, float]:
+        """Replica -> the seconds until ``request``'s first token there: the prefill queued on it and
+        what it would prefill of this request (the policy's count, what it holds and can fetch left
+        out), at the rate its passes measured; replicas not measured yet are left out."""
+        with self.lock:
+            loads = {load.replica: load for load in self.current_loads(candidates)}
+            tokens = self.policy.prefill_tokens(request, sorted(loads), self.index) \
+                if hasattr(self.policy, "prefill_tokens") else dict.fromkeys(loads, float(request.prompt_tokens))
+            return {r: (loads[r].queued_prefill_tokens + tokens[r]) / self.rates[r].per_s
+                    for r in loads if r in self.rates and self.rates[r].per_s}
+
     def count(self, name: str, amount: int = 1) -> None:
         with self.lock:
             self.counters[name] += amount
@@ -170,6 +189,7 @@ class ClusterState:
                 self.index.forget(replica)
                 self.loads.pop(replica, None)
                 self.foreign.pop(replica, None)
+                self.rates.pop(replica, None)
                 self.gone[replica] = None
             for replica in new:
                 self.gone.pop(replica, None)  # listed again (the router's list flapped): its news counts
@@ -178,6 +198,28 @@ class ClusterState:
                 del self.gone[replica]  # long gone: no late news of it is still on its way
             self.replicas = sorted(replicas)
             return new
+
+
+@dataclass
+class PrefillRate:
+    """A replica's prefill tokens per second: the mean of its passes over its first report, then
+    moved a third of the way to each later report's rate (over passes of at least ``MIN_SECONDS``)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    per_s: float | None = None
+
+    MIN_SECONDS = 0.2  # less prefill time than this between two reports says too little of the rate
+    WEIGHT = 1 / 3
+
+    def update(self, tokens: int, seconds: float) -> None:
+        if tokens < self.tokens or seconds < self.seconds:  # a replaced replica counts from zero
+            self.tokens = self.seconds = 0
+        worked = seconds - self.seconds
+        if worked >= self.MIN_SECONDS:
+            rate = (tokens - self.tokens) / worked
+            self.per_s = rate if self.per_s is None else self.per_s + self.WEIGHT * (rate - self.per_s)
+            self.tokens, self.seconds = tokens, seconds
 
 
 def with_added(load: ReplicaLoad, other: ReplicaLoad) -> ReplicaLoad:

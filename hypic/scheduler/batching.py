@@ -133,6 +133,7 @@ class Batching:
         steps. If the batch fails, each pass is put back and run alone: only a failing one fails."""
         works = [p.work for p in batch if p.work is not None]
         restores = [work.checkpoint() for work in works] if len(works) > 1 else []
+        start = time.perf_counter()
         try:
             results: list[CombineResult] = self.sync.model_call(lambda: self.engine.runner.run(works),
                                                                 [v for p in batch for v in (p.serial, p.work.tokens)])
@@ -145,6 +146,7 @@ class Batching:
             for pending in batch:
                 self._run([pending])
             return
+        self.stats.add_pass(sum(work.tokens for work in works), time.perf_counter() - start)
         for pending, work, result in zip(batch, works, results):
             pending.remaining = self.policy.left(pending.remaining, work.tokens)
             self._resume(pending, result)

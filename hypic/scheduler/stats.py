@@ -28,6 +28,13 @@ class LoopStats:
     prefill: PrefillStats = field(default_factory=PrefillStats)  # summed over prefilled requests
     ttft_sum_s: float = 0.0
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    pass_tokens: int = 0  # prompt tokens the prefill passes computed (what a router's prefill rate is read from)
+    pass_seconds: float = 0.0  # ... and the seconds those passes took
+
+    def add_pass(self, tokens: int, seconds: float) -> None:
+        """A prefill step's passes: ``tokens`` computed in ``seconds``."""
+        self.pass_tokens += tokens
+        self.pass_seconds += seconds
 
     def add_prefill(self, stats: PrefillStats) -> None:
         self.prefill.add(stats)

@@ -86,7 +86,8 @@ def _labels(*pairs: str) -> str:
     return "{" + ",".join(given) + "}" if given else ""
 
 
-ROUTING_HELP = {"documents_fetched": "documents a request's replica was sent from the replica holding them, not built"}
+ROUTING_HELP = {"documents_fetched": "documents a request's replica was sent from the replica holding them, not built",
+                "refused_for_slo": "requests refused at once: every replica was predicted to answer later than --ttft-slo"}
 FETCH_TOTALS = (  # the replicas' own counts of what they fetched
     ("fetched_documents", "documents fetched from other replicas' pools for requests here"),
     ("fetched_bytes", "bytes of those documents' entries"),

@@ -19,7 +19,7 @@ from hypic.cluster.holdings import HoldingsMark
 from hypic.cluster.index import Announcement, HoldingEvent, Tier
 from hypic.cluster.ingress import ReplicaLoop
 from hypic.cluster.replica import ALIVE, PREFILLED
-from hypic.cluster.routing import policy_named
+from hypic.cluster.routing import ReplicaLoad, policy_named
 from hypic.cluster.state import ClusterState, RouteTo
 from hypic.errors import HypicError
 from hypic.prefill_stats import PrefillStats
@@ -463,3 +463,23 @@ def test_a_warm_up_share_whose_replica_dies_is_warmed_on_another() -> None:
     assert first == {"r0", "r1"} and all(replica == "r1" for replica, _ in shares[2:])
     with pytest.raises(ActorDiedError):
         warm({"r0", "r1"})
+
+
+def test_a_request_every_replica_would_answer_too_late_is_refused_at_once() -> None:
+    """Both replicas measured 1,000 prompt tokens a second and have 3,000 and 5,000 queued: a request
+    of its prompt's tokens would see its first token in (3,000 + its tokens) / 1,000 s at the soonest.
+    With --ttft-slo 1 it is refused as busy (a 503) before any replica is called, within
+    milliseconds, and counted; with 10 it runs."""
+    loop, replicas, state = _loop({"r0": answers, "r1": answers})
+    state.passes_reported({"r0": (10_000, 10.0), "r1": (20_000, 20.0)})
+    for replica, queued in (("r0", 3000), ("r1", 5000)):
+        state.loads.setdefault(replica, ReplicaLoad(replica)).queued_prefill_tokens = queued
+    loop.ttft_slo_s = 1.0
+    start = time.perf_counter()
+    [refused] = _serve(loop, ["late"])
+    assert isinstance(refused, ErrorEvent) and refused.busy and time.perf_counter() - start < 0.05
+    assert f"in {(3000 + len(PROMPT)) / 1000:.2f} s" in refused.message, refused.message
+    assert replicas.calls == [] and state.counters["refused_for_slo"] == 1
+    loop.ttft_slo_s = 10.0
+    [served] = _serve(loop, ["in time"])
+    assert isinstance(served, DoneEvent) and [replica for replica, _, _ in replicas.calls] == ["r0"]
