@@ -256,10 +256,11 @@ class ReplicaLoop:
         if not builds and not fetches:
             return route, None
         documents, calls = list(job.plan.documents()), []
-        for replica, indices in [*builds.items(), *fetches.items()]:
+        for replica, indices, built in [*((r, i, True) for r, i in builds.items()),
+                                        *((r, i, False) for r, i in fetches.items())]:
             jobs = [SegmentJob(documents[i][1], documents[i][2], job.parts.namespace) for i in indices]
-            if replica in builds:
-                self.state.building(route.key, replica, sum(route.request.documents[i][1] for i in builds[replica]))
+            if built:  # a fetch adds no prefill to its sender
+                self.state.building(route.key, replica, sum(route.request.documents[i][1] for i in indices))
             pinned = RouteTo(f"{route.key}-build", replica=replica)
             calls.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
         # each reference once its call is placed (a replica that left never takes it: the deadline)

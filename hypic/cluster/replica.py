@@ -141,7 +141,8 @@ class Replica:
                     break
         finally:
             job.cancel()  # no-op once finished; a client that left stops the work here
-            if lent:  # the documents fetched for it and not kept go back
+            if builds is not None and builds.fetched:  # what was lent to it goes back: after the loan, which
+                # the loop ran first if it ran at all (its commands run in order), so ``lent`` is read then
                 self.instance.loop.call(lambda: self.instance.engine.cache.return_documents(lent))
 
     async def _batch(self, events: asyncio.Queue[Event]) -> list[Event]:
@@ -224,7 +225,8 @@ class Replica:
             self.fetches["fetched_bytes"] += sum(entry.nbytes for entry in copies)
             self.fetches["fetch_wait_seconds"] += time.perf_counter() - start
         await asyncio.wrap_future(loop.call(lambda: install_entries(engine, built, loop.mode)))
-        lent += await asyncio.wrap_future(loop.call(lambda: lend_entries(engine, copies, loop.mode)))
+        # the loan is recorded on the loop, so it is returned even if this wait is cut short meanwhile
+        await asyncio.wrap_future(loop.call(lambda: lent.extend(lend_entries(engine, copies, loop.mode))))
         await asyncio.wrap_future(own)
 
     def _job(self, work: ReplicaWork) -> Any:

@@ -291,11 +291,12 @@ FETCH_CREDIT = 0.05
 
 
 def fetch_sources(request: RouteRequest, combine: str, loads: list[ReplicaLoad], index: DocumentIndex,
-                  min_tokens: int = MIN_SPREAD_TOKENS) -> dict[str, list[int]]:
+                  min_tokens: int = 0) -> dict[str, list[int]]:
     """Which of ``request``'s documents ``combine`` (the replica that serves it) holds in no tier while
     another replica holds them in memory: fetched from that one (the least queued of their holders)
     instead of built. Replica -> the indices (into ``request.documents``) it sends; documents shorter
-    than ``min_tokens`` are built where they are needed."""
+    than ``min_tokens`` are built where they are needed (none by default: one call per holder brings
+    all it sends, and a short document fetched is still a hit)."""
     queued = {load.replica: load.queued_prefill_tokens for load in loads}
     sources: dict[str, list[int]] = {}
     for number, (key, tokens) in enumerate(request.documents):

@@ -290,3 +290,19 @@ def test_a_document_another_replica_holds_is_fetched_from_it_and_answers_as_one_
     assert after["fetched_documents"] == fetched + 1 and after["fetched_bytes"] > 0
     metrics = cluster.request("GET", "/metrics")[1]
     assert re.search(r"^hypic_fetched_bytes_total [1-9]", metrics, re.M), metrics[-2000:]
+
+
+def test_the_readmes_quick_start_is_all_hits_on_two_replicas(cluster: ServerProcess) -> None:
+    """The README's quick start (two documents warmed, then a request naming both in another order)
+    against --dp-size 2: the warm-up puts one document on each replica, and the request, wherever it
+    goes, hits both: the one its replica holds, and the other fetched from the replica that holds it."""
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    calls = [shlex.split(line) for line in readme.splitlines() if line.startswith("curl -s localhost:30000/")]
+    bodies = {argv[2].rsplit("/", 1)[1]: json.loads(argv[argv.index("-d") + 1]) for argv in calls}
+    cluster.post("/flush_cache", {})
+    assert cluster.post("/warmup", bodies["warmup"])["documents"] == 2
+    assert sorted(_held(cluster, lambda held: sorted(held.values()) == [1, 1]).values()) == [1, 1]
+    meta = cluster.post("/generate", bodies["generate"])["meta_info"]
+    assert (meta["segments_hit"], meta["segments_missed"], meta["segments_fetched"]) == (2, 0, 1), meta

@@ -311,12 +311,14 @@ def test_where_documents_can_be_fetched_a_request_goes_by_load_not_to_their_hold
 
 def test_the_documents_a_replica_lacks_come_from_the_least_loaded_replica_holding_them() -> None:
     """c serves a request of d1 (held in memory by a and b), d2 (held by b), d3 (no one), d4 (c's own
-    disk holds it) and d5 (held by a, 100 tokens: built where needed). With b less queued than a, d1
-    and d2 come from b; nothing else is fetched. The cold d3 is left to the builds, which place it on
-    the least queued counting c's rest of the prompt (2,200 - 500 = 1,700 tokens): b's 300."""
+    disk holds it) and d5 (held by a, 100 tokens). With b less queued than a, d1 and d2 come from b,
+    d5 from a (unless short documents are left to be built: ``min_tokens``); d4 is not fetched. The
+    cold d3 is left to the builds, which place it on the least queued counting c's rest of the prompt
+    (2,200 - 500 = 1,700 tokens): b's 300."""
     index = cluster({"a": [("d1", Tier.MEMORY), ("d5", Tier.MEMORY)], "b": [("d1", Tier.MEMORY), ("d2", Tier.MEMORY)],
                      "c": [("d4", Tier.DISK)]})
     request = RouteRequest("t", (("d1", 500), ("d2", 500), ("d3", 500), ("d4", 500), ("d5", 100)), 2200)
     loads = [ReplicaLoad("a", queued_prefill_tokens=900), ReplicaLoad("b", queued_prefill_tokens=300), ReplicaLoad("c")]
-    assert fetch_sources(request, "c", loads, index) == {"b": [0, 1]}
+    assert fetch_sources(request, "c", loads, index) == {"b": [0, 1], "a": [4]}
+    assert fetch_sources(request, "c", loads, index, min_tokens=128) == {"b": [0, 1]}
     assert spread_cold_documents(request, "c", loads, index, fetched=frozenset({0, 1})) == {"b": [2]}
