@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worktrees import checkout, remove
+
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the river stone cloud paper lamp green quiet north city field market winter garden bridge tower "
          "engine signal harbor forest letter window music teacher doctor village summer number silver story "
@@ -189,13 +191,6 @@ def _run_worker(tree: Path, part: str, args: argparse.Namespace, round_number: i
     return result
 
 
-def _baseline_tree(rev: str) -> Path:
-    tree = Path(tempfile.mkdtemp()) / "baseline"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(tree), rev], check=True,
-                   capture_output=True)
-    return tree
-
-
 def _medians(rounds: list[dict[str, list[float]]]) -> dict[str, float]:
     keys = rounds[0].keys()
     return {key: statistics.median(t for r in rounds for t in r[key]) for key in keys}
@@ -239,7 +234,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     from hypic.evaluation.cluster import machine
-    trees = {"after": ROOT} | ({"before": _baseline_tree(args.baseline)} if args.baseline else {})
+    trees = {"after": ROOT} | ({"before": checkout(args.baseline)} if args.baseline else {})
     report: dict[str, Any] = {"machine": machine(), "baseline": args.baseline, "threads": args.threads,
                               "rounds": args.rounds, "runs": args.runs}
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, ISA {' '.join(report['machine']['isa'])}")
@@ -265,8 +260,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.baseline:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(trees["before"])], check=False,
-                       capture_output=True)
+        remove(trees["before"])
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from worktrees import checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 1000
@@ -162,13 +163,6 @@ def _measure_in(tree: Path, held: int, disk: bool, requests: int) -> dict[str, A
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _worktree(rev: str) -> Path:
-    path = Path(tempfile.mkdtemp()) / "baseline"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
-                   capture_output=True)
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--held", type=int, nargs="+", default=[10_000, 100_000])
@@ -176,7 +170,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="a commit whose holdings feed is measured beside this tree's")
     parser.add_argument("--json", type=Path, help="write every request's time here")
     args = parser.parse_args()
-    trees = {"this tree": ROOT} | ({f"baseline {args.baseline}": _worktree(args.baseline)} if args.baseline else {})
+    trees = {"this tree": ROOT} | ({f"baseline {args.baseline}": checkout(args.baseline)} if args.baseline else {})
     try:
         runs = _runs(args, trees)
     finally:

@@ -17,11 +17,12 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from worktrees import checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"one-1t": ([], 1), "one-2t": ([], 2), "dp2": (["--dp-size", "2"], 1)}  # options, threads (a replica's)
@@ -64,13 +65,6 @@ def measure(tree: Path, name: str, runs: int, doc_tokens: int, tokenizer: Any, s
         server.stop()
 
 
-def _baseline_tree(rev: str) -> Path:
-    tree = Path(tempfile.mkdtemp()) / "baseline"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
-                   capture_output=True)
-    return tree
-
-
 def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(row[key] for row in rows)
 
@@ -84,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     from hypic import Engine
     tokenizer = Engine.from_pretrained("default").tokenizer
-    trees = {"after": ROOT} | ({"before": _baseline_tree(args.baseline)} if args.baseline else {})
+    trees = {"after": ROOT} | ({"before": checkout(args.baseline)} if args.baseline else {})
     found: dict[str, list[dict[str, Any]]] = {}
     for label, tree in trees.items():
         for name in CONFIGS if label == "after" else ["dp2"]:
