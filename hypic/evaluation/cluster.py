@@ -1,9 +1,13 @@
 """``hypic eval cluster``: N replicas behind the document-aware router against one server, on a
 multi-tenant RAG workload whose documents outgrow one replica's public pool.
 
-The workload (``tenants``): T tenants with D documents each; a request is a shared system line, k of
-one tenant's documents in a fresh order, and a question (with ``--tenant-namespaces``, in a cache
-namespace of its tenant's); Poisson arrivals. Its working set (every
+The workload (``--workload tenants``): T tenants with D documents each; a request is a shared system
+line, k of one tenant's documents in a fresh order, and a question (with ``--tenant-namespaces``, in a
+cache namespace of its tenant's); ``--churn`` p: a request names a document new to its tenant with
+probability p. ``--workload shared``: one knowledge base every user asks (``--corpus-docs`` documents,
+each request ``--docs-per-request`` of them drawn by Zipf's law, exponent ``--doc-zipf``, in random
+order); its warm-up is ``--warm-requests`` (default 32: covering a Zipf corpus would take thousands).
+Poisson arrivals. Its working set (every
 document's public-pool entry) is measured first on a ``hypic serve`` started for that (every document
 warmed, ``/get_server_info``'s public-pool bytes read), and one replica's public pool is sized to
 hold ``1 / --pool-ratio`` of it (or is ``--public-pool-size``): the working set must be larger than
@@ -44,7 +48,7 @@ from .data import DataError
 from .load import capacities, level_done, sample_id, summarize_load, warm_and_replay
 from .results import ResultLog
 from .targets import ServerTarget
-from .tenants import TenantConfig, TenantWorkload
+from .tenants import TenantConfig, TenantWorkload, shared_corpus
 from .trace import TraceError
 
 DATASET = "tenant-rag"
@@ -76,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hit-dp-size", type=int, default=4,
                         help="replicas of the untimed hit-rate configuration (0: none)")
     parser.add_argument("--hit-qps", type=float, default=0.5, help="the untimed configuration's one QPS level")
+    parser.add_argument("--workload", choices=("tenants", "shared"), default="tenants",
+                        help="tenants: each tenant its own documents; shared: one corpus every user asks, "
+                             "documents drawn by Zipf popularity")
+    parser.add_argument("--corpus-docs", type=int, default=400, help="--workload shared: documents in the corpus")
+    parser.add_argument("--doc-zipf", type=float, default=1.0, help="--workload shared: Zipf exponent of documents")
+    parser.add_argument("--churn", type=float, default=0.0,
+                        help="share of requests that name a document new to their tenant (a growing knowledge base)")
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--docs-per-tenant", type=int, default=6)
     parser.add_argument("--docs-per-request", type=int, default=3)
@@ -422,17 +433,28 @@ def _header(summary: dict[str, Any]) -> str:
         f"requests ({runs['per_level']} per level, after {runs['warm_per_level']} untimed warm-up requests each).", ""])
 
 
+SHARED_WARM_REQUESTS = 32  # a shared corpus's warm-up: its Zipf tail would take thousands of requests to cover
+
+
+def workload_of(args: argparse.Namespace) -> TenantWorkload:
+    """The workload ``args`` ask for (``DataError`` naming what is wrong)."""
+    try:
+        if args.workload == "shared":
+            return TenantWorkload(shared_corpus(args.corpus_docs, args.docs_per_request, args.doc_zipf, args.doc_words,
+                                                args.seed, args.churn))
+        return TenantWorkload(TenantConfig(args.tenants, args.docs_per_tenant, args.docs_per_request, args.doc_words,
+                                           args.tenant_zipf, args.seed, args.tenant_namespaces, churn=args.churn))
+    except TraceError as err:
+        raise DataError(str(err)) from None
+
+
 def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
     """The cluster study of ``args``: records, summary, and where they were written."""
     from tqdm import tqdm
     _check(args)
-    try:
-        workload = TenantWorkload(TenantConfig(args.tenants, args.docs_per_tenant, args.docs_per_request,
-                                               args.doc_words, args.tenant_zipf, args.seed, args.tenant_namespaces))
-    except TraceError as err:
-        raise DataError(str(err)) from None
+    workload = workload_of(args)
     if args.warm_requests is None:
-        args.warm_requests = warm_requests_covering(workload)
+        args.warm_requests = warm_requests_covering(workload) if args.workload == "tenants" else SHARED_WARM_REQUESTS
     configs = configurations(args)
     results = ResultLog(args.out / "cluster.jsonl")
     records: list[dict[str, Any]] = []
@@ -440,7 +462,8 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
         logs = Path(folder)
         working_set = measure_working_set(workload, args, logs)
         pool = pool_size(working_set, args)
-        print(f"hypic eval cluster: {args.tenants} tenants x {args.docs_per_tenant} documents of {args.doc_words} "
+        shape = workload.config
+        print(f"hypic eval cluster: {shape.tenants} tenants x {shape.docs_per_tenant} documents of {args.doc_words} "
               f"words, working set {working_set['bytes']:,} bytes; one replica's public pool {pool:,} bytes; "
               f"configurations {', '.join(c.label for c in configs)}; {len(results.records)} records already in "
               f"{results.path}", file=sys.stderr)

@@ -11,7 +11,7 @@ import pytest
 
 from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.cli import main
-from hypic.evaluation.cluster import Goal, add_arguments, judge, warm_requests_covering
+from hypic.evaluation.cluster import Goal, add_arguments, judge, warm_requests_covering, workload_of
 from hypic.evaluation.tenants import TenantConfig, TenantWorkload
 from hypic.evaluation.trace import TraceError
 
@@ -172,11 +172,31 @@ def _args(*options: str) -> argparse.Namespace:
     return parser.parse_args(list(options))
 
 
+def test_the_shared_workload_is_one_corpus_every_request_draws_from_by_zipf_popularity() -> None:
+    """--workload shared: one tenant of --corpus-docs documents; read back from the prompts, each
+    request names --docs-per-request distinct ones, the most popular about as often as Zipf(1) over
+    50 documents says (1 / H_50 of the draws before the k distinct are taken: more than 2.5x the
+    tenth's); --churn adds documents the corpus never had, in about that share of requests."""
+    workload = workload_of(_args("--workload", "shared", "--corpus-docs", "50", "--docs-per-request", "5"))
+    assert (workload.config.tenants, workload.config.docs_per_tenant, workload.config.document_zipf) == (1, 50, 1.0)
+    corpus, named = set(workload.documents[0]), []
+    for request in workload.requests(2000, 1):
+        documents = request.prompt.split(DEFAULT_SEPARATOR)[1:-1]
+        assert len(set(documents)) == 5 and set(documents) <= corpus
+        named += request.documents
+    assert named.count(0) > 2.5 * named.count(9) > 0
+    churned = workload_of(_args("--workload", "shared", "--corpus-docs", "50", "--churn", "0.2"))
+    new = sum(any(d >= 50 for d in r.documents) for r in churned.requests(2000, 1))
+    assert new / 2000 == pytest.approx(0.2, abs=0.03)
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--pool-ratio", "2.5"], "--pool-ratio must be between 1 and --dp-size (2)"),
     (["--qps", "0"], "--qps levels and --hit-qps must be > 0"),
     (["--hit-dp-size", "1"], "--hit-dp-size 0 (none) or >= 2"),
     (["--docs-per-request", "9"], "--docs-per-request must be between 1 and --docs-per-tenant"),
+    (["--workload", "shared", "--corpus-docs", "2"], "--docs-per-request must be between 1 and --docs-per-tenant"),
+    (["--workload", "shared", "--churn", "2"], "--churn must be in [0, 1]"),
 ])
 def test_bad_cluster_input_is_a_clear_error(bad: list[str], message: str, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
