@@ -2,7 +2,8 @@
 a disk file, a shared store) before anything splices it."""
 from ..config import ModelConfig
 from ..errors import HypicError
-from ..state import LinearShapes
+from ..state import AttentionLayerState, LinearLayerState, LinearShapes, RequestState, WindowLayerState
+from .prefix_cache import cache_key
 from .store import AttentionInterior, LinearInterior, Role, SegmentEntry, entry_key
 
 
@@ -45,4 +46,32 @@ def _layer_shapes(layer: object) -> tuple:
     if isinstance(layer, LinearInterior):
         transition = None if layer.transition is None else layer.transition.shape  # decayed heads counted
         return ("linear", transition, tuple(layer.zero_start_state.shape), tuple(layer.conv_tail.shape))
+    return (type(layer).__name__,)
+
+
+def check_prefix_state(state: RequestState, key: list[int], template: RequestState) -> None:
+    """Raise ``EntryMismatch`` unless ``state`` (a resume point another process sent) is a state of
+    this model after the first ``state.length`` tokens of ``key`` (a private-pool tree key), short of
+    its last token: its tokens and marks give that key, every layer its kind and shapes (``template``:
+    this model's empty state)."""
+    if not 0 < state.length < len(key) or cache_key(state.token_ids, state.marks) != key[: state.length]:
+        raise EntryMismatch(f"a resume point of {state.length} tokens is not a head of the {len(key)}-token prompt")
+    if len(state.layers) != len(template.layers):
+        raise EntryMismatch(f"a resume point has {len(state.layers)} layers, the model {len(template.layers)}")
+    for index, (layer, empty) in enumerate(zip(state.layers, template.layers)):
+        if _state_shapes(layer) != _state_shapes(empty, state.length):
+            raise EntryMismatch(f"a resume point's layer {index}: {_state_shapes(layer)}, "
+                                f"expected {_state_shapes(empty, state.length)}")
+
+
+def _state_shapes(layer: object, length: int | None = None) -> tuple:
+    """A layer state's kind and shapes (an attention layer's as after ``length`` tokens, if given)."""
+    if isinstance(layer, AttentionLayerState):
+        keys, values = layer.keys, layer.values
+        held = layer.length if length is None else length
+        return ("attention", keys.shape[0], held, keys.shape[2], values.shape[0], values.shape[2])
+    if isinstance(layer, WindowLayerState):
+        return ("window", *(tuple(ring.shape) for ring in layer.rings()))
+    if isinstance(layer, LinearLayerState):
+        return ("linear", tuple(layer.recurrent.shape), tuple(layer.conv.shape))
     return (type(layer).__name__,)

@@ -14,7 +14,8 @@ from typing import Any
 
 from .modes import ModePolicy, tree_namespace
 from .plan import RequestPlan
-from .prefix_cache import PrefixCache
+from .entry_check import check_prefix_state
+from .prefix_cache import PrefixCache, resume_snapshot
 from .resume_points import ResumePoints
 from .store import HoldingsListener, Load, SegmentEntry, SegmentStore, entry_key
 
@@ -177,6 +178,26 @@ class HybridCache:
         self.private.insert(policy.tree, state, {state.length: linear})
         rings = {i: layer.fork() for i, layer in enumerate(state.layers) if isinstance(layer, WindowLayerState)}
         self.resume_points.keep(policy.tree, policy.namespace, state, state.length, {**linear, **rings})
+
+    def lend_prefix(self, plan: RequestPlan) -> RequestState | None:
+        """A copy of the longest head of ``plan``'s prompt this private pool holds in memory (never the
+        whole prompt), to send to another replica; None: none held, or its mode keeps no states."""
+        tree = plan.policy.tree
+        if tree is None or self.private.budget_bytes == 0:
+            return None
+        key = plan.tree_key
+        return self.private.copy_at(tree, key, len(key) - 1, self.resume_points.empty_state())
+
+    def install_prefix(self, plan: RequestPlan, state: RequestState) -> int:
+        """Keep ``state``, a head of ``plan``'s prompt that another replica sent (``lend_prefix``), in
+        the private pool, where ``plan``'s prefill then resumes from it; returns its tokens (0: this
+        pool keeps no states for ``plan``). A state that is not such a head, or not of this model's
+        shapes, is refused (``EntryMismatch``) before anything is stored."""
+        if not self.keeps_prefixes(plan.policy):
+            return 0
+        check_prefix_state(state, plan.tree_key, self.resume_points.empty_state())
+        self.private.insert(plan.policy.tree, state, {state.length: resume_snapshot(state)})  # type: ignore[arg-type]
+        return state.length
 
     # ----- reads below memory ---------------------------------------------------------------------
     def _not_in_memory(self, plan: RequestPlan) -> list[tuple[str, tuple[int, ...]]]:

@@ -145,6 +145,12 @@ class PrefixHit:
     snapshot: Snapshot = field(default_factory=dict)
 
 
+def resume_snapshot(state: RequestState) -> Snapshot:
+    """The snapshot a private pool keeps with a resume point at ``state``'s end: its linear layers'
+    states and sliding-window rings."""
+    return {i: layer for i, layer in enumerate(state.layers) if not isinstance(layer, AttentionLayerState)}
+
+
 def cache_key(token_ids: list[int], marks: Mapping[int, int]) -> list[int]:
     """The radix-tree key of a token sequence: each id with its layout marks in the low bits
     (vectorised: a 26k-token prompt's key costs ~5 ms instead of ~20)."""
@@ -259,6 +265,13 @@ class PrefixCache:
         memory as it leaves, or at a stop)."""
         path = _path(node)
         return self._state(path, [k for n in path for k in n.edge], template, None)
+
+    def copy_at(self, tree: str, key: list[int], limit: int, template: RequestState) -> RequestState | None:
+        """The state ``match`` would resume ``key`` from, to send to another process, or None; not
+        counted as a hit, nothing made recent. It holds its pages and slots until it is dropped (a
+        flush or an eviction meanwhile frees them then), and pickles as copies of them."""
+        node = self._deepest(tree, key, limit)
+        return None if node is None else self.state_at(node, template)
 
     def resume_points(self) -> Iterator[tuple[str, RadixNode]]:
         """Every snapshotted node and its tree's name."""

@@ -33,12 +33,13 @@ from .channel import HoldingsChannel
 from .front import FrontEngine
 from .holdings import HoldingsMark
 from .replica import PREFILLED, Mark, RemoteBuilds, ReplicaWork
-from .routing import RouteRequest, fetch_sources, spread_cold_documents, spread_documents
+from .routing import RouteRequest, fetch_sources, prefix_source, spread_cold_documents, spread_documents
 from .state import ClusterState, RouteTo, state_named
 
 log = logging.getLogger("hypic.cluster")
 STATUS_EVERY_S = 1.0  # how often the ingress refreshes the replicas' counters (/metrics, /get_server_info)
-ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried", "documents_fetched", "refused_for_slo")
+ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried", "documents_fetched", "prefixes_fetched",
+                    "refused_for_slo")
 CALL_TIMEOUT_S = 300.0  # the most a call to a replica (warm-up, flush, status) may take
 STATUS_TIMEOUT_S = 10.0  # a replica whose status takes longer (its host cut off) is left out of that refresh
 ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
@@ -253,7 +254,8 @@ class ReplicaLoop:
             fetches = fetch_sources(route.request, decision.replica, loads, self.state.index)
             fetched = frozenset(i for indices in fetches.values() for i in indices)
             builds = spread_cold_documents(route.request, decision.replica, loads, self.state.index, fetched=fetched)
-        if not builds and not fetches:
+            head_from = prefix_source(route.request, decision.replica, loads, self.state.index)
+        if not builds and not fetches and head_from is None:
             return route, None
         documents, calls = list(job.plan.documents()), []
         for replica, indices, built in [*((r, i, True) for r, i in builds.items()),
@@ -263,13 +265,18 @@ class ReplicaLoop:
                 self.state.building(route.key, replica, sum(route.request.documents[i][1] for i in indices))
             pinned = RouteTo(f"{route.key}-build", replica=replica)
             calls.append(_own_call(lambda: self.replicas.options(method_name="build").remote(pinned, jobs)))
+        if head_from is not None:
+            sender = RouteTo(f"{route.key}-head", replica=head_from)
+            calls.append(_own_call(lambda: self.replicas.options(method_name="lend_prefix").remote(sender, job.plan)))
+            self.state.count("prefixes_fetched")
         # each reference once its call is placed (a replica that left never takes it: the deadline)
         refs = await asyncio.wait_for(asyncio.gather(*(call._to_object_ref() for call in calls)), self.silence_s)
+        head = refs.pop() if head_from is not None else None
         remote = tuple((documents[i][1], route.request.documents[i][1]) for indices in builds.values() for i in indices)
         copies = tuple(documents[i][1] for i in sorted(fetched))
         self.state.count("documents_fetched", len(copies))
         placed = replace(route, replica=decision.replica, reason=decision.reason, fetched=frozenset(copies))
-        return placed, RemoteBuilds(tuple(refs), remote, self.silence_s, copies)
+        return placed, RemoteBuilds(tuple(refs), remote, self.silence_s, copies, head)
 
     async def _relay(self, attempt: Attempt, item: list[Event] | HoldingsMark | Mark, emit: Callable[[Event], None]) -> None:
         if isinstance(item, HoldingsMark):

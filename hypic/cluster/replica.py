@@ -23,6 +23,7 @@ from ..router.worker import document_build_steps
 from ..scheduler.jobs import PeerWork
 from ..scheduler.loop import DoneEvent, ErrorEvent, Event, ProgressEvent
 from ..server.protocol import GenerationRequest
+from ..state import RequestState
 from .holdings import HoldingsMark, holdings_of
 from .index import Announcement
 from .logs import relay_logs
@@ -30,6 +31,9 @@ from .logs import relay_logs
 log = logging.getLogger("hypic.cluster")
 LOOP_CHECK_S = 1.0  # how often a request waiting for its next event looks whether the loop still runs
 KEEPALIVE_S = 2.0  # a request's stream says it is still at work after this long without a message
+# the longest a request waits for a prompt head another replica sends before computing it itself: a copy
+# is taken between that replica's passes, so this is a pass or two
+PREFIX_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class RemoteBuilds:
     remote: tuple[tuple[str, int], ...]  # (key, tokens) of each document built elsewhere
     timeout_s: float
     fetched: tuple[str, ...] = ()  # of the entries the calls return, those another replica held: lent, not built
+    prefix: Any = None  # a call's reference to the head of the prompt another replica's private pool holds
 
     @property
     def keys(self) -> frozenset[str]:
@@ -105,7 +110,8 @@ class Replica:
         self.weight_bytes = self.instance.engine.weight_bytes()  # reported with every status: counted once
         # documents fetched from other replicas' pools for requests here: how many, their bytes, and how
         # long their requests waited for the other replicas' entries
-        self.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetch_wait_seconds": 0.0}
+        self.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetched_prefixes": 0, "fetched_prefix_tokens": 0,
+                        "fetch_wait_seconds": 0.0}
 
     async def run(self, route: Any, work: ReplicaWork,
                   builds: RemoteBuilds | None = None) -> AsyncIterator[Event | HoldingsMark | Mark]:
@@ -164,6 +170,30 @@ class Replica:
         steps = document_build_steps(self.instance.engine, jobs, loop.mode, keep=False)
         return await asyncio.wrap_future(loop.run_steps(steps, sum(len(job.token_ids) for job in jobs)))
 
+    async def lend_prefix(self, route: Any, plan: RequestPlan) -> RequestState | None:
+        """For another replica's request: a copy of the longest head of ``plan``'s prompt this
+        replica's private pool holds (None: none), taken between the loop's passes."""
+        cache = self.instance.engine.cache
+        return await asyncio.wrap_future(self.instance.loop.call(lambda: cache.lend_prefix(plan)))
+
+    async def _take_prefix(self, plan: RequestPlan, sent: Any, timeout_s: float) -> None:
+        """The head of ``plan``'s prompt another replica sends, kept in the private pool before the
+        request's prefill starts (it is the request's peer work), so that it resumes from it; one
+        that does not come within ``timeout_s``, or is refused, is computed by the prefill instead."""
+        start, cache = time.perf_counter(), self.instance.engine.cache
+        try:
+            state = await asyncio.wait_for(sent, timeout_s)
+            kept = 0 if state is None else await asyncio.wrap_future(
+                self.instance.loop.call(lambda: cache.install_prefix(plan, state)))
+        except Exception as err:  # noqa: BLE001 - the request computes the head itself
+            why = f"not within {timeout_s:g} s" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
+            log.warning("a prompt head from another replica was not taken (%s); the request computes it", why)
+            return
+        if kept:
+            self.fetches["fetched_prefixes"] += 1
+            self.fetches["fetched_prefix_tokens"] += kept
+            self.fetches["fetch_wait_seconds"] += time.perf_counter() - start
+
     def _peer_work(self, builds: RemoteBuilds, running: asyncio.AbstractEventLoop, lent: list[str]) -> PeerWork:
         """The request's peer work, started by the loop once the request holds its room: this
         replica's own cold documents built on the loop while the others' entries are awaited here;
@@ -173,7 +203,7 @@ class Replica:
         def start(plan: RequestPlan) -> Future:  # on the loop's thread
             outcome: Future = Future()
             own = self._own_builds(plan, builds.keys | set(builds.fetched))
-            asyncio.run_coroutine_threadsafe(self._received(builds, own, outcome, lent), running)
+            asyncio.run_coroutine_threadsafe(self._received(plan, builds, own, outcome, lent), running)
             return outcome
 
         return start
@@ -193,14 +223,14 @@ class Replica:
         steps = document_build_steps(engine, list(jobs.values()), loop.mode)
         return frozenset(jobs), loop.run_steps(steps, sum(len(job.token_ids) for job in jobs.values()))
 
-    async def _received(self, builds: RemoteBuilds, own: tuple[frozenset[str], Future], outcome: Future,
-                        lent: list[str]) -> None:
+    async def _received(self, plan: RequestPlan, builds: RemoteBuilds, own: tuple[frozenset[str], Future],
+                        outcome: Future, lent: list[str]) -> None:
         """Off the loop, within ``builds.timeout_s``: the other replicas' entries received and stored
         (checked; a refused one is recomputed), and this replica's own builds done: ``outcome`` holds
         what was built for the request. On a failure or the deadline it fails instead, and the
         request's prefill builds here whatever it still misses."""
         try:
-            await asyncio.wait_for(self._all_built(builds, own[1], lent), builds.timeout_s)
+            await asyncio.wait_for(self._all_built(plan, builds, own[1], lent), builds.timeout_s)
         except Exception as err:  # noqa: BLE001 - what is missing is built by the request's prefill
             why = f"not within {builds.timeout_s:.0f} s" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
             log.warning("a request's documents from other replicas did not all come (%s); its prefill builds what "
@@ -210,12 +240,15 @@ class Replica:
         fetched = tuple((key, LENT_TIER) for key in builds.fetched)
         outcome.set_result((None, BuiltForRequest(own[0] | builds.keys, builds.remote, loaded=fetched)))
 
-    async def _all_built(self, builds: RemoteBuilds, own: Future, lent: list[str]) -> None:
+    async def _all_built(self, plan: RequestPlan, builds: RemoteBuilds, own: Future, lent: list[str]) -> None:
         """The other replicas' entries received and stored (checked) or, those fetched from another's
-        pool, lent to the request (kept only where there is room: ``lend_document``), and this
-        replica's own builds done. The caller's deadline covers all three: a build still running here
-        when it passes is not repeated by the request's prefill, which waits for it (``Prefiller``)."""
+        pool, lent to the request (kept only where there is room: ``lend_document``), the prompt's
+        head another replica sends kept (``_take_prefix``), and this replica's own builds done. The
+        caller's deadline covers them all: a build still running here when it passes is not repeated
+        by the request's prefill, which waits for it (``Prefiller``)."""
         engine, loop, start = self.instance.engine, self.instance.loop, time.perf_counter()
+        head = None if builds.prefix is None else asyncio.ensure_future(
+            self._take_prefix(plan, builds.prefix, min(builds.timeout_s, PREFIX_WAIT_S)))
         batches = await asyncio.gather(*builds.refs)
         entries = [entry for batch in batches for entry in batch]
         fetched = set(builds.fetched)
@@ -228,6 +261,8 @@ class Replica:
         # the loan is recorded on the loop, so it is returned even if this wait is cut short meanwhile
         await asyncio.wrap_future(loop.call(lambda: lent.extend(lend_entries(engine, copies, loop.mode))))
         await asyncio.wrap_future(own)
+        if head is not None:
+            await head
 
     def _job(self, work: ReplicaWork) -> Any:
         loop, request = self.instance.loop, work.request

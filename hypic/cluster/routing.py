@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hypic.router.lpt import lpt_assign
+from hypic.router.lpt import least_queued, lpt_assign, spread_builds
 
 from .index import DocumentIndex, Tier
 
@@ -132,7 +132,7 @@ class CacheAware:
     namespace_weight: float = NAMESPACE_WEIGHT
     imbalance_factor: float = IMBALANCE_FACTOR
     imbalance_floor: int = IMBALANCE_FLOOR
-    fetch_credit: float | None = None  # a document another replica holds in memory, fetched from it (None: rebuilt)
+    fetch_credit: float | None = None  # a document or prompt head held in memory elsewhere, fetched (None: rebuilt)
     name: str = "cache_aware"
 
     def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
@@ -173,6 +173,9 @@ class CacheAware:
                 saved[replica] += max(everyone, tokens * (1.0 - self.tier_costs.of(tier)) if tier is not None else 0.0)
         rest = max(0, request.prompt_tokens - document_tokens)
         matched = index.prefix_matched(request.token_ids, request.namespace) if request.token_ids else {}
+        if self.fetch_credit is not None and matched:  # any replica may fetch the longest head held (prefix_source)
+            longest = max(matched.values()) * (1.0 - self.fetch_credit)
+            matched = {replica: max(matched.get(replica, 0), longest) for replica in replicas}
         return {replica: min(document_tokens - saved[replica] + rest,
                              max(0, request.prompt_tokens - matched.get(replica, 0))) for replica in replicas}
 
@@ -303,8 +306,27 @@ def fetch_sources(request: RouteRequest, combine: str, loads: list[ReplicaLoad],
         holders = index.holders(request.namespace, key)
         held = [r for r, tier in holders.items() if tier == Tier.MEMORY and r in queued and r != combine]
         if tokens >= min_tokens and combine not in holders and held:
-            sources.setdefault(min(held, key=lambda r: (queued[r], r)), []).append(number)
+            sources.setdefault(least_queued(held, queued), []).append(number)
     return sources
+
+
+# a head shorter than one block of the prefix index is not worth a call to another replica
+MIN_PREFIX_FETCH_TOKENS = 64
+
+
+def prefix_source(request: RouteRequest, combine: str, loads: list[ReplicaLoad], index: DocumentIndex,
+                  min_tokens: int = MIN_PREFIX_FETCH_TOKENS) -> str | None:
+    """The replica that sends ``combine`` (the replica that serves ``request``) the head of its prompt
+    from its private pool: the one believed to hold the longest head, if at least ``min_tokens``
+    longer than ``combine``'s (ties: the least queued, then the lowest id); None: ``combine``
+    computes what it lacks."""
+    if not request.token_ids:
+        return None
+    matched = index.prefix_matched(request.token_ids, request.namespace)
+    queued = {load.replica: load.queued_prefill_tokens for load in loads}
+    own = matched.get(combine, 0)
+    holders = [r for r, tokens in matched.items() if r in queued and r != combine and tokens >= own + min_tokens]
+    return min(holders, key=lambda r: (-matched[r], queued[r], r)) if holders else None
 
 
 def spread_cold_documents(request: RouteRequest, combine: str, loads: list[ReplicaLoad], index: DocumentIndex,
@@ -320,10 +342,6 @@ def spread_cold_documents(request: RouteRequest, combine: str, loads: list[Repli
     held |= fetched
     cold = [i for i, (_, tokens) in enumerate(request.documents) if i not in held and tokens >= min_tokens]
     rest = request.prompt_tokens - sum(request.documents[i][1] for i in cold)
-    queued = [load.queued_prefill_tokens + (rest if load.replica == combine else 0) for load in loads]
-    assignment = lpt_assign([request.documents[i][1] for i in cold], queued)
-    shares: dict[str, list[int]] = {}
-    for document, slot in zip(cold, assignment):
-        if loads[slot].replica != combine:
-            shares.setdefault(loads[slot].replica, []).append(document)
-    return shares
+    queued = {load.replica: load.queued_prefill_tokens for load in loads}
+    shares = spread_builds([request.documents[i][1] for i in cold], queued, combine, rest)
+    return {replica: [cold[i] for i in indices] for replica, indices in shares.items() if replica != combine}

@@ -1,5 +1,10 @@
-"""Longest-processing-time-first assignment of cold documents to workers."""
-from collections.abc import Sequence
+"""Longest-processing-time-first assignment of cold documents to workers, and where a document
+another worker holds comes from: the one dispatch rule of ``--workers`` peers and ``--dp-size``
+replicas alike."""
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+Worker = TypeVar("Worker", bound=Hashable)
 
 
 def lpt_assign(costs: Sequence[int], loads: Sequence[int]) -> list[int]:
@@ -24,3 +29,21 @@ def makespan(costs: Sequence[int], loads: Sequence[int], assignment: Sequence[in
     for cost, worker in zip(costs, assignment):
         totals[worker] += cost
     return max(totals)
+
+
+def spread_builds(costs: Sequence[int], queued: Mapping[Worker, int], combine: Worker,
+                  combine_tokens: int = 0) -> dict[Worker, list[int]]:
+    """Cold documents of ``costs`` tokens placed by LPT over the workers (``queued``: the tokens each
+    has queued; ties to the earlier worker in its order), the combine node's load counting the
+    request's own ``combine_tokens``: worker -> the indices into ``costs`` it builds, in order."""
+    workers = list(queued)
+    loads = [queued[w] + (combine_tokens if w == combine else 0) for w in workers]
+    shares: dict[Worker, list[int]] = {}
+    for index, slot in enumerate(lpt_assign(costs, loads)):
+        shares.setdefault(workers[slot], []).append(index)
+    return shares
+
+
+def least_queued(holders: Iterable[Worker], queued: Mapping[Worker, int]) -> Worker:
+    """Of a document's holders, the one that sends it: the least queued (ties: the lowest)."""
+    return min(holders, key=lambda w: (queued[w], w))

@@ -6,7 +6,7 @@ from hypic.cache.plan import RequestPlan
 from hypic.prefill_stats import BuiltForRequest
 
 from .index import SegmentIndex
-from .lpt import lpt_assign
+from .lpt import least_queued, spread_builds
 
 # a request's builds on one worker carry its priority plus this per place in prompt order: they run
 # in that order (what the combine node combines early) whatever order Ray's threads queue them in,
@@ -90,12 +90,9 @@ def make_plan(jobs: list[SegmentJob], index: SegmentIndex, loads: dict[int, int]
         combine = min(loads, key=lambda w: (-combine_score(held[w], total, loads[w], busiest, match_weight), w))
     plan = Plan(combine)
     cold = [job for job in unique if not holders[job.key]]
-    workers = sorted(loads)
-    queued = [loads[w] + (combine_tokens if w == combine else 0) for w in workers]
-    for job, slot in zip(cold, lpt_assign([job.tokens for job in cold], queued)):
-        plan.builds.setdefault(workers[slot], []).append(job)
+    shares = spread_builds([job.tokens for job in cold], {w: loads[w] for w in sorted(loads)}, combine, combine_tokens)
+    plan.builds.update({worker: [cold[i] for i in indices] for worker, indices in shares.items()})
     for job in unique:
         if holders[job.key] and combine not in holders[job.key]:
-            source = min(holders[job.key], key=lambda w: (loads[w], w))
-            plan.pulls.setdefault(source, []).append(job.key)
+            plan.pulls.setdefault(least_queued(holders[job.key], loads), []).append(job.key)
     return plan

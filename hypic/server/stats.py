@@ -87,11 +87,14 @@ def _labels(*pairs: str) -> str:
 
 
 ROUTING_HELP = {"documents_fetched": "documents a request's replica was sent from the replica holding them, not built",
+                "prefixes_fetched": "prompt heads a request's replica asked another replica's private pool for",
                 "refused_for_slo": "requests refused at once: every replica was predicted to answer later than --ttft-slo"}
 FETCH_TOTALS = (  # the replicas' own counts of what they fetched
     ("fetched_documents", "documents fetched from other replicas' pools for requests here"),
     ("fetched_bytes", "bytes of those documents' entries"),
-    ("fetch_wait_seconds", "seconds requests with fetched documents waited for other replicas' entries"))
+    ("fetched_prefixes", "prompt heads fetched from other replicas' private pools for requests here"),
+    ("fetched_prefix_tokens", "tokens of those heads"),
+    ("fetch_wait_seconds", "seconds requests waited for what other replicas sent them"))
 
 
 def _replica_lines(replicas: dict[str, Any], routing: dict[str, int]) -> list[str]:

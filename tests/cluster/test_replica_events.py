@@ -203,3 +203,49 @@ def test_a_document_fetched_from_another_replicas_pool_is_lent_to_the_request_an
                                                    lent=lent)
     assert value == (None, BuiltForRequest(frozenset({"a"}), (), loaded=(("b", "replica"),)))
     assert installed == [] and lent == ["b"] and queued_at is not None
+
+
+def _head_outcome(monkeypatch: Any, arrives_after_s: float | None) -> tuple[Any, float, list, dict]:
+    """Start a replica's peer work for a request of no documents whose prompt head another replica
+    sends after ``arrives_after_s`` (None: never; this replica waits 0.3 s for a head); the outcome,
+    how long it took, what the private pool was given to keep, and the replica's fetch counts."""
+    monkeypatch.setattr(replica_module, "PREFIX_WAIT_S", 0.3)
+    monkeypatch.setattr(replica_module, "install_entries", lambda engine, entries, mode: None)
+    monkeypatch.setattr(replica_module, "lend_entries", lambda engine, entries, mode: [])
+    kept: list = []
+    replica = object.__new__(Replica)
+    cache = SimpleNamespace(document_keys=frozenset, lower_tiers_of=lambda key, namespace: [],
+                            install_prefix=lambda plan, state: kept.append(state) or state.length)
+    replica.instance = SimpleNamespace(loop=BuildsHere(), engine=SimpleNamespace(cache=cache), close=lambda: None)
+    replica.fetches = {"fetched_prefixes": 0, "fetched_prefix_tokens": 0, "fetch_wait_seconds": 0.0}
+    plan = SimpleNamespace(parts=SimpleNamespace(namespace=""), documents=lambda: [])
+
+    async def run() -> tuple[Any, float]:
+        head: asyncio.Future = asyncio.get_running_loop().create_future()
+        if arrives_after_s is not None:
+            asyncio.get_running_loop().call_later(arrives_after_s, head.set_result, SimpleNamespace(length=256))
+        start = time.perf_counter()
+        builds = RemoteBuilds((), (), 5.0, (), head)
+        outcome = asyncio.wrap_future(replica._peer_work(builds, asyncio.get_running_loop(), [])(plan))
+        done, _ = await asyncio.wait({outcome}, timeout=5)  # the test's own deadline
+        return ((outcome.exception() or outcome.result()) if done else "no outcome in 5 s"), time.perf_counter() - start
+
+    value, took = asyncio.run(run())
+    return value, took, kept, replica.fetches
+
+
+def test_a_prompt_head_from_another_replica_is_kept_before_the_prefill_and_counted(monkeypatch: Any) -> None:
+    value, took, kept, fetches = _head_outcome(monkeypatch, arrives_after_s=0.05)
+    assert value == (None, BuiltForRequest(frozenset(), ())) and took >= 0.05
+    assert [state.length for state in kept] == [256]
+    assert (fetches["fetched_prefixes"], fetches["fetched_prefix_tokens"]) == (1, 256)
+
+
+def test_a_prompt_head_that_never_comes_leaves_the_prefill_to_compute_it_after_a_short_wait(
+        monkeypatch: Any, caplog: Any) -> None:
+    """The sender is stuck: after 0.3 s the peer work ends anyway (the documents' part did not fail),
+    nothing is kept or counted, and the log says why."""
+    value, took, kept, fetches = _head_outcome(monkeypatch, arrives_after_s=None)
+    assert value == (None, BuiltForRequest(frozenset(), ())) and 0.3 <= took < 2
+    assert kept == [] and fetches["fetched_prefixes"] == 0
+    assert "a prompt head from another replica was not taken (not within 0.3 s)" in caplog.text

@@ -306,3 +306,51 @@ def test_the_readmes_quick_start_is_all_hits_on_two_replicas(cluster: ServerProc
     assert sorted(_held(cluster, lambda held: sorted(held.values()) == [1, 1]).values()) == [1, 1]
     meta = cluster.post("/generate", bodies["generate"])["meta_info"]
     assert (meta["segments_hit"], meta["segments_missed"], meta["segments_fetched"]) == (2, 0, 1), meta
+
+
+def test_a_system_prompt_another_replica_served_is_fetched_from_it_and_answers_as_one_engine(
+        cluster: ServerProcess) -> None:
+    """A request under a long system prompt lands on one replica; a long streamed decode then keeps
+    that replica busy, so the next request under the same system prompt goes to the other, which
+    gets the prompt's head from the first replica's private pool instead of computing it: it resumes
+    from a whole snapshot interval of it (256 tokens) and answers as one engine that served both
+    requests; the service counts the fetch."""
+    import threading
+
+    cluster.post("/flush_cache", {})
+    system = " ".join(DOCS + DOCS) + " Answer from these records only."
+    first, second = f"{system} Question: who studied herons?", f"{system} Question: who was born last?"
+    before = cluster.get("/get_server_info")
+    holder = _generate(cluster, first)["meta_info"]["replica"]
+    stop, started = threading.Event(), threading.Event()
+
+    def busy() -> None:  # the holder decodes 600 tokens for a client that leaves once the test is done
+        body = {"text": first, "stream": True,
+                "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}
+        call = urllib.request.Request(cluster.url + "/generate", json.dumps(body).encode(),
+                                      {"Content-Type": "application/json"})
+        with urllib.request.urlopen(call, timeout=120) as response:
+            for _ in response:
+                started.set()
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(60)
+        answer = _generate(cluster, second)
+    finally:
+        stop.set()
+        thread.join(30)
+    meta = answer["meta_info"]
+    assert meta["replica"] != holder and meta["prefix_hit_tokens"] >= 256, meta
+    engine = Engine.from_pretrained("default", dtype="float32")
+    engine.generate(first, max_new_tokens=6)
+    assert answer["output_ids"] == engine.generate(second, max_new_tokens=6).output_ids
+    deadline = time.monotonic() + 10
+    while (after := cluster.get("/get_server_info")).get("fetched_prefixes", 0) <= before.get("fetched_prefixes", 0):
+        assert time.monotonic() < deadline, after  # the replicas' statuses refresh every second
+        time.sleep(0.2)
+    assert after["routing"]["prefixes_fetched"] == before["routing"]["prefixes_fetched"] + 1
+    assert after["fetched_prefix_tokens"] - before.get("fetched_prefix_tokens", 0) == meta["prefix_hit_tokens"]

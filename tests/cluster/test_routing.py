@@ -5,7 +5,7 @@ import pytest
 
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
 from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, fetch_sources, policy_named,
-                                   spread_cold_documents, spread_documents)
+                                   prefix_source, spread_cold_documents, spread_documents)
 from hypic.cluster.state import ClusterState
 
 
@@ -322,3 +322,24 @@ def test_the_documents_a_replica_lacks_come_from_the_least_loaded_replica_holdin
     assert fetch_sources(request, "c", loads, index) == {"b": [0, 1], "a": [4]}
     assert fetch_sources(request, "c", loads, index, min_tokens=128) == {"b": [0, 1]}
     assert spread_cold_documents(request, "c", loads, index, fetched=frozenset({0, 1})) == {"b": [2]}
+
+
+def test_a_prompt_head_comes_from_the_replica_holding_the_longest_of_it_when_that_is_a_block_longer() -> None:
+    """A 704-token prompt with no documents: a served its first 640 tokens (whole blocks of 64: 640
+    believed held), b its first 128, c nothing. Served on c, the head comes from a (b's is shorter);
+    on b, from a too (512 more); on a, from nobody. A head no more than 63 tokens longer than the
+    server's own is computed there. With fetching, every replica is charged as holding 0.95 x 640
+    (c: 704 - 608 = 96 tokens; a its own 64); without, each its own."""
+    index = DocumentIndex()
+    prompt = tuple(range(704))
+    index.record_prefix("a", prompt[:640], "t")
+    index.record_prefix("b", prompt[:128], "t")
+    request = RouteRequest("t", (), 704, prompt)
+    loads = [ReplicaLoad("a", queued_prefill_tokens=5000), ReplicaLoad("b"), ReplicaLoad("c")]
+    assert [prefix_source(request, replica, loads, index) for replica in "abc"] == [None, "a", "a"]
+    assert prefix_source(request, "b", loads, index, min_tokens=513) is None
+    weights = {"decode_weight": 0.0, "eviction_weight": 0.0, "namespace_weight": 0.0}
+    fetch = policy_named("cache_aware", **weights, fetch_credit=0.05).choose(request, loads, index)
+    assert fetch.costs == pytest.approx({"a": 5064.0, "b": 96.0, "c": 96.0}) and fetch.replica == "b"
+    rebuild = policy_named("cache_aware", **weights).choose(request, loads, index)
+    assert rebuild.costs == pytest.approx({"a": 5064.0, "b": 576.0, "c": 704.0})
