@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worktrees import checkout
+from worktrees import checkout, remove
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 1000
@@ -174,9 +174,9 @@ def main() -> None:
     try:
         runs = _runs(args, trees)
     finally:
-        for name, tree in trees.items():
+        for tree in trees.values():
             if tree != ROOT:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+                remove(tree)
     from hypic.evaluation.cluster import machine
     report = {"machine": machine(), "python": platform.python_version(), "requests": args.requests, "runs": runs}
     if args.baseline:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worktrees import checkout
+from worktrees import checkout, remove
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"one-1t": ([], 1), "one-2t": ([], 2), "dp2": (["--dp-size", "2"], 1)}  # options, threads (a replica's)
@@ -80,13 +80,17 @@ def main() -> None:
     tokenizer = Engine.from_pretrained("default").tokenizer
     trees = {"after": ROOT} | ({"before": checkout(args.baseline)} if args.baseline else {})
     found: dict[str, list[dict[str, Any]]] = {}
-    for label, tree in trees.items():
-        for name in CONFIGS if label == "after" else ["dp2"]:
-            rows = measure(tree, name, args.runs, args.doc_tokens, tokenizer, seed=1000 * len(found))
-            found[f"{label}/{name}"] = rows
-            print(f"{label}/{name}: client {_median(rows, 'client_s'):.3f} s, server ttft "
-                  f"{_median(rows, 'server_ttft_s'):.3f} s (medians of {len(rows)}); built remotely "
-                  f"{[r['built_remotely'] for r in rows]}", flush=True)
+    try:
+        for label, tree in trees.items():
+            for name in CONFIGS if label == "after" else ["dp2"]:
+                rows = measure(tree, name, args.runs, args.doc_tokens, tokenizer, seed=1000 * len(found))
+                found[f"{label}/{name}"] = rows
+                print(f"{label}/{name}: client {_median(rows, 'client_s'):.3f} s, server ttft "
+                      f"{_median(rows, 'server_ttft_s'):.3f} s (medians of {len(rows)}); built remotely "
+                      f"{[r['built_remotely'] for r in rows]}", flush=True)
+    finally:
+        if args.baseline:
+            remove(trees["before"])
     ratios = {f"{one} / {label}/dp2": _median(found[f"after/{one}"], "client_s") / _median(found[f"{label}/dp2"], "client_s")
               for one in ("one-1t", "one-2t") for label in trees}
     gaps = {key: statistics.median(r["client_s"] - r["server_ttft_s"] for r in rows) for key, rows in found.items()}
