@@ -17,7 +17,6 @@ REV``, ``--dp-size 2`` of that commit (a git worktree, its servers run from it) 
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -86,15 +85,6 @@ def _report(summary: dict[str, dict[str, float]], runs: int) -> float:
     return summary["dp2"]["request_throughput"] / one["request_throughput"]
 
 
-def _cpu_model() -> str:
-    """The CPU's model name and its vector extensions that matter to torch's CPU kernels."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-    return f"{name} ({', '.join(f for f in wanted if f in flags)})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--client-path", required=True, help="where sglang's client is installed (a --target folder)")
@@ -121,8 +111,8 @@ def main() -> None:
                       for key in ("request_throughput", "cached_share", "median_ttft_ms")} for name in trees}
     ratio = _report(summary, args.runs)
     if args.json:
-        machine = {"machine": platform.machine(), "cpu": _cpu_model(), "cpus": os.cpu_count()}
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine,
+        from hypic.evaluation.cluster import machine
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
                                          "runs": rows, "summary": summary, "dp2_over_one": ratio}, indent=1) + "\n")
 
 

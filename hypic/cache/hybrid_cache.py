@@ -182,11 +182,11 @@ class HybridCache:
     def lend_prefix(self, plan: RequestPlan) -> RequestState | None:
         """A copy of the longest head of ``plan``'s prompt this private pool holds in memory (never the
         whole prompt), to send to another replica; None: none held, or its mode keeps no states."""
-        tree = plan.policy.tree
-        if tree is None or self.private.budget_bytes == 0:
+        if not self.keeps_prefixes(plan.policy):
             return None
         key = plan.tree_key
-        return self.private.copy_at(tree, key, len(key) - 1, self.resume_points.empty_state())
+        return self.private.copy_at(plan.policy.tree, key, len(key) - 1,  # type: ignore[arg-type]
+                                    self.resume_points.empty_state())
 
     def install_prefix(self, plan: RequestPlan, state: RequestState) -> int:
         """Keep ``state``, a head of ``plan``'s prompt that another replica sent (``lend_prefix``), in

@@ -293,7 +293,7 @@ class PrefixCache:
     def insert(self, tree: str, state: RequestState, snapshots: dict[int, Snapshot]) -> None:
         """Add ``state``'s tokens (keyed with its marks) up to its last snapshot position, with the
         snapshots (position -> linear layer states) at their nodes. Existing nodes are kept as they are."""
-        needed = {i for i, layer in enumerate(state.layers) if not isinstance(layer, AttentionLayerState)}
+        needed = set(resume_snapshot(state))
         positions = sorted(p for p in snapshots if 0 < p <= state.length and needed <= set(snapshots[p]))
         if not positions or self.budget_bytes == 0:  # a position missing a layer's state is no resume point
             return
