@@ -159,14 +159,7 @@ def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], 
     printed, serving, stop = threading.Event(), False, _stop_on_signals()
     try:
         start_ray(args.dp_size * threads * args.tp_size + 1, args.ray_address)
-        _stop_on_signals(stop)  # Ray's start put its own handler in, which exits the process at once
-        logs = log_queue({f"node:{ray.util.get_node_ip_address()}": 0.001})
-        print_relayed(logs, printed)
-        # no proxy: the ingress (on this node) listens on --host:--port itself
-        serve.start(proxy_location=ProxyLocation.Disabled, logging_config={"log_level": "WARNING"})
-        serve._run(application(args, start_instance, limits, info, (args.host, args.port), logs), name=APP_NAME,
-                   route_prefix=None, _blocking=False)
-        serving = _running(stop)
+        serving = not stop.is_set() and _start_application(args, start_instance, limits, info, printed, stop)
         if serving:
             ingresses = f" and {args.ingress_replicas} ingresses" if args.ingress_replicas > 1 else ""
             print(f"hypic: serving {info.served_model_name} with {args.dp_size} replicas ({args.router_policy} "
@@ -183,16 +176,29 @@ def serve_cluster(args: argparse.Namespace, start_instance: Callable[..., Any], 
         stop_ray()
 
 
+def _start_application(args: argparse.Namespace, start_instance: Callable[..., Any], limits: GateLimits, info: Any,
+                       printed: threading.Event, stop: "StopSignal") -> bool:
+    """Start Serve and the application on the Ray runtime this process joined; True once it runs,
+    False where ``stop`` was set first."""
+    logs = log_queue({f"node:{ray.util.get_node_ip_address()}": 0.001})
+    print_relayed(logs, printed)
+    # no proxy: the ingress (on this node) listens on --host:--port itself
+    serve.start(proxy_location=ProxyLocation.Disabled, logging_config={"log_level": "WARNING"})
+    serve._run(application(args, start_instance, limits, info, (args.host, args.port), logs), name=APP_NAME,
+               route_prefix=None, _blocking=False)
+    return _running(stop)
+
+
 class StopSignal(threading.Event):
     """Set by SIGINT or SIGTERM; ``cause`` names the signal."""
 
     cause = ""
 
 
-def _stop_on_signals(stop: StopSignal | None = None) -> StopSignal:
-    """SIGINT and SIGTERM set ``stop`` (a new one if None): the start checks it between its steps and
-    the service waits on it, so no signal cuts into Ray's own calls."""
-    stop = stop if stop is not None else StopSignal()
+def _stop_on_signals() -> StopSignal:
+    """SIGINT and SIGTERM set the returned event: the start checks it between its steps and the
+    service waits on it, so no signal cuts into Ray's own calls."""
+    stop = StopSignal()
 
     def on_signal(signum: int, _: Any) -> None:
         stop.cause = signal.Signals(signum).name

@@ -8,7 +8,9 @@ under it, so a thread that plans or dispatches (the server's engine loop) never 
 import logging
 import os
 import shutil
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,19 +68,44 @@ RAY_TEMP_DIR = Path("/tmp/ray")  # where a local runtime keeps its sessions (Ray
 
 
 def start_ray(cpus: int, address: str | None) -> None:
-    """Join ``address``, or start a local Ray runtime with ``cpus`` CPUs (once per process)."""
+    """Join ``address``, or start a local Ray runtime with ``cpus`` CPUs (once per process). A SIGTERM
+    meanwhile reaches the caller's handler; where the caller has none, it exits as Ray's would, through
+    the shutdown that ends the runtime."""
     if not ray.is_initialized():
+        _exit_on_sigterm_where_unhandled()
         with _in_folder(PACKAGE_ROOT):
             if address is None:  # a runtime of its own, even where `ray start` or RAY_ADDRESS names one
                 _starting[:] = [True]
                 # the driver's own: Ray's C++ failure handler would turn a signal during the start into an
                 # abort that leaves its daemons behind; the stop on SIGTERM is the caller's
                 ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+                # on the main thread, not a helper: the daemons it starts die with the thread that started them
+                with _sigterm_handler_kept():
+                    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
                 _started_sessions.extend(_session_started_here())
             else:
                 _join(address)
     register_tensor_serializer()
+
+
+def _exit_on_sigterm_where_unhandled() -> None:
+    """A SIGTERM exits the process (its exit handlers end the Ray runtime) where nothing else
+    handles it yet."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(signum))
+
+
+@contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Keep Ray's start from replacing the SIGTERM handler: its own raises an exit wherever the
+    signal lands, which Python drops where it lands in a finalizer, and the start goes on serving."""
+    utils = ray._private.utils
+    replace = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = replace
 
 
 def _join(address: str) -> None:
