@@ -255,12 +255,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--ttft-slo", type=positive_float, default=None,
                        help="with --dp-size: refuse at once (503 with retry-after) a request every replica is predicted "
                             "to give its first token later than this many seconds (the prefill queued on it and its "
-                            "own, at the prefill rate each replica measured), instead of letting it wait in a queue; "
+                            "own at the prefill rate each replica measured, and its decode steps meanwhile), instead of "
+                            "letting it wait in a queue; "
                             "counted in /metrics (hypic_refused_for_slo_total) (default: none)")
     serve.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
                        help="how --dp-size routes a request: cache_aware = the replica with the fewest tokens to "
                             "prefill given the documents and prefix it holds, plus its queued work, skipping one far "
-                            "above the mean; prefix = by the leading prefix only (what other routers do); "
+                            "above the mean; ttft = the replica predicted to give the first token soonest, in seconds "
+                            "at the rates each replica measures (prefill, decode step, fetch from another replica), "
+                            "cache_aware until the first rate is measured; prefix = by the leading prefix only (what "
+                            "other routers do); "
                             "round_robin; power_of_two = the less loaded of two at random (default: cache_aware)")
     serve.add_argument("--transfer", choices=["torch", "ray"], default="torch",
                        help="how documents' cache entries travel between workers: torch = point-to-point over "

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ray.exceptions import RayActorError
@@ -416,8 +416,7 @@ class ReplicaLoop:
                                        return_exceptions=True)
         fresh = {r: a for r, a in zip(replicas, answers) if isinstance(a, dict)}
         self.state.pools_filled({r: a["public_pool_fill"] for r, a in fresh.items()})
-        self.state.passes_reported({r: (a["counters"]["pass_tokens"], a["counters"]["pass_seconds"])
-                                    for r, a in fresh.items() if "pass_tokens" in a["counters"]})
+        self.state.rates_reported({r: {**a["counters"], "chunk_tokens": a.get("chunk_tokens")} for r, a in fresh.items()})
         if self.ingresses > 1:  # the others' work on the replicas: one ingress knows all its replicas do
             self.state.loads_reported({r: a["counters"]["load"] for r, a in fresh.items() if "load" in a["counters"]})
         self.statuses.update(fresh)  # a replica slow to answer this time keeps its last status
@@ -456,9 +455,11 @@ class ReplicaLoop:
                   "ttft_count": self.answered.requests_finished}  # measured here: builds elsewhere included
         with self.state.lock:
             routing = {name: self.state.counters[name] for name in ROUTING_COUNTERS}
+            rates = {replica: measured.current() for replica, measured in self.state.rates.items()}
         replicas = [{"index": i, **{k: v for k, v in status.items() if k != "counters"},
                      "queued": status["counters"].get("waiting_requests", 0),
-                     "running": status["counters"].get("running_requests", 0)}
+                     "running": status["counters"].get("running_requests", 0),
+                     "measured_rates": _as_dict(rates.get(status["replica"]))}  # what the ttft policy routes by
                     for i, status in enumerate(statuses)]
         weights = statuses[0].get("weight_bytes", 0) if statuses else 0  # every replica holds the same model
         ingress = {"ingress": self.name, "ingress_pid": os.getpid(), "ingress_replicas": self.ingresses}
@@ -531,3 +532,6 @@ class ReplicaRouter(RequestRouter):
         if state is not None:
             state.set_replicas([r.replica_id.unique_id for r in self._replicas.values()])
 
+
+def _as_dict(rates: Any) -> dict[str, Any] | None:
+    return None if rates is None else asdict(rates)

@@ -50,7 +50,7 @@ class Ingress:
         relay_logs(logs, "ingress", args.log_level)
         front = FrontEngine(Path(info.model_path), args.dtype, args.device, args.seam_width, args.pic_separator,
                             args.snapshot_interval)
-        fetches = args.tp_size == 1 and args.router_policy == "cache_aware"  # a replica of shards: documents stay put
+        fetches = args.tp_size == 1 and args.router_policy in ("cache_aware", "ttft")  # a replica of shards: documents stay put
         self.state = ClusterState(policy_named(args.router_policy, **({"fetch_credit": FETCH_CREDIT} if fetches else {})))
         register_state(STATE_NAME, self.state)
         self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,

@@ -110,8 +110,8 @@ class Replica:
         self.weight_bytes = self.instance.engine.weight_bytes()  # reported with every status: counted once
         # documents fetched from other replicas' pools for requests here: how many, their bytes, and how
         # long their requests waited for the other replicas' entries
-        self.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetched_prefixes": 0, "fetched_prefix_tokens": 0,
-                        "fetch_wait_seconds": 0.0}
+        self.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetched_tokens": 0, "fetched_prefixes": 0,
+                        "fetched_prefix_tokens": 0, "fetch_wait_seconds": 0.0}
 
     async def run(self, route: Any, work: ReplicaWork,
                   builds: RemoteBuilds | None = None) -> AsyncIterator[Event | HoldingsMark | Mark]:
@@ -192,6 +192,7 @@ class Replica:
         if kept:
             self.fetches["fetched_prefixes"] += 1
             self.fetches["fetched_prefix_tokens"] += kept
+            self.fetches["fetched_tokens"] += kept
             self.fetches["fetch_wait_seconds"] += time.perf_counter() - start
 
     def _peer_work(self, builds: RemoteBuilds, running: asyncio.AbstractEventLoop, lent: list[str]) -> PeerWork:
@@ -256,6 +257,7 @@ class Replica:
         if copies:
             self.fetches["fetched_documents"] += len(copies)
             self.fetches["fetched_bytes"] += sum(entry.nbytes for entry in copies)
+            self.fetches["fetched_tokens"] += sum(len(entry.token_ids) for entry in copies)
             self.fetches["fetch_wait_seconds"] += time.perf_counter() - start
         await asyncio.wrap_future(loop.call(lambda: install_entries(engine, built, loop.mode)))
         # the loan is recorded on the loop, so it is returned even if this wait is cut short meanwhile
@@ -313,7 +315,7 @@ class Replica:
         loop, cache = self.instance.loop, self.instance.engine.cache
         pools = cache.describe()
         return {"replica": self.replica, "pid": os.getpid(), "node": socket.gethostname(), "node_ip": _node_ip(),
-                "node_id": _node_id(),
+                "node_id": _node_id(), "chunk_tokens": self.instance.engine.chunk_tokens,
                 "counters": {**loop.snapshot, **self.fetches}, "documents_held": len(cache.document_keys()),
                 "public_pool_bytes": pools["public_pool"]["bytes"],
                 "public_pool_budget_bytes": pools["public_pool"]["budget_bytes"], "public_pool_fill": cache.public_fill(),

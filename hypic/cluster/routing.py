@@ -7,9 +7,13 @@ replica; the ingress applies the choice and updates its own bookkeeping.
 - ``cache_aware`` (default): the replica with the least work for this request, counting what it
   would prefill given what it holds, the prefill queued on it and its decode load; a replica far
   above the others' mean queue is skipped.
+- ``ttft``: the replica predicted to give the first token soonest, in seconds at the rates each
+  replica measures (its prefill tokens/s, its decode step, how fast entries reach it from another
+  replica), plus the same placement terms in seconds; cache_aware's choice until a rate is measured.
 - ``prefix``: the longest leading-prefix match (what single-server routers do), then load.
 - ``power_of_two``: the less busy of two random replicas. ``round_robin``: each in turn.
 """
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,16 +38,30 @@ class RouteRequest:
         return sum(tokens for _, tokens in self.documents)
 
 
+@dataclass(frozen=True)
+class ReplicaRates:
+    """How fast a replica works, as it measured: prompt tokens its prefill passes compute a second,
+    the seconds of one decode step at its batch, document tokens a second that reach it from another
+    replica's pool, and the most prompt tokens one of its prefill steps takes (between two decode steps)."""
+
+    prefill_tokens_per_s: float
+    decode_step_s: float | None = None
+    fetch_tokens_per_s: float | None = None
+    chunk_tokens: int | None = None
+
+
 @dataclass
 class ReplicaLoad:
     """What the ingress has sent a replica and it has not finished: prefill tokens not yet prefilled,
-    requests, and tokens left to decode (the requests' max_new_tokens budgets)."""
+    requests, and tokens left to decode (the requests' max_new_tokens budgets); and its measured
+    ``rates`` (None: not measured yet)."""
 
     replica: str
     queued_prefill_tokens: int = 0
     running: int = 0
     decode_tokens: int = 0
     pool_fill: float = 0.0  # its public pool's bytes over its budget (0: empty or unbounded, 1: full)
+    rates: ReplicaRates | None = None
 
 
 @dataclass(frozen=True)
@@ -140,42 +158,56 @@ class CacheAware:
         replicas = [load.replica for load in loads]
         held_by = holders_of(request, index)
         prefill = self._prefill(request, replicas, held_by, index)
-        stored = stored_tokens(request, replicas, held_by)
         scattered = scattered_tokens(request, replicas, held_by, index)
+        placement = self.placement_tokens(loads, stored_tokens(request, replicas, held_by), scattered)
         costs = {load.replica: prefill[load.replica] + load.queued_prefill_tokens
-                 + self.decode_weight * load.decode_tokens
-                 + self.eviction_weight * load.pool_fill * stored[load.replica]
-                 + self.namespace_weight * scattered[load.replica]
-                 for load in loads}
+                 + self.decode_weight * load.decode_tokens + placement[load.replica] for load in loads}
+        return self.cheapest(request, loads, costs, prefill, scattered)
+
+    def cheapest(self, request: RouteRequest, loads: list[ReplicaLoad], costs: dict[str, float],
+                 prefill: dict[str, float], scattered: dict[str, float]) -> Decision:
+        """The cheapest replica by ``costs`` (ties: fewer running, then the lowest id), unless the
+        imbalance guard skips it; "cache" when what it holds decided it."""
         rank = {load.replica: (costs[load.replica], load.running, load.replica) for load in loads}
         cheapest = min(rank, key=rank.__getitem__)
-        allowed = self._not_swamped(loads) or replicas
-        chosen = min(allowed, key=rank.__getitem__)
+        chosen = min(self._not_swamped(loads) or list(rank), key=rank.__getitem__)
         if chosen != cheapest:
             return Decision(chosen, "load", costs)
         held = prefill[chosen] < request.prompt_tokens or scattered[chosen] < max(scattered.values())
         return Decision(chosen, "cache" if held else "load", costs)
+
+    def placement_tokens(self, loads: list[ReplicaLoad], stored: dict[str, int],
+                         scattered: dict[str, float]) -> dict[str, float]:
+        """Replica -> what placing the request there costs later, in prefill tokens: the documents it
+        would store anew (``stored_tokens``) x ``eviction_weight`` x how full its pool is, and its
+        namespace's split (``scattered_tokens``) x ``namespace_weight``."""
+        return {load.replica: self.eviction_weight * load.pool_fill * stored[load.replica]
+                + self.namespace_weight * scattered[load.replica] for load in loads}
 
     def prefill_tokens(self, request: RouteRequest, replicas: list[str], index: DocumentIndex) -> dict[str, float]:
         """Replica -> the tokens it would prefill for ``request``, given what the index says it holds."""
         return self._prefill(request, replicas, holders_of(request, index), index)
 
     def _prefill(self, request: RouteRequest, replicas: list[str], held_by: list[dict[str, Tier]],
-                 index: DocumentIndex) -> dict[str, float]:
+                 index: DocumentIndex, fetch_credits: dict[str, float] | None = None) -> dict[str, float]:
+        """Replica -> the tokens it would prefill; ``fetch_credits``: each replica's price of a token
+        fetched from another's memory, in prefill tokens (None: ``fetch_credit`` for every one)."""
+        credits = fetch_credits if fetch_credits is not None else (
+            None if self.fetch_credit is None else dict.fromkeys(replicas, self.fetch_credit))
         document_tokens = request.document_tokens()
         saved = dict.fromkeys(replicas, 0.0)
         for (key, tokens), holders in zip(request.documents, held_by):
-            everyone = tokens * (1.0 - self.tier_costs.shared) if index.shared(request.namespace, key) else 0.0
-            if self.fetch_credit is not None and Tier.MEMORY in holders.values():  # any replica may fetch it
-                everyone = max(everyone, tokens * (1.0 - self.fetch_credit))
+            shared = tokens * (1.0 - self.tier_costs.shared) if index.shared(request.namespace, key) else 0.0
+            fetchable = credits is not None and Tier.MEMORY in holders.values()  # any replica may fetch it
             for replica in saved:
+                everyone = max(shared, tokens * (1.0 - credits[replica])) if fetchable else shared  # type: ignore[index]
                 tier = holders.get(replica)
                 saved[replica] += max(everyone, tokens * (1.0 - self.tier_costs.of(tier)) if tier is not None else 0.0)
         rest = max(0, request.prompt_tokens - document_tokens)
         matched = index.prefix_matched(request.token_ids, request.namespace) if request.token_ids else {}
-        if self.fetch_credit is not None and matched:  # any replica may fetch the longest head held (prefix_source)
-            longest = max(matched.values()) * (1.0 - self.fetch_credit)
-            matched = {replica: max(matched.get(replica, 0), longest) for replica in replicas}
+        if credits is not None and matched:  # any replica may fetch the longest head held (prefix_source)
+            longest = max(matched.values())
+            matched = {r: max(matched.get(r, 0), longest * (1.0 - credits[r])) for r in replicas}
         return {replica: min(document_tokens - saved[replica] + rest,
                              max(0, request.prompt_tokens - matched.get(replica, 0))) for replica in replicas}
 
@@ -186,6 +218,74 @@ class CacheAware:
         return [load.replica for load in loads
                 if load.queued_prefill_tokens <= max(self.imbalance_factor * (total - load.queued_prefill_tokens) / others,
                                                      self.imbalance_floor)]
+
+
+@dataclass
+class PredictedTtft(CacheAware):
+    """cost(replica) = the seconds until the request's first token there (``ttft_seconds``: the prefill
+    queued on it and what it would prefill of this request, a document or prompt head held in another
+    replica's memory priced at the rate entries reach it, and the decode steps its loop runs between
+    prefill chunks meanwhile), at the rates the replica measured, + cache_aware's placement terms in
+    seconds of its prefill. The imbalance guard and ties as cache_aware's; until some replica has
+    measured its rates, cache_aware's choice in tokens."""
+
+    name: str = "ttft"
+
+    def choose(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> Decision:
+        _check_loads(loads)
+        if any(load.rates is None for load in loads):
+            return super().choose(request, loads, index)
+        replicas = [load.replica for load in loads]
+        held_by = holders_of(request, index)
+        prefill = self._prefill(request, replicas, held_by, index, self._fetch_credits(loads))
+        scattered = scattered_tokens(request, replicas, held_by, index)
+        placement = self.placement_tokens(loads, stored_tokens(request, replicas, held_by), scattered)
+        costs = {load.replica: ttft_seconds(load, prefill[load.replica])
+                 + placement[load.replica] / _measured(load).prefill_tokens_per_s for load in loads}
+        return self.cheapest(request, loads, costs, prefill, scattered)
+
+    def predicted_ttft(self, request: RouteRequest, loads: list[ReplicaLoad], index: DocumentIndex) -> dict[str, float]:
+        """Replica -> the seconds until ``request``'s first token there (``ttft_seconds``), for those
+        with measured rates."""
+        timed = [load for load in loads if load.rates is not None]
+        replicas = [load.replica for load in timed]
+        prefill = self._prefill(request, replicas, holders_of(request, index), index, self._fetch_credits(timed))
+        return {load.replica: ttft_seconds(load, prefill[load.replica]) for load in timed}
+
+    def _fetch_credits(self, loads: list[ReplicaLoad]) -> dict[str, float] | None:
+        """Each replica's price of a fetched token in its prefill tokens: its prefill rate over the
+        rate entries reached it (at most 1: a fetch slower than a build is not taken as cheaper);
+        ``fetch_credit`` until it has measured one. None: documents are not fetched."""
+        if self.fetch_credit is None:
+            return None
+        return {load.replica: fetch_credit_of(_measured(load), self.fetch_credit) for load in loads}
+
+
+def _measured(load: ReplicaLoad) -> ReplicaRates:
+    assert load.rates is not None
+    return load.rates
+
+
+def fetch_credit_of(rates: ReplicaRates, unmeasured: float) -> float:
+    """A fetched token's price in prefill tokens: prefill rate over fetch rate (``unmeasured`` where
+    no fetch was timed), at most 1."""
+    if not rates.fetch_tokens_per_s:
+        return unmeasured
+    return min(1.0, rates.prefill_tokens_per_s / rates.fetch_tokens_per_s)
+
+
+def ttft_seconds(load: ReplicaLoad, tokens: float) -> float:
+    """The seconds until the first token of a request that prefills ``tokens`` (prefill-token
+    equivalents) on ``load``'s replica, at its measured rates: the prefill queued there and its own
+    at its prefill rate; while it decodes, its loop also runs a decode step after each prefill
+    chunk (``chunk_tokens``): half of the one under way, then one a chunk before the request's last."""
+    rates = _measured(load)
+    work = load.queued_prefill_tokens + tokens
+    seconds = work / rates.prefill_tokens_per_s
+    if load.decode_tokens > 0 and rates.decode_step_s is not None:
+        chunks = math.ceil(work / rates.chunk_tokens) if rates.chunk_tokens else 1
+        seconds += (max(1, chunks) - 0.5) * rates.decode_step_s
+    return seconds
 
 
 def holders_of(request: RouteRequest, index: DocumentIndex) -> list[dict[str, Tier]]:
@@ -264,7 +364,7 @@ class PowerOfTwo:
         return Decision(chosen.replica, "random", costs)
 
 
-_POLICIES = {"cache_aware": CacheAware, "round_robin": RoundRobin, "power_of_two": PowerOfTwo, "prefix": PrefixMatch}
+_POLICIES = {"cache_aware": CacheAware, "ttft": PredictedTtft, "round_robin": RoundRobin, "power_of_two": PowerOfTwo, "prefix": PrefixMatch}
 POLICIES: tuple[str, ...] = tuple(_POLICIES)
 
 

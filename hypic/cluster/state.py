@@ -4,10 +4,11 @@ The request router and the ingress run in one process and share it by name."""
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .index import Announcement, DocumentIndex
-from .routing import Decision, ReplicaLoad, RouteRequest, RoutingPolicy
+from .routing import Decision, ReplicaLoad, ReplicaRates, RouteRequest, RoutingPolicy, ttft_seconds
 
 log = logging.getLogger("hypic.cluster")
 GONE_KEPT = 1024  # replicas gone that are remembered (Ray Serve never reuses a replica's id)
@@ -48,7 +49,7 @@ class ClusterState:
         self.gone: dict[str, None] = {}  # the replicas last gone, oldest first (their late news is ignored)
         self.loads: dict[str, ReplicaLoad] = {}  # what this ingress sent each replica and it has not done
         self.foreign: dict[str, ReplicaLoad] = {}  # what other ingresses did, as the replica's last status told
-        self.rates: dict[str, PrefillRate] = {}  # each replica's prefill tokens per second, as its passes measured
+        self.rates: dict[str, MeasuredRates] = {}  # how fast each replica works, as its counters measured
         self.inflight: dict[str, InFlight] = {}  # by call key
         self.builds: dict[str, list[tuple[str, int]]] = {}  # call key -> (replica, tokens) others build for it
         self.reasons: dict[str, str] = {}  # call key -> why the router chose its replica, until it is routed
@@ -92,10 +93,13 @@ class ClusterState:
 
     def current_loads(self, replicas: list[str]) -> list[ReplicaLoad]:
         """Each replica's load, in id order: what this ingress sent it, plus what other ingresses did
-        (``loads_reported``). Call under ``lock``."""
+        (``loads_reported``), with its measured rates (``rates_reported``; one not measured yet is
+        taken to work at the mean of those measured: the replicas run one model). Call under ``lock``."""
         loads = [self.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(replicas)]
-        return [load if load.replica not in self.foreign else with_added(load, self.foreign[load.replica])
-                for load in loads]
+        measured = {r: rates.current() for r, rates in self.rates.items()}
+        typical = mean_rates([rates for rates in measured.values() if rates is not None])
+        return [replace(with_added(load, self.foreign[load.replica]) if load.replica in self.foreign else load,
+                        rates=measured.get(load.replica) or typical) for load in loads]
 
     def loads_reported(self, reports: dict[str, dict[str, int]]) -> None:
         """Each replica's own count of its load (its status, once a second), where several ingresses
@@ -111,23 +115,26 @@ class ClusterState:
                     replica, max(0, report["queued_prefill_tokens"] - own.queued_prefill_tokens),
                     max(0, report["requests"] - own.running), max(0, report["decode_tokens"] - own.decode_tokens))
 
-    def passes_reported(self, reports: dict[str, tuple[int, float]]) -> None:
-        """Each replica's prefill passes so far (tokens computed, seconds), from its status."""
+    def rates_reported(self, reports: dict[str, dict[str, Any]]) -> None:
+        """Each replica's counters so far (its status's ``counters``, with its ``chunk_tokens``): its
+        prefill passes, decode steps and fetches, read as rates (``MeasuredRates``)."""
         with self.lock:
-            for replica, (tokens, seconds) in reports.items():
+            for replica, counters in reports.items():
                 if replica not in self.gone:
-                    self.rates.setdefault(replica, PrefillRate()).update(tokens, seconds)
+                    self.rates.setdefault(replica, MeasuredRates()).update(counters)
 
     def predicted_ttft(self, request: RouteRequest, candidates: list[str]) -> dict[str, float]:
-        """Replica -> the seconds until ``request``'s first token there: the prefill queued on it and
-        what it would prefill of this request (the policy's count, what it holds and can fetch left
-        out), at the rate its passes measured; replicas not measured yet are left out."""
+        """Replica -> the seconds until ``request``'s first token there (``ttft_seconds``: the prefill
+        queued on it and what it would prefill of this request, what it holds and can fetch priced as
+        the policy does, and its decode steps meanwhile), at its measured rates (``current_loads``);
+        empty until some replica has measured them."""
         with self.lock:
-            loads = {load.replica: load for load in self.current_loads(candidates)}
-            tokens = self.policy.prefill_tokens(request, sorted(loads), self.index) \
-                if hasattr(self.policy, "prefill_tokens") else dict.fromkeys(loads, float(request.prompt_tokens))
-            return {r: (loads[r].queued_prefill_tokens + tokens[r]) / self.rates[r].per_s
-                    for r in loads if r in self.rates and self.rates[r].per_s}
+            loads = self.current_loads(candidates)
+            if hasattr(self.policy, "predicted_ttft"):
+                return self.policy.predicted_ttft(request, loads, self.index)
+            tokens = self.policy.prefill_tokens(request, [load.replica for load in loads], self.index) \
+                if hasattr(self.policy, "prefill_tokens") else {load.replica: float(request.prompt_tokens) for load in loads}
+            return {load.replica: ttft_seconds(load, tokens[load.replica]) for load in loads if load.rates is not None}
 
     def count(self, name: str, amount: int = 1) -> None:
         with self.lock:
@@ -201,31 +208,74 @@ class ClusterState:
 
 
 @dataclass
-class PrefillRate:
-    """A replica's prefill tokens per second: the mean of its passes over its first report, then
-    moved a third of the way to each later report's rate (over passes of at least ``MIN_SECONDS``)."""
+class MeasuredRate:
+    """A rate read from a replica's counters (an amount done, the seconds it took): the mean over its
+    first report, then moved a third of the way to each later report's rate (over at least
+    ``MIN_SECONDS`` more)."""
 
-    tokens: int = 0
+    amount: float = 0
     seconds: float = 0.0
     per_s: float | None = None
 
-    MIN_SECONDS = 0.2  # less prefill time than this between two reports says too little of the rate
+    MIN_SECONDS = 0.2  # less time than this between two reports says too little of the rate
     WEIGHT = 1 / 3
 
-    def update(self, tokens: int, seconds: float) -> None:
-        if tokens < self.tokens or seconds < self.seconds:  # a replaced replica counts from zero
-            self.tokens = self.seconds = 0
+    def update(self, amount: float, seconds: float) -> None:
+        if amount < self.amount or seconds < self.seconds:  # a replaced replica counts from zero
+            self.amount = self.seconds = 0
         worked = seconds - self.seconds
         if worked >= self.MIN_SECONDS:
-            rate = (tokens - self.tokens) / worked
+            rate = (amount - self.amount) / worked
             self.per_s = rate if self.per_s is None else self.per_s + self.WEIGHT * (rate - self.per_s)
-            self.tokens, self.seconds = tokens, seconds
+            self.amount, self.seconds = amount, seconds
+
+
+@dataclass
+class MeasuredRates:
+    """A replica's rates from its counters: prompt tokens its prefill passes computed a second, decode
+    steps a second, document tokens a second that reached it from other replicas' pools."""
+
+    prefill: MeasuredRate = field(default_factory=MeasuredRate)
+    decode: MeasuredRate = field(default_factory=MeasuredRate)
+    fetch: MeasuredRate = field(default_factory=MeasuredRate)
+    chunk_tokens: int | None = None
+
+    def update(self, counters: dict[str, Any]) -> None:
+        if "pass_tokens" in counters:
+            self.prefill.update(counters["pass_tokens"], counters["pass_seconds"])
+        if "decode_steps" in counters:
+            self.decode.update(counters["decode_steps"], counters["decode_seconds"])
+        if "fetched_tokens" in counters:
+            self.fetch.update(counters["fetched_tokens"], counters["fetch_wait_seconds"])
+        self.chunk_tokens = counters.get("chunk_tokens", self.chunk_tokens)
+
+    def current(self) -> ReplicaRates | None:
+        """The rates as measured so far; None until its prefill rate is."""
+        if not self.prefill.per_s:
+            return None
+        return ReplicaRates(self.prefill.per_s, 1.0 / self.decode.per_s if self.decode.per_s else None,
+                            self.fetch.per_s or None, self.chunk_tokens)
+
+
+def mean_rates(measured: list[ReplicaRates]) -> ReplicaRates | None:
+    """The mean of each rate over the replicas that measured it (None: none measured a prefill rate)."""
+    if not measured:
+        return None
+    chunk = _mean([rates.chunk_tokens for rates in measured])
+    return ReplicaRates(_mean([rates.prefill_tokens_per_s for rates in measured]),
+                        _mean([rates.decode_step_s for rates in measured]),
+                        _mean([rates.fetch_tokens_per_s for rates in measured]), None if chunk is None else round(chunk))
+
+
+def _mean(values: list[Any]) -> Any:
+    known = [value for value in values if value is not None]
+    return sum(known) / len(known) if known else None
 
 
 def with_added(load: ReplicaLoad, other: ReplicaLoad) -> ReplicaLoad:
     """``load`` with ``other``'s work added (its pool fill kept)."""
-    return ReplicaLoad(load.replica, load.queued_prefill_tokens + other.queued_prefill_tokens,
-                       load.running + other.running, load.decode_tokens + other.decode_tokens, load.pool_fill)
+    return replace(load, queued_prefill_tokens=load.queued_prefill_tokens + other.queued_prefill_tokens,
+                   running=load.running + other.running, decode_tokens=load.decode_tokens + other.decode_tokens)
 
 
 _states: dict[str, ClusterState] = {}

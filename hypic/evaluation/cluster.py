@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hypic.cluster.routing import POLICIES as ROUTER_POLICIES
+
 from .data import DataError
 from .load import capacities, level_done, sample_id, summarize_load, warm_and_replay
 from .results import ResultLog
@@ -52,7 +54,7 @@ from .tenants import TenantConfig, TenantWorkload, shared_corpus
 from .trace import TraceError
 
 DATASET = "tenant-rag"
-POLICIES = ("cache_aware", "round_robin", "power_of_two", "prefix")
+POLICIES = ("cache_aware", "round_robin", "power_of_two", "prefix")  # the study's default; --policies takes any
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "neon", "sve")
 MEASURE_POOL = 4 << 30
 RAY_WAIT = "RAY_raylet_start_wait_time_s"  # the working set's measuring server holds every document
@@ -73,7 +75,7 @@ class Config:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The cluster study's options."""
     parser.add_argument("--dp-size", type=int, default=2, help="replicas of the timed dpN configurations")
-    parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=POLICIES,
+    parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=ROUTER_POLICIES,
                         help="--router-policy of each timed dpN configuration (none: no replicated one)")
     parser.add_argument("--no-single", dest="single", action="store_false", help="leave out `single`")
     parser.add_argument("--no-pooled", dest="pooled", action="store_false", help="leave out `pooled`")

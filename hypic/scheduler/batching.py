@@ -251,6 +251,7 @@ class Batching:
         rows = [(job, i) for job in self.running for i, s in enumerate(job.sequences) if not s.finished]
         states = [job.states[i] for job, i in rows]
         marks = [state.mark() for state in states]
+        start = time.perf_counter()
         try:
             logits, _ = self.sync.model_call(
                 lambda: self.engine.runner.decode(states, [job.sequences[i].output_ids[-1] for job, i in rows]),
@@ -260,6 +261,7 @@ class Batching:
                 state.rollback(mark)
             self._decode_one_by_one(rows)
             return
+        self.stats.add_decode_step(time.perf_counter() - start)
         for row, (job, index) in enumerate(rows):
             if job in self.running:  # not failed on an earlier sample of this step
                 self._guarded(job, lambda j, i=index, r=row: self._accept(j, i, logits[r]))

@@ -30,11 +30,17 @@ class LoopStats:
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
     pass_tokens: int = 0  # prompt tokens the prefill passes computed (what a router's prefill rate is read from)
     pass_seconds: float = 0.0  # ... and the seconds those passes took
+    decode_steps: int = 0  # batched decode steps (what a router's decode step time is read from)
+    decode_seconds: float = 0.0  # ... and the seconds they took
 
     def add_pass(self, tokens: int, seconds: float) -> None:
         """A prefill step's passes: ``tokens`` computed in ``seconds``."""
         self.pass_tokens += tokens
         self.pass_seconds += seconds
+
+    def add_decode_step(self, seconds: float) -> None:
+        self.decode_steps += 1
+        self.decode_seconds += seconds
 
     def add_prefill(self, stats: PrefillStats) -> None:
         self.prefill.add(stats)

@@ -92,6 +92,7 @@ ROUTING_HELP = {"documents_fetched": "documents a request's replica was sent fro
 FETCH_TOTALS = (  # the replicas' own counts of what they fetched
     ("fetched_documents", "documents fetched from other replicas' pools for requests here"),
     ("fetched_bytes", "bytes of those documents' entries"),
+    ("fetched_tokens", "tokens of the documents and prompt heads fetched (what a router's fetch rate is read from)"),
     ("fetched_prefixes", "prompt heads fetched from other replicas' private pools for requests here"),
     ("fetched_prefix_tokens", "tokens of those heads"),
     ("fetch_wait_seconds", "seconds requests waited for what other replicas sent them"))

@@ -135,15 +135,15 @@ def _finished(value: Any) -> Future:
     return future
 
 
-ENTRY_B = SimpleNamespace(key="b", nbytes=100)  # document b's entry as another replica sends it
+ENTRY_B = SimpleNamespace(key="b", nbytes=100, token_ids=(3, 4, 5))  # document b's entry as another replica sends it
 
 
 def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: float, own_builds_end: bool = True,
-                  fetched: bool = False, lent: list | None = None) -> tuple[Any, float, float | None, list]:
+                  fetched: bool = False, lent: list | None = None) -> tuple[Any, float, float | None, list, dict]:
     """Start a replica's peer work for a request of documents "a" (its own to build) and "b" (built on
     another replica, or with ``fetched`` fetched from its pool, its entry arriving after
     ``arrives_after_s``; None: never); the outcome (or its error), when it came, when the own build
-    was queued, what was installed. What was lent to the request goes to ``lent``."""
+    was queued, what was installed, the replica's fetch counts. What was lent to the request goes to ``lent``."""
     installed: list = []
     monkeypatch.setattr(replica_module, "install_entries", lambda engine, entries, mode: installed.extend(entries))
     monkeypatch.setattr(replica_module, "lend_entries", lambda engine, entries, mode: [e.key for e in entries])
@@ -151,7 +151,7 @@ def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: fl
     replica = object.__new__(Replica)
     cache = SimpleNamespace(document_keys=frozenset, lower_tiers_of=lambda key, namespace: [])
     replica.instance = SimpleNamespace(loop=loop, engine=SimpleNamespace(cache=cache), close=lambda: None)
-    replica.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetch_wait_seconds": 0.0}
+    replica.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetched_tokens": 0, "fetch_wait_seconds": 0.0}
     plan = SimpleNamespace(parts=SimpleNamespace(namespace=""), documents=lambda: [(0, "a", (1, 2)), (1, "b", (3, 4, 5))])
 
     async def run() -> tuple[Any, float]:
@@ -168,13 +168,13 @@ def _peer_outcome(monkeypatch: Any, arrives_after_s: float | None, timeout_s: fl
         return (outcome.exception() or outcome.result()), start
 
     value, start = asyncio.run(run())
-    return value, start, loop.queued_at, installed
+    return value, start, loop.queued_at, installed, replica.fetches
 
 
 def test_a_replica_builds_its_own_documents_while_the_others_are_built_elsewhere(monkeypatch: Any) -> None:
     """The chosen replica queues its own cold document at once, not after the other replica's entry
     arrives (0.3 s later); the request's outcome waits for both and says what was built for it."""
-    value, start, queued_at, installed = _peer_outcome(monkeypatch, arrives_after_s=0.3, timeout_s=5.0)
+    value, start, queued_at, installed, _ = _peer_outcome(monkeypatch, arrives_after_s=0.3, timeout_s=5.0)
     assert queued_at is not None and queued_at - start < 0.1
     assert value == (None, BuiltForRequest(frozenset({"a", "b"}), (("b", 3),))) and installed == [ENTRY_B]
 
@@ -182,14 +182,14 @@ def test_a_replica_builds_its_own_documents_while_the_others_are_built_elsewhere
 def test_documents_that_never_come_from_another_replica_fail_the_peer_work_at_its_deadline(monkeypatch: Any) -> None:
     """A stuck builder: the outcome fails at the deadline (0.2 s), and the loop then prefills the
     request here alone, building what it misses; nothing late is installed."""
-    value, start, _, installed = _peer_outcome(monkeypatch, arrives_after_s=None, timeout_s=0.2)
+    value, start, _, installed, _ = _peer_outcome(monkeypatch, arrives_after_s=None, timeout_s=0.2)
     assert isinstance(value, TimeoutError) and time.perf_counter() - start < 2 and installed == []
 
 
 def test_own_builds_that_do_not_end_fail_the_peer_work_at_the_same_deadline(monkeypatch: Any) -> None:
     """The other replica's entry comes at once, this replica's own build never ends: the outcome fails
     at the deadline (0.3 s) rather than waiting on its own loop for good."""
-    value, start, _, installed = _peer_outcome(monkeypatch, arrives_after_s=0.0, timeout_s=0.3, own_builds_end=False)
+    value, start, _, installed, _ = _peer_outcome(monkeypatch, arrives_after_s=0.0, timeout_s=0.3, own_builds_end=False)
     assert isinstance(value, TimeoutError) and time.perf_counter() - start < 2 and installed == [ENTRY_B]
 
 
@@ -199,10 +199,11 @@ def test_a_document_fetched_from_another_replicas_pool_is_lent_to_the_request_an
     build), the outcome counts it as loaded from another replica (a hit, not a miss) and only a as
     built here."""
     lent: list[str] = []
-    value, _, queued_at, installed = _peer_outcome(monkeypatch, arrives_after_s=0.05, timeout_s=5.0, fetched=True,
-                                                   lent=lent)
+    value, _, queued_at, installed, fetches = _peer_outcome(monkeypatch, arrives_after_s=0.05, timeout_s=5.0,
+                                                            fetched=True, lent=lent)
     assert value == (None, BuiltForRequest(frozenset({"a"}), (), loaded=(("b", "replica"),)))
     assert installed == [] and lent == ["b"] and queued_at is not None
+    assert (fetches["fetched_documents"], fetches["fetched_tokens"]) == (1, 3) and fetches["fetch_wait_seconds"] >= 0.05
 
 
 def _head_outcome(monkeypatch: Any, arrives_after_s: float | None) -> tuple[Any, float, list, dict]:
@@ -217,7 +218,7 @@ def _head_outcome(monkeypatch: Any, arrives_after_s: float | None) -> tuple[Any,
     cache = SimpleNamespace(document_keys=frozenset, lower_tiers_of=lambda key, namespace: [],
                             install_prefix=lambda plan, state: kept.append(state) or state.length)
     replica.instance = SimpleNamespace(loop=BuildsHere(), engine=SimpleNamespace(cache=cache), close=lambda: None)
-    replica.fetches = {"fetched_prefixes": 0, "fetched_prefix_tokens": 0, "fetch_wait_seconds": 0.0}
+    replica.fetches = {"fetched_prefixes": 0, "fetched_prefix_tokens": 0, "fetched_tokens": 0, "fetch_wait_seconds": 0.0}
     plan = SimpleNamespace(parts=SimpleNamespace(namespace=""), documents=lambda: [])
 
     async def run() -> tuple[Any, float]:
@@ -238,7 +239,8 @@ def test_a_prompt_head_from_another_replica_is_kept_before_the_prefill_and_count
     value, took, kept, fetches = _head_outcome(monkeypatch, arrives_after_s=0.05)
     assert value == (None, BuiltForRequest(frozenset(), ())) and took >= 0.05
     assert [state.length for state in kept] == [256]
-    assert (fetches["fetched_prefixes"], fetches["fetched_prefix_tokens"]) == (1, 256)
+    assert (fetches["fetched_prefixes"], fetches["fetched_prefix_tokens"], fetches["fetched_tokens"]) == (1, 256, 256)
+    assert 0.05 <= fetches["fetch_wait_seconds"] <= took  # what a router reads the fetch rate from
 
 
 def test_a_prompt_head_that_never_comes_leaves_the_prefill_to_compute_it_after_a_short_wait(

@@ -471,7 +471,8 @@ def test_a_request_every_replica_would_answer_too_late_is_refused_at_once() -> N
     With --ttft-slo 1 it is refused as busy (a 503) before any replica is called, within
     milliseconds, and counted; with 10 it runs."""
     loop, replicas, state = _loop({"r0": answers, "r1": answers})
-    state.passes_reported({"r0": (10_000, 10.0), "r1": (20_000, 20.0)})
+    state.rates_reported({"r0": {"pass_tokens": 10_000, "pass_seconds": 10.0},
+                          "r1": {"pass_tokens": 20_000, "pass_seconds": 20.0}})
     for replica, queued in (("r0", 3000), ("r1", 5000)):
         state.loads.setdefault(replica, ReplicaLoad(replica)).queued_prefill_tokens = queued
     loop.ttft_slo_s = 1.0

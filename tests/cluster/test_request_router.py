@@ -8,7 +8,7 @@ import pytest
 from hypic.cluster.index import Announcement, HoldingEvent, Tier
 from hypic.cluster.ingress import ReplicaRouter
 from hypic.cluster.routing import ReplicaLoad, RouteRequest, policy_named
-from hypic.cluster.state import ClusterState, PrefillRate, RouteTo, register_state
+from hypic.cluster.state import ClusterState, MeasuredRate, RouteTo, register_state
 
 REQUEST = RouteRequest("t", (("d1", 1000), ("d2", 2000)), prompt_tokens=3100)
 
@@ -154,7 +154,7 @@ def test_a_replicas_prefill_rate_is_its_passes_mean_then_follows_each_report() -
     """First report: 6,000 tokens in 3 s (2,000/s). Next: 3,000 more in 3 s (1,000/s): the rate moves
     a third of the way, to 1,666.7. A report of 0.1 s more work is too little to read a rate from
     (kept for the next). A replaced replica's counts start again from zero."""
-    rate = PrefillRate()
+    rate = MeasuredRate()
     rate.update(6000, 3.0)
     assert rate.per_s == pytest.approx(2000.0)
     rate.update(9000, 6.0)
@@ -168,11 +168,13 @@ def test_a_replicas_prefill_rate_is_its_passes_mean_then_follows_each_report() -
 def test_the_predicted_time_to_first_token_is_the_queue_and_the_requests_own_prefill_at_each_rate() -> None:
     """r0 holds d (2,000 of the 2,100 tokens), has 1,000 queued and prefills 1,000 tokens/s: (1,000 +
     100) / 1,000 = 1.1 s. r1 holds nothing, nothing queued, 3,000 tokens/s: 2,100 / 3,000 = 0.7 s.
-    r2 has never reported a pass: left out."""
+    r2 has never reported a pass: taken to work at the others' mean rate, 2,000 tokens/s: 1.05 s.
+    Nothing decodes anywhere: no decode step counts."""
     state = ClusterState(policy_named("cache_aware"))
     state.set_replicas(["r0", "r1", "r2"])
     assert state.announce(Announcement("r0", "i", 1, (HoldingEvent("stored", "d", "t", Tier.MEMORY, 2000),), full=True))
     state.loads.setdefault("r0", ReplicaLoad("r0")).queued_prefill_tokens = 1000
-    state.passes_reported({"r0": (5000, 5.0), "r1": (9000, 3.0)})
+    state.rates_reported({"r0": {"pass_tokens": 5000, "pass_seconds": 5.0},
+                          "r1": {"pass_tokens": 9000, "pass_seconds": 3.0}})
     predicted = state.predicted_ttft(RouteRequest("t", (("d", 2000),), 2100), ["r0", "r1", "r2"])
-    assert predicted == pytest.approx({"r0": 1.1, "r1": 0.7})
+    assert predicted == pytest.approx({"r0": 1.1, "r1": 0.7, "r2": 1.05})

@@ -173,9 +173,9 @@ def test_power_of_two_takes_the_less_busy_of_its_two_draws() -> None:
 
 
 def test_policies_are_named_and_a_wrong_name_or_option_says_which_are_valid() -> None:
-    assert POLICIES == ("cache_aware", "round_robin", "power_of_two", "prefix")
+    assert POLICIES == ("cache_aware", "ttft", "round_robin", "power_of_two", "prefix")
     assert [policy_named(name).name for name in POLICIES] == list(POLICIES)
-    with pytest.raises(ValueError, match="unknown routing policy fastest: expected one of cache_aware, round_robin, power_of_two, prefix"):
+    with pytest.raises(ValueError, match="unknown routing policy fastest: expected one of cache_aware, ttft, round_robin, power_of_two, prefix"):
         policy_named("fastest")
     with pytest.raises(ValueError, match="bad options for routing policy prefix"):
         policy_named("prefix", imbalance_factor=3)

@@ -732,3 +732,23 @@ def _job_of(loop: EngineLoop, prompt: str, tokens: int, samples: int = 1) -> Any
     params = SamplingParams(max_new_tokens=tokens, n=samples, ignore_eos=True)
     parts = loop.engine.parse(prompt)
     return loop.job_for(parts, GenerationRequest(prompt, params), loop.engine.sequences(params, parts.token_ids))
+
+
+def test_the_loop_counts_its_decode_steps_and_their_seconds(engine: Engine) -> None:
+    """Two requests of 5 new tokens each, submitted together: the first token of each comes from its
+    prefill, the other 4 from decode steps; decoded together they share steps, so 4 to 8 steps in all
+    (8: never batched), their seconds between 0 and the loop's whole run (what a router reads a
+    replica's decode step time from)."""
+    loop, collector = EngineLoop(engine, "hypic", max_running=8), Collector()
+    for name in "ab":
+        _submit(loop, collector, name, _text(70 + ord(name), 40), tokens=5)
+    start = time.perf_counter()
+    loop.start()
+    try:
+        collector.wait(2)
+    finally:
+        loop.stop()
+    took = time.perf_counter() - start
+    counters = loop.snapshot
+    assert all(len(collector.done[n].completion.samples[0].output_ids) == 5 for n in "ab")
+    assert 4 <= counters["decode_steps"] <= 8 and 0 < counters["decode_seconds"] < took, counters
