@@ -258,6 +258,11 @@ def _parser() -> argparse.ArgumentParser:
                             "own at the prefill rate each replica measured, and its decode steps meanwhile), instead of "
                             "letting it wait in a queue; "
                             "counted in /metrics (hypic_refused_for_slo_total) (default: none)")
+    serve.add_argument("--tbt-slo", type=positive_float, default=None,
+                       help="with --dp-size: refuse at once (503 with retry-after) a request no replica is predicted to "
+                            "decode with at most this many seconds between two tokens (its decode step as measured, "
+                            "and the prefill chunk its loop runs between two steps while prefill is queued there); "
+                            "with --ttft-slo, a replica must meet both (default: none)")
     serve.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
                        help="how --dp-size routes a request: cache_aware = the replica with the fewest tokens to "
                             "prefill given the documents and prefix it holds, plus its queued work, skipping one far "
@@ -408,8 +413,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
     _check_memory(args)
     if args.ingress_replicas > 1 and args.dp_size == 1:
         raise HypicError("--ingress-replicas above 1 needs --dp-size above 1: one instance is its own ingress")
-    if args.ttft_slo is not None and args.dp_size == 1:
-        raise HypicError("--ttft-slo needs --dp-size above 1: it refuses a request when every replica is too busy")
+    for name, value in (("--ttft-slo", args.ttft_slo), ("--tbt-slo", args.tbt_slo)):
+        if value is not None and args.dp_size == 1:
+            raise HypicError(f"{name} needs --dp-size above 1: it refuses a request when every replica is too busy")
     if args.dp_size > 1 and args.workers > 1:
         raise HypicError("--dp-size above 1 with --workers above 1 is not served: replicas already build each "
                          "other's documents; use --dp-size")

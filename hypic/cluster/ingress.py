@@ -34,6 +34,7 @@ from .front import FrontEngine
 from .holdings import HoldingsMark
 from .replica import PREFILLED, Mark, RemoteBuilds, ReplicaWork
 from .routing import RouteRequest, fetch_sources, prefix_source, spread_cold_documents, spread_documents
+from .slo import SloRefusal
 from .state import ClusterState, RouteTo, state_named
 
 log = logging.getLogger("hypic.cluster")
@@ -123,10 +124,10 @@ class ReplicaLoop:
 
     def __init__(self, front: FrontEngine, replicas: DeploymentHandle, state: ClusterState, mode: Mode | str,
                  max_state_bytes: int | None, spreads: bool = True, silence_s: float = SILENCE_S,
-                 ingresses: int = 1, ttft_slo_s: float | None = None) -> None:
+                 ingresses: int = 1, refusal: SloRefusal = SloRefusal()) -> None:
         self.engine, self.mode, self.state, self.silence_s = front, Mode.parse(mode), state, silence_s
         self.ingresses = ingresses  # of the service (this one included): its own counters are labelled by name
-        self.ttft_slo_s = ttft_slo_s  # a request every replica would answer later than this is refused at once
+        self.refusal = refusal  # a request no replica would serve within the latency objectives is refused at once
         self.name, self.calls = uuid.uuid4().hex[:8], itertools.count()  # call keys: unique across ingresses
         # a replica of several ranks holds shards: its documents are not built by another replica
         self.spreads = spreads and front.policy(self.mode).caches_segments
@@ -193,15 +194,13 @@ class ReplicaLoop:
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
 
     def _over_slo(self, job: Job) -> str | None:
-        """Why ``job`` is refused at once (None: it is not): every replica measured so far is
-        predicted to give its first token later than ``ttft_slo_s`` (``ClusterState.predicted_ttft``)."""
-        if self.ttft_slo_s is None:
+        """Why ``job`` is refused at once (None: it is not): no replica is predicted to give its first
+        token within the TTFT objective and then its tokens within the TBT one (``SloRefusal``)."""
+        if not self.refusal.active:
             return None
-        predicted = self.state.predicted_ttft(route_request(job), list(self.state.replicas))
-        if not predicted or min(predicted.values()) <= self.ttft_slo_s:
-            return None
-        return (f"every replica would give the first token later than the --ttft-slo of {self.ttft_slo_s:g} s "
-                f"(the soonest in {min(predicted.values()):.2f} s, at the prefill queued on it)")
+        replicas = list(self.state.replicas)
+        ttft = self.state.predicted_ttft(route_request(job), replicas) if self.refusal.ttft_s is not None else {}
+        return self.refusal.why(ttft, self.state.predicted_tbt(replicas) if self.refusal.tbt_s is not None else {})
 
     async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool, tried: set[str]) -> None:
         """One try at ``job``, on a replica not in ``tried`` while there is one (the one it reached is

@@ -29,6 +29,7 @@ from .ingress import ReplicaLoop, ReplicaRouter
 from .logs import AccessLines, log_queue, print_relayed, relay_logs
 from .replica import Replica
 from .routing import FETCH_CREDIT, policy_named
+from .slo import SloRefusal
 from .state import ClusterState, register_state
 
 log = logging.getLogger("hypic.cluster")
@@ -54,7 +55,7 @@ class Ingress:
         self.state = ClusterState(policy_named(args.router_policy, **({"fetch_credit": FETCH_CREDIT} if fetches else {})))
         register_state(STATE_NAME, self.state)
         self.loop = ReplicaLoop(front, replicas, self.state, args.mode, args.max_state_memory,
-                                spreads=fetches, ttft_slo_s=args.ttft_slo,
+                                spreads=fetches, refusal=SloRefusal(args.ttft_slo, args.tbt_slo),
                                 silence_s=args.worker_timeout, ingresses=args.ingress_replicas)
         await self.loop.wait_for_replicas(args.dp_size, START_TIMEOUT_S)
         self.asgi = OnServingLoop(build_app(self.loop, info, None, limits), self.loop.serve_on)

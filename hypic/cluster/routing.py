@@ -288,6 +288,17 @@ def ttft_seconds(load: ReplicaLoad, tokens: float) -> float:
     return seconds
 
 
+def tbt_seconds(load: ReplicaLoad) -> float | None:
+    """The seconds between two tokens of a request decoding on ``load``'s replica: its decode step
+    (as measured at its batch) and the prefill chunk its loop runs between two steps while prefill is
+    queued there; None: no decode step measured."""
+    rates = load.rates
+    if rates is None or rates.decode_step_s is None:
+        return None
+    chunk = min(load.queued_prefill_tokens, rates.chunk_tokens or load.queued_prefill_tokens)
+    return rates.decode_step_s + chunk / rates.prefill_tokens_per_s
+
+
 def holders_of(request: RouteRequest, index: DocumentIndex) -> list[dict[str, Tier]]:
     """Each of ``request``'s documents' holders (replica -> its cheapest tier), looked up once."""
     return [index.holders(request.namespace, key) for key, _ in request.documents]

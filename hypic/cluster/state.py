@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .index import Announcement, DocumentIndex
-from .routing import Decision, ReplicaLoad, ReplicaRates, RouteRequest, RoutingPolicy, ttft_seconds
+from .routing import Decision, ReplicaLoad, ReplicaRates, RouteRequest, RoutingPolicy, tbt_seconds, ttft_seconds
 
 log = logging.getLogger("hypic.cluster")
 GONE_KEPT = 1024  # replicas gone that are remembered (Ray Serve never reuses a replica's id)
@@ -135,6 +135,13 @@ class ClusterState:
             tokens = self.policy.prefill_tokens(request, [load.replica for load in loads], self.index) \
                 if hasattr(self.policy, "prefill_tokens") else {load.replica: float(request.prompt_tokens) for load in loads}
             return {load.replica: ttft_seconds(load, tokens[load.replica]) for load in loads if load.rates is not None}
+
+    def predicted_tbt(self, candidates: list[str]) -> dict[str, float]:
+        """Replica -> the seconds between two tokens of a request decoding there (``tbt_seconds``), for
+        those with a decode step measured (or the mean of those measured)."""
+        with self.lock:
+            times = {load.replica: tbt_seconds(load) for load in self.current_loads(candidates)}
+        return {replica: seconds for replica, seconds in times.items() if seconds is not None}
 
     def count(self, name: str, amount: int = 1) -> None:
         with self.lock:

@@ -20,6 +20,7 @@ from hypic.cluster.index import Announcement, HoldingEvent, Tier
 from hypic.cluster.ingress import ReplicaLoop
 from hypic.cluster.replica import ALIVE, PREFILLED
 from hypic.cluster.routing import ReplicaLoad, policy_named
+from hypic.cluster.slo import SloRefusal
 from hypic.cluster.state import ClusterState, RouteTo
 from hypic.errors import HypicError
 from hypic.prefill_stats import PrefillStats
@@ -475,12 +476,35 @@ def test_a_request_every_replica_would_answer_too_late_is_refused_at_once() -> N
                           "r1": {"pass_tokens": 20_000, "pass_seconds": 20.0}})
     for replica, queued in (("r0", 3000), ("r1", 5000)):
         state.loads.setdefault(replica, ReplicaLoad(replica)).queued_prefill_tokens = queued
-    loop.ttft_slo_s = 1.0
+    loop.refusal = SloRefusal(ttft_s=1.0)
     start = time.perf_counter()
     [refused] = _serve(loop, ["late"])
     assert isinstance(refused, ErrorEvent) and refused.busy and time.perf_counter() - start < 0.05
     assert f"in {(3000 + len(PROMPT)) / 1000:.2f} s" in refused.message, refused.message
     assert replicas.calls == [] and state.counters["refused_for_slo"] == 1
-    loop.ttft_slo_s = 10.0
+    loop.refusal = SloRefusal(ttft_s=10.0)
     [served] = _serve(loop, ["in time"])
     assert isinstance(served, DoneEvent) and [replica for replica, _, _ in replicas.calls] == ["r0"]
+
+
+def test_a_request_no_replica_would_decode_fast_enough_is_refused_at_once() -> None:
+    """Both replicas measured 1,000 prompt tokens a second, a decode step of 0.05 s and 512-token
+    chunks; r0 has 3,000 prefill tokens queued, r1 400: between two tokens r0 runs a step and a
+    whole chunk (0.05 + 0.512 s), r1 a step and its 400 (0.45 s). With --tbt-slo 0.3 the request is
+    refused as busy before any replica is called; with 0.5, r1 meets it and it runs."""
+    loop, replicas, state = _loop({"r0": answers, "r1": answers})
+    counters = {"pass_tokens": 10_000, "pass_seconds": 10.0, "decode_steps": 100, "decode_seconds": 5.0,
+                "chunk_tokens": 512}
+    state.rates_reported({"r0": counters, "r1": counters})
+    for replica, queued in (("r0", 3000), ("r1", 400)):
+        state.loads.setdefault(replica, ReplicaLoad(replica)).queued_prefill_tokens = queued
+    assert state.predicted_tbt(["r0", "r1"]) == pytest.approx({"r0": 0.562, "r1": 0.45})
+    loop.refusal = SloRefusal(tbt_s=0.3)
+    start = time.perf_counter()
+    [refused] = _serve(loop, ["slow"])
+    assert isinstance(refused, ErrorEvent) and refused.busy and time.perf_counter() - start < 0.05
+    assert "--tbt-slo of 0.3 s" in refused.message and "the least 0.45 s" in refused.message, refused.message
+    assert replicas.calls == [] and state.counters["refused_for_slo"] == 1
+    loop.refusal = SloRefusal(tbt_s=0.5)
+    [served] = _serve(loop, ["fast enough"])
+    assert isinstance(served, DoneEvent) and len(replicas.calls) == 1

@@ -56,9 +56,10 @@ def test_replicas_whose_memory_budgets_pass_the_machines_are_refused_in_one_line
 
 
 def test_a_ttft_slo_without_replicas_is_refused_in_one_line() -> None:
-    done = subprocess.run([sys.executable, "-m", "hypic.cli", "serve", "--ttft-slo", "1"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "--ttft-slo needs --dp-size above 1" in done.stderr
+    for option in ("--ttft-slo", "--tbt-slo"):
+        done = subprocess.run([sys.executable, "-m", "hypic.cli", "serve", option, "1"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and f"{option} needs --dp-size above 1" in done.stderr
     bad = subprocess.run([sys.executable, "-m", "hypic.cli", "serve", "--dp-size", "2", "--ttft-slo", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ttft-slo: must be > 0, got 0" in bad.stderr
