@@ -50,6 +50,8 @@ class ClusterState:
         self.loads: dict[str, ReplicaLoad] = {}  # what this ingress sent each replica and it has not done
         self.foreign: dict[str, ReplicaLoad] = {}  # what other ingresses did, as the replica's last status told
         self.rates: dict[str, MeasuredRates] = {}  # how fast each replica works, as its counters measured
+        self.measured: dict[str, ReplicaRates | None] = {}  # ... as of the last report
+        self.typical_rates: ReplicaRates | None = None  # their mean: a replica not measured yet is taken to work so
         self.inflight: dict[str, InFlight] = {}  # by call key
         self.builds: dict[str, list[tuple[str, int]]] = {}  # call key -> (replica, tokens) others build for it
         self.reasons: dict[str, str] = {}  # call key -> why the router chose its replica, until it is routed
@@ -93,13 +95,13 @@ class ClusterState:
 
     def current_loads(self, replicas: list[str]) -> list[ReplicaLoad]:
         """Each replica's load, in id order: what this ingress sent it, plus what other ingresses did
-        (``loads_reported``), with its measured rates (``rates_reported``; one not measured yet is
-        taken to work at the mean of those measured: the replicas run one model). Call under ``lock``."""
+        (``loads_reported``), with its measured rates (``rates_reported``). Call under ``lock``."""
         loads = [self.loads.setdefault(r, ReplicaLoad(r)) for r in sorted(replicas)]
-        measured = {r: rates.current() for r, rates in self.rates.items()}
-        typical = mean_rates([rates for rates in measured.values() if rates is not None])
-        return [replace(with_added(load, self.foreign[load.replica]) if load.replica in self.foreign else load,
-                        rates=measured.get(load.replica) or typical) for load in loads]
+        for load in loads:
+            if load.rates is None:  # a load made since the last report
+                load.rates = self.measured.get(load.replica) or self.typical_rates
+        return [load if load.replica not in self.foreign else with_added(load, self.foreign[load.replica])
+                for load in loads]
 
     def loads_reported(self, reports: dict[str, dict[str, int]]) -> None:
         """Each replica's own count of its load (its status, once a second), where several ingresses
@@ -117,11 +119,17 @@ class ClusterState:
 
     def rates_reported(self, reports: dict[str, dict[str, Any]]) -> None:
         """Each replica's counters so far (its status's ``counters``, with its ``chunk_tokens``): its
-        prefill passes, decode steps and fetches, read as rates (``MeasuredRates``)."""
+        prefill passes, decode steps and fetches, read as rates (``MeasuredRates``) and given to its
+        load; a replica not measured yet is taken to work at the mean of those measured (the replicas
+        run one model)."""
         with self.lock:
             for replica, counters in reports.items():
                 if replica not in self.gone:
                     self.rates.setdefault(replica, MeasuredRates()).update(counters)
+            self.measured = {replica: rates.current() for replica, rates in self.rates.items()}
+            self.typical_rates = mean_rates([rates for rates in self.measured.values() if rates is not None])
+            for replica, load in self.loads.items():
+                load.rates = self.measured.get(replica) or self.typical_rates
 
     def predicted_ttft(self, request: RouteRequest, candidates: list[str]) -> dict[str, float]:
         """Replica -> the seconds until ``request``'s first token there (``ttft_seconds``: the prefill
