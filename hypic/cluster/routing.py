@@ -191,18 +191,23 @@ class CacheAware:
     def _prefill(self, request: RouteRequest, replicas: list[str], held_by: list[dict[str, Tier]],
                  index: DocumentIndex, fetch_credits: dict[str, float] | None = None) -> dict[str, float]:
         """Replica -> the tokens it would prefill; ``fetch_credits``: each replica's price of a token
-        fetched from another's memory, in prefill tokens (None: ``fetch_credit`` for every one)."""
+        fetched from another's memory, in prefill tokens (None: ``fetch_credit`` for every one). What
+        a replica saves on the documents it does not hold (from the shared store, or fetched) is
+        priced by totals; only a document's holders are visited, so a decision's work grows with the
+        replicas plus the holdings, not their product."""
         credits = fetch_credits if fetch_credits is not None else (
             None if self.fetch_credit is None else dict.fromkeys(replicas, self.fetch_credit))
+        documents = [(tokens, index.shared(request.namespace, key), credits is not None and Tier.MEMORY in holders.values())
+                     for (key, tokens), holders in zip(request.documents, held_by)]  # (tokens, shared, fetchable)
+        totals = [sum(t for t, shared, fetchable in documents if (shared, fetchable) == kind)
+                  for kind in ((True, True), (False, True), (True, False))]
+        saved = {r: self._unheld_saving(*totals, 1.0 if credits is None else credits[r]) for r in replicas}
+        for (tokens, shared, fetchable), holders in zip(documents, held_by):
+            for replica, tier in holders.items():
+                if replica in saved:  # its own copy, where that saves more than what every replica may use
+                    anyway = self._unheld_saving(*_one(tokens, shared, fetchable), 1.0 if credits is None else credits[replica])
+                    saved[replica] += max(0.0, tokens * (1.0 - self.tier_costs.of(tier)) - anyway)
         document_tokens = request.document_tokens()
-        saved = dict.fromkeys(replicas, 0.0)
-        for (key, tokens), holders in zip(request.documents, held_by):
-            shared = tokens * (1.0 - self.tier_costs.shared) if index.shared(request.namespace, key) else 0.0
-            fetchable = credits is not None and Tier.MEMORY in holders.values()  # any replica may fetch it
-            for replica in saved:
-                everyone = max(shared, tokens * (1.0 - credits[replica])) if fetchable else shared  # type: ignore[index]
-                tier = holders.get(replica)
-                saved[replica] += max(everyone, tokens * (1.0 - self.tier_costs.of(tier)) if tier is not None else 0.0)
         rest = max(0, request.prompt_tokens - document_tokens)
         matched = index.prefix_matched(request.token_ids, request.namespace) if request.token_ids else {}
         if credits is not None and matched:  # any replica may fetch the longest head held (prefix_source)
@@ -210,6 +215,13 @@ class CacheAware:
             matched = {r: max(matched.get(r, 0), longest * (1.0 - credits[r])) for r in replicas}
         return {replica: min(document_tokens - saved[replica] + rest,
                              max(0, request.prompt_tokens - matched.get(replica, 0))) for replica in replicas}
+
+    def _unheld_saving(self, both: float, fetched: float, shared: float, credit: float) -> float:
+        """What a replica saves on documents it does not hold itself, of ``both`` tokens in the shared
+        store and fetchable, ``fetched`` only fetchable, ``shared`` only in the store: each at the
+        cheaper of the store's load cost and ``credit``."""
+        store = self.tier_costs.shared
+        return both * (1.0 - min(store, credit)) + fetched * (1.0 - credit) + shared * (1.0 - store)
 
     def _not_swamped(self, loads: list[ReplicaLoad]) -> list[str]:
         """Replicas not queued above ``imbalance_factor`` x the mean queue of the others (and the floor)."""
@@ -297,6 +309,12 @@ def tbt_seconds(load: ReplicaLoad) -> float | None:
         return None
     chunk = min(load.queued_prefill_tokens, rates.chunk_tokens or load.queued_prefill_tokens)
     return rates.decode_step_s + chunk / rates.prefill_tokens_per_s
+
+
+def _one(tokens: int, shared: bool, fetchable: bool) -> tuple[int, int, int]:
+    """One document's tokens as ``_unheld_saving``'s (both, fetched, shared) totals."""
+    return (tokens if shared and fetchable else 0, tokens if fetchable and not shared else 0,
+            tokens if shared and not fetchable else 0)
 
 
 def holders_of(request: RouteRequest, index: DocumentIndex) -> list[dict[str, Tier]]:

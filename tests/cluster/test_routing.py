@@ -4,8 +4,8 @@ import random
 import pytest
 
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
-from hypic.cluster.routing import (POLICIES, ReplicaLoad, RouteRequest, TierCosts, fetch_sources, policy_named,
-                                   prefix_source, spread_cold_documents, spread_documents)
+from hypic.cluster.routing import (POLICIES, CacheAware, ReplicaLoad, RouteRequest, TierCosts, fetch_sources,
+                                   holders_of, policy_named, prefix_source, spread_cold_documents, spread_documents)
 from hypic.cluster.state import ClusterState
 
 
@@ -343,3 +343,51 @@ def test_a_prompt_head_comes_from_the_replica_holding_the_longest_of_it_when_tha
     assert fetch.costs == pytest.approx({"a": 5064.0, "b": 96.0, "c": 96.0}) and fetch.replica == "b"
     rebuild = policy_named("cache_aware", **weights).choose(request, loads, index)
     assert rebuild.costs == pytest.approx({"a": 5064.0, "b": 576.0, "c": 704.0})
+
+
+def _naive_prefill(policy, request: RouteRequest, replicas: list[str], index: DocumentIndex,
+                   credits: dict[str, float] | None) -> dict[str, float]:
+    """The tokens each replica would prefill, replica by replica and document by document, as the
+    policy's cost defines them (the oracle of its totals-and-holders computation)."""
+    costs = policy.tier_costs
+    prefill = {}
+    for replica in replicas:
+        saved = 0.0
+        for key, tokens in request.documents:
+            holders = index.holders(request.namespace, key)
+            options = [tokens * (1 - costs.shared)] if index.shared(request.namespace, key) else []
+            if credits is not None and Tier.MEMORY in holders.values():
+                options.append(tokens * (1 - credits[replica]))
+            if replica in holders:
+                options.append(tokens * (1 - costs.of(holders[replica])))
+            saved += max(options, default=0.0)
+        matched = index.prefix_matched(request.token_ids, request.namespace)
+        head = matched.get(replica, 0)
+        if credits is not None and matched:
+            head = max(head, max(matched.values()) * (1 - credits[replica]))
+        rest = request.prompt_tokens - request.document_tokens()
+        prefill[replica] = min(request.document_tokens() - saved + rest, max(0, request.prompt_tokens - head))
+    return prefill
+
+
+def test_the_tokens_to_prefill_equal_a_replica_by_replica_count_on_random_clusters() -> None:
+    """200 random clusters (2-6 replicas, 1-5 documents each held in 0-3 replicas' tiers, some in the
+    shared store, prompt heads recorded, a fetch credit per replica or none): every replica's tokens
+    as ``_naive_prefill`` counts them."""
+    rng = random.Random(7)
+    for case in range(200):
+        replicas = [f"r{i}" for i in range(rng.randint(2, 6))]
+        documents = tuple((f"d{i}", rng.choice([64, 100, 700])) for i in range(rng.randint(1, 5)))
+        token_ids = tuple(range(sum(t for _, t in documents) + 40))
+        index = DocumentIndex()
+        for replica in replicas:
+            held = [HoldingEvent("stored", key, "t", rng.choice([Tier.MEMORY, Tier.HOST, Tier.DISK, Tier.SHARED]), tokens)
+                    for key, tokens in documents if rng.random() < 0.35]
+            assert index.apply(Announcement(replica, "i", len(held), tuple(held), full=True))
+            if rng.random() < 0.3:
+                index.record_prefix(replica, token_ids[: rng.choice([64, 128, 400])], "t")
+        request = RouteRequest("t", documents, len(token_ids), token_ids)
+        credits = rng.choice([None, {r: rng.choice([0.05, 0.5, 1.0]) for r in replicas}])
+        policy = CacheAware(fetch_credit=None if credits is None else 0.05)
+        got = policy._prefill(request, replicas, holders_of(request, index), index, credits)
+        assert got == pytest.approx(_naive_prefill(policy, request, replicas, index, credits)), case
