@@ -1,5 +1,6 @@
 """The cluster router's policy at scale, on synthetic data: the real ``DocumentIndex`` and
-``policy_named("cache_aware")`` at many replicas and documents, no Ray, no engines.
+``policy_named(--policy)`` (``cache_aware`` by default; ``ttft`` with each replica given a synthetic
+prefill, decode and fetch rate) at many replicas and documents, no Ray, no engines.
 
 Each run:
 1. fill: every document is announced by 1-3 replicas (one in memory, the others in host or disk),
@@ -18,6 +19,7 @@ Then the same requests served by the other policies (``--compare``, one run each
 leaves to prefill.
 
     python eval/sim_cluster_router.py --json eval/results/cluster_router_sim.json
+    python eval/sim_cluster_router.py --replicas 1024 --policy ttft --fetch-credit 0.05 --json ...
 """
 import argparse
 import gc
@@ -31,7 +33,7 @@ import time
 import tracemalloc
 
 from hypic.cluster.index import Announcement, DocumentIndex, HoldingEvent, Tier
-from hypic.cluster.routing import CacheAware, ReplicaLoad, RouteRequest, policy_named
+from hypic.cluster.routing import CacheAware, ReplicaLoad, ReplicaRates, RouteRequest, policy_named
 
 QUESTION_TOKENS = 64
 TOKEN_SPAN = 1 << 13  # document d's token ids are d * TOKEN_SPAN + 0 .. tokens - 1
@@ -46,6 +48,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=256, help="events per announcement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="cache_aware", help="the policy timed (cache_aware or ttft)")
+    parser.add_argument("--fetch-credit", type=float, default=None,
+                        help="the timed policy's fetch_credit (the service sets 0.05; default: none, documents rebuilt)")
     parser.add_argument("--compare", default="prefix,power_of_two,round_robin",
                         help="other policies to serve the same requests with, one run each (empty: none)")
     parser.add_argument("--json", help="write the per-run data here")
@@ -138,8 +143,11 @@ def make_request(corpus: Corpus, documents: list[int], rng: random.Random) -> tu
 def serve(corpus: Corpus, index: DocumentIndex, announcer: Announcer, args: argparse.Namespace,
           rng: random.Random, policy_name: str) -> dict:
     """Route ``args.requests`` requests, with the replicas' stores and evictions announced between them."""
-    policy, work = policy_named(policy_name, rng=rng) if policy_name == "power_of_two" else policy_named(policy_name), CacheAware()
-    loads = {r: ReplicaLoad(r) for r in corpus.replicas}
+    options = {"rng": rng} if policy_name == "power_of_two" else {}
+    if policy_name in ("cache_aware", "ttft") and args.fetch_credit is not None:
+        options["fetch_credit"] = args.fetch_credit
+    policy, work = policy_named(policy_name, **options), CacheAware()
+    loads = {r: ReplicaLoad(r, rates=synthetic_rates(rng)) for r in corpus.replicas}
     by_tenant = tenant_documents(corpus, args.tenants)
     drain = 0.0
     latencies, cpu, reasons, events, event_s, held_tokens, doc_tokens = [], [], {}, 0, 0.0, 0, 0
@@ -179,6 +187,13 @@ def serve(corpus: Corpus, index: DocumentIndex, announcer: Announcer, args: argp
             "held_token_share": held_tokens / doc_tokens, "prefill_tokens_per_request": prefilled / len(latencies),
             "mean_longest_queue": statistics.fmean(queues), "churn_events": events,
             "churn_events_per_s": events / event_s}
+
+
+def synthetic_rates(rng: random.Random) -> ReplicaRates:
+    """A replica's measured rates as the ingress would hold them (what ``ttft`` decides by; the other
+    policies ignore them): a prefill of 8k-12k tokens/s, a 20 ms decode step, entries from other
+    replicas at 200k tokens/s, 8k-token chunks."""
+    return ReplicaRates(rng.uniform(8000, 12000), 0.02, 200_000.0, 8192)
 
 
 def percentiles(sorted_ns: list[int]) -> dict[str, float]:
@@ -243,7 +258,7 @@ def main() -> None:
     print(f"memory: {memory['bytes_per_pair']:.1f} B per (document, holder), {memory['bytes_per_document']:.1f} B per document")
     runs = []
     for run in range(args.runs):
-        runs.append(one_run(corpus, args, run))
+        runs.append(one_run(corpus, args, run, args.policy))
         r = runs[-1]
         print(f"run {run}: fill {r['fill_events_per_s']:,.0f} events/s, churn {r['churn_events_per_s']:,.0f} events/s, "
               f"decision p50 {r['decision_us']['p50']:.0f} us p99 {r['decision_us']['p99']:.0f} us "

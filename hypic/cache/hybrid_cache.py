@@ -63,11 +63,16 @@ class HybridCache:
         """A copy of a document another pool holds (fetched from it, checked by the caller), for a
         request here: kept in memory only if it fits beside what is held (evicting nothing), else
         lent until ``return_documents``. True: kept."""
-        if self.public.put_in_room(entry):
+        if self.keep_copy(entry):
             return True
         held = self.lent.get(entry.key)
         self.lent[entry.key] = (entry, 1 + (held[1] if held is not None else 0))
         return False
+
+    def keep_copy(self, entry: SegmentEntry) -> bool:
+        """A copy of a document another pool holds (checked by the caller), kept in memory only if it
+        fits beside what is held, evicting nothing. True: kept."""
+        return self.public.put_in_room(entry)
 
     def return_documents(self, keys: list[str]) -> None:
         """The requests that were lent ``keys`` are done with them: each goes once none holds it."""

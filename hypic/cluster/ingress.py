@@ -33,6 +33,7 @@ from .channel import HoldingsChannel
 from .front import FrontEngine
 from .holdings import HoldingsMark
 from .replica import PREFILLED, Mark, RemoteBuilds, ReplicaWork
+from .hotspots import Copy, HotDocuments
 from .routing import RouteRequest, fetch_sources, prefix_source, spread_cold_documents, spread_documents
 from .slo import SloRefusal
 from .state import ClusterState, RouteTo, state_named
@@ -40,7 +41,7 @@ from .state import ClusterState, RouteTo, state_named
 log = logging.getLogger("hypic.cluster")
 STATUS_EVERY_S = 1.0  # how often the ingress refreshes the replicas' counters (/metrics, /get_server_info)
 ROUTING_COUNTERS = ("routed_by_cache", "routed_by_load", "retried", "documents_fetched", "prefixes_fetched",
-                    "refused_for_slo")
+                    "refused_for_slo", "documents_copied")
 CALL_TIMEOUT_S = 300.0  # the most a call to a replica (warm-up, flush, status) may take
 STATUS_TIMEOUT_S = 10.0  # a replica whose status takes longer (its host cut off) is left out of that refresh
 ATTEMPTS = 2  # a request whose replica fails before answering is tried once more, on another
@@ -128,6 +129,7 @@ class ReplicaLoop:
         self.engine, self.mode, self.state, self.silence_s = front, Mode.parse(mode), state, silence_s
         self.ingresses = ingresses  # of the service (this one included): its own counters are labelled by name
         self.refusal = refusal  # a request no replica would serve within the latency objectives is refused at once
+        self.hot = HotDocuments()  # documents many requests name, copied off a busy replica ahead of need
         self.name, self.calls = uuid.uuid4().hex[:8], itertools.count()  # call keys: unique across ingresses
         # a replica of several ranks holds shards: its documents are not built by another replica
         self.spreads = spreads and front.policy(self.mode).caches_segments
@@ -165,6 +167,8 @@ class ReplicaLoop:
             heard = heard or job.request.stream or isinstance(event, (DoneEvent, ErrorEvent))
             emit(event)
 
+        if self.spreads:  # on the serving loop, as the copies it asks for (``keep_fresh``)
+            self.hot.seen(route_request(job), [ids for _, _, ids in job.plan.documents()])
         over = self._over_slo(job)
         if over is not None:
             self.state.count("refused_for_slo")
@@ -437,6 +441,32 @@ class ReplicaLoop:
                 await self.refresh()
             except Exception as err:  # noqa: BLE001 - counters a second old are better than none
                 log.warning("could not refresh the replicas' status: %s", err)
+            if self.spreads:
+                self.copy_hot_documents()
+
+    def copy_hot_documents(self) -> list[asyncio.Task]:
+        """Start the copies ``HotDocuments`` asks for: the holder sends its entry (its ``build`` call
+        returns what it holds), the target keeps it where it fits (``keep_copies``), in the background."""
+        with self.state.lock:
+            copies = self.hot.copies(self.state.current_loads(list(self.state.replicas)), self.state.index)
+        tasks = [self._loop().create_task(self._copy(copy)) for copy in copies]
+        self.tasks.update(tasks)
+        for task in tasks:
+            task.add_done_callback(self.tasks.discard)
+        return tasks
+
+    async def _copy(self, copy: Copy) -> None:
+        job = SegmentJob(copy.key, copy.token_ids, copy.namespace)
+        try:
+            sent = _own_call(lambda: self.replicas.options(method_name="build").remote(
+                RouteTo(f"copy-{copy.key}", replica=copy.source), [job]))
+            kept = await self._call(copy.target, "keep_copies", sent)
+        except Exception as err:  # noqa: BLE001 - a copy ahead of need may fail: requests fetch it as before
+            log.warning("a hot document's copy from replica %s to %s failed: %s", copy.source, copy.target, err)
+            return
+        if kept:
+            self.state.count("documents_copied", len(kept))
+            log.info("hot document %s copied from replica %s to %s", copy.key[:12], copy.source, copy.target)
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         if self.running is None:

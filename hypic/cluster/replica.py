@@ -17,7 +17,7 @@ from ..cache.store import SegmentEntry
 from ..prefill_stats import BuiltForRequest
 from ..router.plan import SegmentJob
 from ..router.serialization import register_tensor_serializer
-from ..router.transfer import install_entries, lend_entries
+from ..router.transfer import install_entries, keep_copies, lend_entries
 from ..cache.hybrid_cache import LENT_TIER
 from ..router.worker import document_build_steps
 from ..scheduler.jobs import PeerWork
@@ -111,7 +111,8 @@ class Replica:
         # documents fetched from other replicas' pools for requests here: how many, their bytes, and how
         # long their requests waited for the other replicas' entries
         self.fetches = {"fetched_documents": 0, "fetched_bytes": 0, "fetched_tokens": 0, "fetched_prefixes": 0,
-                        "fetched_prefix_tokens": 0, "fetch_wait_seconds": 0.0}
+                        "fetched_prefix_tokens": 0, "fetch_wait_seconds": 0.0,
+                        "copied_documents": 0}
 
     async def run(self, route: Any, work: ReplicaWork,
                   builds: RemoteBuilds | None = None) -> AsyncIterator[Event | HoldingsMark | Mark]:
@@ -169,6 +170,14 @@ class Replica:
         loop = self.instance.loop
         steps = document_build_steps(self.instance.engine, jobs, loop.mode, keep=False)
         return await asyncio.wrap_future(loop.run_steps(steps, sum(len(job.token_ids) for job in jobs)))
+
+    async def keep_copies(self, route: Any, entries: list[SegmentEntry]) -> list[str]:
+        """Copies of hot documents another replica holds, made ahead of need: each checked and kept
+        where it fits beside what this pool holds (``keep_copies``); the keys kept."""
+        engine, loop = self.instance.engine, self.instance.loop
+        kept = await asyncio.wrap_future(loop.call(lambda: keep_copies(engine, entries, loop.mode)))
+        self.fetches["copied_documents"] += len(kept)
+        return kept
 
     async def lend_prefix(self, route: Any, plan: RequestPlan) -> RequestState | None:
         """For another replica's request: a copy of the longest head of ``plan``'s prompt this

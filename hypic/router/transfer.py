@@ -48,6 +48,20 @@ def lend_entries(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> lis
     return lent
 
 
+def keep_copies(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> list[str]:
+    """Check copies of entries another pool holds, made ahead of need, and keep each that fits
+    beside what ``engine``'s public pool holds (evicting nothing); returns the keys kept."""
+    check, kept = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config), []
+    for entry in entries:
+        try:
+            check(entry)
+        except TransferError:
+            continue
+        if engine.cache.keep_copy(entry):
+            kept.append(entry.key)
+    return kept
+
+
 def entry_check(fingerprint: str, role: Role, config: ModelConfig) -> Callable[[SegmentEntry], None]:
     """``check_entry`` against one model and role."""
     linear = linear_shapes(config)

@@ -88,14 +88,16 @@ def _labels(*pairs: str) -> str:
 
 ROUTING_HELP = {"documents_fetched": "documents a request's replica was sent from the replica holding them, not built",
                 "prefixes_fetched": "prompt heads a request's replica asked another replica's private pool for",
-                "refused_for_slo": "requests refused at once: every replica was predicted to answer later than --ttft-slo"}
+                "refused_for_slo": "requests refused at once: every replica was predicted to answer later than --ttft-slo",
+                "documents_copied": "hot documents copied off a busy replica to an idle one ahead of need"}
 FETCH_TOTALS = (  # the replicas' own counts of what they fetched
     ("fetched_documents", "documents fetched from other replicas' pools for requests here"),
     ("fetched_bytes", "bytes of those documents' entries"),
     ("fetched_tokens", "tokens of the documents and prompt heads fetched (what a router's fetch rate is read from)"),
     ("fetched_prefixes", "prompt heads fetched from other replicas' private pools for requests here"),
     ("fetched_prefix_tokens", "tokens of those heads"),
-    ("fetch_wait_seconds", "seconds requests waited for what other replicas sent them"))
+    ("fetch_wait_seconds", "seconds requests waited for what other replicas sent them"),
+    ("copied_documents", "hot documents copied here from another replica's pool ahead of need"))
 
 
 def _replica_lines(replicas: dict[str, Any], routing: dict[str, int]) -> list[str]:

@@ -16,7 +16,7 @@ from hypic.cache.modes import Mode
 from hypic.cache.store import entry_tensors
 from hypic.router.plan import SegmentJob
 from hypic.router.serialization import tensor_from_array, tensor_to_array
-from hypic.router.transfer import lend_entries
+from hypic.router.transfer import keep_copies, lend_entries
 from hypic.router.worker import document_build_steps
 
 DOCUMENT = "Record 7: the heron of Welby was born in 1949 and studied herons near the river of Welby each spring."
@@ -60,3 +60,23 @@ def test_a_fetched_document_equals_the_one_built_here_and_answers_alike(tiny_che
     assert answer.output_ids == oracle.generate(prompt, max_new_tokens=6).output_ids and answer.segments_missed == 0
     here.cache.return_documents(lent)
     assert here.cache.match_document(key, ids, "")[0] is (entry if room else None)
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room", "full"])
+def test_a_hot_documents_copy_made_ahead_of_need_is_kept_only_where_it_fits(tiny_checkpoint: Path, room: bool) -> None:
+    """A copy of a document the holder's pool serves, shipped as Ray ships it: kept in a pool with room
+    (a later request splices it, answering as an engine that built it) and, in a full pool, not
+    kept at all (a copy ahead of need evicts nothing)."""
+    holder = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
+    here = Engine.from_pretrained(tiny_checkpoint, seam_width=4, public_pool_bytes=None if room else 1)
+    oracle = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
+    holder.warmup([DOCUMENT])
+    ids = tuple(holder.tokenizer.encode(DOCUMENT))
+    key = holder.cache.document_key(ids, holder.policy("hypic"))
+    sent = _shipped(drain(document_build_steps(holder, [SegmentJob(key, ids, "")], Mode.HYPIC, keep=False)))
+    assert keep_copies(here, sent, Mode.HYPIC) == ([key] if room else [])
+    assert (key in here.cache.document_keys()) == room
+    prompt = DEFAULT_SEPARATOR.join(["Answer from the record.", DOCUMENT, "Question: where was the heron born?"])
+    answer = here.generate(prompt, max_new_tokens=6)
+    assert answer.output_ids == oracle.generate(prompt, max_new_tokens=6).output_ids
+    assert answer.segments_missed == (0 if room else 1)
