@@ -21,45 +21,33 @@ def entries_of(batches: list[list[SegmentEntry]]) -> list[SegmentEntry]:
 def install_entries(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> tuple[list[str], int]:
     """Check and store received entries in ``engine``'s public pool; returns the keys kept and how
     many were refused (dropped: the combine pass recomputes them)."""
-    check, kept, refused = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config), [], 0
-    for entry in entries:
-        try:
-            check(entry)
-        except TransferError:
-            refused += 1
-            continue
-        if engine.cache.install_document(entry):
-            kept.append(entry.key)
-    return kept, refused
+    passed = checked(engine, entries, mode)
+    return [entry.key for entry in passed if engine.cache.install_document(entry)], len(entries) - len(passed)
 
 
 def lend_entries(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> list[str]:
     """Check received copies of entries another pool holds and lend them to a request here (kept
     only if they fit beside what is held); returns the keys lent (to be returned once the request is
     done with them). A refused one is left out: the combine pass recomputes it."""
-    check, lent = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config), []
-    for entry in entries:
-        try:
-            check(entry)
-        except TransferError:
-            continue
-        if not engine.cache.lend_document(entry):
-            lent.append(entry.key)
-    return lent
+    return [entry.key for entry in checked(engine, entries, mode) if not engine.cache.lend_document(entry)]
 
 
 def keep_copies(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> list[str]:
     """Check copies of entries another pool holds, made ahead of need, and keep each that fits
     beside what ``engine``'s public pool holds (evicting nothing); returns the keys kept."""
-    check, kept = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config), []
+    return [entry.key for entry in checked(engine, entries, mode) if engine.cache.keep_copy(entry)]
+
+
+def checked(engine: Engine, entries: list[SegmentEntry], mode: Mode) -> list[SegmentEntry]:
+    """The received ``entries`` that pass ``check_entry`` against ``engine``'s model and ``mode``'s role."""
+    check, passed = entry_check(engine.fingerprint, engine.policy(mode).role, engine.model.config), []
     for entry in entries:
         try:
             check(entry)
         except TransferError:
             continue
-        if engine.cache.keep_copy(entry):
-            kept.append(entry.key)
-    return kept
+        passed.append(entry)
+    return passed
 
 
 def entry_check(fingerprint: str, role: Role, config: ModelConfig) -> Callable[[SegmentEntry], None]:
