@@ -201,7 +201,10 @@ class CacheAware:
                      for (key, tokens), holders in zip(request.documents, held_by)]  # (tokens, shared, fetchable)
         totals = [sum(t for t, shared, fetchable in documents if (shared, fetchable) == kind)
                   for kind in ((True, True), (False, True), (True, False))]
-        saved = {r: self._unheld_saving(*totals, 1.0 if credits is None else credits[r]) for r in replicas}
+        if credits is None or len(set(credits.values())) <= 1:  # one price for all (cache_aware's): priced once
+            saved = dict.fromkeys(replicas, self._unheld_saving(*totals, next(iter(credits.values()), 1.0) if credits else 1.0))
+        else:
+            saved = {r: self._unheld_saving(*totals, credits[r]) for r in replicas}
         for (tokens, shared, fetchable), holders in zip(documents, held_by):
             for replica, tier in holders.items():
                 if replica in saved:  # its own copy, where that saves more than what every replica may use

@@ -93,7 +93,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 # meta_info fields a record keeps as they came (those a server sends): per-segment hits, the serving replica
-PASSED_ON = ("segments_hit", "segments_missed", "prefix_hit_tokens", "replica")
+PASSED_ON = ("segments_hit", "segments_missed", "segments_fetched", "prefix_hit_tokens", "replica")
 
 
 def sample_id(qps: float, index: int) -> str:

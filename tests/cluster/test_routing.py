@@ -372,7 +372,7 @@ def _naive_prefill(policy, request: RouteRequest, replicas: list[str], index: Do
 
 def test_the_tokens_to_prefill_equal_a_replica_by_replica_count_on_random_clusters() -> None:
     """200 random clusters (2-6 replicas, 1-5 documents each held in 0-3 replicas' tiers, some in the
-    shared store, prompt heads recorded, a fetch credit per replica or none): every replica's tokens
+    shared store, prompt heads recorded; no fetching, one fetch credit for all or one per replica): every replica's tokens
     as ``_naive_prefill`` counts them."""
     rng = random.Random(7)
     for case in range(200):
@@ -387,7 +387,8 @@ def test_the_tokens_to_prefill_equal_a_replica_by_replica_count_on_random_cluste
             if rng.random() < 0.3:
                 index.record_prefix(replica, token_ids[: rng.choice([64, 128, 400])], "t")
         request = RouteRequest("t", documents, len(token_ids), token_ids)
-        credits = rng.choice([None, {r: rng.choice([0.05, 0.5, 1.0]) for r in replicas}])
+        kind = rng.choice(["none", "one", "each"])  # no fetching, cache_aware's one credit, ttft's per replica
+        credits = None if kind == "none" else {r: 0.05 if kind == "one" else rng.choice([0.05, 0.5, 1.0]) for r in replicas}
         policy = CacheAware(fetch_credit=None if credits is None else 0.05)
-        got = policy._prefill(request, replicas, holders_of(request, index), index, credits)
+        got = policy._prefill(request, replicas, holders_of(request, index), index, credits if kind == "each" else None)
         assert got == pytest.approx(_naive_prefill(policy, request, replicas, index, credits)), case
