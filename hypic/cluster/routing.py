@@ -159,20 +159,27 @@ class CacheAware:
         held_by = holders_of(request, index)
         prefill = self._prefill(request, replicas, held_by, index)
         scattered = scattered_tokens(request, replicas, held_by, index)
-        placement = self.placement_tokens(loads, stored_tokens(request, replicas, held_by), scattered)
-        costs = {load.replica: prefill[load.replica] + load.queued_prefill_tokens
-                 + self.decode_weight * load.decode_tokens + placement[load.replica] for load in loads}
+        stored = stored_tokens(request, replicas, held_by)
+        evicting, splitting = self.eviction_weight, self.namespace_weight
+        costs = {load.replica: prefill[load.replica] + load.queued_prefill_tokens + self.decode_weight * load.decode_tokens
+                 + evicting * load.pool_fill * stored[load.replica] + splitting * scattered[load.replica] for load in loads}
         return self.cheapest(request, loads, costs, prefill, scattered)
 
     def cheapest(self, request: RouteRequest, loads: list[ReplicaLoad], costs: dict[str, float],
                  prefill: dict[str, float], scattered: dict[str, float]) -> Decision:
         """The cheapest replica by ``costs`` (ties: fewer running, then the lowest id), unless the
         imbalance guard skips it; "cache" when what it holds decided it."""
-        rank = {load.replica: (costs[load.replica], load.running, load.replica) for load in loads}
-        cheapest = min(rank, key=rank.__getitem__)
-        chosen = min(self._not_swamped(loads) or list(rank), key=rank.__getitem__)
-        if chosen != cheapest:
-            return Decision(chosen, "load", costs)
+        def rank(load: ReplicaLoad) -> tuple[float, int, str]:
+            return costs[load.replica], load.running, load.replica
+
+        lowest = min(costs.values())
+        cheapest = min((load for load in loads if costs[load.replica] == lowest), key=rank)
+        total, others = sum(load.queued_prefill_tokens for load in loads), max(1, len(loads) - 1)
+        if self._swamped(cheapest, total, others):
+            allowed = [load for load in loads if not self._swamped(load, total, others)]
+            if allowed:
+                return Decision(min(allowed, key=rank).replica, "load", costs)
+        chosen = cheapest.replica
         held = prefill[chosen] < request.prompt_tokens or scattered[chosen] < max(scattered.values())
         return Decision(chosen, "cache" if held else "load", costs)
 
@@ -201,23 +208,30 @@ class CacheAware:
                      for (key, tokens), holders in zip(request.documents, held_by)]  # (tokens, shared, fetchable)
         totals = [sum(t for t, shared, fetchable in documents if (shared, fetchable) == kind)
                   for kind in ((True, True), (False, True), (True, False))]
-        if credits is None or len(set(credits.values())) <= 1:  # one price for all (cache_aware's): priced once
-            saved = dict.fromkeys(replicas, self._unheld_saving(*totals, next(iter(credits.values()), 1.0) if credits else 1.0))
-        else:
-            saved = {r: self._unheld_saving(*totals, credits[r]) for r in replicas}
+        one_price = credits is None or len(set(credits.values())) <= 1  # cache_aware's; ttft's differ by replica
+        price = (next(iter(credits.values())) if credits else 1.0) if one_price else 0.0
+        members, own = set(replicas), {}  # replica -> what its own copies save beyond what every replica may use
         for (tokens, shared, fetchable), holders in zip(documents, held_by):
             for replica, tier in holders.items():
-                if replica in saved:  # its own copy, where that saves more than what every replica may use
-                    anyway = self._unheld_saving(*_one(tokens, shared, fetchable), 1.0 if credits is None else credits[replica])
-                    saved[replica] += max(0.0, tokens * (1.0 - self.tier_costs.of(tier)) - anyway)
+                if replica in members:
+                    anyway = self._unheld_saving(*_one(tokens, shared, fetchable), price if one_price else credits[replica])
+                    own[replica] = own.get(replica, 0.0) + max(0.0, tokens * (1.0 - self.tier_costs.of(tier)) - anyway)
         document_tokens = request.document_tokens()
         rest = max(0, request.prompt_tokens - document_tokens)
         matched = index.prefix_matched(request.token_ids, request.namespace) if request.token_ids else {}
-        if credits is not None and matched:  # any replica may fetch the longest head held (prefix_source)
-            longest = max(matched.values())
-            matched = {r: max(matched.get(r, 0), longest * (1.0 - credits[r])) for r in replicas}
-        return {replica: min(document_tokens - saved[replica] + rest,
-                             max(0, request.prompt_tokens - matched.get(replica, 0))) for replica in replicas}
+        longest = max(matched.values()) if credits is not None and matched else 0  # any replica may fetch it
+
+        def tokens_at(replica: str | None, credit: float) -> float:
+            saved = self._unheld_saving(*totals, credit) + own.get(replica, 0.0)  # type: ignore[arg-type]
+            head = max(matched.get(replica, 0), longest * (1.0 - credit))  # type: ignore[arg-type]
+            return min(document_tokens - saved + rest, max(0, request.prompt_tokens - head))
+
+        if not one_price:
+            return {replica: tokens_at(replica, credits[replica]) for replica in replicas}  # type: ignore[index]
+        prefill = dict.fromkeys(replicas, tokens_at(None, price))  # a replica that holds nothing of it
+        for replica in members.intersection({*own, *matched}):
+            prefill[replica] = tokens_at(replica, price)
+        return prefill
 
     def _unheld_saving(self, both: float, fetched: float, shared: float, credit: float) -> float:
         """What a replica saves on documents it does not hold itself, of ``both`` tokens in the shared
@@ -226,13 +240,11 @@ class CacheAware:
         store = self.tier_costs.shared
         return both * (1.0 - min(store, credit)) + fetched * (1.0 - credit) + shared * (1.0 - store)
 
-    def _not_swamped(self, loads: list[ReplicaLoad]) -> list[str]:
-        """Replicas not queued above ``imbalance_factor`` x the mean queue of the others (and the floor)."""
-        total = sum(load.queued_prefill_tokens for load in loads)
-        others = max(1, len(loads) - 1)
-        return [load.replica for load in loads
-                if load.queued_prefill_tokens <= max(self.imbalance_factor * (total - load.queued_prefill_tokens) / others,
-                                                     self.imbalance_floor)]
+    def _swamped(self, load: ReplicaLoad, total: int, others: int) -> bool:
+        """Whether ``load``'s replica is queued above ``imbalance_factor`` x the mean queue of the
+        others (``total``: every replica's queue; ``others``: their count) and above the floor."""
+        queued = load.queued_prefill_tokens
+        return queued > max(self.imbalance_factor * (total - queued) / others, self.imbalance_floor)
 
 
 @dataclass
@@ -347,7 +359,11 @@ def scattered_tokens(request: RouteRequest, replicas: list[str], held_by: list[d
     if not total:
         return dict.fromkeys(replicas, 0.0)
     new = sum(tokens for (_, tokens), holders in zip(request.documents, held_by) if not holders)
-    return {replica: new * (1 - held.get(replica, 0) / total) for replica in replicas}
+    scattered = dict.fromkeys(replicas, float(new))
+    for replica, count in held.items():
+        if replica in scattered:
+            scattered[replica] = new * (1 - count / total)
+    return scattered
 
 
 @dataclass
