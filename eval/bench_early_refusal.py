@@ -53,11 +53,16 @@ async def one_request(client: httpx.AsyncClient, prompt: str, delay: float, toke
             if response.status_code != 200:
                 await response.aread()
                 return {"status": response.status_code, "answered_s": answered}
+            error = None
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and first is None:
                     first = time.perf_counter() - start
+                    error = json.loads(line[len("data: "):]).get("error")
     except httpx.HTTPError as err:
         return {"status": 0, "error": f"{type(err).__name__}: {err}"}
+    if error is not None:  # a server that refuses inside its stream: counted as refused, not answered
+        return {"status": 503 if "busy" in str(error) or "--ttft-slo" in str(error) else 500, "answered_s": first,
+                "in_stream": True}
     return {"status": 200, "answered_s": answered, "ttft_s": first, "latency_s": time.perf_counter() - start}
 
 

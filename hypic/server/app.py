@@ -195,6 +195,22 @@ class Server:
                 job.cancel()  # no-op for finished jobs; the rest of a failed batch stops
         return [done[position] for position in range(len(jobs))]
 
+    async def _opening(self, http: Request, jobs: list[Job],
+                       events: asyncio.Queue[tuple[int, Event]]) -> tuple[int, Event]:
+        """A stream's first event, waited for before its response starts: one that ends the request
+        before its first token (a refusal as busy, a failure) is answered with its HTTP status (503 and
+        retry-after, 500), as an unstreamed request's is, not as an error inside a 200 stream."""
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, jobs))
+        try:
+            position, event = await self._next_event(events)
+        finally:
+            watcher.cancel()
+        if isinstance(event, ErrorEvent):
+            for job in jobs:
+                job.cancel()
+            raise (QueueFull if event.busy else HypicError)(event.message)
+        return position, event
+
     async def _next_event(self, events: asyncio.Queue[tuple[int, Event]]) -> tuple[int, Event]:
         """The next event of a client's requests; if the engine loop stopped without sending it, the
         loop's failure (the loop tells its clients as it stops; this covers any it could not reach)."""
@@ -214,12 +230,15 @@ class Server:
             job.cancel()
 
     async def _stream(self, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]], shape: Shape,
-                      tail: Callable[[list[Completion]], list[Any]]) -> AsyncIterator[str]:
-        """SSE chunks shaped per API, ending in ``data: [DONE]``; a disconnect cancels the jobs."""
+                      tail: Callable[[list[Completion]], list[Any]], first: tuple[int, Event]) -> AsyncIterator[str]:
+        """SSE chunks shaped per API from ``first`` (``_opening``'s) on, ending in ``data: [DONE]``; a
+        disconnect cancels the jobs."""
         done: dict[int, Completion] = {}
+        pending: tuple[int, Event] | None = first
         try:
             while len(done) < len(jobs):
-                position, event = await self._next_event(events)
+                position, event = pending or await self._next_event(events)
+                pending = None
                 for payload in shape(position, event):
                     yield _sse(payload)
                 if isinstance(event, ErrorEvent):
@@ -253,7 +272,8 @@ class Server:
                 item = self.shaper.sglang_item(event.completion, event.index, requests[position])
                 return [{**item, "index": position * requests[position].params.n + event.index} if listed else item]
 
-            return StreamingResponse(self._stream(jobs, events, shape, lambda _: []), media_type="text/event-stream")
+            first = await self._opening(http, jobs, events)
+            return StreamingResponse(self._stream(jobs, events, shape, lambda _: [], first), media_type="text/event-stream")
         completions = await self._collect(http, jobs, events)
         return self.shaper.sglang_body(completions, requests, listed)
 
@@ -276,7 +296,8 @@ class Server:
                     return self._error_chunk(event)
                 return stream.progress(position, event.index, event.completion)
 
-            return StreamingResponse(self._stream(jobs, events, shape, stream.tail), media_type="text/event-stream")
+            first = await self._opening(http, jobs, events)
+            return StreamingResponse(self._stream(jobs, events, shape, stream.tail, first), media_type="text/event-stream")
         completions = await self._collect(http, jobs, events)
         return self.shaper.openai_body(rid, completions, requests, options, chat)
 

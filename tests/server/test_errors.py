@@ -12,7 +12,7 @@ from hypic import DEFAULT_SEPARATOR, Engine
 from hypic.server.app import ServerInfo, build_app
 from hypic.server.chat import load_chat_template
 from hypic.server.gate import GateLimits
-from hypic.scheduler.loop import EngineLoop
+from hypic.scheduler.loop import EngineLoop, ErrorEvent
 
 CHAT = [{"role": "user", "content": "hello there"}]
 
@@ -92,3 +92,26 @@ def test_the_gate_s_refusals_have_the_same_shape(app: Callable[[GateLimits], Tes
     limited = app(GateLimits(max_request_bytes=64))
     error = _refused(limited, "/generate", {"text": "x" * 100}, 413)
     assert error["code"] is None and "--max-request-bytes" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_streamed_request_refused_before_its_first_token_gets_503_with_retry_after(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A refusal the loop decides after taking the request (a replicated service's ingress refuses as
+    busy when no replica can answer within its SLO) comes back as the HTTP status an unstreamed
+    request gets, not as an error chunk inside a 200 stream; a failure before the first token as 500."""
+    def refusing(busy: bool):
+        def enqueue(job, emit, peer_work=None):
+            emit(ErrorEvent("every replica would give the first token too late", busy=busy))
+            return job
+        return enqueue
+
+    body = {"text": "hi", "stream": True} if path == "/generate" else {"prompt": "hi", "stream": True}
+    target = client.app.state.server.loop
+    monkeypatch.setattr(target, "enqueue", refusing(True))
+    response = client.post(path, json=body)
+    assert response.status_code == 503 and int(response.headers["retry-after"]) > 0, response.text
+    assert "too late" in response.json()["error"]["message"]
+    monkeypatch.setattr(target, "enqueue", refusing(False))
+    response = client.post(path, json=body)
+    assert response.status_code == 500 and "too late" in response.json()["error"]["message"], response.text
