@@ -5,10 +5,10 @@ The workload is ``hypic eval cluster --workload shared``'s: one corpus every use
 popularity), 5 documents a request in random order, Poisson arrivals at ``--qps`` (about twice
 the QPS the service holds at a 1 s p50 TTFT on this kind of box). Each round starts both servers in
 turn (the order alternates between rounds), each from flushed pools warmed by the same untimed
-requests, then replays the same timed requests. Per request the client records the HTTP status,
-the seconds to the answer's first byte (a refusal's 503) and, for an answer, its first token's
-TTFT. Per server and round: the answers within the SLO per second of arrivals (the goodput), the
-refused share and the slowest refusal.
+requests, then replays the same timed requests as ``hypic eval load`` does (``load.replay``): per
+request its first token's TTFT, or the HTTP status of a refusal and the seconds until it came. Per
+server and round: the answers within the SLO per second of arrivals (the goodput), the refused
+share and the slowest refusal.
 
     python eval/bench_early_refusal.py --rounds 2 --json eval/results/early_refusal/run1.json
 """
@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from hypic.evaluation.cluster import machine
+from hypic.evaluation.load import replay
+from hypic.evaluation.targets import ServerTarget
 from hypic.evaluation.tenants import TenantWorkload, shared_corpus
 from hypic.server.launch import start_server
 
@@ -42,56 +42,27 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, delay: float, tokens: int) -> dict[str, Any]:
-    await asyncio.sleep(delay)
-    body = {"text": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
-    start, first = time.perf_counter(), None
-    try:
-        async with client.stream("POST", "/generate", json=body) as response:
-            answered = time.perf_counter() - start
-            if response.status_code != 200:
-                await response.aread()
-                return {"status": response.status_code, "answered_s": answered}
-            error = None
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and first is None:
-                    first = time.perf_counter() - start
-                    error = json.loads(line[len("data: "):]).get("error")
-    except httpx.HTTPError as err:
-        return {"status": 0, "error": f"{type(err).__name__}: {err}"}
-    if error is not None:  # a server that refuses inside its stream: counted as refused, not answered
-        return {"status": 503 if "busy" in str(error) or "--ttft-slo" in str(error) else 500, "answered_s": first,
-                "in_stream": True}
-    return {"status": 200, "answered_s": answered, "ttft_s": first, "latency_s": time.perf_counter() - start}
-
-
-async def replay(url: str, prompts: list[str], arrivals: list[float], tokens: int) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0),
-                                 limits=httpx.Limits(max_connections=1000)) as client:
-        return list(await asyncio.gather(*(one_request(client, p, a, tokens) for p, a in zip(prompts, arrivals))))
-
-
 def run_server(options: list[str], workload: TenantWorkload, args: argparse.Namespace, log: Path) -> list[dict[str, Any]]:
     server = start_server(["--dp-size", "2", "--mode", "hypic", "--log-level", "warning", *options], log,
                           threads=1, timeout_s=300)
     try:
-        client = httpx.Client(base_url=server.url, timeout=600)
-        client.post("/flush_cache").raise_for_status()
+        target = ServerTarget(server.url)
+        target.flush()
         for request in workload.requests(args.warm_requests, 0):
-            client.post("/generate", json={"text": request.prompt, "sampling_params": {"max_new_tokens": 1}}).raise_for_status()
+            target.generate(request.prompt, 1)
         time.sleep(2.5)  # the replicas' rates reach the ingress with their status, once a second
         timed = workload.requests(args.requests, 1)
-        return asyncio.run(replay(server.url, [r.prompt for r in timed], workload.arrivals(args.requests, args.qps),
-                                  args.output_tokens))
+        outcomes, _ = asyncio.run(replay(server.url, [r.prompt for r in timed],
+                                         workload.arrivals(args.requests, args.qps), args.output_tokens))
+        return outcomes
     finally:
         server.stop()
 
 
 def summary(outcomes: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     span = args.requests / args.qps
-    answered = [o for o in outcomes if o["status"] == 200 and o.get("ttft_s") is not None]
-    refused = [o for o in outcomes if o["status"] == 503]
+    answered = [o for o in outcomes if o["ok"]]
+    refused = [o for o in outcomes if o.get("status") == 503]
     within = [o for o in answered if o["ttft_s"] <= args.slo]
     return {"goodput_per_s": len(within) / span, "answered": len(answered), "within_slo": len(within),
             "refused": len(refused), "failed": len(outcomes) - len(answered) - len(refused),

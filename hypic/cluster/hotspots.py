@@ -5,6 +5,8 @@ was asked, and which copies to make; the ingress makes them (``ReplicaLoop``).""
 import time
 from dataclasses import dataclass, field
 
+from hypic.router.lpt import least_queued
+
 from .index import DocumentIndex, Tier
 from .routing import ReplicaLoad, RouteRequest
 
@@ -81,13 +83,13 @@ class HotDocuments:
         if len(in_memory) != 1:
             return None  # nobody holds it to copy, or it has a second copy already
         source = loads[in_memory[0]]
-        targets = [load for load in loads.values() if load.replica not in holders and load.pool_fill <= self.max_fill]
+        targets = [r for r, load in loads.items() if r not in holders and load.pool_fill <= self.max_fill]
         if not targets:
             return None
-        target = min(targets, key=lambda load: (load.queued_prefill_tokens, load.replica))
-        if source.queued_prefill_tokens - target.queued_prefill_tokens < self.imbalance_tokens:
+        target = least_queued(targets, {r: load.queued_prefill_tokens for r, load in loads.items()})
+        if source.queued_prefill_tokens - loads[target].queued_prefill_tokens < self.imbalance_tokens:
             return None
-        return Copy(name[1], name[0], ids, source.replica, target.replica)
+        return Copy(name[1], name[0], ids, source.replica, target)
 
     def _forget_coolest(self) -> None:
         """Keep the warmer half of the documents tracked."""

@@ -167,9 +167,10 @@ class ReplicaLoop:
             heard = heard or job.request.stream or isinstance(event, (DoneEvent, ErrorEvent))
             emit(event)
 
+        request = route_request(job)  # what every attempt is routed by
         if self.spreads:  # on the serving loop, as the copies it asks for (``keep_fresh``)
-            self.hot.seen(route_request(job), [ids for _, _, ids in job.plan.documents()])
-        over = self._over_slo(job)
+            self.hot.seen(request, [ids for _, _, ids in job.plan.documents()])
+        over = self._over_slo(request)
         if over is not None:
             self.state.count("refused_for_slo")
             emit(ErrorEvent(over, busy=True))
@@ -178,7 +179,7 @@ class ReplicaLoop:
         try:
             for attempt in range(1, ATTEMPTS + 1):
                 try:
-                    return await self._attempt(job, relay, spread=attempt == 1, tried=tried)
+                    return await self._attempt(job, request, relay, spread=attempt == 1, tried=tried)
                 except Exception as err:  # noqa: BLE001 - the replica died, failed or was full
                     if heard or attempt == ATTEMPTS or job.cancelled.is_set():
                         raise
@@ -197,21 +198,22 @@ class ReplicaLoop:
                 log.error("request %s failed on its replica: %s", job.rid, err)
             emit(ErrorEvent(f"the replica serving the request failed: {type(err).__name__}: {err}"))
 
-    def _over_slo(self, job: Job) -> str | None:
-        """Why ``job`` is refused at once (None: it is not): no replica is predicted to give its first
-        token within the TTFT objective and then its tokens within the TBT one (``SloRefusal``)."""
+    def _over_slo(self, request: RouteRequest) -> str | None:
+        """Why ``request`` is refused at once (None: it is not): no replica is predicted to give its
+        first token within the TTFT objective and then its tokens within the TBT one (``SloRefusal``)."""
         if not self.refusal.active:
             return None
         replicas = list(self.state.replicas)
-        ttft = self.state.predicted_ttft(route_request(job), replicas) if self.refusal.ttft_s is not None else {}
+        ttft = self.state.predicted_ttft(request, replicas) if self.refusal.ttft_s is not None else {}
         return self.refusal.why(ttft, self.state.predicted_tbt(replicas) if self.refusal.tbt_s is not None else {})
 
-    async def _attempt(self, job: Job, emit: Callable[[Event], None], spread: bool, tried: set[str]) -> None:
-        """One try at ``job``, on a replica not in ``tried`` while there is one (the one it reached is
-        added to ``tried`` when it ends); with ``spread``, its cold documents may be built on other
-        replicas (``spread_cold_documents``) while the chosen one takes the request."""
+    async def _attempt(self, job: Job, request: RouteRequest, emit: Callable[[Event], None], spread: bool,
+                       tried: set[str]) -> None:
+        """One try at ``job`` (routed by ``request``), on a replica not in ``tried`` while there is one
+        (the one it reached is added to ``tried`` when it ends); with ``spread``, its cold documents
+        may be built on other replicas (``spread_cold_documents``) while the chosen one takes it."""
         attempt = Attempt(f"{job.rid}@{self.name}.{next(self.calls)}", job.start)
-        route = RouteTo(attempt.key, route_request(job), avoid=frozenset(tried),
+        route = RouteTo(attempt.key, request, avoid=frozenset(tried),
                         decode_tokens=job.request.params.max_new_tokens * len(job.sequences))
         work = ReplicaWork(job.rid, job.parts, job.request, job.plan, time.perf_counter() - job.start)
         try:

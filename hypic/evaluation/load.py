@@ -115,8 +115,10 @@ async def _request(client: httpx.AsyncClient, prompt: str, delay: float, output_
     start, first, last = time.perf_counter(), None, None
     try:
         async with client.stream("POST", "/generate", json=body) as response:
-            if response.status_code != 200:
-                return {"ok": False, "error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
+            if response.status_code != 200:  # a refusal's time is its answer's (a 503 as busy, at once)
+                answered = time.perf_counter() - start
+                return {"ok": False, "status": response.status_code, "answered_s": answered,
+                        "error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     first, last = first or time.perf_counter(), json.loads(line[len("data: "):])

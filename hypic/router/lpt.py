@@ -45,5 +45,6 @@ def spread_builds(costs: Sequence[int], queued: Mapping[Worker, int], combine: W
 
 
 def least_queued(holders: Iterable[Worker], queued: Mapping[Worker, int]) -> Worker:
-    """Of a document's holders, the one that sends it: the least queued (ties: the lowest)."""
+    """The least queued of ``holders`` (ties: the lowest): of a document's holders, the one that sends
+    it; of the replicas without a hot document, the one it is copied to."""
     return min(holders, key=lambda w: (queued[w], w))

@@ -88,7 +88,7 @@ def _labels(*pairs: str) -> str:
 
 ROUTING_HELP = {"documents_fetched": "documents a request's replica was sent from the replica holding them, not built",
                 "prefixes_fetched": "prompt heads a request's replica asked another replica's private pool for",
-                "refused_for_slo": "requests refused at once: every replica was predicted to answer later than --ttft-slo",
+                "refused_for_slo": "requests refused at once: no replica was predicted to meet --ttft-slo and --tbt-slo",
                 "documents_copied": "hot documents copied off a busy replica to an idle one ahead of need"}
 FETCH_TOTALS = (  # the replicas' own counts of what they fetched
     ("fetched_documents", "documents fetched from other replicas' pools for requests here"),

@@ -20,6 +20,7 @@ from hypic.router.transfer import keep_copies, lend_entries
 from hypic.router.worker import document_build_steps
 
 DOCUMENT = "Record 7: the heron of Welby was born in 1949 and studied herons near the river of Welby each spring."
+PROMPT = DEFAULT_SEPARATOR.join(["Answer from the record.", DOCUMENT, "Question: where was the heron born?"])
 
 
 def _shipped(entries: list) -> list:
@@ -33,16 +34,22 @@ def _shipped(entries: list) -> list:
     return pickle.loads(buffer.getvalue())
 
 
+def _engines(checkpoint: Path, room: bool) -> tuple[Engine, Engine, Engine, str, tuple[int, ...]]:
+    """A holder whose pool holds ``DOCUMENT``, an engine here (whose pool has room for it or holds
+    one byte), an oracle that builds everything itself, and the document's key and ids."""
+    holder = Engine.from_pretrained(checkpoint, seam_width=4)
+    here = Engine.from_pretrained(checkpoint, seam_width=4, public_pool_bytes=None if room else 1)
+    oracle = Engine.from_pretrained(checkpoint, seam_width=4)
+    holder.warmup([DOCUMENT])
+    ids = tuple(holder.tokenizer.encode(DOCUMENT))
+    return holder, here, oracle, holder.cache.document_key(ids, holder.policy("hypic")), ids
+
+
 @pytest.mark.parametrize("room", [True, False], ids=["kept", "lent"])
 def test_a_fetched_document_equals_the_one_built_here_and_answers_alike(tiny_checkpoint: Path, room: bool) -> None:
     """The holder's pool serves the entry (no build); here it is kept if the pool has room beside what
     it holds, else lent to the request only and gone from memory once returned."""
-    holder = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
-    here = Engine.from_pretrained(tiny_checkpoint, seam_width=4, public_pool_bytes=None if room else 1)
-    oracle = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
-    holder.warmup([DOCUMENT])
-    ids = tuple(holder.tokenizer.encode(DOCUMENT))
-    key = holder.cache.document_key(ids, holder.policy("hypic"))
+    holder, here, oracle, key, ids = _engines(tiny_checkpoint, room)
     built: list = []
     holder.prefiller.document_steps = lambda *a, **k: built.append(a)  # type: ignore[method-assign]
     fetched = _shipped(drain(document_build_steps(holder, [SegmentJob(key, ids, "")], Mode.HYPIC, keep=False)))
@@ -55,9 +62,8 @@ def test_a_fetched_document_equals_the_one_built_here_and_answers_alike(tiny_che
     for got, want in zip(entry_tensors(entry), entry_tensors(rebuilt), strict=True):
         assert torch.equal(got, want)
     here.cache.unpin([key])
-    prompt = DEFAULT_SEPARATOR.join(["Answer from the record.", DOCUMENT, "Question: where was the heron born?"])
-    answer = here.generate(prompt, max_new_tokens=6)
-    assert answer.output_ids == oracle.generate(prompt, max_new_tokens=6).output_ids and answer.segments_missed == 0
+    answer = here.generate(PROMPT, max_new_tokens=6)
+    assert answer.output_ids == oracle.generate(PROMPT, max_new_tokens=6).output_ids and answer.segments_missed == 0
     here.cache.return_documents(lent)
     assert here.cache.match_document(key, ids, "")[0] is (entry if room else None)
 
@@ -67,16 +73,10 @@ def test_a_hot_documents_copy_made_ahead_of_need_is_kept_only_where_it_fits(tiny
     """A copy of a document the holder's pool serves, shipped as Ray ships it: kept in a pool with room
     (a later request splices it, answering as an engine that built it) and, in a full pool, not
     kept at all (a copy ahead of need evicts nothing)."""
-    holder = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
-    here = Engine.from_pretrained(tiny_checkpoint, seam_width=4, public_pool_bytes=None if room else 1)
-    oracle = Engine.from_pretrained(tiny_checkpoint, seam_width=4)
-    holder.warmup([DOCUMENT])
-    ids = tuple(holder.tokenizer.encode(DOCUMENT))
-    key = holder.cache.document_key(ids, holder.policy("hypic"))
+    holder, here, oracle, key, ids = _engines(tiny_checkpoint, room)
     sent = _shipped(drain(document_build_steps(holder, [SegmentJob(key, ids, "")], Mode.HYPIC, keep=False)))
     assert keep_copies(here, sent, Mode.HYPIC) == ([key] if room else [])
     assert (key in here.cache.document_keys()) == room
-    prompt = DEFAULT_SEPARATOR.join(["Answer from the record.", DOCUMENT, "Question: where was the heron born?"])
-    answer = here.generate(prompt, max_new_tokens=6)
-    assert answer.output_ids == oracle.generate(prompt, max_new_tokens=6).output_ids
+    answer = here.generate(PROMPT, max_new_tokens=6)
+    assert answer.output_ids == oracle.generate(PROMPT, max_new_tokens=6).output_ids
     assert answer.segments_missed == (0 if room else 1)

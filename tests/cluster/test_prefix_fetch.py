@@ -22,7 +22,7 @@ def _engine(checkpoint: Path) -> Engine:
 
 
 def _prefill(engine: Engine, prompt: str):  # noqa: ANN202 - the engine's Prefill
-    return drain(engine.prefiller.prefill_steps(engine.plan(engine.parse(prompt))))
+    return drain(engine.prefiller.prefill_steps(_plan(engine, prompt)))
 
 
 def _plan(engine: Engine, prompt: str):  # noqa: ANN202 - the engine's RequestPlan
